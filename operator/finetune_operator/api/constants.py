@@ -1,0 +1,101 @@
+"""Names shared by the operator, the trainer and the chart: one place for every key."""
+
+from __future__ import annotations
+
+from typing import Final
+
+GROUP: Final = "finetune.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "FineTuneJob"
+PLURAL: Final = "finetunejobs"
+SINGULAR: Final = "finetunejob"
+SHORT_NAMES: Final = ("ftj",)
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+
+# Labels on every object a job owns.
+LABEL_JOB: Final = f"{GROUP}/job"
+LABEL_ROLE: Final = f"{GROUP}/role"
+LABEL_WORKER_INDEX: Final = f"{GROUP}/worker-index"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY: Final = "finetune-operator"
+ROLE_RENDEZVOUS: Final = "rendezvous"
+ROLE_WORKER: Final = "worker"
+
+# Annotations.
+ANNOTATION_RESTART_ATTEMPT: Final = f"{GROUP}/restart-attempt"
+ANNOTATION_PROGRESS_PREFIX: Final = f"kopf.{GROUP}"
+
+# Condition types (adjectives or past tense, Kubernetes API conventions).
+COND_PLANNED: Final = "Planned"
+COND_WORKERS_READY: Final = "WorkersReady"
+COND_SUCCEEDED: Final = "Succeeded"
+COND_FAILED: Final = "Failed"
+COND_STRAGGLER_DETECTED: Final = "StragglerDetected"
+CONDITION_TYPES: Final = (
+    COND_PLANNED,
+    COND_WORKERS_READY,
+    COND_SUCCEEDED,
+    COND_FAILED,
+    COND_STRAGGLER_DETECTED,
+)
+
+# Condition reasons: one CamelCase word each.
+REASON_PLAN_FITS: Final = "PlanFits"
+REASON_PLAN_INFEASIBLE: Final = "PlanInfeasible"
+REASON_INVALID_SPEC: Final = "InvalidSpec"
+REASON_PENDING: Final = "Pending"
+REASON_RUNNING: Final = "Running"
+REASON_RESTARTING: Final = "Restarting"
+REASON_SUSPENDED: Final = "Suspended"
+REASON_COMPLETED: Final = "Completed"
+REASON_BACKOFF_LIMIT_EXCEEDED: Final = "BackoffLimitExceeded"
+REASON_ALL_WORKERS_READY: Final = "AllWorkersReady"
+REASON_WORKERS_NOT_READY: Final = "WorkersNotReady"
+REASON_NO_STRAGGLER: Final = "NoStraggler"
+REASON_STRAGGLER_EVICTED: Final = "StragglerEvicted"
+REASON_STRAGGLER_ALERTED: Final = "StragglerAlerted"
+
+# Phases, derived from conditions for `kubectl get` only.
+PHASE_PENDING: Final = "Pending"
+PHASE_RUNNING: Final = "Running"
+PHASE_RESTARTING: Final = "Restarting"
+PHASE_SUSPENDED: Final = "Suspended"
+PHASE_SUCCEEDED: Final = "Succeeded"
+PHASE_FAILED: Final = "Failed"
+PHASES: Final = (
+    PHASE_PENDING,
+    PHASE_RUNNING,
+    PHASE_RESTARTING,
+    PHASE_SUSPENDED,
+    PHASE_SUCCEEDED,
+    PHASE_FAILED,
+)
+
+# Runtime topology (DESIGN.md §5).
+RDZV_PORT: Final = 29400
+METRICS_BASE_PORT: Final = 9400
+CONFIG_MOUNT_DIR: Final = "/etc/finetune"
+CONFIG_FILE_NAME: Final = "job.json"
+CONFIG_PATH: Final = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
+DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/finetune-operator/trainer:0.1.0"
+
+# Checkpoint layout.
+CHECKPOINT_STEP_PREFIX: Final = "step-"
+CHECKPOINT_COMMITTED_MARKER: Final = "COMMITTED"
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def rendezvous_name(job: str) -> str:
+    return f"{job}-rdzv"
+
+
+def worker_name(job: str, index: int) -> str:
+    return f"{job}-worker-{index}"
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"{CHECKPOINT_STEP_PREFIX}{step:08d}"

@@ -1,0 +1,50 @@
+"""The planner's output contract (DESIGN.md §4): written to status.plan, the ConfigMap and
+`ftjob plan -o json`. Pure data; the planner package computes it."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from finetune_operator.api.base import ApiModel
+from finetune_operator.api.spec import CheckpointingMode, Offload, StrategyName
+
+
+class MemoryBreakdown(ApiModel):
+    """Bytes per GPU (per process on CPU runs)."""
+
+    parameters: int = Field(..., ge=0, description="Resident parameter bytes (sharded share).")
+    gradients: int = Field(..., ge=0, description="Resident gradient bytes.")
+    optimizer: int = Field(..., ge=0, description="Optimizer states and master weights.")
+    activations: int = Field(..., ge=0, description="Activations at the step's peak.")
+    buffers: int = Field(..., ge=0, description="Transient buffers: gathers, buckets, logits.")
+    peak: int = Field(
+        ..., ge=0, description="Peak allocated tensor memory (torch.cuda.max_memory_allocated)."
+    )
+    reserved: int = Field(
+        ..., ge=0, description="Peak as reserved by the caching allocator (max_memory_reserved)."
+    )
+    total: int = Field(
+        ..., ge=0, description="reserved + CUDA context and library workspaces: what must fit."
+    )
+
+
+class Plan(ApiModel):
+    fits: bool = Field(..., description="Whether the chosen configuration fits with headroom.")
+    world_size: int = Field(..., ge=1, description="Total processes (GPUs).")
+    nodes: int = Field(..., ge=1, description="Worker pods.")
+    gpus_per_node: int = Field(..., ge=1, description="Processes per worker pod.")
+    strategy: StrategyName = Field(..., description="Sharding strategy.")
+    offload: Offload = Field("none", description="What is offloaded.")
+    backend: str = Field("fsdp", description="Implementation: torch (ddp/fsdp) or deepspeed.")
+    micro_batch_size: int = Field(..., ge=1, description="Samples per rank per forward.")
+    gradient_accumulation_steps: int = Field(..., ge=1, description="Micro-batches per step.")
+    activation_checkpointing: bool = Field(..., description="Recompute activations.")
+    checkpointing_mode: CheckpointingMode = Field("none", description="none or full.")
+    gpu_memory_bytes: int = Field(..., ge=0, description="Memory of one GPU (or process).")
+    headroom: float = Field(..., description="1 - total/gpuMemoryBytes.")
+    estimated_step_seconds: float = Field(..., ge=0, description="Modelled optimizer-step time.")
+    tokens_per_second: float = Field(0.0, ge=0, description="Modelled throughput, all ranks.")
+    gpu_hours: float = Field(0.0, ge=0, description="Modelled GPU-hours for the whole job.")
+    reason: str = Field(..., description="Why this plan (or why nothing fits).")
+    memory: MemoryBreakdown
+    candidates_evaluated: int = Field(0, ge=0, description="Configurations the search tried.")

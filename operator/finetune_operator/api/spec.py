@@ -1,0 +1,233 @@
+"""FineTuneJob spec (DESIGN.md §3). The CRD schema is generated from these models."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from finetune_operator.api.base import ApiModel
+from finetune_operator.api.constants import DEFAULT_TRAINER_IMAGE
+
+StrategyType = Literal[
+    "auto", "ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid"
+]
+# A concrete strategy: what a plan says, never "auto".
+StrategyName = Literal[
+    "ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid"
+]
+Offload = Literal["none", "cpu", "nvme"]
+Backend = Literal["auto", "fsdp", "deepspeed"]
+MethodType = Literal["full", "lora", "qlora"]
+Precision = Literal["bf16", "fp16", "fp32"]
+OptimizerName = Literal["adamw", "adamw8bit", "sgd"]
+# Structural CRD schemas cannot say "boolean or string", so checkpointing is an enum.
+CheckpointingMode = Literal["auto", "none", "full"]
+AttentionImpl = Literal["sdpa", "flash", "eager"]
+
+
+class ModelArchitecture(ApiModel):
+    """Hugging Face config names, camelCased. Enough to build and plan the model."""
+
+    model_type: str = Field("llama", description="HF model_type (llama, mistral, qwen2, ...).")
+    hidden_size: int = Field(..., ge=1, description="Width of the residual stream.")
+    num_hidden_layers: int = Field(..., ge=1, description="Number of decoder layers.")
+    num_attention_heads: int = Field(..., ge=1, description="Query heads per layer.")
+    num_key_value_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (GQA/MQA); defaults to numAttentionHeads."
+    )
+    head_dim: int | None = Field(None, ge=1, description="Per-head width; hiddenSize/heads if unset.")
+    intermediate_size: int = Field(..., ge=1, description="MLP (SwiGLU) inner width.")
+    vocab_size: int = Field(..., ge=1, description="Vocabulary size.")
+    tie_word_embeddings: bool = Field(False, description="Output head shares the input embedding.")
+    max_position_embeddings: int | None = Field(None, ge=1, description="Longest sequence.")
+    num_local_experts: int | None = Field(None, ge=1, description="MoE: experts per layer.")
+    num_experts_per_tok: int | None = Field(None, ge=1, description="MoE: experts routed per token.")
+    moe_intermediate_size: int | None = Field(None, ge=1, description="MoE: expert MLP width.")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelArchitecture:
+        kv = self.num_key_value_heads or self.num_attention_heads
+        if self.num_attention_heads % kv:
+            raise ValueError(
+                f"numKeyValueHeads ({kv}) must divide numAttentionHeads "
+                f"({self.num_attention_heads})"
+            )
+        if (self.num_local_experts is None) != (self.num_experts_per_tok is None):
+            raise ValueError("numLocalExperts and numExpertsPerTok must be set together")
+        return self
+
+
+class ModelSpec(ApiModel):
+    name: str = Field(..., min_length=1, description="HF hub id, catalog name or path.")
+    architecture: ModelArchitecture | None = Field(
+        None, description="Explicit architecture; looked up in the catalog by name when absent."
+    )
+    parameters: int | None = Field(None, ge=1, description="Parameter count; derived if absent.")
+    source: Literal["hub", "pvc", "uri", "inline"] = Field(
+        "hub", description="Where weights come from; inline = random init from architecture."
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    attention: AttentionImpl = Field("sdpa", description="Attention implementation.")
+
+
+class DatasetSpec(ApiModel):
+    uri: str = Field(..., min_length=1, description="Path, s3:// URI or HF dataset id.")
+    format: Literal["jsonl", "parquet", "hf"] = Field("jsonl", description="Dataset format.")
+    text_field: str | None = Field("text", description="Field holding raw text.")
+    messages_field: str | None = Field(None, description="Field holding chat messages.")
+    packing: bool = Field(True, description="Pack samples into full-length sequences.")
+
+
+class LoraSpec(ApiModel):
+    rank: int = Field(16, ge=1, le=4096, description="LoRA rank r.")
+    alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / rank).")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Module names that get adapters.",
+    )
+
+
+class MethodSpec(ApiModel):
+    type: MethodType = Field("full", description="full | lora | qlora.")
+    lora: LoraSpec | None = Field(None, description="Adapter settings for lora/qlora.")
+
+    @model_validator(mode="after")
+    def _lora_only_with_adapters(self) -> MethodSpec:
+        if self.type == "full" and self.lora is not None:
+            raise ValueError("method.lora is set but method.type is 'full'")
+        if self.type != "full" and self.lora is None:
+            self.lora = LoraSpec()
+        return self
+
+
+class TrainingSpec(ApiModel):
+    sequence_length: int = Field(2048, ge=8, le=1_048_576, description="Tokens per sample.")
+    global_batch_size: int = Field(8, ge=1, description="Samples per optimizer step, all ranks.")
+    micro_batch_size: int | Literal["auto"] = Field(
+        "auto", description="Samples per rank per forward; auto lets the planner pick."
+    )
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run.")
+    epochs: float | None = Field(None, gt=0, description="Epochs, when maxSteps is unset.")
+    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 = off).")
+    precision: Precision = Field("bf16", description="Compute precision.")
+    optimizer: OptimizerName = Field("adamw", description="Optimizer.")
+    gradient_checkpointing: CheckpointingMode = Field(
+        "auto", description="Activation checkpointing: auto (planner decides), none or full."
+    )
+    seed: int = Field(42, ge=0, description="Random seed.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingSpec:
+        if isinstance(self.micro_batch_size, int) and self.micro_batch_size < 1:
+            raise ValueError("training.microBatchSize must be >= 1 or 'auto'")
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("set training.maxSteps or training.epochs")
+        if self.warmup_steps and self.max_steps and self.warmup_steps > self.max_steps:
+            raise ValueError("training.warmupSteps must not exceed training.maxSteps")
+        return self
+
+
+class GpuSpec(ApiModel):
+    resource_name: str = Field("nvidia.com/gpu", description="Extended resource to request.")
+    product: str | None = Field(None, description="GPU product, e.g. H100-80GB, A100-40GB, L4.")
+    memory_gib: float | None = Field(None, gt=0, description="GPU memory; from product if unset.")
+
+
+class LocalObjectReference(ApiModel):
+    name: str = Field(..., min_length=1)
+
+
+class ResourcesSpec(ApiModel):
+    device: Literal["gpu", "cpu"] = Field(
+        "gpu", description="gpu, or cpu for CPU-only (gloo) runs such as the local quickstart."
+    )
+    gpu: GpuSpec = Field(default_factory=GpuSpec, description="Accelerator per process.")
+    gpus_per_node: int = Field(1, ge=1, le=64, description="Processes (GPUs) per worker pod.")
+    max_gpus: int | None = Field(None, ge=1, description="Upper bound on the world size.")
+    min_nodes: int | None = Field(None, ge=1, description="Elastic minimum of worker pods.")
+    max_nodes: int | None = Field(None, ge=1, description="Elastic maximum of worker pods.")
+    cpu: str | None = Field(None, description="CPU request/limit per worker pod, e.g. '8'.")
+    memory: str | None = Field(None, description="Memory request/limit per worker pod, e.g. 64Gi.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Worker nodeSelector.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations.")
+    affinity: dict[str, Any] | None = Field(None, description="Extra pod affinity.")
+    priority_class_name: str | None = Field(None, description="PriorityClass of worker pods.")
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    service_account_name: str | None = Field(None, description="ServiceAccount of the pods.")
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> ResourcesSpec:
+        if self.min_nodes and self.max_nodes and self.min_nodes > self.max_nodes:
+            raise ValueError(
+                f"resources.minNodes ({self.min_nodes}) must be <= "
+                f"resources.maxNodes ({self.max_nodes})"
+            )
+        return self
+
+
+class StrategySpec(ApiModel):
+    type: StrategyType = Field("auto", description="auto (planner decides) or a pinned strategy.")
+    offload: Offload = Field("none", description="Offload of optimizer states/parameters.")
+    backend: Backend = Field("auto", description="auto | fsdp | deepspeed.")
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> StrategySpec:
+        if self.type in ("zero1", "zero2") and self.backend == "fsdp":
+            raise ValueError(f"strategy.type {self.type} needs backend deepspeed, not fsdp")
+        if self.type.startswith("fsdp") and self.backend == "deepspeed":
+            raise ValueError(f"strategy.type {self.type} needs backend fsdp, not deepspeed")
+        return self
+
+
+class CheckpointSpec(ApiModel):
+    uri: str = Field(
+        "checkpoints", min_length=1, description="Directory (or s3:// URI) for checkpoints."
+    )
+    interval_steps: int | None = Field(None, ge=1, description="Save every N steps.")
+    interval_minutes: float | None = Field(None, gt=0, description="Save every N minutes.")
+    keep: int = Field(3, ge=1, le=1000, description="Committed checkpoints to keep.")
+    async_: bool = Field(True, alias="async", description="Save in the background (DCP async).")
+
+
+class StragglerSpec(ApiModel):
+    enabled: bool = Field(True, description="Detect stragglers.")
+    action: Literal["evict", "alert"] = Field("evict", description="evict or only alert.")
+    threshold: float = Field(1.2, gt=1.0, description="Compute-time ratio over the median.")
+    window_steps: int = Field(20, ge=1, description="Steps per detection window.")
+    consecutive_windows: int = Field(3, ge=1, description="Windows in a row before acting.")
+    cooldown_seconds: int = Field(600, ge=0, description="Minimum time between evictions.")
+    max_evictions_per_hour: int = Field(2, ge=0, description="Eviction rate limit.")
+
+
+class FaultToleranceSpec(ApiModel):
+    max_restarts: int = Field(3, ge=0, description="Worker replacements before Failed.")
+    backoff_seconds: float = Field(10, ge=0, description="Base delay before a replacement.")
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
+
+
+class OutputSpec(ApiModel):
+    uri: str | None = Field(None, description="Where the final model is written.")
+    format: Literal["hf-safetensors"] = Field("hf-safetensors", description="Output format.")
+    merge_lora: bool = Field(False, description="Merge adapters into the base weights.")
+
+
+class FineTuneJobSpec(ApiModel):
+    model: ModelSpec
+    dataset: DatasetSpec
+    method: MethodSpec = Field(default_factory=MethodSpec)
+    training: TrainingSpec
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    strategy: StrategySpec = Field(default_factory=StrategySpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    image: str = Field(DEFAULT_TRAINER_IMAGE, description="Trainer image.")
+    suspend: bool = Field(False, description="Delete pods, keep checkpoints; false resumes.")
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete after end.")

@@ -1,0 +1,52 @@
+"""FineTuneJob status (DESIGN.md §3). Conditions are the source of truth; phase is derived."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from finetune_operator.api.base import ApiModel
+from finetune_operator.api.plan import Plan
+
+
+class Condition(ApiModel):
+    type: str = Field(..., description="Planned, WorkersReady, Succeeded, Failed, ...")
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(..., description="One CamelCase word.")
+    message: str = Field("", description="Human-readable detail.")
+    last_transition_time: str = Field(..., description="RFC 3339 time of the last change.")
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class CheckpointRef(ApiModel):
+    step: int = Field(..., ge=0)
+    uri: str
+    time: str | None = None
+
+
+class Eviction(ApiModel):
+    pod: str
+    node: str | None = None
+    rank: int | None = None
+    ratio: float | None = None
+    time: str
+
+
+class FineTuneJobStatus(ApiModel):
+    conditions: list[Condition] = Field(default_factory=list)
+    phase: str | None = Field(None, description="Derived from conditions, for kubectl get.")
+    plan: Plan | None = None
+    world_size: int | None = Field(None, ge=0, description="Planned world size (GPUs).")
+    strategy: str | None = Field(None, description="Planned strategy.")
+    ready_workers: int | None = Field(None, ge=0, description="Worker pods running.")
+    step: int | None = Field(None, ge=0, description="Last optimizer step seen.")
+    total_steps: int | None = Field(None, ge=0)
+    loss: float | None = Field(None, description="Last reported loss.")
+    last_checkpoint: CheckpointRef | None = None
+    restarts: int = Field(0, ge=0, description="Worker replacements so far.")
+    evictions: list[Eviction] = Field(default_factory=list)
+    excluded_nodes: list[str] = Field(default_factory=list)
+    start_time: str | None = None
+    completion_time: str | None = None
+    observed_generation: int | None = Field(None, ge=0)
