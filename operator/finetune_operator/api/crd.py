@@ -1,0 +1,258 @@
+"""Generate the FineTuneJob CustomResourceDefinition from the pydantic models.
+
+Pydantic emits JSON Schema 2020-12; the API server wants a *structural* OpenAPI v3.0 schema:
+no $refs, no anyOf of different types (except int-or-string), boolean exclusive bounds,
+explicit types everywhere. Cross-field rules that a schema cannot say become CEL
+`x-kubernetes-validations`, so the API server refuses those manifests before the operator
+ever sees them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from finetune_operator.api.constants import (
+    API_VERSION,
+    CRD_NAME,
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+)
+from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.status import FineTuneJobStatus
+
+Schema = dict[str, Any]
+
+# CEL rules per model (keyed by the pydantic class name, i.e. the $defs key). Each mirrors a
+# pydantic validator in spec.py, so the operator and the API server refuse the same manifests.
+CEL_RULES: dict[str, list[dict[str, str]]] = {
+    "ResourcesSpec": [
+        {
+            "rule": "!has(self.minNodes) || !has(self.maxNodes) || self.minNodes <= self.maxNodes",
+            "message": "minNodes must be <= maxNodes",
+            "fieldPath": ".minNodes",
+            "reason": "FieldValueInvalid",
+        },
+    ],
+    "TrainingSpec": [
+        {"rule": "has(self.maxSteps) || has(self.epochs)", "message": "set maxSteps or epochs"},
+        {
+            "rule": "!has(self.maxSteps) || self.warmupSteps <= self.maxSteps",
+            "message": "warmupSteps must not exceed maxSteps",
+            "fieldPath": ".warmupSteps",
+        },
+    ],
+    "MethodSpec": [
+        {
+            "rule": "self.type != 'full' || !has(self.lora)",
+            "message": "lora is set but type is 'full'",
+            "fieldPath": ".lora",
+        },
+    ],
+    "StrategySpec": [
+        {
+            "rule": "!(self.type in ['zero1', 'zero2']) || self.backend != 'fsdp'",
+            "message": "zero1 and zero2 need backend deepspeed",
+            "fieldPath": ".backend",
+        },
+        {
+            "rule": "!self.type.startsWith('fsdp') || self.backend != 'deepspeed'",
+            "message": "fsdp strategies need backend fsdp",
+            "fieldPath": ".backend",
+        },
+    ],
+    "ModelArchitecture": [
+        {
+            "rule": "!has(self.numKeyValueHeads) || "
+            "self.numAttentionHeads % self.numKeyValueHeads == 0",
+            "message": "numKeyValueHeads must divide numAttentionHeads",
+            "fieldPath": ".numKeyValueHeads",
+        },
+        {
+            "rule": "has(self.numLocalExperts) == has(self.numExpertsPerTok)",
+            "message": "numLocalExperts and numExpertsPerTok must be set together",
+        },
+    ],
+}
+
+# int | "auto" fields: structural schemas allow exactly this one union.
+INT_OR_AUTO_RULE = {
+    "rule": "type(self) == int ? self >= 1 : self == 'auto'",
+    "message": "must be an integer >= 1 or 'auto'",
+}
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "GPUs", "type": "integer", "jsonPath": ".status.worldSize"},
+    {"name": "Strategy", "type": "string", "jsonPath": ".status.strategy"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def _resolve(node: Schema, defs: dict[str, Schema]) -> tuple[Schema, str | None]:
+    """Follow a $ref; return the target schema and its def name."""
+    ref = node.get("$ref")
+    if ref is None:
+        return node, None
+    name = ref.rsplit("/", 1)[-1]
+    return defs[name], name
+
+
+def _strip_null(node: Schema) -> tuple[Schema, bool]:
+    """`X | None` becomes X; returns whether null was allowed (an optional without default)."""
+    options = node.get("anyOf")
+    if not options:
+        return node, False
+    non_null = [o for o in options if o.get("type") != "null"]
+    if len(non_null) == len(options) or len(non_null) != 1:
+        return node, False
+    merged = {k: v for k, v in node.items() if k != "anyOf"}
+    merged.update(non_null[0])
+    return merged, True
+
+
+def _is_int_or_auto(node: Schema) -> bool:
+    types = {o.get("type") for o in node.get("anyOf", [])}
+    consts = [o.get("const") for o in node.get("anyOf", []) if "const" in o]
+    return types == {"integer", "string"} and consts == ["auto"]
+
+
+def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
+    # The field's own description/default win over those of the model it refers to.
+    field_meta = {k: node[k] for k in ("description", "default") if k in node}
+    node, def_name = _resolve(node, defs)
+    node, _ = _strip_null(node)
+    node, inner_name = _resolve(node, defs) if "$ref" in node else (node, None)
+    def_name = def_name or inner_name
+    node = {**node, **field_meta}
+    if _is_int_or_auto(node):
+        out: Schema = {"x-kubernetes-int-or-string": True, "x-kubernetes-validations": [INT_OR_AUTO_RULE]}
+        for key in ("description", "default"):
+            if key in node:
+                out[key] = node[key]
+        return out
+
+    out = {}
+    if "description" in node:
+        out["description"] = " ".join(str(node["description"]).split())
+    if "const" in node:
+        out["type"] = "string"
+        out["enum"] = [node["const"]]
+    elif "enum" in node:
+        out["type"] = node.get("type", "string")
+        out["enum"] = list(node["enum"])
+    elif "type" in node:
+        out["type"] = node["type"]
+    elif node.get("properties") or def_name:
+        out["type"] = "object"
+
+    kind = out.get("type")
+    if kind == "object":
+        _convert_object(node, defs, out)
+    elif kind == "array":
+        out["items"] = _convert(node.get("items", {}), defs) if node.get("items") else {}
+        if out["items"] == {}:
+            out["items"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    for key in ("minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "pattern"):
+        if key in node:
+            out[key] = node[key]
+    # JSON Schema 2020-12 exclusive bounds are numbers; OpenAPI 3.0's are booleans.
+    for excl, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if excl in node:
+            out[plain] = node[excl]
+            out[excl] = True
+    if "default" in node and node["default"] is not None:
+        out["default"] = node["default"]
+    if def_name and def_name in CEL_RULES:
+        out["x-kubernetes-validations"] = copy.deepcopy(CEL_RULES[def_name])
+    return out
+
+
+def _convert_object(node: Schema, defs: dict[str, Schema], out: Schema) -> None:
+    props = node.get("properties")
+    if props:
+        out["properties"] = {}
+        required = set(node.get("required", []))
+        for name, sub in props.items():
+            converted = _convert(sub, defs)
+            # A nested model with a default_factory: default it to {} so the API server
+            # fills in its own defaults too (pydantic emits no default for factories).
+            is_model = "$ref" in sub and converted.get("type") == "object"
+            if is_model and name not in required and "default" not in converted:
+                converted["default"] = {}
+            out["properties"][name] = converted
+        if required:
+            out["required"] = sorted(required)
+    elif isinstance(node.get("additionalProperties"), dict) and node["additionalProperties"]:
+        out["additionalProperties"] = _convert(node["additionalProperties"], defs)
+    else:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+
+
+def _model_schema(model: type[FineTuneJobSpec] | type[FineTuneJobStatus]) -> Schema:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.pop("$defs", {})
+    return _convert(raw, defs)
+
+
+def build_crd() -> dict[str, Any]:
+    """The FineTuneJob CRD as a dict (deterministic: the committed YAML is compared to it)."""
+    spec_schema = _model_schema(FineTuneJobSpec)
+    spec_schema["description"] = "Desired state: what to fine-tune, on what, and how."
+    status_schema = _model_schema(FineTuneJobStatus)
+    status_schema["description"] = "Observed state, written by the operator."
+    root: Schema = {
+        "type": "object",
+        "description": "A distributed fine-tuning job for a large language model.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/name": "finetune-operator"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["finetune"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
+        },
+    }
+
+
+def render_crd_yaml() -> str:
+    header = (
+        "# Generated from finetune_operator.api by `ftjob crd`; do not edit by hand.\n"
+        f"# {API_VERSION} {KIND}\n"
+    )
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)

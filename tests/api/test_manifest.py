@@ -1,0 +1,72 @@
+"""Manifests: examples parse; invalid ones are refused with the field and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from finetune_operator.api.manifest import ManifestError, load_manifest, parse_manifest
+from tests.conftest import EXAMPLES
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_parse(path: Path) -> None:
+    manifest = load_manifest(path)
+    assert manifest.name
+
+
+def _quickstart() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
+    return doc
+
+
+def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    node = doc
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected_path", "expected_reason"),
+    [
+        ("spec.method.type", "dpo", "spec.method.type", "'full', 'lora' or 'qlora'"),
+        ("spec.resources.minNodes", 5, "spec.resources", "minNodes (5) must be <= "),
+        ("spec.training.sequenceLength", 4, "spec.training.sequenceLength", "greater than or equal"),
+        ("spec.training.microBatchSize", "big", "spec.training.microBatchSize", "auto"),
+        ("spec.strategy.type", "zero4", "spec.strategy.type", "zero3"),
+        ("spec.training.learningRate", -1, "spec.training.learningRate", "greater than 0"),
+        ("spec.resources.gpuz", 1, "spec.resources.gpuz", "Extra inputs are not permitted"),
+        ("spec.model.architecture.numKeyValueHeads", 3, "spec.model.architecture", "must divide"),
+    ],
+)
+def test_invalid_manifest_names_field(
+    field: str, value: Any, expected_path: str, expected_reason: str
+) -> None:
+    doc = _set(_quickstart(), field, value)
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(doc, "job.yaml")
+    paths = dict(err.value.problems)
+    assert expected_path in paths, err.value.problems
+    assert expected_reason in paths[expected_path]
+    assert expected_path in str(err.value)
+
+
+def test_wrong_kind_and_missing_name() -> None:
+    doc = _quickstart()
+    doc["kind"] = "Job"
+    del doc["metadata"]["name"]
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(doc)
+    assert {p for p, _ in err.value.problems} == {"kind", "metadata.name"}
+
+
+def test_lora_defaults_filled_for_adapter_methods() -> None:
+    doc = _set(_quickstart(), "spec.method.type", "lora")
+    spec = parse_manifest(doc).spec
+    assert spec.method.lora is not None and spec.method.lora.rank == 16
