@@ -1,0 +1,42 @@
+# Two entry points (README): `make quickstart` and `make test`. Both create the environment.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch first, pinned: an open torch range asked for before it is installed pulls a CUDA build.
+TORCH  := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup helm lint test test-fast quickstart crd clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[trainer,local,dev]'
+	touch $@
+
+helm:
+	bash scripts/fetch-helm.sh
+
+lint: setup
+	$(BIN)/ruff check operator trainer_image tests bench
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/hadolint Dockerfile trainer_image/Dockerfile
+
+test: setup helm lint
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+quickstart: setup
+	$(BIN)/ftjob run --local examples/quickstart.yaml
+
+crd: setup
+	$(BIN)/ftjob crd > crds/finetunejobs.finetune.dev.yaml
+
+clean:
+	rm -rf $(VENV) .tools .ftjob .mypy_cache .ruff_cache .pytest_cache
