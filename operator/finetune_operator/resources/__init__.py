@@ -1,0 +1,62 @@
+"""Pure builders of the Kubernetes objects of a FineTuneJob (DESIGN.md §5): plain dicts, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune_operator.api.plan import Plan
+from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.resources.affinity import merge_node_exclusion
+from finetune_operator.resources.common import Owner, owner_reference
+from finetune_operator.resources.configmap import build_config_map, render_job_config
+from finetune_operator.resources.rendezvous import build_rendezvous_pod
+from finetune_operator.resources.services import build_rendezvous_service, build_worker_service
+from finetune_operator.resources.worker import (
+    TORCHRUN_EXTRA_FLAGS,
+    build_worker_pod,
+    node_range,
+    rendezvous_endpoint,
+    worker_command,
+)
+
+
+def build_shared_objects(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> list[dict[str, Any]]:
+    """The objects that live as long as the job (kept while suspended): ConfigMap, Services."""
+    return [
+        build_config_map(owner, spec, plan),
+        build_worker_service(owner, plan.gpus_per_node),
+        build_rendezvous_service(owner),
+    ]
+
+
+def desired_objects(
+    owner: Owner, spec: FineTuneJobSpec, plan: Plan, excluded_nodes: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Every object of a running job, in creation order."""
+    return [
+        *build_shared_objects(owner, spec, plan),
+        build_rendezvous_pod(owner, spec),
+        *(
+            build_worker_pod(owner, spec, plan, i, excluded_nodes=excluded_nodes)
+            for i in range(plan.nodes)
+        ),
+    ]
+
+
+__all__ = [
+    "TORCHRUN_EXTRA_FLAGS",
+    "Owner",
+    "build_config_map",
+    "build_rendezvous_pod",
+    "build_rendezvous_service",
+    "build_shared_objects",
+    "build_worker_pod",
+    "build_worker_service",
+    "desired_objects",
+    "merge_node_exclusion",
+    "node_range",
+    "owner_reference",
+    "render_job_config",
+    "rendezvous_endpoint",
+    "worker_command",
+]

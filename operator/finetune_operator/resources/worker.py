@@ -1,0 +1,177 @@
+"""Worker pods `<job>-worker-<i>`: one elastic torchrun agent per pod."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune_operator.api.constants import (
+    CONFIG_MOUNT_DIR,
+    CONFIG_PATH,
+    LABEL_WORKER_INDEX,
+    METRICS_BASE_PORT,
+    RDZV_PORT,
+    ROLE_WORKER,
+    config_map_name,
+    rendezvous_name,
+    worker_name,
+)
+from finetune_operator.api.plan import Plan
+from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.resources.affinity import merge_node_exclusion
+from finetune_operator.resources.common import (
+    Owner,
+    container_security_context,
+    downward_env,
+    object_meta,
+    pod_security_context,
+    set_common_pod_fields,
+    tmp_volume,
+)
+from finetune_operator.resources.services import metrics_port_name
+
+WORKER_CONTAINER = "trainer"
+# Long enough for the trainer to finish its step and a final checkpoint save after SIGTERM.
+WORKER_GRACE_SECONDS = 120
+CONFIG_VOLUME = "config"
+SHM_VOLUME = "dshm"
+
+# The single place for extra torchrun flags the trainer needs (e.g. "--local-addr=$(POD_IP)";
+# Kubernetes expands $(VAR) in a command from the container's env).
+TORCHRUN_EXTRA_FLAGS: tuple[str, ...] = ()
+
+WORKER_ENV: dict[str, str] = {
+    # torch 2.13 elastic: without it a scale-up after a scale-down hangs (TOOLING.md).
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    # The root filesystem is read-only: library caches go to the /tmp emptyDir.
+    "HOME": "/tmp",
+}
+
+
+def rendezvous_endpoint(owner: Owner) -> str:
+    return f"{rendezvous_name(owner.name)}.{owner.namespace}.svc:{RDZV_PORT}"
+
+
+def node_range(spec: FineTuneJobSpec, plan: Plan) -> tuple[int, int]:
+    """Elastic bounds: the user's minNodes/maxNodes, each defaulting to the planned nodes."""
+    res = spec.resources
+    low = res.min_nodes if res.min_nodes is not None else plan.nodes
+    high = res.max_nodes if res.max_nodes is not None else max(plan.nodes, low)
+    return low, high
+
+
+def worker_command(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> list[str]:
+    low, high = node_range(spec, plan)
+    return [
+        "torchrun",
+        f"--nnodes={low}:{high}",
+        f"--nproc-per-node={plan.gpus_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rendezvous_endpoint(owner)}",
+        f"--rdzv-id={owner.uid}",
+        # The store lives in the rendezvous pod, so no agent may try to host it.
+        "--rdzv-conf=is_host=false",
+        f"--max-restarts={spec.fault_tolerance.max_restarts}",
+        *TORCHRUN_EXTRA_FLAGS,
+        "-m",
+        "finetune_trainer",
+        "--config",
+        CONFIG_PATH,
+    ]
+
+
+def worker_resources(spec: FineTuneJobSpec, plan: Plan) -> dict[str, dict[str, str]]:
+    res = spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if res.device != "cpu":
+        # Extended resources must have requests == limits.
+        requests[res.gpu.resource_name] = limits[res.gpu.resource_name] = str(plan.gpus_per_node)
+    if res.cpu:
+        # A request without a limit: CFS throttling would slow data loading and NCCL progress
+        # threads and manufacture exactly the stragglers we try to detect.
+        requests["cpu"] = res.cpu
+    if res.memory:
+        requests["memory"] = limits["memory"] = res.memory
+    out: dict[str, dict[str, str]] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _container(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any]:
+    _, tmp_mount = tmp_volume()
+    container: dict[str, Any] = {
+        "name": WORKER_CONTAINER,
+        "image": spec.image,
+        "command": worker_command(owner, spec, plan),
+        "env": [{"name": k, "value": v} for k, v in WORKER_ENV.items()] + downward_env(),
+        "ports": [
+            {
+                "name": metrics_port_name(i),
+                "containerPort": METRICS_BASE_PORT + i,
+                "protocol": "TCP",
+            }
+            for i in range(plan.gpus_per_node)
+        ],
+        "securityContext": container_security_context(),
+        "volumeMounts": [
+            {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
+            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+            tmp_mount,
+        ],
+    }
+    resources = worker_resources(spec, plan)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _volumes(owner: Owner) -> list[dict[str, Any]]:
+    tmp, _ = tmp_volume()
+    return [
+        {"name": CONFIG_VOLUME, "configMap": {"name": config_map_name(owner.name)}},
+        # NCCL and the dataloader share memory through /dev/shm; the runtime default is 64 MiB.
+        {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+        tmp,
+    ]
+
+
+def build_worker_pod(
+    owner: Owner,
+    spec: FineTuneJobSpec,
+    plan: Plan,
+    index: int,
+    *,
+    excluded_nodes: list[str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    res = spec.resources
+    name = worker_name(owner.name, index)
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS,
+        # hostname + subdomain give each worker a stable DNS name in the headless Service.
+        "hostname": name,
+        "subdomain": owner.name,
+        "securityContext": pod_security_context(),
+        "containers": [_container(owner, spec, plan)],
+        "volumes": _volumes(owner),
+    }
+    affinity = merge_node_exclusion(res.affinity, excluded_nodes or [])
+    if affinity:
+        pod_spec["affinity"] = affinity
+    if res.node_selector:
+        pod_spec["nodeSelector"] = dict(res.node_selector)
+    if res.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in res.tolerations]
+    set_common_pod_fields(pod_spec, spec)
+    meta = object_meta(
+        owner,
+        name,
+        ROLE_WORKER,
+        extra_labels={LABEL_WORKER_INDEX: str(index)},
+        annotations=annotations,
+    )
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
