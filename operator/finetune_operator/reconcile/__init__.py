@@ -1,0 +1,50 @@
+"""Pure reconcile functions (no API calls, no clocks) and, in `apply`, the thin API I/O."""
+
+from finetune_operator.reconcile.actions import Actions, PodDeletion, decide_actions
+from finetune_operator.reconcile.conditions import EventSpec, derive_phase, set_condition
+from finetune_operator.reconcile.core import Outcome, read_status, reconcile_job, status_patch
+from finetune_operator.reconcile.observed import PodView, format_time, observe_pod
+from finetune_operator.reconcile.planning import (
+    Evaluation,
+    JobRef,
+    PlanFn,
+    default_planner,
+    evaluate_job,
+)
+from finetune_operator.reconcile.progress import (
+    ScrapeTarget,
+    TrainerProgress,
+    combine_progress,
+    merge_progress,
+    parse_trainer_metrics,
+    scrape_targets,
+)
+from finetune_operator.reconcile.status import compute_status
+
+__all__ = [
+    "Actions",
+    "Evaluation",
+    "EventSpec",
+    "JobRef",
+    "Outcome",
+    "PlanFn",
+    "PodDeletion",
+    "PodView",
+    "ScrapeTarget",
+    "TrainerProgress",
+    "combine_progress",
+    "compute_status",
+    "decide_actions",
+    "default_planner",
+    "derive_phase",
+    "evaluate_job",
+    "format_time",
+    "merge_progress",
+    "observe_pod",
+    "parse_trainer_metrics",
+    "read_status",
+    "reconcile_job",
+    "scrape_targets",
+    "set_condition",
+    "status_patch",
+]

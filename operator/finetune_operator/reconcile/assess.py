@@ -1,0 +1,127 @@
+"""One reading of the job's situation, shared by compute_status and decide_actions so the
+status written and the actions taken always agree."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+
+from finetune_operator.api.constants import (
+    COND_FAILED,
+    COND_SUCCEEDED,
+    REASON_BACKOFF_LIMIT_EXCEEDED,
+)
+from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.reconcile.conditions import find, is_true
+from finetune_operator.reconcile.observed import FAILED, RUNNING, SUCCEEDED, PodView
+from finetune_operator.reconcile.planning import Evaluation
+from finetune_operator.resources import node_range
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+class Mode(enum.Enum):
+    INVALID = "invalid"  # spec refused or plan infeasible: nothing may exist
+    ACTIVE = "active"  # pods should run
+    SUSPENDED = "suspended"  # pods deleted, ConfigMap/Services/checkpoints kept
+    SUCCEEDED = "succeeded"  # terminal: training finished
+    FAILED = "failed"  # terminal: replacement budget spent
+
+
+@dataclass(frozen=True)
+class Assessment:
+    mode: Mode
+    workers: dict[int, PodView] = field(default_factory=dict)  # live (not terminating) by slot
+    rendezvous: PodView | None = None
+    terminating: frozenset[str] = frozenset()  # pod names still going away
+    replace_now: tuple[PodView, ...] = ()  # failed pods whose backoff has elapsed
+    waiting: tuple[tuple[PodView, datetime], ...] = ()  # failed pods and when they are due
+    restarts: int = 0  # job-level replacements, including replace_now
+    ready: int = 0
+    desired: int = 0
+    min_nodes: int = 0
+    any_worker_succeeded: bool = False
+    message: str | None = None  # for terminal transitions: what happened
+
+    @property
+    def live_pods(self) -> list[PodView]:
+        pods = list(self.workers.values())
+        return [self.rendezvous, *pods] if self.rendezvous is not None else pods
+
+
+def _backoff_due(pod: PodView, base: float, k: int, now: datetime) -> datetime:
+    # A pod with no finish time (evicted before starting, say) is due at once.
+    finished = pod.finished_at or now
+    return finished + timedelta(seconds=base * (2**k))
+
+
+def _walk_failures(
+    ev: Evaluation, status: FineTuneJobStatus, failed: Sequence[PodView], now: datetime
+) -> tuple[list[PodView], list[tuple[PodView, datetime]], int, PodView | None]:
+    """Spend the replacement budget on the failed pods, oldest failure first."""
+    assert ev.spec is not None
+    ft = ev.spec.fault_tolerance
+    k = status.restarts
+    replace_now: list[PodView] = []
+    waiting: list[tuple[PodView, datetime]] = []
+    for pod in sorted(failed, key=lambda p: (p.finished_at or EPOCH, p.name)):
+        if k >= ft.max_restarts:
+            return replace_now, waiting, k, pod
+        due = _backoff_due(pod, ft.backoff_seconds, k, now)
+        if waiting or now < due:
+            waiting.append((pod, due))
+        else:
+            replace_now.append(pod)
+            k += 1
+    return replace_now, waiting, k, None
+
+
+def _sticky_mode(status: FineTuneJobStatus) -> Mode | None:
+    if is_true(status.conditions, COND_SUCCEEDED):
+        return Mode.SUCCEEDED
+    failed = find(status.conditions, COND_FAILED)
+    if failed is not None and (failed.status, failed.reason) == (
+        "True",
+        REASON_BACKOFF_LIMIT_EXCEEDED,
+    ):
+        return Mode.FAILED
+    return None
+
+
+def assess(
+    ev: Evaluation, status: FineTuneJobStatus, pods: Sequence[PodView], now: datetime
+) -> Assessment:
+    live = [p for p in pods if not p.terminating]
+    workers = {p.index: p for p in live if p.is_worker and p.index is not None}
+    seen = Assessment(
+        Mode.ACTIVE,
+        workers=workers,
+        rendezvous=next((p for p in live if p.is_rendezvous), None),
+        terminating=frozenset(p.name for p in pods if p.terminating),
+        restarts=status.restarts,
+        ready=sum(1 for p in workers.values() if p.ready and p.phase == RUNNING),
+        any_worker_succeeded=any(p.phase == SUCCEEDED for p in workers.values()),
+    )
+    if not ev.ok:
+        return replace(seen, mode=Mode.INVALID)
+    assert ev.spec is not None and ev.plan is not None
+    seen = replace(seen, desired=ev.plan.nodes, min_nodes=node_range(ev.spec, ev.plan)[0])
+    sticky = _sticky_mode(status)
+    if sticky is not None:
+        return replace(seen, mode=sticky)
+    if ev.spec.suspend:
+        return replace(seen, mode=Mode.SUSPENDED)
+    # torchrun agents exit 0 only once the whole worker group finished, so one success with
+    # nobody still running means the training is done, even if a straggling pod had failed.
+    if seen.any_worker_succeeded and not any(p.active for p in workers.values()):
+        msg = "training finished: worker pods exited 0"
+        return replace(seen, mode=Mode.SUCCEEDED, message=msg)
+    failed = [p for p in live if p.phase == FAILED]
+    replace_now, waiting, restarts, exhausted = _walk_failures(ev, status, failed, now)
+    if exhausted is not None:
+        used = ev.spec.fault_tolerance.max_restarts
+        msg = f"{exhausted.describe_failure()}; all {used} replacements allowed are used"
+        return replace(seen, mode=Mode.FAILED, restarts=restarts, message=msg)
+    return replace(seen, replace_now=tuple(replace_now), waiting=tuple(waiting), restarts=restarts)

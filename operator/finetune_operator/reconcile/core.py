@@ -1,0 +1,66 @@
+"""One pure reconcile pass: evaluation → status → actions → events, and the status patch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.reconcile.actions import Actions, decide_actions
+from finetune_operator.reconcile.conditions import EventSpec, condition_events
+from finetune_operator.reconcile.observed import PodView, mark_terminating
+from finetune_operator.reconcile.planning import Evaluation, JobRef, PlanFn, evaluate_job
+from finetune_operator.reconcile.status import compute_status
+
+
+@dataclass(frozen=True)
+class Outcome:
+    evaluation: Evaluation
+    status: FineTuneJobStatus
+    actions: Actions
+    events: tuple[EventSpec, ...]
+
+
+def read_status(raw: Mapping[str, Any] | None) -> FineTuneJobStatus:
+    """Our status from the object; fields we do not own (or a mangled status) are dropped."""
+    known = set(FineTuneJobStatus.model_fields) | {
+        f.alias for f in FineTuneJobStatus.model_fields.values() if f.alias
+    }
+    mine = {k: v for k, v in (raw or {}).items() if k in known}
+    try:
+        return FineTuneJobStatus.model_validate(mine)
+    except ValidationError:
+        return FineTuneJobStatus()
+
+
+def reconcile_job(
+    job: JobRef,
+    raw_spec: Mapping[str, Any],
+    status: FineTuneJobStatus,
+    pods: Sequence[PodView],
+    now: datetime,
+    *,
+    planner: PlanFn,
+    deleted_uids: Iterable[str] = (),
+    ensured_generation: int | None = None,
+) -> Outcome:
+    """Everything one pass decides, with no I/O: the caller applies actions, then the status."""
+    seen = mark_terminating(pods, deleted_uids)
+    ev = evaluate_job(job, raw_spec, status, planner)
+    new_status = compute_status(ev, status, seen, now)
+    actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation)
+    events = (*condition_events(status.conditions, new_status.conditions), *actions.events)
+    return Outcome(ev, new_status, actions, tuple(events))
+
+
+def status_patch(old: Mapping[str, Any] | None, new: FineTuneJobStatus) -> dict[str, Any]:
+    """A JSON merge patch of the top-level status fields that changed ({} when none did)."""
+    before = read_status(old).to_json_dict()
+    after = new.to_json_dict()
+    patch: dict[str, Any] = {k: v for k, v in after.items() if before.get(k) != v}
+    patch.update({k: None for k in before if k not in after})  # merge-patch removal
+    return patch

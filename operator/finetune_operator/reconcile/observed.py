@@ -1,0 +1,123 @@
+"""What the reconcile functions see of a pod: a small frozen view built from the pod dict."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from finetune_operator.api.constants import (
+    ANNOTATION_RESTART_ATTEMPT,
+    LABEL_JOB,
+    LABEL_ROLE,
+    LABEL_WORKER_INDEX,
+    ROLE_RENDEZVOUS,
+    ROLE_WORKER,
+)
+
+PENDING, RUNNING, SUCCEEDED, FAILED = "Pending", "Running", "Succeeded", "Failed"
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    uid: str
+    job: str
+    role: str
+    index: int | None = None
+    phase: str = PENDING
+    ready: bool = False
+    node: str | None = None
+    ip: str | None = None
+    terminating: bool = False
+    exit_code: int | None = None
+    finished_at: datetime | None = None
+    reason: str | None = None
+    restart_attempt: int = 0
+
+    @property
+    def is_worker(self) -> bool:
+        return self.role == ROLE_WORKER and self.index is not None
+
+    @property
+    def is_rendezvous(self) -> bool:
+        return self.role == ROLE_RENDEZVOUS
+
+    @property
+    def active(self) -> bool:
+        """Still holds (or will hold) a node and may still make progress."""
+        return not self.terminating and self.phase in (PENDING, RUNNING)
+
+    def describe_failure(self) -> str:
+        detail = f"exit code {self.exit_code}" if self.exit_code is not None else "no exit code"
+        if self.reason:
+            detail += f", {self.reason}"
+        where = f" on node {self.node}" if self.node else ""
+        return f"pod {self.name} failed{where} ({detail})"
+
+
+def format_time(when: datetime) -> str:
+    """RFC 3339 in UTC with a Z, as the API server writes times."""
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _int(text: Any, default: int | None) -> int | None:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return default
+
+
+def _terminated(status: Mapping[str, Any]) -> Mapping[str, Any]:
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            return dict(term)
+    return {}
+
+
+def observe_pod(pod: Mapping[str, Any]) -> PodView:
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    annotations = meta.get("annotations") or {}
+    term = _terminated(status)
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    return PodView(
+        name=str(meta.get("name", "")),
+        uid=str(meta.get("uid", "")),
+        job=str(labels.get(LABEL_JOB, "")),
+        role=str(labels.get(LABEL_ROLE, "")),
+        index=_int(labels.get(LABEL_WORKER_INDEX), None),
+        phase=str(status.get("phase") or PENDING),
+        ready=ready,
+        node=spec.get("nodeName"),
+        ip=status.get("podIP"),
+        terminating=meta.get("deletionTimestamp") is not None,
+        exit_code=_int(term.get("exitCode"), None),
+        finished_at=parse_time(term.get("finishedAt")),
+        reason=term.get("reason") or status.get("reason"),
+        restart_attempt=_int(annotations.get(ANNOTATION_RESTART_ATTEMPT), 0) or 0,
+    )
+
+
+def mark_terminating(pods: Iterable[PodView], deleted_uids: Iterable[str]) -> list[PodView]:
+    """Pods we already deleted but whose deletion the watch has not shown yet."""
+    gone = set(deleted_uids)
+    return [dataclasses.replace(p, terminating=True) if p.uid in gone else p for p in pods]

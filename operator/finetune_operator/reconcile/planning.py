@@ -1,0 +1,144 @@
+"""Turning the raw spec into a validated spec and a plan, or into a refusal with a reason."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from finetune_operator.api.constants import (
+    COND_FAILED,
+    COND_PLANNED,
+    REASON_INVALID_SPEC,
+    REASON_PLAN_INFEASIBLE,
+    rendezvous_name,
+    worker_name,
+)
+from finetune_operator.api.plan import Plan
+from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.planner.errors import PlanningError
+from finetune_operator.reconcile.conditions import find
+from finetune_operator.resources import Owner
+
+PlanFn = Callable[[FineTuneJobSpec], Plan]
+PLANNER_MODULE = "finetune_operator.planner"
+# DNS-1035 label limit for Services (`<job>`, `<job>-rdzv`) and pod hostnames.
+MAX_LABEL = 63
+# Worker hostnames end in -worker-<i>; two-digit indices (`-worker-63`) budget the suffix.
+MAX_JOB_NAME = MAX_LABEL - len(worker_name("", 63))
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Identity of the FineTuneJob being reconciled."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+
+    @property
+    def owner(self) -> Owner:
+        return Owner(name=self.name, namespace=self.namespace, uid=self.uid)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A valid spec with a plan that fits, or the reason (InvalidSpec/PlanInfeasible) it is not."""
+
+    job: JobRef
+    spec: FineTuneJobSpec | None = None
+    plan: Plan | None = None
+    failure_reason: str | None = None
+    failure_message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.failure_reason is None and self.spec is not None and self.plan is not None
+
+
+def default_planner() -> PlanFn:
+    """The real planner, imported late so the reconcile layer imports without it."""
+    # By name: the planner package is written concurrently and may not export it yet.
+    module = importlib.import_module(PLANNER_MODULE)
+    planner: PlanFn = vars(module)["plan_job"]
+    return planner
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e.get("loc", ())) or "spec"
+        parts.append(f"spec.{where}: {e.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def _check_name(job: JobRef) -> str | None:
+    if len(job.name) > MAX_JOB_NAME:
+        return (
+            f"metadata.name is {len(job.name)} characters; at most {MAX_JOB_NAME} fit in the "
+            f"Service and pod host names ({rendezvous_name('<name>')}, {worker_name('<name>', 63)})"
+        )
+    return None
+
+
+def _sticky_failure(job: JobRef, status: FineTuneJobStatus) -> Evaluation | None:
+    """A spec refused at this generation stays refused without re-running the planner."""
+    failed = find(status.conditions, COND_FAILED)
+    if (
+        failed is not None
+        and failed.status == "True"
+        and failed.reason in (REASON_INVALID_SPEC, REASON_PLAN_INFEASIBLE)
+        and status.observed_generation == job.generation
+    ):
+        return Evaluation(job, failure_reason=failed.reason, failure_message=failed.message)
+    return None
+
+
+def _cached_plan(job: JobRef, status: FineTuneJobStatus) -> Plan | None:
+    planned = find(status.conditions, COND_PLANNED)
+    if (
+        status.plan is not None
+        and status.plan.fits
+        and planned is not None
+        and planned.status == "True"
+        and status.observed_generation == job.generation
+    ):
+        return status.plan
+    return None
+
+
+def evaluate_job(
+    job: JobRef, raw_spec: Mapping[str, Any], status: FineTuneJobStatus, planner: PlanFn
+) -> Evaluation:
+    """Validate the spec and plan it; the plan is reused while the generation is unchanged."""
+    sticky = _sticky_failure(job, status)
+    if sticky is not None:
+        return sticky
+    name_problem = _check_name(job)
+    if name_problem:
+        return Evaluation(job, failure_reason=REASON_INVALID_SPEC, failure_message=name_problem)
+    try:
+        spec = FineTuneJobSpec.model_validate(dict(raw_spec))
+    except ValidationError as err:
+        message = describe_validation_error(err)
+        return Evaluation(job, failure_reason=REASON_INVALID_SPEC, failure_message=message)
+    plan = _cached_plan(job, status)
+    if plan is None:
+        try:
+            plan = planner(spec)
+        except PlanningError as err:
+            # Any other exception is a planner bug: the handler retries it rather than blame
+            # the user's spec for it.
+            message = f"{err.field}: {err.message}"
+            return Evaluation(
+                job, spec, failure_reason=REASON_INVALID_SPEC, failure_message=message
+            )
+    if not plan.fits:
+        message = f"no configuration fits: {plan.reason}"
+        return Evaluation(job, spec, plan, REASON_PLAN_INFEASIBLE, message)
+    return Evaluation(job, spec, plan)

@@ -1,0 +1,125 @@
+"""Training progress from the trainers' Prometheus metrics, merged into status (pure)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from finetune_operator.api.constants import METRICS_BASE_PORT, checkpoint_dir_name
+from finetune_operator.api.status import CheckpointRef, FineTuneJobStatus
+from finetune_operator.reconcile.observed import RUNNING, PodView, format_time
+
+STEP = "finetune_trainer_step"
+LOSS = "finetune_trainer_loss"
+CKPT_STEP = "finetune_trainer_last_checkpoint_step"
+CKPT_TIME = "finetune_trainer_last_checkpoint_timestamp_seconds"
+
+
+@dataclass(frozen=True)
+class ScrapeTarget:
+    pod: str
+    url: str
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class TrainerProgress:
+    step: int | None = None
+    loss: float | None = None
+    loss_rank: int | None = None  # the rank whose loss we report: the lowest one seen
+    checkpoint_step: int | None = None
+    checkpoint_time: float | None = None
+
+
+def scrape_targets(pods: Sequence[PodView], processes_per_pod: int) -> list[ScrapeTarget]:
+    """Every local rank's endpoint (port 9400 + local rank) of each running worker pod."""
+    return [
+        ScrapeTarget(p.name, f"http://{p.ip}:{METRICS_BASE_PORT + r}/metrics", r)
+        for p in pods
+        if p.is_worker and p.phase == RUNNING and p.ip and not p.terminating
+        for r in range(processes_per_pod)
+    ]
+
+
+def _rank(labels: dict[str, str]) -> int:
+    try:
+        return int(labels.get("rank", ""))
+    except ValueError:
+        return 1 << 30  # unlabelled samples lose to any ranked one
+
+
+Num = TypeVar("Num", int, float)
+
+
+def _max(a: Num | None, b: Num | None) -> Num | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def parse_trainer_metrics(text: str) -> TrainerProgress:
+    """The progress one metrics page reports; an unparsable page reports nothing."""
+    step = ckpt_step = ckpt_time = loss = None
+    loss_rank: int | None = None
+    try:
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except (ValueError, TypeError, IndexError):
+        return TrainerProgress()
+    for s in samples:
+        if not math.isfinite(s.value) and s.name != LOSS:
+            continue
+        if s.name == STEP:
+            step = _max(step, s.value)
+        elif s.name == CKPT_STEP:
+            ckpt_step = _max(ckpt_step, s.value)
+        elif s.name == CKPT_TIME:
+            ckpt_time = _max(ckpt_time, s.value)
+        elif s.name == LOSS and (loss_rank is None or _rank(s.labels) < loss_rank):
+            loss, loss_rank = s.value, _rank(s.labels)
+    return TrainerProgress(
+        step=int(step) if step is not None else None,
+        loss=loss,
+        loss_rank=loss_rank,
+        checkpoint_step=int(ckpt_step) if ckpt_step is not None and ckpt_step >= 0 else None,
+        checkpoint_time=ckpt_time if ckpt_time else None,
+    )
+
+
+def combine_progress(parts: Iterable[TrainerProgress]) -> TrainerProgress:
+    """All ranks together: the furthest step and checkpoint, the lowest rank's loss."""
+    out = TrainerProgress()
+    for p in parts:
+        better_loss = p.loss is not None and (
+            out.loss_rank is None or (p.loss_rank is not None and p.loss_rank < out.loss_rank)
+        )
+        out = TrainerProgress(
+            step=_max(out.step, p.step),
+            loss=p.loss if better_loss else out.loss,
+            loss_rank=p.loss_rank if better_loss else out.loss_rank,
+            checkpoint_step=_max(out.checkpoint_step, p.checkpoint_step),
+            checkpoint_time=_max(out.checkpoint_time, p.checkpoint_time),
+        )
+    return out
+
+
+def merge_progress(
+    status: FineTuneJobStatus, progress: TrainerProgress, checkpoint_uri: str
+) -> FineTuneJobStatus:
+    """Status with the trainers' progress; fields nobody reported keep their last value."""
+    update: dict[str, object] = {}
+    if progress.step is not None:
+        update["step"] = progress.step
+    if progress.loss is not None and math.isfinite(progress.loss):
+        update["loss"] = progress.loss
+    if progress.checkpoint_step is not None:
+        when = (
+            format_time(datetime.fromtimestamp(progress.checkpoint_time, UTC))
+            if progress.checkpoint_time
+            else None
+        )
+        uri = f"{checkpoint_uri.rstrip('/')}/{checkpoint_dir_name(progress.checkpoint_step)}"
+        update["last_checkpoint"] = CheckpointRef(step=progress.checkpoint_step, uri=uri, time=when)
+    return status.model_copy(update=update) if update else status

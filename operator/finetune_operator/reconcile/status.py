@@ -1,0 +1,140 @@
+"""compute_status: the FineTuneJob status the observed world implies (pure, `now` passed in)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from finetune_operator.api.constants import (
+    COND_FAILED,
+    COND_PLANNED,
+    COND_STRAGGLER_DETECTED,
+    COND_SUCCEEDED,
+    COND_WORKERS_READY,
+    REASON_ALL_WORKERS_READY,
+    REASON_BACKOFF_LIMIT_EXCEEDED,
+    REASON_COMPLETED,
+    REASON_NO_STRAGGLER,
+    REASON_PENDING,
+    REASON_PLAN_FITS,
+    REASON_RESTARTING,
+    REASON_RUNNING,
+    REASON_SUSPENDED,
+    REASON_WORKERS_NOT_READY,
+)
+from finetune_operator.api.status import Condition, FineTuneJobStatus
+from finetune_operator.reconcile.assess import Assessment, Mode, assess
+from finetune_operator.reconcile.conditions import Want, derive_phase, find, set_condition
+from finetune_operator.reconcile.observed import PodView, format_time
+from finetune_operator.reconcile.planning import Evaluation
+
+# Condition order in status: stable, so an unchanged status compares (and patches) as equal.
+ORDER = (COND_PLANNED, COND_WORKERS_READY, COND_SUCCEEDED, COND_FAILED)
+
+
+def _progress(a: Assessment) -> Want:
+    """Succeeded=Unknown while running: its reason says what the job is doing."""
+    if a.waiting:
+        pod, due = a.waiting[0]
+        msg = f"{pod.describe_failure()}; replacing it at {format_time(due)}"
+        return Want("Unknown", REASON_RESTARTING, msg)
+    if a.replace_now:
+        names = ", ".join(p.name for p in a.replace_now)
+        return Want("Unknown", REASON_RESTARTING, f"replacing failed pods: {names}")
+    if a.ready >= max(a.min_nodes, 1):
+        return Want("Unknown", REASON_RUNNING, f"training on {a.ready} worker pods")
+    if a.restarts:
+        return Want("Unknown", REASON_RESTARTING, f"{a.ready}/{a.desired} worker pods ready")
+    return Want("Unknown", REASON_PENDING, f"{a.ready}/{a.desired} worker pods ready")
+
+
+def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
+    if a.mode is Mode.INVALID:
+        reason, msg = ev.failure_reason or "", ev.failure_message
+        return {
+            COND_PLANNED: Want("False", reason, msg),
+            COND_WORKERS_READY: Want("False", reason, "nothing was created"),
+            COND_SUCCEEDED: Want("False", reason, msg),
+            COND_FAILED: Want("True", reason, msg),
+        }
+    planned = Want("True", REASON_PLAN_FITS, ev.plan.reason if ev.plan else "")
+    if a.mode is Mode.SUCCEEDED:
+        done = Want("False", REASON_COMPLETED, a.message)
+        return {
+            COND_PLANNED: planned,
+            COND_WORKERS_READY: done,
+            COND_SUCCEEDED: Want("True", REASON_COMPLETED, a.message),
+            COND_FAILED: done,
+        }
+    if a.mode is Mode.FAILED:
+        failed = Want("False", REASON_BACKOFF_LIMIT_EXCEEDED, a.message)
+        return {
+            COND_PLANNED: planned,
+            COND_WORKERS_READY: failed,
+            COND_SUCCEEDED: failed,
+            COND_FAILED: Want("True", REASON_BACKOFF_LIMIT_EXCEEDED, a.message),
+        }
+    if a.mode is Mode.SUSPENDED:
+        held = Want("False", REASON_SUSPENDED, "spec.suspend is true: pods deleted")
+        return {
+            COND_PLANNED: planned,
+            COND_WORKERS_READY: held,
+            COND_SUCCEEDED: Want("Unknown", REASON_SUSPENDED, held.message),
+            COND_FAILED: held,
+        }
+    progress = _progress(a)
+    ready_msg = f"{a.ready}/{a.desired} worker pods ready"
+    ready = (
+        Want("True", REASON_ALL_WORKERS_READY, ready_msg)
+        if a.desired and a.ready >= a.desired
+        else Want("False", REASON_WORKERS_NOT_READY, ready_msg)
+    )
+    return {
+        COND_PLANNED: planned,
+        COND_WORKERS_READY: ready,
+        COND_SUCCEEDED: progress,
+        COND_FAILED: Want("False", progress.reason, progress.message),
+    }
+
+
+def _conditions(
+    old: Sequence[Condition], wants: dict[str, Want], now: datetime, generation: int
+) -> list[Condition]:
+    conds = list(old)
+    for ctype in ORDER:
+        conds = set_condition(conds, ctype, wants[ctype], now, generation)
+    if find(conds, COND_STRAGGLER_DETECTED) is None:
+        # Set on the first visit (API conventions); the straggler detector owns it afterwards.
+        want = Want("False", REASON_NO_STRAGGLER, "no straggler detected")
+        conds = set_condition(conds, COND_STRAGGLER_DETECTED, want, now, generation)
+    rank = {t: i for i, t in enumerate((*ORDER, COND_STRAGGLER_DETECTED))}
+    return sorted(conds, key=lambda c: rank.get(c.type, len(rank)))
+
+
+def compute_status(
+    ev: Evaluation, status: FineTuneJobStatus, pods: Sequence[PodView], now: datetime
+) -> FineTuneJobStatus:
+    """The new status; equal to `status` when nothing changed (so no patch is needed)."""
+    a = assess(ev, status, pods, now)
+    conds = _conditions(status.conditions, _wants(ev, a), now, ev.job.generation)
+    update: dict[str, object] = {
+        "conditions": conds,
+        "phase": derive_phase(conds),
+        "restarts": a.restarts,
+        "ready_workers": a.ready,
+        "observed_generation": ev.job.generation,
+    }
+    if ev.plan is not None:
+        update["plan"] = ev.plan
+        if ev.plan.fits:
+            update["world_size"] = ev.plan.world_size
+            update["strategy"] = ev.plan.strategy
+    if ev.spec is not None and ev.spec.training.max_steps is not None:
+        update["total_steps"] = ev.spec.training.max_steps
+    if a.mode is Mode.ACTIVE:
+        update["completion_time"] = None  # a refused spec fixed by the user runs again
+        if status.start_time is None:
+            update["start_time"] = format_time(now)
+    elif a.mode in (Mode.SUCCEEDED, Mode.FAILED, Mode.INVALID) and status.completion_time is None:
+        update["completion_time"] = format_time(now)
+    return status.model_copy(update=update)

@@ -1,0 +1,98 @@
+"""Trainer metrics text → progress → status."""
+
+from __future__ import annotations
+
+import pytest
+from finetune_operator.api.status import CheckpointRef, FineTuneJobStatus
+from finetune_operator.reconcile import (
+    TrainerProgress,
+    combine_progress,
+    merge_progress,
+    observe_pod,
+    parse_trainer_metrics,
+    scrape_targets,
+)
+
+RANK0 = """\
+# HELP finetune_trainer_step Last optimizer step.
+# TYPE finetune_trainer_step gauge
+finetune_trainer_step{finetunejob="qs",rank="0"} 42.0
+# HELP finetune_trainer_loss Loss of the last step.
+# TYPE finetune_trainer_loss gauge
+finetune_trainer_loss{finetunejob="qs",rank="0"} 2.5
+# TYPE finetune_trainer_last_checkpoint_step gauge
+finetune_trainer_last_checkpoint_step{finetunejob="qs",rank="0"} 40.0
+# TYPE finetune_trainer_last_checkpoint_timestamp_seconds gauge
+finetune_trainer_last_checkpoint_timestamp_seconds{finetunejob="qs",rank="0"} 1.7672256e+09
+# TYPE finetune_trainer_tokens_total counter
+finetune_trainer_tokens_total{finetunejob="qs",rank="0"} 1000.0
+# TYPE finetune_trainer_step_duration_seconds histogram
+finetune_trainer_step_duration_seconds_bucket{finetunejob="qs",rank="0",le="+Inf"} 42.0
+finetune_trainer_step_duration_seconds_count{finetunejob="qs",rank="0"} 42.0
+finetune_trainer_step_duration_seconds_sum{finetunejob="qs",rank="0"} 21.0
+"""
+RANK1 = """\
+# TYPE finetune_trainer_step gauge
+finetune_trainer_step{finetunejob="qs",rank="1"} 43.0
+# TYPE finetune_trainer_loss gauge
+finetune_trainer_loss{finetunejob="qs",rank="1"} 9.9
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (RANK0, TrainerProgress(42, 2.5, 0, 40, 1.7672256e09)),
+        (RANK1, TrainerProgress(43, 9.9, 1, None, None)),
+        ("", TrainerProgress()),
+        ("this is { not prometheus", TrainerProgress()),
+        (
+            "# TYPE finetune_trainer_last_checkpoint_step gauge\n"
+            'finetune_trainer_last_checkpoint_step{rank="0"} -1\n',
+            TrainerProgress(),
+        ),
+    ],
+    ids=["rank0", "rank1", "empty", "garbage", "no-checkpoint-yet"],
+)
+def test_parse(text: str, expected: TrainerProgress) -> None:
+    assert parse_trainer_metrics(text) == expected
+
+
+def test_combine_takes_furthest_step_and_lowest_rank_loss() -> None:
+    parts = [parse_trainer_metrics(RANK1), parse_trainer_metrics(RANK0), TrainerProgress()]
+    assert combine_progress(parts) == TrainerProgress(43, 2.5, 0, 40, 1.7672256e09)
+    assert combine_progress([]) == TrainerProgress()
+
+
+def test_merge_into_status() -> None:
+    status = FineTuneJobStatus(step=10, loss=3.0, total_steps=60)
+    merged = merge_progress(
+        status, combine_progress([parse_trainer_metrics(RANK0)]), "checkpoints/qs/"
+    )
+    assert (merged.step, merged.loss, merged.total_steps) == (42, 2.5, 60)
+    assert merged.last_checkpoint == CheckpointRef(
+        step=40, uri="checkpoints/qs/step-00000040", time="2026-01-01T00:00:00Z"
+    )
+    # Nothing scraped (all endpoints down): status keeps what it had, the same object.
+    assert merge_progress(merged, TrainerProgress(), "checkpoints/qs") is merged
+
+
+def test_scrape_targets_cover_every_local_rank_of_running_workers() -> None:
+    def pod(name: str, role: str, phase: str, ip: str | None) -> dict[str, object]:
+        labels = {"finetune.dev/job": "qs", "finetune.dev/role": role}
+        if role == "worker":
+            labels["finetune.dev/worker-index"] = name[-1]
+        return {
+            "metadata": {"name": name, "labels": labels},
+            "status": {"phase": phase, "podIP": ip},
+        }
+
+    pods = [
+        observe_pod(pod("qs-worker-0", "worker", "Running", "10.0.0.5")),
+        observe_pod(pod("qs-worker-1", "worker", "Pending", None)),
+        observe_pod(pod("qs-rdzv", "rendezvous", "Running", "10.0.0.9")),
+    ]
+    assert [t.url for t in scrape_targets(pods, 2)] == [
+        "http://10.0.0.5:9400/metrics",
+        "http://10.0.0.5:9401/metrics",
+    ]
