@@ -1,0 +1,59 @@
+"""Entry point: `python -m finetune_trainer --config job.json`, one process per rank under
+torchrun. Parse, build, train, and always tear the process group down."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from finetune_operator.api.constants import CONFIG_PATH
+
+from finetune_trainer.config import RuntimeEnv, load_job_config
+from finetune_trainer.distributed import destroy_distributed
+from finetune_trainer.errors import UnsupportedConfigError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="finetune_trainer", description=__doc__)
+    parser.add_argument("--config", default=CONFIG_PATH, help="job.json written by the operator")
+    args = parser.parse_args(argv)
+    env = RuntimeEnv.from_environ()
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s rank{env.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    log = logging.getLogger("finetune_trainer")
+    from finetune_trainer.trainer import Trainer  # torch import after logging is set up
+
+    trainer = None
+    code, failed = 1, False
+    try:
+        trainer = Trainer(load_job_config(args.config), env)
+        code = trainer.train()
+    except UnsupportedConfigError as e:
+        log.error("unsupported job configuration: %s", e)
+        code = EXIT_CONFIG_ERROR
+    except Exception:
+        # Typically a peer vanished mid-collective: torchrun restarts the group. Background
+        # save threads may be stuck on the same peer, so do not wait for them on the way out.
+        log.exception("training failed")
+        code, failed = 1, True
+    finally:
+        hard = failed or (trainer is not None and trainer.hard_exit)
+        if trainer is not None and not hard:
+            trainer.close()
+        destroy_distributed()
+    if hard:
+        # A save thread may still be blocked on a vanished peer: do not wait for it.
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""What the trainer is told: the job config the operator wrote, plus the process environment
+that torchrun and the pod give it (ranks, world size, pod address, test knobs)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune_operator.api.constants import METRICS_BASE_PORT
+from finetune_operator.api.jobconfig import JobConfig
+
+
+def load_job_config(path: str | os.PathLike[str]) -> JobConfig:
+    """Read and validate `job.json` (camelCase, as the operator writes it)."""
+    return JobConfig.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from e
+    if value < 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeEnv:
+    """Per-process facts from the environment, read once at start.
+
+    Test/operations knobs (all optional):
+    - `FT_STEP_DELAY_SECONDS` (float, default 0): every step sleeps this long as part of this
+      rank's compute. End-to-end tests use it to slow a run down (time to kill a pod mid-run) or
+      to make one rank a straggler.
+    - `FT_GRACE_SECONDS` (float, default 25): after SIGTERM, how long the final checkpoint may
+      take; torchrun SIGKILLs workers 30 s after it forwards SIGTERM.
+    - `FT_METRICS_BASE_PORT` (int, default 9400): metrics port of local rank 0; `0` disables
+      the metrics HTTP server.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    restart_count: int
+    pod_ip: str | None
+    pod_name: str | None
+    step_delay_seconds: float
+    grace_seconds: float
+    metrics_base_port: int
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
+        env = os.environ if env is None else env
+        world = int(env.get("WORLD_SIZE", "1"))
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=world,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            pod_ip=env.get("POD_IP") or None,
+            pod_name=env.get("POD_NAME") or None,
+            step_delay_seconds=_float(env, "FT_STEP_DELAY_SECONDS", 0.0),
+            grace_seconds=_float(env, "FT_GRACE_SECONDS", 25.0),
+            metrics_base_port=int(env.get("FT_METRICS_BASE_PORT", str(METRICS_BASE_PORT))),
+        )
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def metrics_port(self) -> int | None:
+        if self.metrics_base_port == 0:
+            return None
+        return self.metrics_base_port + self.local_rank

@@ -1,0 +1,139 @@
+"""Prometheus metrics (one HTTP server per local rank) and the rank-0 JSON step log.
+
+Labels are `finetunejob` and `rank` only: Prometheus owns `job`; namespace, pod and node come
+from the scrape target. Throughput and memory maths live here, not in the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+PREFIX = "finetune_trainer"
+LABELS = ("finetunejob", "rank")
+_STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+_CKPT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    loss: float
+    lr: float
+    tokens: int  # tokens this step, all ranks
+    step_seconds: float
+    compute_seconds: float
+    wait_seconds: float
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+class TrainerMetrics:
+    def __init__(
+        self, *, job: str, rank: int, device: torch.device, restarts: int, total_steps: int
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.device = device
+        self.rank = rank
+        labels = {"finetunejob": job, "rank": str(rank)}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"{PREFIX}_{name}", doc, LABELS, registry=self.registry).labels(**labels)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                f"{PREFIX}_{name}", doc, LABELS, registry=self.registry, buckets=buckets
+            ).labels(**labels)
+
+        self.step = gauge("step", "Last completed optimizer step.")
+        self.total_steps = gauge("total_steps", "Optimizer steps the job runs in all.")
+        self.loss = gauge("loss", "Training loss of the last step (mean over ranks).")
+        self.peak_memory = gauge(
+            "peak_memory_bytes", "Peak memory: CUDA max allocated, or process peak RSS on CPU."
+        )
+        self.restarts = gauge("elastic_restarts", "torchelastic restarts of this worker group.")
+        self.last_ckpt_step = gauge(
+            "last_checkpoint_step", "Step of the last committed checkpoint."
+        )
+        self.last_ckpt_time = gauge(
+            "last_checkpoint_timestamp_seconds", "Unix time of the last committed checkpoint."
+        )
+        self.tokens = Counter(
+            f"{PREFIX}_tokens", "Tokens trained on by this rank.", LABELS, registry=self.registry
+        ).labels(**labels)
+        self.step_seconds = hist("step_duration_seconds", "Wall time per step.", _STEP_BUCKETS)
+        self.compute_seconds = hist(
+            "compute_duration_seconds",
+            "This rank's own work per step (forward, backward, optimizer), without waiting.",
+            _STEP_BUCKETS,
+        )
+        self.wait_seconds = hist(
+            "wait_duration_seconds", "Time per step blocked at the sync point.", _STEP_BUCKETS
+        )
+        self.ckpt_blocking = hist(
+            "checkpoint_blocking_seconds",
+            "Training time blocked by a checkpoint save.",
+            _CKPT_BUCKETS,
+        )
+        self.ckpt_duration = hist(
+            "checkpoint_save_duration_seconds", "Start of a save to its commit.", _CKPT_BUCKETS
+        )
+        self.restarts.set(restarts)
+        self.total_steps.set(total_steps)
+        self._last_log = time.monotonic()
+
+    def serve(self, port: int | None, addr: str | None) -> None:
+        """Start the HTTP endpoint; a taken port is logged, never fatal to training."""
+        if port is None:
+            return
+        try:
+            start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
+            log.info("metrics on http://%s:%d/metrics", addr or "0.0.0.0", port)
+        except OSError as e:
+            log.warning("metrics server not started on %s:%d: %s", addr, port, e)
+
+    def observe_step(self, s: StepStats, world_size: int) -> None:
+        self.step.set(s.step)
+        self.loss.set(s.loss)
+        self.tokens.inc(s.tokens // world_size)
+        self.step_seconds.observe(s.step_seconds)
+        self.compute_seconds.observe(s.compute_seconds)
+        self.wait_seconds.observe(s.wait_seconds)
+        self.peak_memory.set(peak_memory_bytes(self.device))
+        if self.rank == 0:
+            print(
+                json.dumps(
+                    {
+                        "step": s.step,
+                        "loss": round(s.loss, 5),
+                        "lr": s.lr,
+                        "tokens_per_second": round(s.tokens / max(s.step_seconds, 1e-9), 1),
+                        "step_seconds": round(s.step_seconds, 4),
+                        "compute_seconds": round(s.compute_seconds, 4),
+                        "wait_seconds": round(s.wait_seconds, 4),
+                    }
+                ),
+                flush=True,
+            )
+
+    def observe_checkpoint_blocking(self, seconds: float) -> None:
+        self.ckpt_blocking.observe(seconds)
+
+    def observe_checkpoint_committed(self, step: int, seconds: float) -> None:
+        self.ckpt_duration.observe(seconds)
+        self.last_ckpt_step.set(step)
+        self.last_ckpt_time.set(time.time())

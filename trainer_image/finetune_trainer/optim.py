@@ -1,0 +1,61 @@
+"""Optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from finetune_operator.api.spec import TrainingSpec
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from finetune_trainer.errors import UnsupportedConfigError
+
+
+def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
+    """Multiplier of the peak LR for the optimizer step with index `step` (0-based):
+    linear warm-up over `warmup` steps, then cosine/linear decay to 0 at `total`, or constant."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def _param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, object]]:
+    # Matrices decay; norms and biases (1-D) do not.
+    decay, no_decay = [], []
+    for p in params:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, spec: TrainingSpec) -> torch.optim.Optimizer:
+    groups = _param_groups(model.parameters(), spec.weight_decay)
+    if spec.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=(0.9, 0.95), eps=1e-8)
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=spec.learning_rate, momentum=0.9)
+    raise UnsupportedConfigError(
+        f"training.optimizer {spec.optimizer!r} is not implemented yet; use adamw or sgd"
+    )
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, spec: TrainingSpec, total_steps: int
+) -> LambdaLR:
+    warmup, schedule = spec.warmup_steps, spec.schedule
+    return LambdaLR(
+        optimizer,
+        lambda s: lr_factor(s, warmup=warmup, total=total_steps, schedule=schedule),
+    )

@@ -1,0 +1,75 @@
+"""What a checkpoint holds, as a DCP state dict: model, optimizer, scheduler, sampler position,
+step and RNG. Model and optimizer go through `get_state_dict`/`set_state_dict`, so a checkpoint
+written by N ranks loads into M ranks (DCP reshards)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim.lr_scheduler import LRScheduler
+
+from finetune_trainer.sampler import StepSampler
+
+RNG_PREFIX = "rng"
+
+
+@dataclass
+class TrainState:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    sampler: StepSampler
+    rank: int
+    seed: int
+    step: int = 0
+
+    def _rng_key(self) -> str:
+        # One entry per rank (each rank's dropout stream); a rank missing from an older,
+        # smaller world is reseeded from (seed, rank, step) instead.
+        return f"rank{self.rank}"
+
+    def capture(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        rng: dict[str, torch.Tensor] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        train = {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "train": json.dumps(train),  # replicated: DCP writes it once
+            RNG_PREFIX: {self._rng_key(): rng},
+        }
+
+    def template(self, saved_keys: set[str]) -> dict[str, Any]:
+        """The state dict to load into; RNG only if this rank's entry was saved."""
+        sd = self.capture()
+        prefix = f"{RNG_PREFIX}.{self._rng_key()}."
+        if not any(k.startswith(prefix) for k in saved_keys):
+            del sd[RNG_PREFIX]
+        return sd
+
+    def restore(self, sd: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+        train = json.loads(sd["train"])
+        self.step = int(train["step"])
+        self.sampler.load_state_dict(train["sampler"])
+        self.scheduler.load_state_dict(train["scheduler"])
+        rng = sd.get(RNG_PREFIX, {}).get(self._rng_key())
+        if rng is None:
+            torch.manual_seed(self.seed + 100_003 * self.rank + self.step)
+        else:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])

@@ -1,0 +1,56 @@
+"""Tokenizers: a byte-level one for inline (randomly initialised) models, the model's own
+(`AutoTokenizer`) for real ones."""
+
+from __future__ import annotations
+
+from finetune_operator.api.spec import ModelSpec
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
+BYTE_VOCAB_SIZE = 256 + 3
+
+# A minimal chat format for byte-level models: role header, content, eos.
+BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """Printable stand-ins for the 256 byte values (the GPT-2 byte-level convention, which the
+    `tokenizers` ByteLevel pre-tokenizer and decoder use): printable Latin-1 bytes map to
+    themselves, the rest to code points from 256 upwards, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping: dict[int, str] = {}
+    extra = 0
+    for b in range(256):
+        if b in keep:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Token id = byte value (0..255), then <bos>=256, <eos>=257, <pad>=258."""
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([BOS, EOS, PAD])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD
+    )
+    tok.chat_template = BYTE_CHAT_TEMPLATE
+    return tok
+
+
+def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    if spec.source == "inline":
+        return build_byte_tokenizer()
+    tok = AutoTokenizer.from_pretrained(spec.name, revision=spec.revision)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok

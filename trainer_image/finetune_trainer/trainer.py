@@ -1,0 +1,255 @@
+"""The training loop. `Trainer.__init__` builds the components; `train()` reads like a table
+of contents: load checkpoint -> step -> log -> maybe save, until done or told to stop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import time
+from types import FrameType
+
+import torch
+from finetune_operator.api.jobconfig import JobConfig
+
+from finetune_trainer.checkpointer import build_checkpointer
+from finetune_trainer.config import RuntimeEnv
+from finetune_trainer.data import build_dataset
+from finetune_trainer.distributed import init_distributed, select_device
+from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.metrics import StepStats, TrainerMetrics
+from finetune_trainer.model import build_model
+from finetune_trainer.optim import build_optimizer, build_scheduler
+from finetune_trainer.parallelize import parallelize
+from finetune_trainer.sampler import StepSampler
+from finetune_trainer.state import TrainState
+from finetune_trainer.tokenizer import build_tokenizer
+
+log = logging.getLogger(__name__)
+
+# Exit code of a rank that stopped because a *peer* was told to stop (eviction of another
+# pod): non-zero so torchrun restarts this worker group, which re-forms without the peer.
+EXIT_PEER_STOPPED = 75
+PEER_SIGNAL_WAIT_SECONDS = 5.0
+
+
+class StopSignal:
+    """SIGTERM/SIGINT only set a flag; the loop finishes the step and stops collectively."""
+
+    def __init__(self) -> None:
+        self.received_at: float | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+            log.warning("received signal %d: stopping after this step", signum)
+
+    @property
+    def requested(self) -> bool:
+        return self.received_at is not None
+
+
+def gradient_accumulation(global_batch: int, world_size: int, micro_batch: int) -> int:
+    if global_batch % (world_size * micro_batch):
+        raise UnsupportedConfigError(
+            f"training.globalBatchSize {global_batch} is not divisible by world size "
+            f"{world_size} x micro-batch {micro_batch}; change globalBatchSize or the node range"
+        )
+    return global_batch // (world_size * micro_batch)
+
+
+def precision_context(
+    precision: str, device: torch.device
+) -> contextlib.AbstractContextManager[None]:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    raise UnsupportedConfigError("training.precision fp16 is not implemented yet; use bf16 or fp32")
+
+
+class Trainer:
+    def __init__(self, job: JobConfig, env: RuntimeEnv) -> None:
+        self.job, self.env, spec = job, env, job.spec
+        self.stop_signal = StopSignal()
+        self.device = select_device(spec.resources.device, env)
+        self.dist = init_distributed(self.device, env)
+        world, micro = self.dist.world_size, job.plan.micro_batch_size
+        self.grad_accum = gradient_accumulation(spec.training.global_batch_size, world, micro)
+        precision_context(spec.training.precision, self.device)  # refuse early
+        torch.manual_seed(spec.training.seed)
+
+        tokenizer = build_tokenizer(spec.model)
+        self.data = build_dataset(spec.dataset, tokenizer, spec.training.sequence_length)
+        model = build_model(
+            spec.model,
+            spec.method,
+            tokenizer,
+            self.device,
+            activation_checkpointing=job.plan.activation_checkpointing,
+        )
+        self.parallel = parallelize(
+            model, job.plan, spec.strategy, self.device, env.local_world_size
+        )
+        self.model = self.parallel.model
+        self.total_steps = spec.training.max_steps or math.ceil(
+            (spec.training.epochs or 1.0) * len(self.data) / spec.training.global_batch_size
+        )
+        self.optimizer = build_optimizer(self.model, spec.training)
+        self.scheduler = build_scheduler(self.optimizer, spec.training, self.total_steps)
+        self.sampler = StepSampler(
+            num_samples=len(self.data),
+            global_batch=spec.training.global_batch_size,
+            micro_batch=micro,
+            rank=self.dist.rank,
+            world_size=world,
+            seed=spec.training.seed,
+        )
+        self.metrics = TrainerMetrics(
+            job=job.name,
+            rank=self.dist.rank,
+            device=self.device,
+            restarts=env.restart_count,
+            total_steps=self.total_steps,
+        )
+        self.state = TrainState(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.sampler,
+            rank=self.dist.rank,
+            seed=spec.training.seed,
+        )
+        self.checkpointer = build_checkpointer(
+            spec.checkpoint,
+            self.state,
+            group=self.dist.checkpoint_group,
+            world_size=world,
+            metrics=self.metrics,
+            meta={"job": job.name, "uid": job.uid, "strategy": self.parallel.strategy},
+        )
+        self.hard_exit = False
+        log.info(
+            "world %d, micro-batch %d, grad accumulation %d, %d steps, strategy %s",
+            world,
+            micro,
+            self.grad_accum,
+            self.total_steps,
+            self.parallel.strategy,
+        )
+
+    def train(self) -> int:
+        """Run to `total_steps` or until stopped; returns the process exit code."""
+        self.state.step = self.checkpointer.load()
+        self.metrics.serve(self.env.metrics_port, self.env.pod_ip)
+        stop = False
+        while self.state.step < self.total_steps and not stop:
+            stats, stop, time_due = self.train_step()
+            self.metrics.observe_step(stats, self.dist.world_size)
+            last = self.state.step == self.total_steps
+            self.checkpointer.maybe_save(self.state.step, force=stop or last, time_due=time_due)
+        return self._finish(stopped=stop)
+
+    def train_step(self) -> tuple[StepStats, bool, bool]:
+        t0 = time.perf_counter()
+        loss, tokens = self._forward_backward(self.sampler.next_step())
+        if self.env.step_delay_seconds:
+            time.sleep(self.env.step_delay_seconds)
+        self._device_sync()
+        t1 = time.perf_counter()
+        stop, loss, tokens, time_due = self._sync_point(loss, tokens)
+        t2 = time.perf_counter()
+        self.parallel.sync_gradients()
+        t3 = time.perf_counter()
+        self.checkpointer.wait_for_staging()  # the optimizer is about to change live tensors
+        t4 = time.perf_counter()
+        self.metrics.observe_checkpoint_blocking(t4 - t3) if t4 - t3 > 1e-3 else None
+        lr = self._optimizer_step()
+        t5 = time.perf_counter()
+        self.state.step += 1
+        stats = StepStats(
+            step=self.state.step,
+            loss=loss,
+            lr=lr,
+            tokens=int(tokens),
+            step_seconds=t5 - t0,
+            compute_seconds=(t1 - t0) + (t5 - t4),
+            wait_seconds=t2 - t1,
+        )
+        return stats, stop, time_due
+
+    def _forward_backward(self, micro_batches: list[list[int]]) -> tuple[float, float]:
+        self.model.train()
+        loss_sum, tokens = 0.0, 0.0
+        precision = self.job.spec.training.precision
+        for i, indices in enumerate(micro_batches):
+            batch = self.data.batch(indices, self.device)
+            with self.parallel.accumulate(i == len(micro_batches) - 1):
+                with precision_context(precision, self.device):
+                    loss = self.model(**batch).loss / len(micro_batches)
+                loss.backward()
+            loss_sum += float(loss.detach())
+            tokens += float(batch["attention_mask"].sum())
+        return loss_sum, tokens
+
+    def _sync_point(self, loss: float, tokens: float) -> tuple[bool, float, float, bool]:
+        """The step's one deliberate rendezvous of all ranks: agree on stopping and on a
+        time-based save, and sum loss and tokens. Time blocked here is wait, not compute."""
+        stop_s, loss_s, tokens_s, due_s = self.dist.all_reduce_sum(
+            [
+                float(self.stop_signal.requested),
+                loss,
+                tokens,
+                float(self.checkpointer.time_due()),
+            ]
+        )
+        return stop_s > 0, loss_s / self.dist.world_size, tokens_s, due_s > 0
+
+    def _optimizer_step(self) -> float:
+        max_norm = self.job.spec.training.max_grad_norm
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.grad is not None], max_norm
+            )
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def _device_sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _finish(self, *, stopped: bool) -> int:
+        if not stopped:
+            self.checkpointer.finish()
+            log.info("training complete at step %d", self.state.step)
+            return 0
+        if not self.stop_signal.requested:
+            # A peer was signalled (its pod is going away); give our own signal a moment in
+            # case the whole group is being stopped (torchrun scale-up restarts everyone).
+            deadline = time.monotonic() + PEER_SIGNAL_WAIT_SECONDS
+            while not self.stop_signal.requested and time.monotonic() < deadline:
+                time.sleep(0.1)
+        started = self.stop_signal.received_at or time.monotonic()
+        left = max(0.0, self.env.grace_seconds - (time.monotonic() - started))
+        if not self.checkpointer.finish(timeout=left):
+            log.error(
+                "final checkpoint not committed within the %.0fs grace period",
+                self.env.grace_seconds,
+            )
+            self.hard_exit = True
+        log.info(
+            "stopped at step %d (last committed checkpoint: step %d)",
+            self.state.step,
+            self.checkpointer.last_committed_step,
+        )
+        return 0 if self.stop_signal.requested else EXIT_PEER_STOPPED
+
+    def close(self) -> None:
+        if not self.hard_exit:
+            self.checkpointer.close()
