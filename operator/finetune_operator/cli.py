@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces")
     op.add_argument("--liveness", default=None, help="e.g. http://0.0.0.0:8080/healthz")
     op.add_argument("--peering", default=None, help="kopf peering name (leader election)")
+    op.add_argument("--standalone", action="store_true", help="no peering, no leader election")
+    op.add_argument("--metrics-port", type=int, default=9090, help="operator /metrics port")
     op.set_defaults(func=_cmd_operator)
     return parser
 
