@@ -1,0 +1,135 @@
+"""Accelerator facts and per-process overheads the planner assumes, each with its source.
+
+Everything here is a named constant so a reviewer can check or replace one number without
+reading the memory model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from finetune_operator.api.spec import ResourcesSpec
+from finetune_operator.planner.errors import PlanningError
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One process's device: usable memory, dense bf16 peak and the links between devices."""
+
+    name: str
+    memory_bytes: int
+    peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s (vendor datasheets, no sparsity)
+    intra_node_bw: float  # achieved all-reduce bus bandwidth inside a node, bytes/s
+    mfu: float  # assumed model-FLOPs utilisation of a fine-tuning step
+    cuda: bool = True
+
+
+# Achieved NCCL bus bandwidths (nccl-tests all_reduce_perf busbw, large messages): NVLink4
+# (H100/H200 SXM) ~360 GB/s, NVLink3 (A100 SXM) ~230 GB/s, PCIe Gen4 without NVLink ~20 GB/s.
+NVLINK4_BW = 360e9
+NVLINK3_BW = 230e9
+PCIE_BW = 20e9
+# Inter-node: one 400 Gb/s InfiniBand/RoCE NIC per GPU reaches ~45 GB/s busbw in nccl-tests;
+# we assume that fabric for multi-node jobs (a slower Ethernet fabric only makes comm dearer).
+INTER_NODE_BW = 45e9
+# MFU of HF-style fine-tuning with FSDP/ZeRO (TorchTitan and MosaicML reports: 35-50% on
+# H100/A100 for 7B-70B Llama). Consumer and inference cards reach less.
+MFU_DATACENTER = 0.40
+MFU_OTHER = 0.30
+
+# Memory in GiB is what `nvidia-smi` reports as total (e.g. H100 80GB = 81559 MiB).
+GPU_PRODUCTS: dict[str, Accelerator] = {
+    a.name.lower(): a
+    for a in (
+        Accelerator("H100-80GB", 81559 * MIB, 989e12, NVLINK4_BW, MFU_DATACENTER),
+        Accelerator("H100-94GB", 95830 * MIB, 835e12, PCIE_BW * 3, MFU_DATACENTER),
+        Accelerator("H200-141GB", 143771 * MIB, 989e12, NVLINK4_BW, MFU_DATACENTER),
+        Accelerator("B200-180GB", 183359 * MIB, 2250e12, 2 * NVLINK4_BW, MFU_DATACENTER),
+        Accelerator("A100-80GB", 81920 * MIB, 312e12, NVLINK3_BW, MFU_DATACENTER),
+        Accelerator("A100-40GB", 40960 * MIB, 312e12, NVLINK3_BW, MFU_DATACENTER),
+        Accelerator("L40S", 46068 * MIB, 362e12, PCIE_BW, MFU_OTHER),
+        Accelerator("L4", 23034 * MIB, 121e12, PCIE_BW, MFU_OTHER),
+        Accelerator("A10G", 23028 * MIB, 70e12, PCIE_BW, MFU_OTHER),
+        Accelerator("A6000", 49140 * MIB, 155e12, PCIE_BW, MFU_OTHER),
+        Accelerator("V100-32GB", 32768 * MIB, 125e12, NVLINK3_BW / 2, MFU_OTHER),
+        Accelerator("T4", 15360 * MIB, 65e12, PCIE_BW, MFU_OTHER),
+        Accelerator("RTX-4090", 24564 * MIB, 165e12, PCIE_BW, MFU_OTHER),
+        Accelerator("RTX-3090", 24576 * MIB, 71e12, PCIE_BW, MFU_OTHER),
+        Accelerator("MI300X", 196592 * MIB, 1307e12, NVLINK4_BW, MFU_OTHER),
+    )
+}
+_PRODUCT_ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "b200": "b200-180gb",
+                    "a100": "a100-80gb", "rtx4090": "rtx-4090", "4090": "rtx-4090",
+                    "rtx3090": "rtx-3090", "a10": "a10g", "v100": "v100-32gb"}
+
+# When only memoryGib is given: assume a datacenter GPU of H100 speed over NVLink.
+UNKNOWN_GPU_FLOPS = 989e12
+# A CPU (gloo) process: ~50 GFLOP/s of fp32 matmul per process on a few cores (measured order
+# of magnitude for torch CPU GEMM), loopback/TCP ~1 GB/s between processes.
+CPU_FLOPS = 50e9
+CPU_BW = 1e9
+
+# What the GPU holds besides tensors (measured orders with torch 2.x, CUDA 12, lazy loading):
+# the CUDA context with torch kernels ~500 MiB; cuBLAS workspaces (torch default
+# CUBLAS_WORKSPACE_CONFIG, 32 MiB per stream on Hopper, a few streams) ~64 MiB; NCCL
+# communicator buffers (NCCL_BUFFSIZE 4 MiB x channels x peers) ~256 MiB per process group.
+CUDA_CONTEXT_BYTES = 500 * MIB
+CUBLAS_WORKSPACE_BYTES = 64 * MIB
+NCCL_BUFFER_BYTES = 256 * MIB
+
+# Host RAM per GPU when an offloading job leaves resources.memory unset: an 8-GPU
+# H100/A100 server (DGX H100) has 2 TiB, i.e. ~240 GiB per GPU after the OS.
+DEFAULT_HOST_BYTES_PER_GPU = 240 * GIB
+
+_QUANTITY = re.compile(r"^\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*([KMGTPE]i?|[kmM]?)\s*$")
+_UNITS = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+          "m": 1e-3}
+
+
+def parse_quantity(text: str, field: str) -> int:
+    """A Kubernetes memory quantity ('2Gi', '512M', '1e9') in bytes."""
+    match = _QUANTITY.match(text)
+    if not match:
+        raise PlanningError(field, f"{text!r} is not a Kubernetes quantity such as 2Gi")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def product(name: str) -> Accelerator | None:
+    key = name.strip().lower().replace(" ", "-").replace("_", "-")
+    key = _PRODUCT_ALIASES.get(key, key)
+    return GPU_PRODUCTS.get(key) or GPU_PRODUCTS.get(key.replace("-", ""))
+
+
+def accelerator_for(res: ResourcesSpec) -> Accelerator:
+    """The device one process trains on, from resources (memoryGib overrides the table)."""
+    if res.device == "cpu":
+        if res.memory is None:
+            raise PlanningError("spec.resources.memory",
+                                "a CPU job needs resources.memory (per pod) as its budget")
+        per_proc = parse_quantity(res.memory, "spec.resources.memory") // res.gpus_per_node
+        return Accelerator("cpu", per_proc, CPU_FLOPS, CPU_BW, 1.0, cuda=False)
+    known = product(res.gpu.product) if res.gpu.product else None
+    if res.gpu.product and known is None and res.gpu.memory_gib is None:
+        names = ", ".join(a.name for a in GPU_PRODUCTS.values())
+        raise PlanningError("spec.resources.gpu.product",
+                            f"unknown GPU product {res.gpu.product!r}; known: {names}; "
+                            "or set spec.resources.gpu.memoryGib")
+    if known is None and res.gpu.memory_gib is None:
+        raise PlanningError("spec.resources.gpu",
+                            "set spec.resources.gpu.product (e.g. H100-80GB) or memoryGib")
+    base = known or Accelerator("memoryGib", 0, UNKNOWN_GPU_FLOPS, NVLINK4_BW, MFU_DATACENTER)
+    mem = int(res.gpu.memory_gib * GIB) if res.gpu.memory_gib else base.memory_bytes
+    name = base.name if known else f"{mem / GIB:g}GiB"
+    return Accelerator(name, mem, base.peak_flops, base.intra_node_bw, base.mfu)
+
+
+def host_bytes_per_process(res: ResourcesSpec) -> int:
+    """RAM one process may fill with offloaded states."""
+    if res.memory:
+        return parse_quantity(res.memory, "spec.resources.memory") // res.gpus_per_node
+    return DEFAULT_HOST_BYTES_PER_GPU

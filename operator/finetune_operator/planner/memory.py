@@ -1,0 +1,280 @@
+"""Per-GPU memory of one fully specified training configuration (pure, no torch).
+
+`estimate_memory(model, shape, candidate)` is the contract the tracing accuracy matrix checks:
+it returns the resident model states (parameters, gradients, optimizer), and the step's peak of
+allocated tensor memory found by walking the phases of a steady-state step (optimizer states
+already exist):
+
+  loss      end of forward: every saved activation + logits, fp32 log-softmax and the two
+            fp32 b*s*V gradients of the loss backward (the peak of long-vocab models)
+  backward  first decoder layer in backward: activations (checkpointing: layer inputs + one
+            recomputed layer) + that layer's gradient temporaries + gathered units/buckets
+  optimizer optimizer step: all states + gradients + the optimizer's temporaries
+
+Mixed precision (bf16/fp16 with fp32 master weights) is split as the textbooks do for DDP and
+DeepSpeed ZeRO (2 B params + 2 B grads + 12 B master/m/v per parameter), and as FSDP2 really
+allocates for the fsdp-* strategies (sharded fp32 params are the masters: 4 + 4 + 8 B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from finetune_operator.api.plan import MemoryBreakdown
+from finetune_operator.api.spec import (
+    AttentionImpl,
+    MethodType,
+    Offload,
+    OptimizerName,
+    Precision,
+    StrategyName,
+)
+from finetune_operator.planner.activations import FP32, activation_model
+from finetune_operator.planner.architecture import ModelShape
+from finetune_operator.planner.hardware import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    MIB,
+    NCCL_BUFFER_BYTES,
+)
+from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
+
+# PyTorch's caching allocator rounds blocks (512 B small / 2 MiB large) and keeps freed blocks
+# split; reserved/allocated of steady-state LLM training is typically 1.03-1.10
+# (torch.cuda.memory_stats on FSDP Llama runs). We take the middle.
+ALLOCATOR_FRAGMENTATION = 1.06
+# torch DDP bucket_cap_mb default (25 MiB); with gradient_as_bucket_view=True the grads live in
+# the buckets, so the extra is one bucket in flight for NCCL.
+DDP_BUCKET_BYTES = 25 * MIB
+# DeepSpeed reduce_bucket_size / allgather_bucket_size default: 5e8 elements.
+ZERO_BUCKET_ELEMENTS = 500_000_000
+# bitsandbytes 8-bit blockwise optimizer: 1 byte per state value + one fp32 absmax per 256.
+ADAM8BIT_BYTES_PER_STATE = 1 + FP32 / 256
+DEEPSPEED = frozenset({"zero1", "zero2", "zero3"})
+FSDP = frozenset({"fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid"})
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """What one rank computes per micro-batch, independent of how states are sharded."""
+
+    micro_batch: int
+    seq_len: int
+    precision: Precision = "bf16"
+    optimizer: OptimizerName = "adamw"
+    method: MethodType = "full"
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_dropout: float = 0.05
+    attention: AttentionImpl = "sdpa"
+    checkpointing: bool = False
+    grad_accumulation: int = 1
+    # None: fp32 master weights iff precision is bf16/fp16 (mixed precision). False models
+    # pure-bf16 training (params, grads and Adam states all in the compute dtype).
+    master_weights: bool | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """How states are placed: strategy, world size, node shape, offload, device kind."""
+
+    strategy: StrategyName
+    world_size: int = 1
+    gpus_per_node: int = 1
+    offload: Offload = "none"
+    cuda: bool = True
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a fully sharded state is split over (hybrid: within one node)."""
+        if self.strategy == "fsdp-hybrid":
+            return min(self.world_size, self.gpus_per_node)
+        return self.world_size
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    breakdown: MemoryBreakdown
+    peak_phase: str  # loss | backward | optimizer
+    host_bytes: int  # offloaded states per process (CPU RAM)
+    phases: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _States:
+    params: int
+    grads: int
+    optim: int
+    host: int
+    frozen_elems: int  # frozen base parameters (LoRA/QLoRA), for gathered-unit sizes
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _optimizer_state_bytes(shape: TrainingShape, e: int, mixed: bool) -> float:
+    """Bytes per trainable parameter of optimizer states, excluding master weights."""
+    state = FP32 if mixed else e
+    if shape.optimizer == "adamw":
+        return 2 * state
+    if shape.optimizer == "adamw8bit":
+        return 2 * ADAM8BIT_BYTES_PER_STATE
+    return state  # SGD with momentum: one buffer
+
+
+def _model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> _States:
+    e = PRECISION_BYTES[shape.precision]
+    mixed = e != FP32 and shape.master_weights is not False
+    n, s = cand.world_size, cand.shard_size
+    if shape.method == "full":
+        trainable, frozen_bytes, frozen_elems = m.total, 0, 0
+    else:
+        trainable = adapter_parameters(m, shape.lora_rank, shape.lora_targets)
+        frozen_elems = m.total
+        frozen_bytes = qlora_base_bytes(m, e) if shape.method == "qlora" else m.total * e
+        # PEFT keeps adapters in fp32: they are their own master weights.
+        e, mixed = FP32, False
+    opt_b = _optimizer_state_bytes(shape, e, mixed)
+    master = FP32 if mixed else 0
+    st = cand.strategy
+    if st in FSDP:
+        # FSDP2 shards the original-dtype params; with mixed precision those are fp32 masters.
+        pe = FP32 if mixed else e
+        params = _ceil_div(trainable, s) * pe + _ceil_div(frozen_bytes, s)
+        grads = _ceil_div(trainable, s) * pe
+        optim = int(_ceil_div(trainable, s) * opt_b)
+    else:
+        p_shard = n if st == "zero3" else 1
+        g_shard = n if st in ("zero2", "zero3") else 1
+        o_shard = n if st in DEEPSPEED else 1
+        params = _ceil_div(trainable, p_shard) * e + _ceil_div(frozen_bytes, p_shard)
+        grads = _ceil_div(trainable, g_shard) * e
+        optim = int(_ceil_div(trainable, o_shard) * (master + opt_b))
+    host = 0
+    if cand.offload != "none":
+        # zero1/zero2 offload the optimizer (and ZeRO-2 its fp32 gradient partitions);
+        # zero3 and FSDP's CPUOffloadPolicy move params, grads and optimizer to the host.
+        moved = optim + (grads if st != "zero1" else 0)
+        if st == "zero3" or st in FSDP:
+            moved += params
+            params = 0
+        grads = 0 if st != "zero1" else grads
+        optim = 0
+        host = moved
+    return _States(params, grads, optim, host, frozen_elems)
+
+
+def _gathered_units(m: ModelShape, shape: TrainingShape, cand: Candidate) -> tuple[int, int]:
+    """(loss-phase, backward-phase) bytes of all-gathered parameters and unsharded grads.
+
+    Assumes TorchTitan-style wrapping: each decoder layer is a unit, the embedding and the
+    head are their own units; the current unit plus one prefetched unit are unsharded.
+    """
+    e = PRECISION_BYTES[shape.precision]
+    layer = m.layer * e
+    head = (m.lm_head or m.embedding) * e
+    if shape.method == "qlora":
+        layer = int(qlora_base_bytes(m, e) / max(1, m.total) * m.layer)
+    if cand.strategy == "fsdp-shard-grad-op":
+        # reshard_after_forward=False: every unit stays unsharded from forward to backward.
+        full = m.total * e
+        return full, full + layer
+    if cand.strategy == "zero3" or cand.strategy in FSDP:
+        # Loss: head gathered + last layer prefetched; its unsharded grad during backward.
+        grad_unit = layer if shape.method == "full" else 0
+        return head + layer + (head if shape.method == "full" else 0), 2 * layer + grad_unit
+    return 0, 0
+
+
+def _comm_buffer(m: ModelShape, shape: TrainingShape, cand: Candidate, trainable: int) -> int:
+    """Gradient bucket in flight (DDP) or DeepSpeed's reduce bucket."""
+    if cand.world_size == 1:
+        return 0
+    e = PRECISION_BYTES[shape.precision]
+    if cand.strategy == "ddp":
+        return min(DDP_BUCKET_BYTES, trainable * e)
+    if cand.strategy in DEEPSPEED:
+        return min(ZERO_BUCKET_ELEMENTS, trainable) * e
+    return 0
+
+
+def _loss_buffers(m: ModelShape, tokens: int, e: int) -> tuple[int, int]:
+    """(loss-phase, held-through-backward) bytes of logits and cross-entropy tensors.
+
+    HF's ForCausalLMLoss upcasts logits to fp32 (`logits.float()`, a no-op in fp32);
+    log_softmax saves its fp32 output; its backward holds the fp32 NLL gradient and its own
+    fp32 output at once. The e-byte logits stay referenced by the model output.
+    """
+    bsv = tokens * m.arch.vocab_size
+    held = e * bsv * (3 if m.family.logit_softcap else 1)  # softcap: x/c and tanh saved
+    return held + 3 * FP32 * bsv, held
+
+
+def _optimizer_temp(shape: TrainingShape, cand: Candidate, st: _States) -> int:
+    """torch's foreach AdamW allocates sqrt(v) (one state-sized tensor) during the step;
+    DeepSpeed's fused Adam and CPU Adam (offload) allocate nothing on the GPU."""
+    if cand.strategy in DEEPSPEED or cand.offload != "none" or shape.optimizer != "adamw":
+        return 0
+    return st.optim // 2 if st.optim else 0
+
+
+def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> MemoryEstimate:
+    """Per-GPU (per-process) memory of one candidate configuration.
+
+    Inputs: `m` from `architecture.shape_of`/`resolve_model`; `shape` is what one rank
+    computes (micro-batch b, sequence s, precision, optimizer, method, checkpointing,
+    gradient accumulation); `cand` is how states are placed (strategy, world size N, gpus
+    per node, offload, CUDA or CPU). Returns the breakdown (parameters, gradients, optimizer
+    are resident states; activations and buffers are their values at the peak phase; peak is
+    the max over phases, reserved = peak * ALLOCATOR_FRAGMENTATION, total adds CUDA context
+    and library workspaces on CUDA devices), the peak phase, the per-phase peaks and the
+    bytes offloaded to host RAM.
+    """
+    e = PRECISION_BYTES[shape.precision]
+    tokens = shape.micro_batch * shape.seq_len
+    full = shape.method == "full"
+    targets = () if full else shape.lora_targets
+    act = activation_model(
+        m, tokens=tokens, seq=shape.seq_len, e=e, attention=shape.attention,
+        lora_targets=targets, lora_rank=0 if full else shape.lora_rank,
+        lora_dropout=shape.lora_dropout,
+    )
+    st = _model_states(m, shape, cand)
+    layers = m.arch.num_hidden_layers
+    if shape.checkpointing:
+        resident = layers * act.layer_input + act.head
+        in_backward = resident + act.per_layer
+    else:
+        resident = in_backward = layers * act.per_layer + act.head
+    loss_buf, held = _loss_buffers(m, tokens, e)
+    gather_loss, gather_bwd = _gathered_units(m, shape, cand)
+    trainable = m.total if full else adapter_parameters(m, shape.lora_rank, shape.lora_targets)
+    bucket = _comm_buffer(m, shape, cand, trainable)
+    dequant = m.largest_linear * e if shape.method == "qlora" else 0
+    # Torch FSDP frees sharded grads at zero_grad(set_to_none); DDP buckets and DeepSpeed
+    # partitions persist. Under accumulation the grads exist through every micro-batch.
+    grads_fwd = 0 if (cand.strategy in FSDP and shape.grad_accumulation == 1) else st.grads
+    base = st.params + st.optim
+    buffers = {
+        "loss": loss_buf + gather_loss,
+        "backward": held + act.backward_transient + gather_bwd + bucket + dequant,
+        "optimizer": _optimizer_temp(shape, cand, st) + (bucket if cand.strategy in DEEPSPEED else 0),
+    }
+    acts = {"loss": resident, "backward": in_backward, "optimizer": 0}
+    grads = {"loss": grads_fwd, "backward": grads_fwd, "optimizer": st.grads}
+    phases = {k: base + grads[k] + acts[k] + buffers[k] for k in buffers}
+    phase = max(phases, key=lambda k: phases[k])
+    peak = phases[phase]
+    reserved = int(peak * ALLOCATOR_FRAGMENTATION)
+    overhead = 0
+    if cand.cuda:
+        overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES
+        overhead += NCCL_BUFFER_BYTES if cand.world_size > 1 else 0
+    breakdown = MemoryBreakdown(
+        parameters=st.params, gradients=st.grads, optimizer=st.optim,
+        activations=acts[phase], buffers=buffers[phase], peak=peak,
+        reserved=reserved, total=reserved + overhead,
+    )
+    return MemoryEstimate(breakdown, phase, st.host, phases)

@@ -1,0 +1,175 @@
+"""`plan_job(spec) -> Plan`: validate the spec, run the search, assemble the Plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from finetune_operator.api.plan import Plan
+from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.planner.architecture import resolve_model
+from finetune_operator.planner.errors import PlanningError
+from finetune_operator.planner.explain import explain_choice, explain_refusal
+from finetune_operator.planner.hardware import accelerator_for, host_bytes_per_process
+from finetune_operator.planner.lora import expand_targets
+from finetune_operator.planner.memory import TrainingShape
+from finetune_operator.planner.search import (
+    Evaluated,
+    Problem,
+    SearchResult,
+    checkpoint_modes,
+    fastest,
+    run_search,
+    search_at,
+    world_sizes,
+)
+
+
+def build_problem(spec: FineTuneJobSpec) -> Problem:
+    """Resolve model and device and refuse inputs no configuration could train."""
+    model = resolve_model(spec.model)
+    acc = accelerator_for(spec.resources)
+    tr, arch = spec.training, model.arch
+    if arch.max_position_embeddings and tr.sequence_length > arch.max_position_embeddings:
+        raise PlanningError("spec.training.sequenceLength",
+                            f"{tr.sequence_length} exceeds the model's maxPositionEmbeddings "
+                            f"({arch.max_position_embeddings})")
+    lora = spec.method.lora
+    targets: tuple[str, ...] = ()
+    if spec.method.type != "full" and lora is not None:
+        if lora.rank > arch.hidden_size:
+            raise PlanningError("spec.method.lora.rank",
+                                f"rank {lora.rank} exceeds hiddenSize {arch.hidden_size}")
+        targets = expand_targets(lora.target_modules)
+    if spec.method.type == "qlora" and not acc.cuda:
+        raise PlanningError("spec.method.type", "qlora needs bitsandbytes on a GPU, not CPU")
+    if isinstance(tr.micro_batch_size, int) and tr.global_batch_size % tr.micro_batch_size:
+        raise PlanningError("spec.training.microBatchSize",
+                            f"{tr.micro_batch_size} does not divide globalBatchSize "
+                            f"{tr.global_batch_size}")
+    st = spec.strategy
+    if st.type == "ddp" and st.offload != "none":
+        raise PlanningError("spec.strategy.offload",
+                            "ddp cannot offload; use zero2/zero3 or an fsdp strategy")
+    base = TrainingShape(
+        micro_batch=1, seq_len=tr.sequence_length, precision=tr.precision,
+        optimizer=tr.optimizer, method=spec.method.type,
+        lora_rank=lora.rank if lora else 16, lora_targets=targets or ("q_proj",),
+        lora_dropout=lora.dropout if lora else 0.0, attention=spec.model.attention,
+    )
+    return Problem(spec, model, acc, base, host_bytes_per_process(spec.resources))
+
+
+def _check_divides(spec: FineTuneJobSpec, n: int, what: str) -> None:
+    if spec.training.global_batch_size % n:
+        raise PlanningError("spec.training.globalBatchSize",
+                            f"{spec.training.global_batch_size} is not divisible by the "
+                            f"{what} world size {n}")
+
+
+def _fixed_size(p: Problem) -> tuple[int, int] | None:
+    """(memory world size, launched world size) when the spec fixes them, else None.
+
+    Elastic jobs (minNodes set) launch maxNodes pods but must fit at minNodes: sharded states
+    grow per rank when ranks leave. A pinned strategy with minNodes == maxNodes fixes both.
+    """
+    res = p.spec.resources
+    gpn = res.gpus_per_node
+    if res.min_nodes is None:
+        if p.spec.strategy.type != "auto" and res.max_nodes is not None:
+            return res.max_nodes * gpn, res.max_nodes * gpn
+        return None
+    launch_nodes = res.max_nodes or res.min_nodes
+    mem_n, launch_n = res.min_nodes * gpn, launch_nodes * gpn
+    _check_divides(p.spec, mem_n, "minNodes")
+    _check_divides(p.spec, launch_n, "launched")
+    return mem_n, launch_n
+
+
+def _search(p: Problem) -> tuple[SearchResult, int | None]:
+    fixed = _fixed_size(p)
+    if fixed is None:
+        sizes = world_sizes(p)
+        if not sizes:
+            raise PlanningError("spec.training.globalBatchSize",
+                                f"no world size up to the GPU limit divides "
+                                f"{p.spec.training.global_batch_size}")
+        return run_search(p, sizes), None
+    mem_n, launch_n = fixed
+    result = SearchResult(best=None, smallest=None, tried={})
+    fitting = search_at(p, mem_n, result, mem_world=mem_n, launch=launch_n)
+    if fitting:
+        result.best = fastest(fitting)
+    return result, launch_n
+
+
+def _to_plan(p: Problem, ev: Evaluated, fits: bool, reason: str, launch_n: int,
+             evaluated: int) -> Plan:
+    gpn = min(p.spec.resources.gpus_per_node, launch_n)
+    tr = p.spec.training
+    step = ev.step_s
+    tokens = tr.global_batch_size * tr.sequence_length
+    backend = "deepspeed" if ev.cand.strategy in ("zero1", "zero2") or (
+        ev.cand.strategy == "zero3" and p.spec.strategy.backend == "deepspeed") else "torch"
+    b = ev.est.breakdown
+    return Plan(
+        fits=fits, world_size=launch_n, nodes=max(1, launch_n // gpn), gpus_per_node=gpn,
+        strategy=ev.cand.strategy, offload=ev.cand.offload, backend=backend,
+        micro_batch_size=ev.shape.micro_batch,
+        gradient_accumulation_steps=max(1, tr.global_batch_size // (launch_n * ev.shape.micro_batch)),
+        activation_checkpointing=ev.shape.checkpointing,
+        checkpointing_mode="full" if ev.shape.checkpointing else "none",
+        gpu_memory_bytes=p.acc.memory_bytes,
+        headroom=round(1 - b.total / p.acc.memory_bytes, 4),
+        estimated_step_seconds=round(step, 6),
+        tokens_per_second=round(tokens / step, 3) if step else 0.0,
+        gpu_hours=round((tr.max_steps or 0) * step * launch_n / 3600, 6),
+        reason=reason, memory=b, candidates_evaluated=evaluated,
+    )
+
+
+def plan_job(spec: FineTuneJobSpec) -> Plan:
+    """Plan a FineTuneJob: world size, strategy, micro-batch, checkpointing and memory.
+
+    Raises PlanningError(field, message) for inputs no configuration can satisfy; returns a
+    Plan with fits=False (and a reason saying what was tried and what would fit) when the
+    inputs are valid but nothing fits.
+    """
+    p = build_problem(spec)
+    result, launch_n = _search(p)
+    if result.best is not None:
+        best = result.best
+        n = launch_n or best.cand.world_size
+        return _to_plan(p, best, True, explain_choice(p, result, best, n), n, result.evaluated)
+    if result.smallest is None:
+        raise PlanningError("spec.training.microBatchSize",
+                            "no micro-batch size divides the per-rank batch at any world size")
+    smallest = result.smallest
+    n = launch_n or smallest.cand.world_size
+    reason = explain_refusal(p, result, hint_problem=_hint_search)
+    return _to_plan(p, smallest, False, reason, n, result.evaluated)
+
+
+def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
+    """The first fitting configuration when the spec is changed as `changes` say
+    (method, offload, unbounded GPU count), for the refusal's suggestions."""
+    spec = p.spec
+    method = changes.get("method")
+    if method is not None:
+        spec = spec.model_copy(update={"method": spec.method.model_copy(
+            update={"type": method, "lora": spec.method.lora or None})})
+        spec = FineTuneJobSpec.model_validate(spec.model_dump(by_alias=True))
+    if changes.get("offload"):
+        spec = spec.model_copy(update={"strategy": spec.strategy.model_copy(
+            update={"offload": "cpu", "type": "auto"})})
+    res = spec.resources.model_copy(update={"min_nodes": None, "max_nodes": None})
+    if changes.get("unbounded", True):
+        res = res.model_copy(update={"max_gpus": None})
+    spec = spec.model_copy(update={"resources": res})
+    if spec.training.gradient_checkpointing == "none":
+        spec = spec.model_copy(update={"training": spec.training.model_copy(
+            update={"gradient_checkpointing": "auto"})})
+    q = replace(build_problem(spec), host_budget=p.host_budget,
+                strict_batch=not changes.get("unbounded"))
+    if not checkpoint_modes(q):
+        return None
+    return run_search(q, world_sizes(q)).best

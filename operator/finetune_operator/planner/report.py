@@ -1,0 +1,44 @@
+"""`ftjob plan job.yaml` output: a plain, aligned text table of a Plan (bytes in GiB)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from finetune_operator.api.plan import Plan
+
+GIB = 1024**3
+_MEMORY_ROWS = ("parameters", "gradients", "optimizer", "activations", "buffers", "peak",
+                "reserved", "total")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def render_plan(plan: Plan, width: int = 88) -> str:
+    """Key facts, the per-GPU memory breakdown, then the reason wrapped to `width`."""
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    ga = plan.gradient_accumulation_steps
+    facts = [
+        ("Verdict", verdict),
+        ("World size", f"{plan.world_size} ({plan.nodes} nodes x {plan.gpus_per_node})"),
+        ("Strategy", f"{plan.strategy} ({plan.backend}), offload {plan.offload}"),
+        ("Micro-batch", f"{plan.micro_batch_size} x {ga} accumulation steps"),
+        ("Checkpointing", plan.checkpointing_mode),
+        ("Memory per GPU", f"{_gib(plan.memory.total)} of {_gib(plan.gpu_memory_bytes)} "
+                           f"({plan.headroom:.1%} headroom)"),
+        ("Step time", f"{plan.estimated_step_seconds:.3f} s (modelled)"),
+        ("Throughput", f"{plan.tokens_per_second:,.0f} tokens/s"),
+        ("GPU-hours", f"{plan.gpu_hours:,.1f}"),
+        ("Evaluated", f"{plan.candidates_evaluated} configurations"),
+    ]
+    key_w = max(len(k) for k, _ in facts)
+    lines = [f"{k:<{key_w}}  {v}" for k, v in facts]
+    lines.append("")
+    lines.append(f"{'Memory per GPU':<14}{'GiB':>10}")
+    for name in _MEMORY_ROWS:
+        value = getattr(plan.memory, name)
+        lines.append(f"{name:<14}{value / GIB:>10.2f}")
+    lines.append("")
+    lines.extend(textwrap.wrap("Reason: " + plan.reason, width=width))
+    return "\n".join(lines)

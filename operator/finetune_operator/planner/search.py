@@ -1,0 +1,175 @@
+"""DESIGN §4 search: the fewest GPUs that fit with headroom, then the fastest configuration.
+
+Order of enumeration: world sizes ascending (1..gpusPerNode, then whole nodes up to maxGpus),
+strategies by communication cost, micro-batches ascending (memory grows with it, so the first
+that does not fit ends that row), checkpointing off before on. Pure: no clocks, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from finetune_operator.api.spec import FineTuneJobSpec, StrategyName
+from finetune_operator.planner.architecture import ModelShape
+from finetune_operator.planner.hardware import Accelerator
+from finetune_operator.planner.memory import Candidate, MemoryEstimate, TrainingShape, estimate_memory
+from finetune_operator.planner.steptime import step_seconds
+
+# DESIGN §4: a plan must leave at least this share of GPU memory free.
+MIN_HEADROOM = 0.10
+# Without resources.maxGpus the search stops at this many nodes.
+DEFAULT_MAX_NODES = 64
+# Strategies by per-step communication volume (DESIGN §4), cheapest first. zero1/zero2 run
+# only on DeepSpeed, so they are searched only when strategy.backend is deepspeed.
+STRATEGY_ORDER: tuple[StrategyName, ...] = (
+    "ddp", "zero1", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid", "fsdp-full-shard", "zero3",
+)
+DEEPSPEED_ONLY = frozenset({"zero1", "zero2"})
+FSDP_ONLY = frozenset({"fsdp-shard-grad-op", "fsdp-hybrid", "fsdp-full-shard"})
+OFFLOADABLE = frozenset({"zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-hybrid"})
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything the search needs, validated and resolved from the spec."""
+
+    spec: FineTuneJobSpec
+    model: ModelShape
+    acc: Accelerator
+    base: TrainingShape  # micro_batch/checkpointing/accumulation filled per candidate
+    host_budget: int
+    # False only for the refusal's "how many GPUs would it take" hint: world sizes need not
+    # divide the global batch (the hint then says to change it).
+    strict_batch: bool = True
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    cand: Candidate
+    shape: TrainingShape
+    est: MemoryEstimate
+    fits: bool
+    step_s: float
+
+
+def memory_limit(acc: Accelerator) -> float:
+    return acc.memory_bytes * (1 - MIN_HEADROOM)
+
+
+def strategies_for(p: Problem, n: int) -> list[StrategyName]:
+    """Candidate strategies at world size n, honouring pins, backend and offload."""
+    st = p.spec.strategy
+    if st.type != "auto":
+        return [st.type]
+    out: list[StrategyName] = []
+    for s in STRATEGY_ORDER:
+        if s in DEEPSPEED_ONLY and st.backend != "deepspeed":
+            continue
+        if s in FSDP_ONLY and st.backend == "deepspeed":
+            continue
+        if s == "zero3" and st.backend != "deepspeed":
+            continue  # without DeepSpeed, zero3 is fsdp-full-shard: searched once.
+        if s == "fsdp-hybrid" and n <= p.spec.resources.gpus_per_node:
+            continue  # one node: hybrid is full shard.
+        if st.offload != "none" and s not in OFFLOADABLE:
+            continue
+        if n == 1 and s != "ddp" and st.offload == "none":
+            continue  # one rank: nothing to shard.
+        out.append(s)
+    return out
+
+
+def memory_strategy(p: Problem, s: StrategyName) -> StrategyName:
+    """zero3 on the fsdp backend allocates as FSDP full shard does."""
+    if s == "zero3" and p.spec.strategy.backend != "deepspeed":
+        return "fsdp-full-shard"
+    return s
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def evaluate(p: Problem, n: int, strategy: StrategyName, mb: int, ckpt: bool,
+             mem_world: int | None = None) -> Evaluated:
+    """One configuration: memory at `mem_world` ranks (elastic minimum), time at `n`."""
+    gpn = p.spec.resources.gpus_per_node
+    global_batch = p.spec.training.global_batch_size
+    ms = memory_strategy(p, strategy)
+    mem_n = mem_world or n
+    shape = replace(p.base, micro_batch=mb, checkpointing=ckpt,
+                    grad_accumulation=max(1, global_batch // (mem_n * mb)))
+    cand = Candidate(ms, mem_n, gpn, p.spec.strategy.offload, p.acc.cuda)
+    est = estimate_memory(p.model, shape, cand)
+    fits = est.breakdown.total <= memory_limit(p.acc) and est.host_bytes <= p.host_budget
+    run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * mb)))
+    step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
+    return Evaluated(replace(cand, strategy=strategy), shape, est, fits, step)
+
+
+def micro_batches(p: Problem, per_rank: int) -> list[int]:
+    mb = p.spec.training.micro_batch_size
+    if isinstance(mb, int):
+        return [mb] if per_rank % mb == 0 else []
+    return divisors(per_rank)
+
+
+def checkpoint_modes(p: Problem) -> list[bool]:
+    mode = p.spec.training.gradient_checkpointing
+    return {"none": [False], "full": [True]}.get(mode, [False, True])
+
+
+@dataclass
+class SearchResult:
+    best: Evaluated | None
+    smallest: Evaluated | None  # lowest total among everything tried (for refusals)
+    tried: dict[int, float]  # world size -> smallest total there
+    evaluated: int = 0
+
+
+def search_at(p: Problem, n: int, result: SearchResult, mem_world: int | None = None,
+              launch: int | None = None) -> list[Evaluated]:
+    """Every fitting configuration at world size n (memory at mem_world when elastic)."""
+    fitting: list[Evaluated] = []
+    run_n = launch or n
+    per_rank = max(1, p.spec.training.global_batch_size // (mem_world or n))
+    for strategy in strategies_for(p, n):
+        for ckpt in checkpoint_modes(p):
+            for mb in micro_batches(p, per_rank):
+                ev = evaluate(p, run_n, strategy, mb, ckpt, mem_world or n)
+                result.evaluated += 1
+                total = ev.est.breakdown.total
+                if result.smallest is None or total < result.smallest.est.breakdown.total:
+                    result.smallest = ev
+                result.tried[n] = min(result.tried.get(n, total), total)
+                if not ev.fits:
+                    break  # larger micro-batches only need more memory
+                fitting.append(ev)
+    return fitting
+
+
+def world_sizes(p: Problem) -> list[int]:
+    """1..gpusPerNode, then whole nodes, up to maxGpus/maxNodes; each must divide the batch."""
+    res = p.spec.resources
+    gpn = res.gpus_per_node
+    max_gpus = res.max_gpus or DEFAULT_MAX_NODES * gpn
+    if res.max_nodes:
+        max_gpus = min(max_gpus, res.max_nodes * gpn)
+    sizes = list(range(1, gpn + 1)) + [k * gpn for k in range(2, max_gpus // gpn + 1)]
+    batch = p.spec.training.global_batch_size
+    return [n for n in sizes if n <= max_gpus and (batch % n == 0 or not p.strict_batch)]
+
+
+def fastest(fitting: list[Evaluated]) -> Evaluated:
+    return min(fitting, key=lambda ev: ev.step_s)
+
+
+def run_search(p: Problem, sizes: list[int]) -> SearchResult:
+    """Fewest GPUs first; the fastest fitting configuration at the first size that fits."""
+    result = SearchResult(best=None, smallest=None, tried={})
+    for n in sizes:
+        fitting = search_at(p, n, result)
+        if fitting:
+            result.best = fastest(fitting)
+            break
+    return result

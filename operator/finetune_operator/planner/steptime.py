@@ -1,0 +1,81 @@
+"""A coarse optimizer-step time model, only used to rank configurations that fit.
+
+compute = k * P_active * tokens / (N * peak * MFU), k = 6 for full fine-tuning (forward 2,
+backward 4), 4 for LoRA/QLoRA (no weight gradients of the frozen base); x4/3 when every layer
+is recomputed. Communication is the ring volume per GPU of each strategy's collectives over
+the slowest link it crosses, partly hidden behind compute.
+"""
+
+from __future__ import annotations
+
+from finetune_operator.planner.architecture import ModelShape
+from finetune_operator.planner.hardware import INTER_NODE_BW, Accelerator
+from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
+from finetune_operator.planner.memory import PRECISION_BYTES, Candidate, TrainingShape
+
+RECOMPUTE_FACTOR = 4 / 3  # forward recomputed once: (2 + 2 + 4) / 6
+# bnb NF4 dequantisation on every forward and backward matmul: QLoRA runs ~30-40% slower
+# than LoRA in the QLoRA paper and bnb benchmarks; we take 1/0.65.
+QLORA_SLOWDOWN = 1 / 0.65
+# Share of communication hidden behind compute (FSDP prefetch, DDP bucketing overlap).
+COMM_OVERLAP = 0.6
+# Kernel launches, Python and data loading per micro-batch (independent of its size): makes
+# larger micro-batches win when everything else is equal.
+PER_MICROBATCH_OVERHEAD_S = 0.005
+# Offload: states cross PCIe Gen4/5 (~20 GB/s achieved per GPU) and DeepSpeed CPU-Adam
+# updates ~1e9 parameters/s per process.
+HOST_LINK_BW = 20e9
+CPU_ADAM_PARAMS_PER_S = 1e9
+
+
+def _comm_bytes(m: ModelShape, shape: TrainingShape, cand: Candidate) -> tuple[float, float]:
+    """(intra-shard-group, cross-node replica) bytes each GPU sends per optimizer step."""
+    e = PRECISION_BYTES[shape.precision]
+    full = shape.method == "full"
+    trainable = m.total if full else adapter_parameters(m, shape.lora_rank, shape.lora_targets)
+    grads = trainable * (e if full else 4)
+    params = m.total * e if shape.method != "qlora" else qlora_base_bytes(m, e)
+    n, s, ga = cand.world_size, cand.shard_size, shape.grad_accumulation
+    if n == 1:
+        return 0.0, 0.0
+    ring = (n - 1) / n
+    st = cand.strategy
+    if st == "ddp":
+        return 2 * ring * grads, 0.0
+    if st == "zero1":
+        return ring * (grads + trainable * e), 0.0
+    if st == "zero2":
+        return ring * (ga * grads + trainable * e), 0.0
+    if st == "fsdp-shard-grad-op":
+        return ga * ring * (params + grads), 0.0
+    if st == "fsdp-hybrid":
+        ring_s = (s - 1) / s
+        replicas = n // s
+        return ga * ring_s * (2 * params + grads), 2 * (replicas - 1) / replicas * grads / s
+    return ga * ring * (2 * params + grads), 0.0  # zero3 / fsdp-full-shard
+
+
+def step_seconds(
+    m: ModelShape, shape: TrainingShape, cand: Candidate, acc: Accelerator, global_batch: int
+) -> float:
+    """Modelled wall time of one optimizer step (all micro-batches, all ranks in parallel)."""
+    tokens = global_batch * shape.seq_len
+    k = 6 if shape.method == "full" else 4
+    flops = k * m.active * tokens * (RECOMPUTE_FACTOR if shape.checkpointing else 1.0)
+    compute = flops / (cand.world_size * acc.peak_flops * acc.mfu)
+    if shape.method == "qlora":
+        compute *= QLORA_SLOWDOWN
+    intra, cross = _comm_bytes(m, shape, cand)
+    multi_node = cand.world_size > cand.gpus_per_node
+    link = min(acc.intra_node_bw, INTER_NODE_BW) if multi_node else acc.intra_node_bw
+    if cand.strategy == "fsdp-hybrid":
+        comm = intra / acc.intra_node_bw + cross / min(acc.intra_node_bw, INTER_NODE_BW)
+    else:
+        comm = (intra + cross) / link
+    offload = 0.0
+    if cand.offload != "none":
+        shard = m.total / cand.shard_size
+        offload = 2 * shard * PRECISION_BYTES[shape.precision] / HOST_LINK_BW
+        offload += shard / CPU_ADAM_PARAMS_PER_S
+    overhead = PER_MICROBATCH_OVERHEAD_S * shape.grad_accumulation
+    return compute + (1 - COMM_OVERLAP) * comm + offload + overhead
