@@ -167,7 +167,11 @@ def _build_model(config: TraceConfig, notes: list[str]) -> Any:
             extra["attn_implementation"] = "eager"
             model = auto.from_config(hf, **extra)
     if config.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if config.method == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -295,6 +299,11 @@ def _trace(config: TraceConfig, start: float) -> TraceResult:
             after_step = _snap(tracker, "current")
             opt.zero_grad(set_to_none=True)
         peak_snap = _snap(tracker, "peak")
+    # AdamW's `step` counters are 4-byte tensors that a GPU keeps on the host (not capturable).
+    host = 4 * len(params)
+    for snap in (peak_snap, peak_fb, after_step):
+        snap["OPT"] = snap.get("OPT", 0) - host
+        snap["Total"] = snap.get("Total", 0) - host
     return _result(config, notes, start, peak_snap, peak_fb, after_bwd, after_step)
 
 
