@@ -212,6 +212,7 @@ class ObjectService:
     def _update(self, rtype: ResourceType, current: dict[str, Any], new: dict[str, Any],
                 subresource: str | None) -> dict[str, Any]:
         name = current["metadata"]["name"]
+        new = copy.deepcopy(new)  # patches share unchanged subtrees with `current`
         if new.get("metadata", {}).get("name", name) != name:
             raise bad_request(f'the name of the object ({new["metadata"]["name"]}) does not match '
                               f"the name on the URL ({name})")

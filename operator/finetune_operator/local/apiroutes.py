@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kmock._internal import rendering
+
 from finetune_operator.local import apitables
 from finetune_operator.local.apiresources import ResourceType
 from finetune_operator.local.apistore import ApiError, bad_request
@@ -18,7 +20,6 @@ from finetune_operator.local.selectors import (
     parse_field_selector,
     parse_label_selector,
 )
-from kmock._internal import rendering
 
 if TYPE_CHECKING:
     from finetune_operator.local.apiserver import ApiServer

@@ -21,11 +21,12 @@ import aiohttp.web
 import attrs
 import kmock
 import yaml
+from kmock._internal import rendering
+
 from finetune_operator.local.apiobjects import ObjectService
 from finetune_operator.local.apiresources import Registry
 from finetune_operator.local.apiroutes import ApiPath, Reply, parse_api_path, serve
 from finetune_operator.local.apistore import ApiError, Store
-from kmock._internal import rendering
 
 logger = logging.getLogger(__name__)
 

@@ -83,7 +83,7 @@ def _pod_cells(pod: dict[str, Any], age: str) -> list[Any]:
     if pod.get("metadata", {}).get("deletionTimestamp"):
         reason = "Terminating"
     restarts = sum(int(s.get("restartCount", 0)) for s in statuses)
-    return [pod["metadata"]["name"], f"{ready}/{len(containers)}", reason, restarts, age,
+    return [pod["metadata"].get("name"), f"{ready}/{len(containers)}", reason, restarts, age,
             status.get("podIP", "<none>"), pod.get("spec", {}).get("nodeName", "<none>")]
 
 

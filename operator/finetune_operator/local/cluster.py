@@ -1,0 +1,185 @@
+"""``LocalCluster``: an API emulator, virtual nodes and a local kubelet in one process tree.
+
+Usage (synchronous; the cluster runs in a background thread with its own event loop, so kopf
+or a test can run in the calling thread, or in its own asyncio loop, without sharing one)::
+
+    with LocalCluster(nodes=2) as cluster:          # or: await cluster.astart() / astop()
+        os.environ["KUBECONFIG"] = str(cluster.kubeconfig_path)
+        subprocess.run(["kubectl", "get", "ftj"])   # kubectl, kubernetes client, kopf...
+        cluster.kill_pod_processes("default", "job-worker-0")   # exit 137, pod Failed
+
+For kopf in the same process, log in explicitly (kopf would otherwise read ~/.kube/config)::
+
+    @kopf.on.login()
+    def login(**_): return kopf.ConnectionInfo(server=cluster.api_url, insecure=True)
+
+The CRDs of ``crds_dir`` (the repo's ``crds/`` by default) are registered before the server
+answers its first request. ``stop()`` kills every pod process group and waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import pathlib
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Coroutine
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import kmock
+import yaml
+
+from finetune_operator.local.apiserver import ApiServer
+from finetune_operator.local.kubeconfig import write_kubeconfig
+from finetune_operator.local.kubelet import Kubelet, KubeletConfig
+from finetune_operator.local.restclient import RestClient
+
+T = TypeVar("T")
+REPO_CRDS = pathlib.Path(__file__).resolve().parents[3] / "crds"
+
+
+class LocalCluster:
+    """A local Kubernetes-like cluster. See the module docstring for usage.
+
+    :param data_dir: where logs, volumes, PVCs (``pvcs/<ns>/<claim>``), the shared working
+        directory (``shared/``) and the kubeconfig live; a temporary directory (removed at stop
+        unless ``keep_data``) when None.
+    :param nodes: how many virtual nodes (``local-node-0`` ... ``local-node-<n-1>``).
+    :param crds_dir: directory of CRD YAML files to register; None registers none.
+    :param node_labels: extra labels on every node.
+    :param node_capacity: capacity/allocatable of every node (e.g. ``{"nvidia.com/gpu": "1"}``
+        added to the default cpu/memory/pods).
+    :param extra_env: environment added to every pod's processes.
+    :param kubelet: False runs the API server alone (no nodes, pods stay Pending).
+    """
+
+    def __init__(self, data_dir: str | pathlib.Path | None = None, *, nodes: int = 2,
+                 crds_dir: str | pathlib.Path | None = REPO_CRDS,
+                 node_labels: dict[str, str] | None = None, node_capacity: dict[str, str] | None = None,
+                 extra_env: dict[str, str] | None = None, kubelet: bool = True,
+                 keep_data: bool = False) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = pathlib.Path(data_dir or tempfile.mkdtemp(prefix="ftjob-local-")).resolve()
+        self.kubeconfig_path = self.data_dir / "kubeconfig"
+        self.node_names = [f"local-node-{i}" for i in range(nodes)]
+        self._crds_dir = pathlib.Path(crds_dir) if crds_dir else None
+        self._node_labels, self._extra_env = dict(node_labels or {}), dict(extra_env or {})
+        self._capacity = {"cpu": "8", "memory": "32Gi", "pods": "110", **(node_capacity or {})}
+        self._with_kubelet, self._keep_data = kubelet, keep_data
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping: asyncio.Event | None = None
+        self._api: ApiServer | None = None
+        self._kubelet: Kubelet | None = None
+        self.api_url = ""
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def api(self) -> ApiServer:
+        """The emulator itself (its ``store``/``objects`` for in-process assertions)."""
+        assert self._api is not None, "the cluster is not started"
+        return self._api
+
+    def start(self) -> Self:
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._thread_main, args=(started,),
+                                        name="local-cluster", daemon=True)
+        self._thread.start()
+        started.result()  # re-raises a startup failure (e.g. no namespaces) here
+        return self
+
+    def stop(self) -> None:
+        """Kill all pod processes, stop the server, remove a temporary data dir."""
+        if self._loop is not None and self._stopping is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+            self._thread.join(timeout=60)
+        self._loop = self._thread = None
+        if self._own_dir and not self._keep_data:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def kill_pod_processes(self, namespace: str, name: str) -> bool:
+        """SIGKILL a pod's processes without deleting the pod (it goes Failed, exit code 137)."""
+        return self.call(lambda: self._kubelet.kill_processes(namespace, name) if self._kubelet else False)
+
+    def pod_log_path(self, namespace: str, name: str, container: str | None = None) -> pathlib.Path | None:
+        """The file holding the pod container's stdout+stderr (None if it never started)."""
+        return self.call(lambda: self._kubelet.log_path(namespace, name, container) if self._kubelet else None)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the cluster's event loop thread (the emulator is not thread-safe)."""
+        async def wrapper() -> T:
+            return fn()
+        return self.run(wrapper())
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the cluster's event loop and wait for its result."""
+        assert self._loop is not None, "the cluster is not started"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    async def astart(self) -> Self:
+        return await asyncio.to_thread(self.start)
+
+    async def astop(self) -> None:
+        await asyncio.to_thread(self.stop)
+
+    async def __aenter__(self) -> Self:
+        return await self.astart()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.astop()
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _thread_main(self, started: concurrent.futures.Future[None]) -> None:
+        try:
+            asyncio.run(self._serve(started))
+        except BaseException as exc:
+            if not started.done():
+                started.set_exception(exc)
+
+    async def _serve(self, started: concurrent.futures.Future[None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "shared").mkdir(exist_ok=True)
+        api = ApiServer(log_reader=lambda ns, name, c: self._kubelet.log_path(ns, name, c) if self._kubelet else None)
+        self._register_crds(api)
+        async with api, kmock.Server(api, host="127.0.0.1") as server:
+            self._api = api
+            self.api_url = f"http://127.0.0.1:{server.port}"
+            write_kubeconfig(self.kubeconfig_path, self.api_url)
+            async with RestClient(self.api_url) as client:
+                if self._with_kubelet:
+                    self._kubelet = Kubelet(client, KubeletConfig(
+                        data_dir=self.data_dir, api_url=self.api_url, node_names=self.node_names,
+                        node_labels=self._node_labels, node_capacity=self._capacity,
+                        extra_env=self._extra_env))
+                    await self._kubelet.start()
+                started.set_result(None)
+                try:
+                    await self._stopping.wait()
+                finally:
+                    if self._kubelet is not None:
+                        await self._kubelet.stop()
+
+    def _register_crds(self, api: ApiServer) -> None:
+        if self._crds_dir is None or not self._crds_dir.is_dir():
+            return
+        crd_type = api.registry.get("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+        assert crd_type is not None
+        for path in sorted(self._crds_dir.glob("*.yaml")):
+            for doc in yaml.safe_load_all(path.read_text()):
+                if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition":
+                    api.service.create(crd_type, None, doc)

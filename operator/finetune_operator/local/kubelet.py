@@ -1,0 +1,429 @@
+"""The local kubelet (and scheduler): runs the pods of virtual nodes as local processes.
+
+It is a client of the API like a real kubelet: it lists and watches pods, services and nodes,
+binds pending pods to a node (:mod:`.scheduler`), starts each bound pod's container under
+:mod:`.podinit` (own mount + UTS namespace, hostname, volumes, /etc/hosts), reports status
+(Pending -> Running -> Succeeded/Failed with the exit code) and carries out graceful deletion:
+SIGTERM to the process group, SIGKILL after the grace period, then the final delete.
+
+Deviations from a real kubelet: only the first container runs (init and sidecar containers are
+ignored); images are ignored (the command runs with this Python environment); there is no
+network namespace (pods share the host's ports: bind to ``$POD_IP``); resource limits and
+probes are not enforced (a running pod is Ready).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pathlib
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from finetune_operator.local import podrunner
+from finetune_operator.local.podspec import (
+    ConfigMissingError,
+    container_env,
+    expand,
+    render_hosts,
+    secret_data,
+)
+from finetune_operator.local.podstatus import conditions as pod_conditions
+from finetune_operator.local.podstatus import container_base, now, running_status, waiting
+from finetune_operator.local.restclient import ApiStatusError, RestClient, resource_path
+from finetune_operator.local.scheduler import pick_node
+
+logger = logging.getLogger(__name__)
+PodKey = tuple[str, str]
+_PASS_ENV = ("HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "GLOO_")
+
+
+def _key(obj: Mapping[str, Any]) -> PodKey:
+    return (obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+
+
+def _rv(obj: Mapping[str, Any]) -> int:
+    return int(obj["metadata"].get("resourceVersion") or 0)
+
+
+@dataclass
+class KubeletConfig:
+    data_dir: pathlib.Path
+    api_url: str
+    node_names: list[str]
+    node_labels: dict[str, str] = field(default_factory=dict)
+    node_capacity: dict[str, str] = field(default_factory=lambda: {"cpu": "8", "memory": "32Gi", "pods": "110"})
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class PodRun:
+    """A started pod: its process, address and files."""
+
+    uid: str
+    ip: str
+    directory: pathlib.Path
+    container: str
+    hosts_file: pathlib.Path
+    process: asyncio.subprocess.Process | None = None
+    started_at: str = ""
+    restart_count: int = 0
+    terminating: bool = False
+    finished: bool = False
+    hosts_text: str = ""
+    launch: dict[str, Any] = field(default_factory=dict)  # podinit spec, reused on restarts
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid if self.process else 0
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.directory / f"{self.container}.log"
+
+
+class Kubelet:
+    def __init__(self, client: RestClient, config: KubeletConfig) -> None:
+        self.client, self.config = client, config
+        self.pods: dict[PodKey, dict[str, Any]] = {}
+        self.services: dict[PodKey, dict[str, Any]] = {}
+        self.nodes: dict[PodKey, dict[str, Any]] = {}
+        self.runs: dict[PodKey, PodRun] = {}
+        self.mountpoints = podrunner.MountPoints()
+        self._next_ip = 2
+        self._busy: set[PodKey] = set()  # pods with a start/stop step in flight
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._children: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await podrunner.probe_isolation(self.config.data_dir / "kubelet")
+        for name in self.config.node_names:
+            await self._register_node(name)
+        for path, cache in ((resource_path("v1", "pods"), self.pods),
+                            (resource_path("v1", "services"), self.services),
+                            (resource_path("v1", "nodes"), self.nodes)):
+            self._tasks.append(asyncio.create_task(self._watch(path, cache)))
+        self._tasks.append(asyncio.create_task(self._reconcile_forever()))
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._children]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._children, return_exceptions=True)
+        for run in self.runs.values():
+            if run.process is not None and run.process.returncode is None:
+                podrunner.signal_group(run.process.pid, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(run.process.wait(), 5)
+        self.mountpoints.remove_created()
+
+    def kill_processes(self, namespace: str, name: str) -> bool:
+        """SIGKILL the pod's process group; the pod then fails with exit code 137."""
+        run = self.runs.get((namespace, name))
+        if run is None or run.process is None or run.process.returncode is not None:
+            return False
+        return podrunner.signal_group(run.process.pid, signal.SIGKILL)
+
+    def log_path(self, namespace: str, name: str, container: str | None = None) -> pathlib.Path | None:
+        run = self.runs.get((namespace, name))
+        if run is None:
+            return None
+        return run.directory / f"{container or run.container}.log"
+
+    async def _register_node(self, name: str) -> None:
+        labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                  "kubernetes.io/arch": "amd64", **self.config.node_labels}
+        body = {"metadata": {"name": name, "labels": labels}, "spec": {}}
+        with contextlib.suppress(ApiStatusError):
+            await self.client.create(resource_path("v1", "nodes"), body)
+        status = {"capacity": self.config.node_capacity, "allocatable": self.config.node_capacity,
+                  "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+                  "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                  "message": "local kubelet is posting ready status",
+                                  "lastHeartbeatTime": now(), "lastTransitionTime": now()}],
+                  "nodeInfo": {"kubeletVersion": "v1.32.0-local", "operatingSystem": "linux",
+                               "architecture": "amd64", "containerRuntimeVersion": "local://process"}}
+        await self.client.merge_patch(resource_path("v1", "nodes", name=name, subresource="status"),
+                                      {"status": status})
+
+    # ------------------------------------------------------------------ watching
+
+    async def _watch(self, path: str, cache: dict[PodKey, dict[str, Any]]) -> None:
+        while True:
+            try:
+                listing = await self.client.get(path)
+                cache.clear()
+                cache.update({_key(o): o for o in listing["items"]})
+                self._wake.set()
+                async for event in self.client.watch(path, listing["metadata"]["resourceVersion"]):
+                    if event["type"] == "ERROR":
+                        break  # 410 Gone or similar: list again
+                    if event["type"] == "BOOKMARK":
+                        continue
+                    obj = event["object"]
+                    if event["type"] == "DELETED":
+                        cache.pop(_key(obj), None)
+                    else:
+                        self._remember(cache, obj)
+                    self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.debug("kubelet watch of %s restarts: %r", path, exc)
+                await asyncio.sleep(0.5)
+
+    @staticmethod
+    def _remember(cache: dict[PodKey, dict[str, Any]], obj: dict[str, Any]) -> None:
+        # Our own write responses can be newer than a watch event still in flight.
+        old = cache.get(_key(obj))
+        if old is None or _rv(obj) >= _rv(old):
+            cache[_key(obj)] = obj
+
+    # ------------------------------------------------------------------ reconcile
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                await self._reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("local kubelet reconcile failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+
+    async def _reconcile(self) -> None:
+        ours = set(self.config.node_names)
+        for key in [k for k in self.runs if k not in self.pods]:
+            self._forget(key)  # force-deleted (grace 0): the object is gone, stop its processes
+        for key, pod in list(self.pods.items()):
+            if key in self._busy:
+                continue
+            node = pod.get("spec", {}).get("nodeName")
+            meta = pod["metadata"]
+            if meta.get("deletionTimestamp"):
+                if node in ours:
+                    self._spawn_step(key, self._terminate(key, pod))
+            elif not node:
+                await self._schedule(pod)
+            elif node in ours and key not in self.runs and pod.get("status", {}).get("phase") == "Pending":
+                self._spawn_step(key, self._start(key, pod))
+        self._refresh_hosts_files()
+
+    def _spawn_step(self, key: PodKey, step: Any) -> None:
+        self._busy.add(key)
+
+        async def run() -> None:
+            try:
+                await step
+            except ApiStatusError as exc:
+                logger.debug("pod %s/%s: %s", *key, exc)
+            except Exception:
+                logger.exception("local kubelet: pod %s/%s", *key)
+            finally:
+                self._busy.discard(key)
+                self._wake.set()
+
+        task = asyncio.create_task(run())
+        self._children.add(task)
+        task.add_done_callback(self._children.discard)
+
+    def _forget(self, key: PodKey) -> None:
+        run = self.runs.pop(key)
+        if run.process is not None and run.process.returncode is None:
+            podrunner.signal_group(run.process.pid, signal.SIGKILL)
+
+    async def _patch_status(self, key: PodKey, status: dict[str, Any]) -> None:
+        path = resource_path("v1", "pods", key[0], key[1], "status")
+        with contextlib.suppress(ApiStatusError):
+            self._remember(self.pods, await self.client.merge_patch(path, {"status": status}))
+
+    async def _schedule(self, pod: dict[str, Any]) -> None:
+        key = _key(pod)
+        placed: dict[str, list[Mapping[str, Any]]] = {}
+        for other in self.pods.values():
+            node = other.get("spec", {}).get("nodeName")
+            if node and other.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+                placed.setdefault(node, []).append(other)
+        node, message = pick_node(pod, list(self.nodes.values()), placed)
+        if node is None:
+            current: dict[str, Any] = next((c for c in pod.get("status", {}).get("conditions", []) if c["type"] == "PodScheduled"), {})
+            if current.get("message") != message:
+                await self._patch_status(key, {"conditions": [{
+                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                    "message": message, "lastTransitionTime": now()}]})
+            return
+        # A real scheduler POSTs a Binding; setting spec.nodeName has the same effect here.
+        bound = await self.client.merge_patch(resource_path("v1", "pods", key[0], key[1]), {"spec": {"nodeName": node}})
+        self._remember(self.pods, bound)
+        await self._patch_status(key, {"conditions": [{"type": "PodScheduled", "status": "True",
+                                                       "lastTransitionTime": now()}]})
+
+    # ------------------------------------------------------------------ pods
+
+    def _allocate_ip(self) -> str:
+        # Monotonic, never reused: a stale address in a peer's cache never reaches a new pod.
+        n = self._next_ip
+        self._next_ip += 1
+        return f"127.0.{n // 250}.{n % 250 + 2}"
+
+    def _base_env(self, pod: Mapping[str, Any]) -> dict[str, str]:
+        venv_bin = os.path.dirname(sys.executable)
+        env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV)}
+        env["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
+        env["HOSTNAME"] = pod.get("spec", {}).get("hostname") or pod["metadata"]["name"]
+        host, _, port = self.config.api_url.removeprefix("http://").partition(":")
+        env.update(KUBERNETES_SERVICE_HOST=host, KUBERNETES_SERVICE_PORT=port.rstrip("/"))
+        env.update(self.config.extra_env)
+        return env
+
+    async def _fetch_config(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        plural = "configmaps" if kind == "configMap" else "secrets"
+        try:
+            result: dict[str, Any] = await self.client.get(resource_path("v1", plural, namespace, name))
+            return result
+        except ApiStatusError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def _start(self, key: PodKey, pod: dict[str, Any]) -> None:
+        containers = pod.get("spec", {}).get("containers") or [{}]
+        container = containers[0]
+        directory = podrunner.pod_dir(self.config.data_dir, pod)
+        run = PodRun(uid=pod["metadata"]["uid"], ip=self._allocate_ip(), directory=directory,
+                     container=container.get("name", "main"), hosts_file=directory / "etc-hosts")
+        try:
+            volumes = await podrunner.materialise_volumes(pod, directory, self.config.data_dir, self._fetch_config)
+            lookups: dict[tuple[str, str], dict[str, str] | None] = {}
+            for kind, name in _referenced_configs(container):
+                obj = await self._fetch_config(kind, key[0], name)
+                lookups[(kind, name)] = None if obj is None else (
+                    secret_data(obj) if kind == "secret" else dict(obj.get("data") or {}))
+            pod_view = {**pod, "status": {**pod.get("status", {}), "podIP": run.ip, "hostIP": "127.0.0.1"}}
+            env = container_env(pod_view, container, lambda k, n: lookups.get((k, n)), self._base_env(pod))
+            directory.mkdir(parents=True, exist_ok=True)
+            run.hosts_text = self._hosts_for(pod_view, run.ip)
+            run.hosts_file.write_text(run.hosts_text)
+            mounts = podrunner.container_mounts(container, volumes, run.hosts_file, self.mountpoints)
+        except ConfigMissingError as exc:
+            await self._patch_status(key, {"containerStatuses": [waiting(container, "ContainerCreating", str(exc))]})
+            await asyncio.sleep(1.0)  # retried by the next reconcile, as a real kubelet does
+            return
+        argv = [expand(str(a), env) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+        if not container.get("command"):
+            await self._finish(key, run, 127, "the local kubelet ignores images: the container needs a command")
+            return
+        workdir = pathlib.Path(container.get("workingDir") or self.config.data_dir / "shared")
+        workdir.mkdir(parents=True, exist_ok=True)
+        run.launch = {"hostname": env["HOSTNAME"], "mounts": mounts, "workingDir": str(workdir), "argv": argv}
+        run.env = env
+        self.runs[key] = run
+        run.process = await podrunner.spawn(run.launch, directory / "launch.json", env, run.log_path)
+        run.started_at = now()
+        await self._patch_status(key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container))
+        self._spawn_child(self._watch_process(key, pod, container))
+
+    def _spawn_child(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._children.add(task)
+        task.add_done_callback(self._children.discard)
+
+    async def _watch_process(self, key: PodKey, pod: dict[str, Any], container: dict[str, Any]) -> None:
+        run = self.runs[key]
+        assert run.process is not None
+        code = podrunner.exit_code(await run.process.wait())
+        policy = pod.get("spec", {}).get("restartPolicy", "Always")
+        if not run.terminating and (policy == "Always" or (policy == "OnFailure" and code != 0)):
+            run.restart_count += 1
+            await asyncio.sleep(min(30.0, 2.0 ** (run.restart_count - 1)))  # crash-loop backoff
+            if run.terminating or key not in self.runs:
+                await self._finish(key, run, code, "")
+                return
+            run.process = await podrunner.spawn(run.launch, run.directory / "launch.json", run.env, run.log_path)
+            run.started_at = now()
+            await self._patch_status(key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container))
+            await self._watch_process(key, pod, container)
+            return
+        await self._finish(key, run, code, "")
+
+    async def _finish(self, key: PodKey, run: PodRun, code: int, message: str) -> None:
+        run.finished = True
+        self.runs.setdefault(key, run)
+        pod = self.pods.get(key, {})
+        container = (pod.get("spec", {}).get("containers") or [{}])[0]
+        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                      "startedAt": run.started_at or now(), "finishedAt": now(),
+                      "containerID": f"local://{run.pid}"}
+        if message:
+            terminated["message"] = message
+        phase = "Succeeded" if code == 0 else "Failed"
+        status = {"phase": phase, "podIP": run.ip, "podIPs": [{"ip": run.ip}], "hostIP": "127.0.0.1",
+                  "conditions": pod_conditions(False, "PodCompleted" if code == 0 else "PodFailed"),
+                  "containerStatuses": [{**container_base(container, run.pid, run.restart_count), "ready": False, "started": False,
+                                         "state": {"terminated": terminated}}]}
+        await self._patch_status(key, status)
+        if run.terminating:
+            await self._final_delete(key)
+
+    async def _terminate(self, key: PodKey, pod: dict[str, Any]) -> None:
+        run = self.runs.get(key)
+        if run is None or run.finished or run.process is None:
+            await self._final_delete(key)
+            return
+        if run.terminating:
+            return
+        run.terminating = True
+        grace = int(pod["metadata"].get("deletionGracePeriodSeconds") or 0)
+        podrunner.signal_group(run.process.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(run.process.wait()), grace)
+        except TimeoutError:
+            podrunner.signal_group(run.process.pid, signal.SIGKILL)
+        # _watch_process reports the exit and makes the final delete.
+
+    async def _final_delete(self, key: PodKey) -> None:
+        with contextlib.suppress(ApiStatusError):
+            await self.client.delete(resource_path("v1", "pods", key[0], key[1]), grace_period_seconds=0)
+        self.runs.pop(key, None)
+
+    # ------------------------------------------------------------------ /etc/hosts
+
+    def _hosts_for(self, pod: Mapping[str, Any], ip: str) -> str:
+        return render_hosts(pod, ip, list(self.services.values()), list(self.pods.values()))
+
+    def _refresh_hosts_files(self) -> None:
+        """Rewrite each running pod's hosts file in place (same inode: its bind mount follows)."""
+        for key, run in self.runs.items():
+            pod = self.pods.get(key)
+            if pod is None or run.finished:
+                continue
+            text = self._hosts_for(pod, run.ip)
+            if text != run.hosts_text:
+                with open(run.hosts_file, "r+") as handle:
+                    handle.write(text)
+                    handle.truncate()
+                run.hosts_text = text
+
+
+def _referenced_configs(container: Mapping[str, Any]) -> list[tuple[str, str]]:
+    refs: list[tuple[str, str]] = []
+    for item in container.get("env") or []:
+        source = item.get("valueFrom") or {}
+        for kind in ("configMap", "secret"):
+            if f"{kind}KeyRef" in source:
+                refs.append((kind, source[f"{kind}KeyRef"].get("name", "")))
+    for source in container.get("envFrom") or []:
+        for kind in ("configMap", "secret"):
+            if f"{kind}Ref" in source:
+                refs.append((kind, source[f"{kind}Ref"].get("name", "")))
+    return refs
