@@ -56,9 +56,7 @@ def layer_bytes_per_token(m: ModelShape, e: int, seq: int, attention: str) -> in
     a = m.arch
     heads = a.num_attention_heads
     norms = m.family.norms_per_layer * norm_bytes(m, e, a.hidden_size)
-    qk_norm = (
-        norm_bytes(m, e, m.q_dim) + norm_bytes(m, e, m.kv_dim) if m.family.qk_norm else 0
-    )
+    qk_norm = norm_bytes(m, e, m.q_dim) + norm_bytes(m, e, m.kv_dim) if m.family.qk_norm else 0
     attn = 3 * e * (m.q_dim + m.kv_dim) + e * m.kv_dim + e * m.q_dim
     if attention == "eager":
         # k and v are repeat_kv'd to all heads, then the fp32 softmax and its copy (s^2 term).
@@ -88,7 +86,9 @@ def lora_bytes_per_token(m: ModelShape, e: int, targets: tuple[str, ...], dropou
         if name not in shapes:
             continue
         fan_in = shapes[name][0]
-        copies = m.experts_active if m.experts and name in ("gate_proj", "up_proj", "down_proj") else 1
+        copies = (
+            m.experts_active if m.experts and name in ("gate_proj", "up_proj", "down_proj") else 1
+        )
         cast = FP32 * fan_in if (e != FP32 or dropout > 0) else 0
         mask = fan_in if dropout > 0 else 0
         total += copies * (cast + mask)

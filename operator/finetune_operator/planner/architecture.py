@@ -96,8 +96,10 @@ def shape_of(arch: ModelArchitecture) -> ModelShape:
     kv_dim = (arch.num_key_value_heads or arch.num_attention_heads) * head_dim
     experts = arch.num_local_experts or 0
     k = arch.num_experts_per_tok or 0
-    inter = arch.moe_intermediate_size if experts and arch.moe_intermediate_size else (
-        arch.intermediate_size
+    inter = (
+        arch.moe_intermediate_size
+        if experts and arch.moe_intermediate_size
+        else (arch.intermediate_size)
     )
     attn_linear = h * q_dim + 2 * h * kv_dim + q_dim * h
     attn_extra = (q_dim + 2 * kv_dim if fam.qkv_bias else 0) + (2 * head_dim if fam.qk_norm else 0)
@@ -116,10 +118,22 @@ def shape_of(arch: ModelArchitecture) -> ModelShape:
     total = embedding + lm_head + h + arch.num_hidden_layers * layer
     active = embedding + lm_head + h + arch.num_hidden_layers * layer_active
     return ModelShape(
-        arch=arch, family=fam, head_dim=head_dim, q_dim=q_dim, kv_dim=kv_dim,
-        experts=experts, experts_active=k, expert_inter=inter, embedding=embedding,
-        lm_head=lm_head, layer=layer, layer_linear=layer_linear, layer_active=layer_active,
-        final_norm=h, total=total, active=active,
+        arch=arch,
+        family=fam,
+        head_dim=head_dim,
+        q_dim=q_dim,
+        kv_dim=kv_dim,
+        experts=experts,
+        experts_active=k,
+        expert_inter=inter,
+        embedding=embedding,
+        lm_head=lm_head,
+        layer=layer,
+        layer_linear=layer_linear,
+        layer_active=layer_active,
+        final_norm=h,
+        total=total,
+        active=active,
     )
 
 
@@ -130,8 +144,12 @@ _CONFIG_RENAMES = {"num_experts": "num_local_experts"}
 def architecture_from_config(config: dict[str, Any]) -> ModelArchitecture:
     """Map an HF config.json dict (multimodal configs: their text_config) to our fields."""
     if isinstance(config.get("text_config"), dict):
-        config = {**config["text_config"], "model_type": config["text_config"].get(
-            "model_type", config.get("model_type", "llama"))}
+        config = {
+            **config["text_config"],
+            "model_type": config["text_config"].get(
+                "model_type", config.get("model_type", "llama")
+            ),
+        }
     fields = ModelArchitecture.model_fields
     values = {_CONFIG_RENAMES.get(k, k): v for k, v in config.items()}
     picked = {k: v for k, v in values.items() if k in fields and v is not None}
@@ -149,7 +167,9 @@ def _from_path(name: str) -> ModelArchitecture | None:
     try:
         return architecture_from_config(json.loads(path.read_text()))
     except (OSError, ValueError, ValidationError) as exc:
-        raise PlanningError("spec.model.name", f"cannot read a model config from {path}: {exc}")
+        raise PlanningError(
+            "spec.model.name", f"cannot read a model config from {path}: {exc}"
+        ) from exc
 
 
 def resolve_model(model: ModelSpec) -> ModelShape:

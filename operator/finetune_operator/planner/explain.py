@@ -9,7 +9,6 @@ from finetune_operator.planner.hardware import GIB
 from finetune_operator.planner.search import MIN_HEADROOM, Evaluated, Problem, SearchResult
 
 
-
 class HintSearch(Protocol):
     def __call__(self, p: Problem, **changes: object) -> Evaluated | None: ...
 
@@ -21,8 +20,10 @@ def _gib(n: float) -> str:
 def _config(ev: Evaluated) -> str:
     ck = "full checkpointing" if ev.shape.checkpointing else "no checkpointing"
     off = f", offload {ev.cand.offload}" if ev.cand.offload != "none" else ""
-    return (f"{ev.cand.strategy}{off}, micro-batch {ev.shape.micro_batch} x "
-            f"{ev.shape.grad_accumulation} accumulation, {ck}")
+    return (
+        f"{ev.cand.strategy}{off}, micro-batch {ev.shape.micro_batch} x "
+        f"{ev.shape.grad_accumulation} accumulation, {ck}"
+    )
 
 
 def _device(p: Problem) -> str:
@@ -51,8 +52,9 @@ def explain_choice(p: Problem, result: SearchResult, best: Evaluated, launch_n: 
         )
     elif p.spec.strategy.type != "auto":
         lines.append(f"Strategy pinned to {p.spec.strategy.type}.")
-    lines.append(f"Fastest of the configurations that fit at this size "
-                 f"({result.evaluated} evaluated).")
+    lines.append(
+        f"Fastest of the configurations that fit at this size ({result.evaluated} evaluated)."
+    )
     return " ".join(lines)
 
 
@@ -76,17 +78,23 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
         f"at {sm.cand.world_size} ranks with {_config(sm)} (peak at {sm.est.peak_phase})."
     ]
     if sm.est.host_bytes > p.host_budget:
-        parts.append(f"Offloaded states need {_gib(sm.est.host_bytes)} of host RAM per process "
-                     f"(budget {_gib(p.host_budget)}).")
+        parts.append(
+            f"Offloaded states need {_gib(sm.est.host_bytes)} of host RAM per process "
+            f"(budget {_gib(p.host_budget)})."
+        )
     more = _try(hint_problem, p, unbounded=True)
     if more is not None and more.cand.world_size > max(result.tried, default=0):
-        parts.append(f"Needs >= {more.cand.world_size} GPUs of this memory "
-                     f"({more.cand.strategy}; globalBatchSize divisible by that count).")
+        parts.append(
+            f"Needs >= {more.cand.world_size} GPUs of this memory "
+            f"({more.cand.strategy}; globalBatchSize divisible by that count)."
+        )
     if p.spec.strategy.offload == "none" and p.acc.cuda:
         off = _try(hint_problem, p, offload=True)
         if off is not None:
-            parts.append(f"strategy.offload: cpu would fit on {off.cand.world_size} GPUs "
-                         f"({off.cand.strategy}).")
+            parts.append(
+                f"strategy.offload: cpu would fit on {off.cand.world_size} GPUs "
+                f"({off.cand.strategy})."
+            )
     if p.spec.method.type == "full":
         for method, label in (("lora", "LoRA"), ("qlora", "QLoRA")):
             ev = _try(hint_problem, p, method=method)

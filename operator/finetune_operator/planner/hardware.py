@@ -62,9 +62,17 @@ GPU_PRODUCTS: dict[str, Accelerator] = {
         Accelerator("MI300X", 196592 * MIB, 1307e12, NVLINK4_BW, MFU_OTHER),
     )
 }
-_PRODUCT_ALIASES = {"h100": "h100-80gb", "h200": "h200-141gb", "b200": "b200-180gb",
-                    "a100": "a100-80gb", "rtx4090": "rtx-4090", "4090": "rtx-4090",
-                    "rtx3090": "rtx-3090", "a10": "a10g", "v100": "v100-32gb"}
+_PRODUCT_ALIASES = {
+    "h100": "h100-80gb",
+    "h200": "h200-141gb",
+    "b200": "b200-180gb",
+    "a100": "a100-80gb",
+    "rtx4090": "rtx-4090",
+    "4090": "rtx-4090",
+    "rtx3090": "rtx-3090",
+    "a10": "a10g",
+    "v100": "v100-32gb",
+}
 
 # When only memoryGib is given: assume a datacenter GPU of H100 speed over NVLink.
 UNKNOWN_GPU_FLOPS = 989e12
@@ -86,9 +94,23 @@ NCCL_BUFFER_BYTES = 256 * MIB
 DEFAULT_HOST_BYTES_PER_GPU = 240 * GIB
 
 _QUANTITY = re.compile(r"^\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*([KMGTPE]i?|[kmM]?)\s*$")
-_UNITS = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-          "m": 1e-3}
+_UNITS = {
+    "": 1,
+    "k": 1e3,
+    "K": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "E": 1e18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "m": 1e-3,
+}
 
 
 def parse_quantity(text: str, field: str) -> int:
@@ -109,19 +131,23 @@ def accelerator_for(res: ResourcesSpec) -> Accelerator:
     """The device one process trains on, from resources (memoryGib overrides the table)."""
     if res.device == "cpu":
         if res.memory is None:
-            raise PlanningError("spec.resources.memory",
-                                "a CPU job needs resources.memory (per pod) as its budget")
+            raise PlanningError(
+                "spec.resources.memory", "a CPU job needs resources.memory (per pod) as its budget"
+            )
         per_proc = parse_quantity(res.memory, "spec.resources.memory") // res.gpus_per_node
         return Accelerator("cpu", per_proc, CPU_FLOPS, CPU_BW, 1.0, cuda=False)
     known = product(res.gpu.product) if res.gpu.product else None
     if res.gpu.product and known is None and res.gpu.memory_gib is None:
         names = ", ".join(a.name for a in GPU_PRODUCTS.values())
-        raise PlanningError("spec.resources.gpu.product",
-                            f"unknown GPU product {res.gpu.product!r}; known: {names}; "
-                            "or set spec.resources.gpu.memoryGib")
+        raise PlanningError(
+            "spec.resources.gpu.product",
+            f"unknown GPU product {res.gpu.product!r}; known: {names}; "
+            "or set spec.resources.gpu.memoryGib",
+        )
     if known is None and res.gpu.memory_gib is None:
-        raise PlanningError("spec.resources.gpu",
-                            "set spec.resources.gpu.product (e.g. H100-80GB) or memoryGib")
+        raise PlanningError(
+            "spec.resources.gpu", "set spec.resources.gpu.product (e.g. H100-80GB) or memoryGib"
+        )
     base = known or Accelerator("memoryGib", 0, UNKNOWN_GPU_FLOPS, NVLINK4_BW, MFU_DATACENTER)
     mem = int(res.gpu.memory_gib * GIB) if res.gpu.memory_gib else base.memory_bytes
     name = base.name if known else f"{mem / GIB:g}GiB"

@@ -237,8 +237,13 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     full = shape.method == "full"
     targets = () if full else shape.lora_targets
     act = activation_model(
-        m, tokens=tokens, seq=shape.seq_len, e=e, attention=shape.attention,
-        lora_targets=targets, lora_rank=0 if full else shape.lora_rank,
+        m,
+        tokens=tokens,
+        seq=shape.seq_len,
+        e=e,
+        attention=shape.attention,
+        lora_targets=targets,
+        lora_rank=0 if full else shape.lora_rank,
         lora_dropout=shape.lora_dropout,
     )
     st = _model_states(m, shape, cand)
@@ -260,7 +265,8 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     buffers = {
         "loss": loss_buf + gather_loss,
         "backward": held + act.backward_transient + gather_bwd + bucket + dequant,
-        "optimizer": _optimizer_temp(shape, cand, st) + (bucket if cand.strategy in DEEPSPEED else 0),
+        "optimizer": _optimizer_temp(shape, cand, st)
+        + (bucket if cand.strategy in DEEPSPEED else 0),
     }
     acts = {"loss": resident, "backward": in_backward, "optimizer": 0}
     grads = {"loss": grads_fwd, "backward": grads_fwd, "optimizer": st.grads}
@@ -273,8 +279,13 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
         overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES
         overhead += NCCL_BUFFER_BYTES if cand.world_size > 1 else 0
     breakdown = MemoryBreakdown(
-        parameters=st.params, gradients=st.grads, optimizer=st.optim,
-        activations=acts[phase], buffers=buffers[phase], peak=peak,
-        reserved=reserved, total=reserved + overhead,
+        parameters=st.params,
+        gradients=st.grads,
+        optimizer=st.optim,
+        activations=acts[phase],
+        buffers=buffers[phase],
+        peak=peak,
+        reserved=reserved,
+        total=reserved + overhead,
     )
     return MemoryEstimate(breakdown, phase, st.host, phases)

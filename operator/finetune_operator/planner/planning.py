@@ -30,40 +30,51 @@ def build_problem(spec: FineTuneJobSpec) -> Problem:
     acc = accelerator_for(spec.resources)
     tr, arch = spec.training, model.arch
     if arch.max_position_embeddings and tr.sequence_length > arch.max_position_embeddings:
-        raise PlanningError("spec.training.sequenceLength",
-                            f"{tr.sequence_length} exceeds the model's maxPositionEmbeddings "
-                            f"({arch.max_position_embeddings})")
+        raise PlanningError(
+            "spec.training.sequenceLength",
+            f"{tr.sequence_length} exceeds the model's maxPositionEmbeddings "
+            f"({arch.max_position_embeddings})",
+        )
     lora = spec.method.lora
     targets: tuple[str, ...] = ()
     if spec.method.type != "full" and lora is not None:
         if lora.rank > arch.hidden_size:
-            raise PlanningError("spec.method.lora.rank",
-                                f"rank {lora.rank} exceeds hiddenSize {arch.hidden_size}")
+            raise PlanningError(
+                "spec.method.lora.rank", f"rank {lora.rank} exceeds hiddenSize {arch.hidden_size}"
+            )
         targets = expand_targets(lora.target_modules)
     if spec.method.type == "qlora" and not acc.cuda:
         raise PlanningError("spec.method.type", "qlora needs bitsandbytes on a GPU, not CPU")
     if isinstance(tr.micro_batch_size, int) and tr.global_batch_size % tr.micro_batch_size:
-        raise PlanningError("spec.training.microBatchSize",
-                            f"{tr.micro_batch_size} does not divide globalBatchSize "
-                            f"{tr.global_batch_size}")
+        raise PlanningError(
+            "spec.training.microBatchSize",
+            f"{tr.micro_batch_size} does not divide globalBatchSize {tr.global_batch_size}",
+        )
     st = spec.strategy
     if st.type == "ddp" and st.offload != "none":
-        raise PlanningError("spec.strategy.offload",
-                            "ddp cannot offload; use zero2/zero3 or an fsdp strategy")
+        raise PlanningError(
+            "spec.strategy.offload", "ddp cannot offload; use zero2/zero3 or an fsdp strategy"
+        )
     base = TrainingShape(
-        micro_batch=1, seq_len=tr.sequence_length, precision=tr.precision,
-        optimizer=tr.optimizer, method=spec.method.type,
-        lora_rank=lora.rank if lora else 16, lora_targets=targets or ("q_proj",),
-        lora_dropout=lora.dropout if lora else 0.0, attention=spec.model.attention,
+        micro_batch=1,
+        seq_len=tr.sequence_length,
+        precision=tr.precision,
+        optimizer=tr.optimizer,
+        method=spec.method.type,
+        lora_rank=lora.rank if lora else 16,
+        lora_targets=targets or ("q_proj",),
+        lora_dropout=lora.dropout if lora else 0.0,
+        attention=spec.model.attention,
     )
     return Problem(spec, model, acc, base, host_bytes_per_process(spec.resources))
 
 
 def _check_divides(spec: FineTuneJobSpec, n: int, what: str) -> None:
     if spec.training.global_batch_size % n:
-        raise PlanningError("spec.training.globalBatchSize",
-                            f"{spec.training.global_batch_size} is not divisible by the "
-                            f"{what} world size {n}")
+        raise PlanningError(
+            "spec.training.globalBatchSize",
+            f"{spec.training.global_batch_size} is not divisible by the {what} world size {n}",
+        )
 
 
 def _fixed_size(p: Problem) -> tuple[int, int] | None:
@@ -90,11 +101,19 @@ def _search(p: Problem) -> tuple[SearchResult, int | None]:
     if fixed is None:
         sizes = world_sizes(p)
         if not sizes:
-            raise PlanningError("spec.training.globalBatchSize",
-                                f"no world size up to the GPU limit divides "
-                                f"{p.spec.training.global_batch_size}")
+            raise PlanningError(
+                "spec.training.globalBatchSize",
+                f"no world size up to the GPU limit divides {p.spec.training.global_batch_size}",
+            )
         return run_search(p, sizes), None
     mem_n, launch_n = fixed
+    mb = p.spec.training.micro_batch_size
+    per_rank = p.spec.training.global_batch_size // mem_n
+    if isinstance(mb, int) and per_rank % mb:
+        raise PlanningError(
+            "spec.training.microBatchSize",
+            f"{mb} does not divide the per-rank batch {per_rank} at world size {mem_n}",
+        )
     result = SearchResult(best=None, smallest=None, tried={})
     fitting = search_at(p, mem_n, result, mem_world=mem_n, launch=launch_n)
     if fitting:
@@ -102,20 +121,32 @@ def _search(p: Problem) -> tuple[SearchResult, int | None]:
     return result, launch_n
 
 
-def _to_plan(p: Problem, ev: Evaluated, fits: bool, reason: str, launch_n: int,
-             evaluated: int) -> Plan:
+def _to_plan(
+    p: Problem, ev: Evaluated, fits: bool, reason: str, launch_n: int, evaluated: int
+) -> Plan:
     gpn = min(p.spec.resources.gpus_per_node, launch_n)
     tr = p.spec.training
     step = ev.step_s
     tokens = tr.global_batch_size * tr.sequence_length
-    backend = "deepspeed" if ev.cand.strategy in ("zero1", "zero2") or (
-        ev.cand.strategy == "zero3" and p.spec.strategy.backend == "deepspeed") else "torch"
+    backend = (
+        "deepspeed"
+        if ev.cand.strategy in ("zero1", "zero2")
+        or (ev.cand.strategy == "zero3" and p.spec.strategy.backend == "deepspeed")
+        else "torch"
+    )
     b = ev.est.breakdown
     return Plan(
-        fits=fits, world_size=launch_n, nodes=max(1, launch_n // gpn), gpus_per_node=gpn,
-        strategy=ev.cand.strategy, offload=ev.cand.offload, backend=backend,
+        fits=fits,
+        world_size=launch_n,
+        nodes=max(1, launch_n // gpn),
+        gpus_per_node=gpn,
+        strategy=ev.cand.strategy,
+        offload=ev.cand.offload,
+        backend=backend,
         micro_batch_size=ev.shape.micro_batch,
-        gradient_accumulation_steps=max(1, tr.global_batch_size // (launch_n * ev.shape.micro_batch)),
+        gradient_accumulation_steps=max(
+            1, tr.global_batch_size // (launch_n * ev.shape.micro_batch)
+        ),
         activation_checkpointing=ev.shape.checkpointing,
         checkpointing_mode="full" if ev.shape.checkpointing else "none",
         gpu_memory_bytes=p.acc.memory_bytes,
@@ -123,7 +154,9 @@ def _to_plan(p: Problem, ev: Evaluated, fits: bool, reason: str, launch_n: int,
         estimated_step_seconds=round(step, 6),
         tokens_per_second=round(tokens / step, 3) if step else 0.0,
         gpu_hours=round((tr.max_steps or 0) * step * launch_n / 3600, 6),
-        reason=reason, memory=b, candidates_evaluated=evaluated,
+        reason=reason,
+        memory=b,
+        candidates_evaluated=evaluated,
     )
 
 
@@ -141,8 +174,10 @@ def plan_job(spec: FineTuneJobSpec) -> Plan:
         n = launch_n or best.cand.world_size
         return _to_plan(p, best, True, explain_choice(p, result, best, n), n, result.evaluated)
     if result.smallest is None:
-        raise PlanningError("spec.training.microBatchSize",
-                            "no micro-batch size divides the per-rank batch at any world size")
+        raise PlanningError(
+            "spec.training.microBatchSize",
+            "no micro-batch size divides the per-rank batch at any world size",
+        )
     smallest = result.smallest
     n = launch_n or smallest.cand.world_size
     reason = explain_refusal(p, result, hint_problem=_hint_search)
@@ -155,21 +190,29 @@ def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
     spec = p.spec
     method = changes.get("method")
     if method is not None:
-        spec = spec.model_copy(update={"method": spec.method.model_copy(
-            update={"type": method, "lora": spec.method.lora or None})})
+        spec = spec.model_copy(
+            update={
+                "method": spec.method.model_copy(
+                    update={"type": method, "lora": spec.method.lora or None}
+                )
+            }
+        )
         spec = FineTuneJobSpec.model_validate(spec.model_dump(by_alias=True))
     if changes.get("offload"):
-        spec = spec.model_copy(update={"strategy": spec.strategy.model_copy(
-            update={"offload": "cpu", "type": "auto"})})
+        spec = spec.model_copy(
+            update={"strategy": spec.strategy.model_copy(update={"offload": "cpu", "type": "auto"})}
+        )
     res = spec.resources.model_copy(update={"min_nodes": None, "max_nodes": None})
     if changes.get("unbounded", True):
         res = res.model_copy(update={"max_gpus": None})
     spec = spec.model_copy(update={"resources": res})
     if spec.training.gradient_checkpointing == "none":
-        spec = spec.model_copy(update={"training": spec.training.model_copy(
-            update={"gradient_checkpointing": "auto"})})
-    q = replace(build_problem(spec), host_budget=p.host_budget,
-                strict_batch=not changes.get("unbounded"))
+        spec = spec.model_copy(
+            update={"training": spec.training.model_copy(update={"gradient_checkpointing": "auto"})}
+        )
+    q = replace(
+        build_problem(spec), host_budget=p.host_budget, strict_batch=not changes.get("unbounded")
+    )
     if not checkpoint_modes(q):
         return None
     return run_search(q, world_sizes(q)).best

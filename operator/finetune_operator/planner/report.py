@@ -7,8 +7,16 @@ import textwrap
 from finetune_operator.api.plan import Plan
 
 GIB = 1024**3
-_MEMORY_ROWS = ("parameters", "gradients", "optimizer", "activations", "buffers", "peak",
-                "reserved", "total")
+_MEMORY_ROWS = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "buffers",
+    "peak",
+    "reserved",
+    "total",
+)
 
 
 def _gib(n: int) -> str:
@@ -25,8 +33,11 @@ def render_plan(plan: Plan, width: int = 88) -> str:
         ("Strategy", f"{plan.strategy} ({plan.backend}), offload {plan.offload}"),
         ("Micro-batch", f"{plan.micro_batch_size} x {ga} accumulation steps"),
         ("Checkpointing", plan.checkpointing_mode),
-        ("Memory per GPU", f"{_gib(plan.memory.total)} of {_gib(plan.gpu_memory_bytes)} "
-                           f"({plan.headroom:.1%} headroom)"),
+        (
+            "Memory per GPU",
+            f"{_gib(plan.memory.total)} of {_gib(plan.gpu_memory_bytes)} "
+            f"({plan.headroom:.1%} headroom)",
+        ),
         ("Step time", f"{plan.estimated_step_seconds:.3f} s (modelled)"),
         ("Throughput", f"{plan.tokens_per_second:,.0f} tokens/s"),
         ("GPU-hours", f"{plan.gpu_hours:,.1f}"),
@@ -42,3 +53,7 @@ def render_plan(plan: Plan, width: int = 88) -> str:
     lines.append("")
     lines.extend(textwrap.wrap("Reason: " + plan.reason, width=width))
     return "\n".join(lines)
+
+
+# `ftjob plan` (cli.py) imports the table renderer under this name.
+render_plan_table = render_plan

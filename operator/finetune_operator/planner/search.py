@@ -12,7 +12,12 @@ from dataclasses import dataclass, replace
 from finetune_operator.api.spec import FineTuneJobSpec, StrategyName
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.hardware import Accelerator
-from finetune_operator.planner.memory import Candidate, MemoryEstimate, TrainingShape, estimate_memory
+from finetune_operator.planner.memory import (
+    Candidate,
+    MemoryEstimate,
+    TrainingShape,
+    estimate_memory,
+)
 from finetune_operator.planner.steptime import step_seconds
 
 # DESIGN §4: a plan must leave at least this share of GPU memory free.
@@ -22,7 +27,13 @@ DEFAULT_MAX_NODES = 64
 # Strategies by per-step communication volume (DESIGN §4), cheapest first. zero1/zero2 run
 # only on DeepSpeed, so they are searched only when strategy.backend is deepspeed.
 STRATEGY_ORDER: tuple[StrategyName, ...] = (
-    "ddp", "zero1", "zero2", "fsdp-shard-grad-op", "fsdp-hybrid", "fsdp-full-shard", "zero3",
+    "ddp",
+    "zero1",
+    "zero2",
+    "fsdp-shard-grad-op",
+    "fsdp-hybrid",
+    "fsdp-full-shard",
+    "zero3",
 )
 DEEPSPEED_ONLY = frozenset({"zero1", "zero2"})
 FSDP_ONLY = frozenset({"fsdp-shard-grad-op", "fsdp-hybrid", "fsdp-full-shard"})
@@ -90,15 +101,20 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def evaluate(p: Problem, n: int, strategy: StrategyName, mb: int, ckpt: bool,
-             mem_world: int | None = None) -> Evaluated:
+def evaluate(
+    p: Problem, n: int, strategy: StrategyName, mb: int, ckpt: bool, mem_world: int | None = None
+) -> Evaluated:
     """One configuration: memory at `mem_world` ranks (elastic minimum), time at `n`."""
     gpn = p.spec.resources.gpus_per_node
     global_batch = p.spec.training.global_batch_size
     ms = memory_strategy(p, strategy)
     mem_n = mem_world or n
-    shape = replace(p.base, micro_batch=mb, checkpointing=ckpt,
-                    grad_accumulation=max(1, global_batch // (mem_n * mb)))
+    shape = replace(
+        p.base,
+        micro_batch=mb,
+        checkpointing=ckpt,
+        grad_accumulation=max(1, global_batch // (mem_n * mb)),
+    )
     cand = Candidate(ms, mem_n, gpn, p.spec.strategy.offload, p.acc.cuda)
     est = estimate_memory(p.model, shape, cand)
     fits = est.breakdown.total <= memory_limit(p.acc) and est.host_bytes <= p.host_budget
@@ -127,8 +143,13 @@ class SearchResult:
     evaluated: int = 0
 
 
-def search_at(p: Problem, n: int, result: SearchResult, mem_world: int | None = None,
-              launch: int | None = None) -> list[Evaluated]:
+def search_at(
+    p: Problem,
+    n: int,
+    result: SearchResult,
+    mem_world: int | None = None,
+    launch: int | None = None,
+) -> list[Evaluated]:
     """Every fitting configuration at world size n (memory at mem_world when elastic)."""
     fitting: list[Evaluated] = []
     run_n = launch or n

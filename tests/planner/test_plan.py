@@ -1,0 +1,211 @@
+"""plan_job: rules of thumb, pinning, elastic jobs, the CPU quickstart and specific errors.
+
+Shapes (stated, since the rules of thumb depend on them): bf16 mixed precision, AdamW, SDPA,
+Llama-2-7B / Llama-3.1-70B from the catalog, sequence 2048 unless a case says otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.planner import PlanningError, plan_job, render_plan
+from planner_specs import make_spec
+
+SHARDED = {"zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_7b_full_ft_needs_two_80gb_gpus_sharded() -> None:
+    plan = plan_job(make_spec())
+    assert plan.fits and plan.world_size == 2 and plan.strategy in SHARDED
+    assert plan.headroom >= 0.10
+    assert "Fewer ranks do not fit" in plan.reason
+
+
+def test_7b_full_ft_with_deepspeed_backend_is_a_zero_stage_on_two_gpus() -> None:
+    # Recompute fixed on: ZeRO-1 (4P + 12P/2 = 10P = 63 GiB of states) already fits 2 x 80 GB;
+    # the step-time model then picks the stage whose micro-batch/comm trade-off is fastest.
+    plan = plan_job(
+        make_spec(strategy={"backend": "deepspeed"}, training={"gradientCheckpointing": "full"})
+    )
+    assert (plan.world_size, plan.backend) == (2, "deepspeed")
+    assert plan.strategy in {"zero1", "zero2", "zero3"}
+
+
+def test_7b_qlora_fits_one_24gb_gpu() -> None:
+    plan = plan_job(
+        make_spec(
+            method={"type": "qlora"}, resources={"gpu": {"product": "RTX-4090"}, "gpusPerNode": 1}
+        )
+    )
+    assert plan.fits and plan.world_size == 1
+
+
+def test_70b_qlora_fits_one_80gb_gpu() -> None:
+    plan = plan_job(make_spec(model={"name": "meta-llama/Llama-3.1-70B"}, method={"type": "qlora"}))
+    assert plan.fits and plan.world_size == 1
+
+
+SEQ4K = {"sequenceLength": 4096, "globalBatchSize": 64, "maxSteps": 100}
+
+
+def test_70b_full_ft_on_8x80gb_is_zero3_with_offload() -> None:
+    # 16 B/param x 70.6B / 8 = 141 GB of states per GPU: 8 x 80 GB holds 70B full FT only
+    # with ZeRO-3 (FSDP full shard) and CPU offload of the states.
+    plan = plan_job(
+        make_spec(model={"name": "Llama-3.1-70B"}, training=SEQ4K, strategy={"offload": "cpu"})
+    )
+    assert plan.fits and plan.world_size == 8 and plan.nodes == 1
+    assert plan.strategy in {"zero3", "fsdp-full-shard"} and plan.offload == "cpu"
+
+
+def test_70b_full_ft_without_offload_needs_more_nodes() -> None:
+    plan = plan_job(make_spec(model={"name": "Llama-3.1-70B"}, training=SEQ4K))
+    assert plan.fits and plan.world_size > 8
+    assert plan.strategy in {"zero3", "fsdp-full-shard"}
+
+
+def test_70b_full_ft_on_two_24gb_gpus_does_not_fit() -> None:
+    plan = plan_job(
+        make_spec(
+            model={"name": "Llama-3.1-70B"},
+            resources={"gpu": {"memoryGib": 24}, "gpusPerNode": 2, "maxGpus": 2},
+        )
+    )
+    assert not plan.fits
+    for part in (
+        "Tried world sizes 1, 2",
+        "smallest need",
+        "Needs >=",
+        "QLoRA would fit",
+        "A GPU with >=",
+    ):
+        assert part in plan.reason
+    assert "DOES NOT FIT" in render_plan(plan)
+
+
+def test_pinned_configuration_is_evaluated_exactly() -> None:
+    spec = make_spec(
+        strategy={"type": "fsdp-full-shard"},
+        resources={"minNodes": 2, "maxNodes": 2},
+        training={"globalBatchSize": 64, "microBatchSize": 2, "gradientCheckpointing": "full"},
+    )
+    plan = plan_job(spec)
+    assert plan.candidates_evaluated == 1
+    assert (plan.world_size, plan.nodes, plan.strategy) == (16, 2, "fsdp-full-shard")
+    assert (plan.micro_batch_size, plan.activation_checkpointing) == (2, True)
+    assert plan.gradient_accumulation_steps == 2
+
+
+def test_pinned_configuration_that_does_not_fit_is_reported() -> None:
+    spec = make_spec(
+        strategy={"type": "ddp"},
+        resources={"minNodes": 1, "maxNodes": 1},
+        training={"microBatchSize": 2, "gradientCheckpointing": "none"},
+    )
+    plan = plan_job(spec)
+    assert not plan.fits and plan.strategy == "ddp" and plan.world_size == 8
+    assert plan.candidates_evaluated == 1
+
+
+def test_elastic_fits_at_min_nodes_and_launches_max_nodes() -> None:
+    # 70B, fsdp: 16 GPUs would fit, but the job may shrink to minNodes=1 (8 GPUs): refuse
+    # without offload, fit with it; either way launch maxNodes pods.
+    elastic = {"minNodes": 1, "maxNodes": 4}
+    shrinking = plan_job(
+        make_spec(model={"name": "Llama-3.1-70B"}, training=SEQ4K, resources=elastic)
+    )
+    assert not shrinking.fits and shrinking.nodes == 4
+    plan = plan_job(
+        make_spec(
+            model={"name": "Llama-3.1-70B"},
+            training=SEQ4K,
+            resources=elastic,
+            strategy={"offload": "cpu"},
+        )
+    )
+    assert plan.fits and (plan.nodes, plan.world_size) == (4, 32)
+    assert "minNodes" in plan.reason
+
+
+def test_cpu_quickstart_fits_ddp_two_nodes() -> None:
+    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    plan = plan_job(FineTuneJobSpec.model_validate(doc["spec"]))
+    assert plan.fits and plan.strategy == "ddp" and plan.nodes == 2
+    assert plan.gpu_memory_bytes == 2 * 1024**3  # resources.memory 2Gi / 1 process
+    assert plan.memory.total == plan.memory.reserved  # no CUDA context on CPU
+
+
+def test_plan_reports_throughput_and_gpu_hours() -> None:
+    plan = plan_job(make_spec())
+    assert plan.tokens_per_second == pytest.approx(
+        16 * 2048 / plan.estimated_step_seconds, rel=1e-3
+    )
+    assert plan.gpu_hours == pytest.approx(100 * plan.estimated_step_seconds * 2 / 3600, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("sections", "field"),
+    [
+        ({"model": {"name": "acme/unknown-13b"}}, "spec.model.architecture"),
+        ({"method": {"type": "lora", "lora": {"rank": 4096 + 8}}}, None),  # API refuses >4096
+        (
+            {
+                "model": {"name": "Llama-3.2-1B-Instruct"},
+                "method": {"type": "lora", "lora": {"rank": 4096}},
+            },
+            "spec.method.lora.rank",
+        ),
+        ({"training": {"sequenceLength": 8192}}, "spec.training.sequenceLength"),
+        ({"training": {"globalBatchSize": 6, "microBatchSize": 4}}, "spec.training.microBatchSize"),
+        (
+            {"training": {"microBatchSize": 4}, "resources": {"minNodes": 1, "maxNodes": 1}},
+            "spec.training.microBatchSize",
+        ),
+        (
+            {"resources": {"minNodes": 2, "maxNodes": 3}, "training": {"globalBatchSize": 16}},
+            "spec.training.globalBatchSize",
+        ),
+        ({"resources": {"gpu": {"product": "H9000"}}}, "spec.resources.gpu.product"),
+        ({"resources": {"gpu": {}}}, "spec.resources.gpu"),
+        (
+            {"method": {"type": "lora", "lora": {"targetModules": ["qkv"]}}},
+            "spec.method.lora.targetModules",
+        ),
+        ({"strategy": {"type": "ddp", "offload": "cpu"}}, "spec.strategy.offload"),
+        ({"resources": {"device": "cpu", "gpu": {}}}, "spec.resources.memory"),
+    ],
+    ids=[
+        "unknown-model",
+        "rank-over-api-limit",
+        "rank-over-hidden",
+        "seq-over-max-pos",
+        "micro-batch-not-dividing",
+        "micro-batch-over-per-rank",
+        "elastic-batch-not-divisible",
+        "unknown-product",
+        "no-gpu-memory",
+        "unknown-target",
+        "ddp-offload",
+        "cpu-without-memory",
+    ],
+)
+def test_specific_errors(sections: dict[str, Any], field: str | None) -> None:
+    if field is None:
+        with pytest.raises(ValueError):
+            plan_job(make_spec(**sections))
+        return
+    with pytest.raises(PlanningError) as err:
+        plan_job(make_spec(**sections))
+    assert err.value.field == field
+
+
+def test_report_is_aligned_table_in_gib() -> None:
+    text = render_plan(plan_job(make_spec()))
+    assert "GiB" in text and "Reason:" in text
+    rows = [line for line in text.splitlines() if line.startswith(("parameters", "peak"))]
+    assert len({len(r) for r in rows}) == 1  # right-aligned numbers
