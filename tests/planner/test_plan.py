@@ -73,7 +73,7 @@ def test_70b_full_ft_on_two_24gb_gpus_does_not_fit() -> None:
     plan = plan_job(
         make_spec(
             model={"name": "Llama-3.1-70B"},
-            resources={"gpu": {"memoryGib": 24}, "gpusPerNode": 2, "maxGpus": 2},
+            resources={"gpu": {"memoryGiB": 24}, "gpusPerNode": 2, "maxGPUs": 2},
         )
     )
     assert not plan.fits

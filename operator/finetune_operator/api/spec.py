@@ -137,7 +137,9 @@ class TrainingSpec(ApiModel):
 class GpuSpec(ApiModel):
     resource_name: str = Field("nvidia.com/gpu", description="Extended resource to request.")
     product: str | None = Field(None, description="GPU product, e.g. H100-80GB, A100-40GB, L4.")
-    memory_gib: float | None = Field(None, gt=0, description="GPU memory; from product if unset.")
+    memory_gib: float | None = Field(
+        None, gt=0, alias="memoryGiB", description="GPU memory; from product if unset."
+    )
 
 
 class LocalObjectReference(ApiModel):
@@ -150,7 +152,9 @@ class ResourcesSpec(ApiModel):
     )
     gpu: GpuSpec = Field(default_factory=GpuSpec, description="Accelerator per process.")
     gpus_per_node: int = Field(1, ge=1, le=64, description="Processes (GPUs) per worker pod.")
-    max_gpus: int | None = Field(None, ge=1, description="Upper bound on the world size.")
+    max_gpus: int | None = Field(
+        None, ge=1, alias="maxGPUs", description="Upper bound on the world size."
+    )
     min_nodes: int | None = Field(None, ge=1, description="Elastic minimum of worker pods.")
     max_nodes: int | None = Field(None, ge=1, description="Elastic maximum of worker pods.")
     cpu: str | None = Field(None, description="CPU request/limit per worker pod, e.g. '8'.")

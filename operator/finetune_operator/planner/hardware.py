@@ -74,7 +74,7 @@ _PRODUCT_ALIASES = {
     "v100": "v100-32gb",
 }
 
-# When only memoryGib is given: assume a datacenter GPU of H100 speed over NVLink.
+# When only memoryGiB is given: assume a datacenter GPU of H100 speed over NVLink.
 UNKNOWN_GPU_FLOPS = 989e12
 # A CPU (gloo) process: ~50 GFLOP/s of fp32 matmul per process on a few cores (measured order
 # of magnitude for torch CPU GEMM), loopback/TCP ~1 GB/s between processes.
@@ -128,7 +128,7 @@ def product(name: str) -> Accelerator | None:
 
 
 def accelerator_for(res: ResourcesSpec) -> Accelerator:
-    """The device one process trains on, from resources (memoryGib overrides the table)."""
+    """The device one process trains on, from resources (memoryGiB overrides the table)."""
     if res.device == "cpu":
         if res.memory is None:
             raise PlanningError(
@@ -142,13 +142,13 @@ def accelerator_for(res: ResourcesSpec) -> Accelerator:
         raise PlanningError(
             "spec.resources.gpu.product",
             f"unknown GPU product {res.gpu.product!r}; known: {names}; "
-            "or set spec.resources.gpu.memoryGib",
+            "or set spec.resources.gpu.memoryGiB",
         )
     if known is None and res.gpu.memory_gib is None:
         raise PlanningError(
-            "spec.resources.gpu", "set spec.resources.gpu.product (e.g. H100-80GB) or memoryGib"
+            "spec.resources.gpu", "set spec.resources.gpu.product (e.g. H100-80GB) or memoryGiB"
         )
-    base = known or Accelerator("memoryGib", 0, UNKNOWN_GPU_FLOPS, NVLINK4_BW, MFU_DATACENTER)
+    base = known or Accelerator("memoryGiB", 0, UNKNOWN_GPU_FLOPS, NVLINK4_BW, MFU_DATACENTER)
     mem = int(res.gpu.memory_gib * GIB) if res.gpu.memory_gib else base.memory_bytes
     name = base.name if known else f"{mem / GIB:g}GiB"
     return Accelerator(name, mem, base.peak_flops, base.intra_node_bw, base.mfu)

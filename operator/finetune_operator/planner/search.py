@@ -1,6 +1,6 @@
 """DESIGN §4 search: the fewest GPUs that fit with headroom, then the fastest configuration.
 
-Order of enumeration: world sizes ascending (1..gpusPerNode, then whole nodes up to maxGpus),
+Order of enumeration: world sizes ascending (1..gpusPerNode, then whole nodes up to maxGPUs),
 strategies by communication cost, micro-batches ascending (memory grows with it, so the first
 that does not fit ends that row), checkpointing off before on. Pure: no clocks, no I/O.
 """
@@ -22,7 +22,7 @@ from finetune_operator.planner.steptime import step_seconds
 
 # DESIGN §4: a plan must leave at least this share of GPU memory free.
 MIN_HEADROOM = 0.10
-# Without resources.maxGpus the search stops at this many nodes.
+# Without resources.maxGPUs the search stops at this many nodes.
 DEFAULT_MAX_NODES = 64
 # Strategies by per-step communication volume (DESIGN §4), cheapest first. zero1/zero2 run
 # only on DeepSpeed, so they are searched only when strategy.backend is deepspeed.
@@ -170,7 +170,7 @@ def search_at(
 
 
 def world_sizes(p: Problem) -> list[int]:
-    """1..gpusPerNode, then whole nodes, up to maxGpus/maxNodes; each must divide the batch."""
+    """1..gpusPerNode, then whole nodes, up to maxGPUs/maxNodes; each must divide the batch."""
     res = p.spec.resources
     gpn = res.gpus_per_node
     max_gpus = res.max_gpus or DEFAULT_MAX_NODES * gpn
