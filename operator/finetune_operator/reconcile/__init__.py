@@ -19,7 +19,7 @@ from finetune_operator.reconcile.progress import (
     parse_trainer_metrics,
     scrape_targets,
 )
-from finetune_operator.reconcile.status import compute_status
+from finetune_operator.reconcile.status import compute_status, note_apply_errors
 
 __all__ = [
     "Actions",
@@ -40,6 +40,7 @@ __all__ = [
     "evaluate_job",
     "format_time",
     "merge_progress",
+    "note_apply_errors",
     "observe_pod",
     "parse_trainer_metrics",
     "read_status",

@@ -11,6 +11,8 @@ from finetune_operator.api.constants import (
     COND_STRAGGLER_DETECTED,
     COND_SUCCEEDED,
     COND_WORKERS_READY,
+    PHASE_FAILED,
+    PHASE_SUCCEEDED,
     REASON_ALL_WORKERS_READY,
     REASON_BACKOFF_LIMIT_EXCEEDED,
     REASON_COMPLETED,
@@ -28,6 +30,7 @@ from finetune_operator.reconcile.conditions import Want, derive_phase, find, set
 from finetune_operator.reconcile.observed import PodView, format_time
 from finetune_operator.reconcile.planning import Evaluation
 
+TERMINAL = (PHASE_FAILED, PHASE_SUCCEEDED)
 # Condition order in status: stable, so an unchanged status compares (and patches) as equal.
 ORDER = (COND_PLANNED, COND_WORKERS_READY, COND_SUCCEEDED, COND_FAILED)
 
@@ -138,3 +141,19 @@ def compute_status(
     elif a.mode in (Mode.SUCCEEDED, Mode.FAILED, Mode.INVALID) and status.completion_time is None:
         update["completion_time"] = format_time(now)
     return status.model_copy(update=update)
+
+
+def note_apply_errors(
+    status: FineTuneJobStatus, errors: Sequence[str], now: datetime, generation: int
+) -> FineTuneJobStatus:
+    """Status that says why objects could not be applied (a quota, RBAC, a webhook).
+
+    Events alone scroll away; the WorkersReady condition keeps the reason visible until the
+    next pass succeeds (which rewrites it from the observed pods).
+    """
+    ready = find(status.conditions, COND_WORKERS_READY)
+    if not errors or ready is None or ready.status == "True" or status.phase in TERMINAL:
+        return status
+    want = Want("False", REASON_WORKERS_NOT_READY, "could not apply: " + "; ".join(errors))
+    conds = set_condition(status.conditions, COND_WORKERS_READY, want, now, generation)
+    return status.model_copy(update={"conditions": conds})

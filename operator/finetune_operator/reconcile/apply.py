@@ -1,0 +1,124 @@
+"""The only reconcile module that talks to the API server: applies Actions, nothing more.
+
+The kubernetes client is synchronous; each call runs in a worker thread so kopf's event loop
+(watches, timers, other jobs) never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from finetune_operator.reconcile.actions import Actions, PodDeletion
+
+MERGE_PATCH = "application/merge-patch+json"
+# Seconds for one API call: a hung connection must not stall the job's reconcile forever.
+REQUEST_TIMEOUT = 10.0
+
+
+@dataclass
+class ApplyResult:
+    created: list[str] = field(default_factory=list)
+    deleted: list[PodDeletion] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
+    """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG)."""
+    if kubeconfig is None:
+        try:
+            k8s_config.load_incluster_config()  # type: ignore[no-untyped-call]
+            return k8s.ApiClient()
+        except k8s_config.ConfigException:
+            pass
+    cfg = k8s.Configuration()
+    k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
+        config_file=kubeconfig, client_configuration=cfg
+    )
+    return k8s.ApiClient(cfg)
+
+
+def _describe(err: ApiException) -> str:
+    return f"HTTP {err.status} {err.reason}"
+
+
+class ClusterApi:
+    """Create-if-absent, update-if-present and delete for a job's child objects."""
+
+    def __init__(self, api_client: k8s.ApiClient) -> None:
+        self.core = k8s.CoreV1Api(api_client)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def ensure(self, obj: dict[str, Any]) -> bool:
+        """Create `obj`, or merge-patch it to the desired content; True if it was created."""
+        kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+        ops: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+            "ConfigMap": (
+                self.core.create_namespaced_config_map,
+                self.core.patch_namespaced_config_map,
+            ),
+            "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
+        }
+        create, patch = ops[kind]
+        try:
+            await self._call(create, ns, obj)
+            return True
+        except ApiException as err:
+            if err.status != 409:
+                raise
+        await self._call(patch, name, ns, obj, _content_type=MERGE_PATCH)
+        return False
+
+    async def create_pod(self, pod: dict[str, Any]) -> bool:
+        """Create if absent; False when a pod of that name already exists (409)."""
+        try:
+            await self._call(self.core.create_namespaced_pod, pod["metadata"]["namespace"], pod)
+            return True
+        except ApiException as err:
+            if err.status == 409:
+                return False
+            raise
+
+    async def delete_pod(self, namespace: str, victim: PodDeletion) -> bool:
+        """Delete that very pod (uid precondition); False when it is already gone or replaced."""
+        options = k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=victim.uid or None))
+        try:
+            await self._call(self.core.delete_namespaced_pod, victim.name, namespace, body=options)
+            return True
+        except ApiException as err:
+            if err.status in (404, 409):
+                return False
+            raise
+
+    async def apply(self, namespace: str, actions: Actions) -> ApplyResult:
+        """Ensure, then delete, then create. Every step is tried; failures are collected so
+        one refused object (a quota, say) does not hide the others."""
+        result = ApplyResult()
+        for obj in actions.ensure:
+            try:
+                await self.ensure(obj)
+            except ApiException as err:
+                result.errors.append(f"{obj['kind']} {obj['metadata']['name']}: {_describe(err)}")
+        for victim in actions.delete:
+            try:
+                if await self.delete_pod(namespace, victim):
+                    result.deleted.append(victim)
+            except ApiException as err:
+                result.errors.append(f"deleting pod {victim.name}: {_describe(err)}")
+        for pod in actions.create:
+            name = pod["metadata"]["name"]
+            try:
+                if await self.create_pod(pod):
+                    result.created.append(name)
+            except ApiException as err:
+                result.errors.append(f"creating pod {name}: {_describe(err)}")
+        return result

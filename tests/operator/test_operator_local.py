@@ -1,0 +1,131 @@
+"""The real kopf operator, in-process, against the embedded local cluster (slow).
+
+Workers run a fake command (the builders are monkeypatched): worker-1 fails at once, the first
+time only; every other worker exits 0 after 5 s, long enough for the replacement (1 s backoff)
+to join before worker-0 finishes. Shows create → pods → failed pod replaced → Succeeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from finetune_operator.api.constants import GROUP, PLURAL, VERSION
+
+from tests.operator.factories import make_plan, quickstart_raw
+
+pytestmark = pytest.mark.slow
+
+local = pytest.importorskip("finetune_operator.local.cluster")
+
+
+@pytest.fixture
+def cluster() -> Iterator[Any]:
+    # Not under /tmp: every pod mounts an emptyDir over /tmp (read-only root filesystem), which
+    # would hide a data dir there (the pods' working directory) from the pod's processes.
+    data = Path(tempfile.mkdtemp(prefix="ftjob-op-test-", dir="/var/tmp"))
+    try:
+        with local.LocalCluster(data / "cluster", nodes=2) as c:
+            yield c
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _fake_commands(monkeypatch: pytest.MonkeyPatch, marker: Path) -> None:
+    from finetune_operator.resources import rendezvous, worker
+
+    script = (
+        f'if [ "$POD_NAME" = quickstart-worker-1 ] && [ ! -e {marker} ]; then '
+        f"touch {marker}; exit 1; fi; sleep 5; exit 0"
+    )
+    monkeypatch.setattr(worker, "worker_command", lambda *_: ["sh", "-c", script])
+    monkeypatch.setattr(rendezvous, "rendezvous_command", lambda: ["sleep", "300"])
+
+
+def _run_operator(kubeconfig: str, stop: threading.Event, ready: threading.Event) -> None:
+    from finetune_operator.handlers import operate
+
+    asyncio.run(
+        operate(
+            ["default"],
+            kubeconfig=kubeconfig,
+            planner=lambda _: make_plan(2, 1),
+            ready_flag=ready,
+            stop_flag=stop,
+        )
+    )
+
+
+def _wait(what: str, fn: Any, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_create_fail_replace_succeed(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from finetune_operator.reconcile.apply import load_api_client
+    from kubernetes import client
+
+    monkeypatch.setenv("FINETUNE_OPERATOR_INTERVAL", "1")
+    _fake_commands(monkeypatch, Path(cluster.data_dir) / "failed-once")
+    spec = quickstart_raw()
+    spec["faultTolerance"] = {"maxRestarts": 2, "backoffSeconds": 1}
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=_run_operator, args=(str(cluster.kubeconfig_path), stop, ready), daemon=True
+    )
+    thread.start()
+    try:
+        assert ready.wait(30), "operator did not start"
+        api = load_api_client(str(cluster.kubeconfig_path))
+        custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "FineTuneJob",
+            "metadata": {"name": "quickstart"},
+            "spec": spec,
+        }
+        custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, body)
+
+        def status() -> dict[str, Any]:
+            obj = custom.get_namespaced_custom_object(
+                GROUP, VERSION, "default", PLURAL, "quickstart"
+            )
+            return obj.get("status") or {}
+
+        _wait("pods", lambda: len(core.list_namespaced_pod("default").items) >= 3)
+        assert core.read_namespaced_config_map("quickstart-config", "default").data["job.json"]
+        try:
+            final = _wait("Succeeded", lambda: status().get("phase") == "Succeeded" and status())
+        except AssertionError:
+            pods = core.list_namespaced_pod("default").items
+            raise AssertionError(
+                f"{status()}\n" + "\n".join(f"{p.metadata.name} {p.status.phase}" for p in pods)
+            ) from None
+        assert final["restarts"] == 1
+        conds = {c["type"]: c for c in final["conditions"]}
+        assert conds["Succeeded"]["status"] == "True"
+        assert conds["Failed"]["status"] == "False"
+        _wait(
+            "rendezvous deleted",
+            lambda: (
+                "quickstart-rdzv"
+                not in {p.metadata.name for p in core.list_namespaced_pod("default").items}
+            ),
+        )
+        events = core.list_namespaced_event("default").items
+        assert any(e.reason == "Restarting" for e in events)
+    finally:
+        stop.set()
+        thread.join(30)
