@@ -198,8 +198,10 @@ class ObjectService:
                     raise ApiError(415, "UnsupportedMediaType", "strategic merge patch is not "
                                    "supported for custom resources; use a merge patch", {})
                 new = strategic_merge_patch(current, patch)
+            elif not isinstance(patch, dict):
+                raise PatchError(f"a {content_type} patch must be a JSON object", status=400)
             else:  # merge-patch, and apply-patch approximated as a merge
-                wanted = (patch or {}).get("metadata", {}).get("resourceVersion") if isinstance(patch, dict) else None
+                wanted = patch.get("metadata", {}).get("resourceVersion")
                 if wanted and wanted != current["metadata"]["resourceVersion"]:
                     raise conflict(rtype, name, "the object has been modified; please apply your "
                                    "changes to the latest version and try again")
@@ -237,7 +239,7 @@ class ObjectService:
                                              "can be added if the object is being deleted")])
         new = self._validate_custom(rtype, new, current)
         if _spec_part(new, rtype) != _spec_part(current, rtype):
-            meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
+            new["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
         if new == current:
             return current  # a no-op write changes nothing, not even the resourceVersion
         if rtype.kind == "CustomResourceDefinition" and subresource != "status":

@@ -173,3 +173,32 @@ class Registry:
             "groupVersion": f"{group}/{version}" if group else version,
             "resources": [entry for t in types for entry in t.discovery_entries()],
         }
+
+    # ---- OpenAPI v3 (only what kubectl needs to use server-side field validation) ----
+
+    def openapi_index(self) -> dict[str, Any]:
+        versions = {(t.group, t.version) for t in self._types.values()}
+        paths = {}
+        for group, version in sorted(versions):
+            key = f"apis/{group}/{version}" if group else f"api/{version}"
+            paths[key] = {"serverRelativeURL": f"/openapi/v3/{key}"}
+        return {"paths": paths}
+
+    def openapi_document(self, group: str, version: str) -> dict[str, Any] | None:
+        """PATCH operations tagged with their GVK and a ``fieldValidation`` query parameter:
+        kubectl checks exactly that before sending ``fieldValidation=Strict`` instead of
+        validating client-side against OpenAPI v2 (which is not served)."""
+        types = [t for t in self._types.values() if (t.group, t.version) == (group, version)]
+        if not types:
+            return None
+        prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
+        param = {"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}
+        paths = {}
+        for rtype in types:
+            scope = "/namespaces/{namespace}" if rtype.namespaced else ""
+            gvk = {"group": group, "version": version, "kind": rtype.kind}
+            paths[f"{prefix}{scope}/{rtype.plural}/{{name}}"] = {"patch": {
+                "x-kubernetes-group-version-kind": gvk, "parameters": [param],
+                "responses": {"200": {"description": "OK"}}}}
+        return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.32.0"},
+                "paths": paths, "components": {"schemas": {}}}

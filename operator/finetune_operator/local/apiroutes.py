@@ -85,6 +85,15 @@ async def serve(server: ApiServer, request: rendering.Request) -> Any:
                 "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": host}]}
     if path == "/apis":
         return server.registry.api_group_list()
+    if path == "/openapi/v3":
+        return server.registry.openapi_index()
+    if path.startswith("/openapi/v3/"):
+        parts = path.removeprefix("/openapi/v3/").split("/")
+        group, version = ("", parts[-1]) if parts[0] == "api" else (parts[1], parts[-1])
+        document = server.registry.openapi_document(group, version)
+        if document is None:
+            raise _not_found(path)
+        return document
     if path in ("/", "/healthz", "/livez", "/readyz"):
         return {"paths": ["/api", "/api/v1", "/apis", "/version"]} if path == "/" else "ok"
     api = parse_api_path(path)

@@ -74,6 +74,11 @@ class ApiServer(kmock.KubernetesEmulator):
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         """Parse the request ourselves (kmock's parser fails on ``/api/v1/namespaces``)."""
         body = await raw_request.read()
+        if any(kind in raw_request.content_type for kind in ("protobuf", "cbor")):
+            # JSON only. client-go (kubectl) retries a 415 for protobuf with JSON.
+            return aiohttp.web.json_response(status_body(
+                415, "UnsupportedMediaType", "the body of the request was in an unknown format - "
+                "accepted media types include: application/json, application/yaml", {}), status=415)
         text = body.decode("utf-8", errors="replace")
         data: Any = None
         if text.strip():

@@ -1,0 +1,143 @@
+"""The local kubelet: scheduling, pod processes, namespaces, volumes, exit codes, deletion."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+import uuid
+from typing import Any
+
+import pytest
+from finetune_operator.local.cluster import LocalCluster
+from kubernetes import client
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def core(cluster: LocalCluster, new_api_client: Any) -> client.CoreV1Api:
+    return client.CoreV1Api(new_api_client(cluster))
+
+
+def _pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
+    container = {"name": "main", "image": "ignored", "command": ["sh", "-c", script],
+                 **spec.pop("container", {})}
+    return {"metadata": {"name": name, "labels": spec.pop("labels", {"app": name})},
+            "spec": {"restartPolicy": "Never", "containers": [container], **spec}}
+
+
+def _wait_pod(core: client.CoreV1Api, name: str, predicate: Any, timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pod = core.read_namespaced_pod(name, "default")
+        if predicate(pod):
+            return pod
+        time.sleep(0.2)
+    raise AssertionError(f"pod {name} never reached the state; last: {pod.status}")
+
+
+def _name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:5]}"
+
+
+def test_pod_gets_hostname_ip_hosts_and_config_volume(cluster: LocalCluster, core: client.CoreV1Api) -> None:
+    name = _name("hello")
+    core.create_namespaced_config_map("default", {"metadata": {"name": f"{name}-cfg"}, "data": {"job.json": "{}"}})
+    core.create_namespaced_service("default", {"metadata": {"name": f"{name}-svc"},
+                                               "spec": {"clusterIP": "None", "selector": {"app": name}}})
+    script = "hostname; cat /etc/hosts; echo IP=$POD_IP; echo X=$(cat /etc/cfg/job.json); echo N=$NODE"
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    core.create_namespaced_pod("default", _pod(
+        name, f"sleep 1; {script}", volumes=[{"name": "cfg", "configMap": {"name": f"{name}-cfg"}}],
+        container={"env": env, "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}]}))
+    pod = _wait_pod(core, name, lambda p: p.status.phase == "Succeeded")
+    log = cluster.pod_log_path("default", name)
+    assert log is not None
+    lines = log.read_text().splitlines()
+    ip = pod.status.pod_ip
+    assert ip.startswith("127.0.") and ip != "127.0.0.1"
+    assert lines[0] == name
+    assert f"{ip}\t{name}" in lines
+    assert any(line.startswith(ip) and f"{name}-svc.default.svc.cluster.local" in line for line in lines)
+    assert f"IP={ip}" in lines and "X={}" in lines and f"N={pod.spec.node_name}" in lines
+    assert pod.status.container_statuses[0].state.terminated.exit_code == 0
+
+
+def test_exit_code_becomes_failed_status(core: client.CoreV1Api) -> None:
+    name = _name("three")
+    core.create_namespaced_pod("default", _pod(name, "exit 3"))
+    pod = _wait_pod(core, name, lambda p: p.status.phase == "Failed")
+    assert pod.status.container_statuses[0].state.terminated.exit_code == 3
+
+
+def test_delete_sends_sigterm_then_removes(cluster: LocalCluster, core: client.CoreV1Api) -> None:
+    name = _name("term")
+    script = "trap 'echo got-term; exit 0' TERM; echo started; while true; do sleep 0.1; done"
+    core.create_namespaced_pod("default", _pod(name, script))
+    _wait_pod(core, name, lambda p: p.status.phase == "Running")
+    log = cluster.pod_log_path("default", name)
+    assert log is not None
+    time.sleep(0.5)
+    core.delete_namespaced_pod(name, "default")
+    assert core.read_namespaced_pod(name, "default").metadata.deletion_timestamp  # graceful first
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            core.read_namespaced_pod(name, "default")
+        except client.ApiException as exc:
+            assert exc.status == 404
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("pod was never removed")
+    assert "got-term" in log.read_text()
+
+
+def test_required_node_anti_affinity_excludes_nodes(cluster: LocalCluster, core: client.CoreV1Api) -> None:
+    excluded = cluster.node_names[:-1]
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": excluded}]}]}}}
+    name = _name("avoid")
+    core.create_namespaced_pod("default", _pod(name, "true", affinity=affinity))
+    pod = _wait_pod(core, name, lambda p: p.spec.node_name is not None)
+    assert pod.spec.node_name == cluster.node_names[-1]
+    nowhere = _name("nowhere")
+    affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"][0]["values"] = cluster.node_names
+    core.create_namespaced_pod("default", _pod(nowhere, "true", affinity=affinity))
+    pending = _wait_pod(core, nowhere, lambda p: any(c.type == "PodScheduled" and c.status == "False"
+                                                     for c in p.status.conditions or []))
+    assert pending.status.phase == "Pending" and pending.spec.node_name is None
+
+
+def test_kill_pod_processes_gives_exit_137(cluster: LocalCluster, core: client.CoreV1Api) -> None:
+    name = _name("kill")
+    core.create_namespaced_pod("default", _pod(name, "sleep 60"))
+    _wait_pod(core, name, lambda p: p.status.phase == "Running")
+    assert cluster.kill_pod_processes("default", name)
+    pod = _wait_pod(core, name, lambda p: p.status.phase == "Failed")
+    assert pod.status.container_statuses[0].state.terminated.exit_code == 137
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of a group that are not zombies (a sandbox init may not reap orphans)."""
+    members = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def test_stop_leaves_no_processes(crds_dir: Any, tmp_path: Any, new_api_client: Any) -> None:
+    with LocalCluster(tmp_path, crds_dir=crds_dir, nodes=1) as local:
+        core = client.CoreV1Api(new_api_client(local))
+        core.create_namespaced_pod("default", _pod("orphan", "sleep 300 & sleep 300"))
+        pod = _wait_pod(core, "orphan", lambda p: p.status.phase == "Running")
+        pid = int(pod.status.container_statuses[0].container_id.removeprefix("local://"))
+        assert len(_live_members(pid)) >= 2  # the shell's background child shares its group
+    assert _live_members(pid) == []
