@@ -1,0 +1,84 @@
+"""Operator metrics: names and types of the contract, per-phase counts, finished-job cleanup."""
+
+from __future__ import annotations
+
+import pytest
+from finetune_operator import metrics
+from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.reconcile import read_status, status_patch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+CONTRACT = {
+    "finetune_operator_jobs": "gauge",
+    "finetune_operator_reconcile_duration_seconds": "histogram",
+    "finetune_operator_reconcile_errors": "counter",  # exposed as ..._total
+    "finetune_operator_evictions": "counter",
+    "finetune_operator_straggler_ratio": "gauge",
+    "finetune_operator_pod_replacements": "counter",
+}
+
+
+def _value(name: str, **labels: str) -> float | None:
+    return metrics.REGISTRY.get_sample_value(name, labels)
+
+
+def test_exported_names_and_types() -> None:
+    metrics.record_eviction("probe")
+    metrics.set_straggler_ratio("probe", 0, 1.0)
+    metrics.record_replacements("probe", 1)
+    text = generate_latest(metrics.REGISTRY).decode()
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert families == CONTRACT
+    assert "finetune_operator_pod_replacements_total{" in text
+    assert "job=" not in text.replace("finetunejob=", "")  # never a label called job
+    metrics.forget_job_series("probe")
+
+
+def test_jobs_by_state_follows_each_job() -> None:
+    base = {p: _value("finetune_operator_jobs", state=p) or 0.0 for p in ("Pending", "Running")}
+    metrics.set_job_phase("ns/a", "Pending")
+    metrics.set_job_phase("ns/b", "Pending")
+    metrics.set_job_phase("ns/a", "Running")
+    metrics.set_job_phase("ns/a", "Running")  # same phase twice: counted once
+    assert _value("finetune_operator_jobs", state="Pending") == base["Pending"] + 1
+    assert _value("finetune_operator_jobs", state="Running") == base["Running"] + 1
+    metrics.set_job_phase("ns/a", None)
+    metrics.set_job_phase("ns/b", None)
+    assert _value("finetune_operator_jobs", state="Pending") == base["Pending"]
+    assert _value("finetune_operator_jobs", state="Running") == base["Running"]
+
+
+def test_finished_job_series_are_deleted() -> None:
+    metrics.record_replacements("done", 2)
+    metrics.record_eviction("done")
+    metrics.set_straggler_ratio("done", 3, 1.4)
+    assert _value("finetune_operator_pod_replacements_total", finetunejob="done") == 2
+    assert _value("finetune_operator_straggler_ratio", finetunejob="done", rank="3") == 1.4
+    metrics.forget_job_series("done")
+    metrics.forget_job_series("done")  # twice is harmless
+    assert _value("finetune_operator_pod_replacements_total", finetunejob="done") is None
+    assert _value("finetune_operator_evictions_total", finetunejob="done") is None
+    assert _value("finetune_operator_straggler_ratio", finetunejob="done", rank="3") is None
+
+
+def test_reconcile_timing_counts_errors() -> None:
+    errors = _value("finetune_operator_reconcile_errors_total") or 0.0
+    count = _value("finetune_operator_reconcile_duration_seconds_count") or 0.0
+    with metrics.timed_reconcile():
+        pass
+    with pytest.raises(RuntimeError), metrics.timed_reconcile():
+        raise RuntimeError("boom")
+    assert _value("finetune_operator_reconcile_errors_total") == errors + 1
+    assert _value("finetune_operator_reconcile_duration_seconds_count") == count + 2
+
+
+def test_status_patch_only_changed_fields() -> None:
+    old = {"phase": "Running", "restarts": 1, "step": 5, "kopf": {"progress": {}}}
+    assert read_status(old) == FineTuneJobStatus(phase="Running", restarts=1, step=5)
+    assert status_patch(old, FineTuneJobStatus(phase="Running", restarts=1, step=5)) == {}
+    assert status_patch(old, FineTuneJobStatus(phase="Running", restarts=2)) == {
+        "restarts": 2,
+        "step": None,  # merge-patch removal
+    }
+    assert read_status({"restarts": "not a number"}) == FineTuneJobStatus()
