@@ -7,6 +7,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 
 from finetune_operator.api.constants import CONFIG_PATH
 
@@ -15,6 +17,22 @@ from finetune_trainer.distributed import destroy_distributed
 from finetune_trainer.errors import UnsupportedConfigError
 
 EXIT_CONFIG_ERROR = 2
+EXIT_ORPHANED = 137
+
+
+def exit_when_orphaned(interval: float = 1.0) -> None:
+    """torchrun starts each worker in its own session, so a SIGKILLed agent (a pod killed
+    without a cgroup teardown, a crashed agent) would leave the worker training on alone.
+    Die with the agent instead: poll for being re-parented."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                os._exit(EXIT_ORPHANED)
+
+    threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=CONFIG_PATH, help="job.json written by the operator")
     args = parser.parse_args(argv)
     env = RuntimeEnv.from_environ()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_when_orphaned()
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,

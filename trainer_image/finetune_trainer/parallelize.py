@@ -137,7 +137,6 @@ def parallelize(
 ) -> Parallel:
     """Wrap `model` as `plan.strategy` says. DeepSpeed paths are refused, never replaced."""
     strategy = plan.strategy
-    world = dist.get_world_size()
     if spec.backend == "deepspeed" or plan.backend == "deepspeed" or strategy in ("zero1", "zero2"):
         raise UnsupportedConfigError(
             f"strategy {strategy} with backend deepspeed is not implemented yet; "
@@ -148,6 +147,7 @@ def parallelize(
             raise UnsupportedConfigError("strategy.offload needs an fsdp strategy, not ddp")
         return apply_ddp(model, device)
     offload = _offload_policy(spec, device)
+    world = dist.get_world_size()
     if strategy in ("fsdp-full-shard", "zero3", "fsdp-shard-grad-op"):
         mesh = init_device_mesh(device.type, (world,))
         return apply_fsdp(

@@ -1,0 +1,162 @@
+"""Helpers for trainer tests: job configs from the quickstart example, and torchrun launches."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from finetune_operator.api.jobconfig import JobConfig
+from finetune_operator.api.plan import MemoryBreakdown, Plan
+from finetune_operator.api.spec import FineTuneJobSpec
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def quickstart_spec() -> dict[str, Any]:
+    return yaml.safe_load(QUICKSTART.read_text())["spec"]
+
+
+def make_job(
+    *,
+    strategy: str = "ddp",
+    micro_batch: int = 2,
+    training: dict[str, Any] | None = None,
+    checkpoint: dict[str, Any] | None = None,
+    name: str = "quickstart",
+) -> JobConfig:
+    raw = quickstart_spec()
+    raw["strategy"] = {"type": strategy}
+    raw["training"].update(training or {})
+    raw["checkpoint"].update(checkpoint or {})
+    spec = FineTuneJobSpec.model_validate(raw)
+    zero = MemoryBreakdown(
+        parameters=0, gradients=0, optimizer=0, activations=0, buffers=0, peak=0, reserved=0,
+        total=0,
+    )
+    plan = Plan(
+        fits=True, world_size=2, nodes=2, gpus_per_node=1, strategy=strategy,
+        micro_batch_size=micro_batch, gradient_accumulation_steps=2,
+        activation_checkpointing=False, gpu_memory_bytes=2**31, headroom=0.5,
+        estimated_step_seconds=0.1, reason="test", memory=zero,
+    )
+    return JobConfig(name=name, namespace="default", uid="test-uid", spec=spec, plan=plan)
+
+
+def write_job(path: Path, job: JobConfig) -> Path:
+    path.write_text(json.dumps(job.to_json_dict()))
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def step_lines(log: Path) -> list[dict[str, Any]]:
+    """The rank-0 JSON step lines of a torchrun log."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if line.startswith('{"step"'):
+            out.append(json.loads(line))
+    return out
+
+
+class Proc:
+    """A torchrun (or store) process in its own session, like a pod's process tree."""
+
+    def __init__(self, args: list[str], *, cwd: Path, log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        self._fh = log.open("w")
+        self.popen = subprocess.Popen(
+            args, cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT,
+            env={**os.environ, **env}, start_new_session=True,
+        )
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (agent and its workers): a pod going away."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.popen.wait(10)
+            raise AssertionError(f"timed out; log tail:\n{tail(self.log)}") from None
+        finally:
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            self.kill()
+            self.popen.wait(10)
+        self._fh.close()
+
+
+def tail(log: Path, n: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}" + (f"\n{tail(log)}" if log else ""))
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.close()
+
+
+def trainer_env(pod_ip: str, **extra: str) -> dict[str, str]:
+    return {
+        "POD_IP": pod_ip,
+        "FT_METRICS_BASE_PORT": "0",
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        **extra,
+    }
+
+
+def standalone_args(nproc: int, config: Path, port: int) -> list[str]:
+    return [
+        TORCHRUN, "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=standalone", "--max-restarts=0",
+        "-m", "finetune_trainer", "--config", str(config),
+    ]
+
+
+def elastic_args(
+    *, config: Path, endpoint: str, pod_ip: str, min_nodes: int, max_nodes: int, restarts: int
+) -> list[str]:
+    """Exactly the operator's worker command, plus `--local-addr` for the pod address."""
+    return [
+        TORCHRUN, f"--nnodes={min_nodes}:{max_nodes}", "--nproc-per-node=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=test-uid",
+        "--rdzv-conf=is_host=false", f"--max-restarts={restarts}", f"--local-addr={pod_ip}",
+        "--monitor-interval=0.5",
+        "-m", "finetune_trainer", "--config", str(config),
+    ]

@@ -1,0 +1,145 @@
+"""The DCP checkpointer in one process (gloo, world 1): async save + commit, resume,
+corrupt checkpoints skipped, retention, the no-op stand-in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import free_port, make_job
+from finetune_operator.api.spec import CheckpointSpec
+from finetune_trainer import checkpoint_store as store
+from finetune_trainer.checkpointer import (
+    DcpCheckpointer,
+    NoOpCheckpointer,
+    build_checkpointer,
+    save_due,
+)
+from finetune_trainer.metrics import TrainerMetrics
+from finetune_trainer.optim import build_scheduler
+from finetune_trainer.sampler import StepSampler
+from finetune_trainer.state import TrainState
+from torch import nn
+
+
+@pytest.fixture(scope="module")
+def ckpt_group() -> Iterator[dist.ProcessGroup]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    group = dist.new_group(backend="gloo")
+    yield group
+    dist.destroy_process_group()
+
+
+def new_state() -> TrainState:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = build_scheduler(opt, make_job().spec.training, total_steps=100)
+    sampler = StepSampler(num_samples=50, global_batch=8, micro_batch=2, rank=0, world_size=1,
+                          seed=1)
+    return TrainState(model, opt, sched, sampler, rank=0, seed=1)
+
+
+def train_steps(state: TrainState, n: int, ckpt: DcpCheckpointer | None = None) -> None:
+    for _ in range(n):
+        state.sampler.next_step()
+        loss = state.model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        if ckpt is not None:
+            ckpt.wait_for_staging()
+        state.optimizer.step()
+        state.scheduler.step()
+        state.optimizer.zero_grad()
+        state.step += 1
+        if ckpt is not None:
+            ckpt.maybe_save(state.step)
+
+
+def checkpointer(state: TrainState, root: Path, group: dist.ProcessGroup, keep: int = 2,
+                 ) -> DcpCheckpointer:
+    spec = CheckpointSpec(uri=str(root), interval_steps=2, keep=keep)
+    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), restarts=0,
+                             total_steps=100)
+    return DcpCheckpointer(spec, state, group=group, world_size=1, metrics=metrics,
+                           meta={"job": "t"})
+
+
+def test_save_commit_resume_and_keep(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group)
+    train_steps(state, 6, ckpt)
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+    steps = [(c.step, c.committed) for c in store.list_checkpoints(tmp_path)]
+    assert steps == [(4, True), (6, True)]  # keep 2
+    assert store.read_marker(tmp_path / "step-00000006")["worldSize"] == 1
+    expected = {k: v.clone() for k, v in state.model.state_dict().items()}
+    expected_lr = state.optimizer.param_groups[0]["lr"]
+    rng_after = torch.get_rng_state()
+
+    torch.manual_seed(123)  # a fresh process: other weights, other RNG
+    fresh = new_state()
+    torch.manual_seed(999)
+    resumed = checkpointer(fresh, tmp_path, ckpt_group)
+    assert resumed.load() == 6
+    assert fresh.step == 6 and fresh.sampler.consumed == 48
+    for k, v in fresh.model.state_dict().items():
+        torch.testing.assert_close(v, expected[k])
+    assert fresh.optimizer.param_groups[0]["lr"] == pytest.approx(expected_lr)
+    assert fresh.optimizer.state_dict()["state"][0]["step"] == 6
+    assert fresh.scheduler.last_epoch == 6
+    # RNG restored to the state at the save of step 6, which was taken after step 6's draws.
+    assert torch.equal(torch.get_rng_state(), rng_after)
+    resumed.close()
+
+
+def test_corrupt_newest_is_skipped_and_partial_cleaned(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup
+) -> None:
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=3)
+    train_steps(state, 6, ckpt)
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+    data = next((tmp_path / "step-00000006").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:64])  # committed, then damaged on disk
+    partial = tmp_path / "step-00000008"
+    partial.mkdir()  # a save that never committed
+    fresh = new_state()
+    resumed = checkpointer(fresh, tmp_path, ckpt_group)
+    assert resumed.load() == 4
+    assert fresh.sampler.consumed == 32
+    assert not partial.exists()
+    resumed.close()
+
+
+def test_nothing_usable_starts_at_zero(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:
+    bad = tmp_path / "step-00000002"
+    bad.mkdir()
+    store.write_marker(bad, {"step": 2})  # committed marker, no data at all
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group)
+    assert ckpt.load() == 0 and state.step == 0
+    ckpt.close()
+
+
+def test_disabled_checkpointing_is_a_noop(ckpt_group: dist.ProcessGroup) -> None:
+    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), restarts=0,
+                             total_steps=1)
+    ck = build_checkpointer(CheckpointSpec(), new_state(), group=ckpt_group, world_size=1,
+                            metrics=metrics, meta={})
+    assert isinstance(ck, NoOpCheckpointer) and ck.load() == 0 and ck.finish()
+
+
+@pytest.mark.parametrize(
+    ("step", "interval", "time_due", "last", "expected"),
+    [(10, 10, False, 0, True), (11, 10, False, 10, False), (11, 10, True, 10, True),
+     (10, 10, True, 10, False), (0, 10, True, 0, False), (7, None, False, 0, False)],
+)
+def test_save_policy(step: int, interval: int | None, time_due: bool, last: int,
+                     expected: bool) -> None:
+    assert save_due(step, interval_steps=interval, time_due=time_due, last_saved=last) is expected

@@ -1,0 +1,125 @@
+"""Tokenizer, data, model and strategy refusals on their own (no process group)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_job
+from finetune_operator.api.spec import DatasetSpec, MethodSpec, StrategySpec
+from finetune_trainer.data import build_dataset, pack, resolve_uri
+from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.metrics import StepStats, TrainerMetrics
+from finetune_trainer.model import build_model, decoder_layers
+from finetune_trainer.parallelize import parallelize
+from finetune_trainer.tokenizer import build_byte_tokenizer
+from prometheus_client import generate_latest
+
+CPU = torch.device("cpu")
+
+
+def test_byte_tokenizer_round_trips_utf8() -> None:
+    tok = build_byte_tokenizer()
+    text = "Héllo, wörld\n\ttabs"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode())
+    assert tok.decode(ids) == text
+    assert (len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (259, 256, 257, 258)
+
+
+def test_builtin_corpus_is_shipped_english_and_small() -> None:
+    path = Path(resolve_uri("builtin://quickstart"))
+    assert 50_000 < path.stat().st_size < 400_000
+    first = json.loads(path.read_text().splitlines()[0])["text"]
+    assert " the " in first
+    with pytest.raises(UnsupportedConfigError, match="unknown builtin"):
+        resolve_uri("builtin://nope")
+
+
+def test_packing_makes_full_blocks() -> None:
+    blocks = pack([[1, 2, 3], [4, 5, 6, 7], [8]], 3)
+    assert blocks.tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+def test_quickstart_dataset_and_batch() -> None:
+    ds = build_dataset(DatasetSpec(uri="builtin://quickstart"), build_byte_tokenizer(), 128)
+    assert len(ds) > 1000
+    batch = ds.batch([0, 5], CPU)
+    assert batch["input_ids"].shape == (2, 128)
+    assert torch.equal(batch["labels"], batch["input_ids"])
+
+
+def test_chat_messages_unpacked(tmp_path: Path) -> None:
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 3))
+    spec = DatasetSpec(uri=str(tmp_path / "chat.jsonl"), messages_field="messages", packing=False)
+    tok = build_byte_tokenizer()
+    ds = build_dataset(spec, tok, 64)
+    batch = ds.batch([0], CPU)
+    ids = batch["input_ids"][0].tolist()
+    assert ids[0] == tok.bos_token_id and "<|assistant|>\nyo" in tok.decode(ids)
+    assert (batch["labels"][0] == -100).sum() == (batch["input_ids"][0] == tok.pad_token_id).sum() > 0
+
+
+def test_missing_text_field_is_named(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(UnsupportedConfigError, match="textField 'text'"):
+        build_dataset(DatasetSpec(uri=str(tmp_path / "d.jsonl")), build_byte_tokenizer(), 8)
+
+
+def test_inline_model_and_lora() -> None:
+    job = make_job()
+    tok = build_byte_tokenizer()
+    full = build_model(job.spec.model, job.spec.method, tok, CPU, activation_checkpointing=True)
+    assert full.config.vocab_size == 259 and len(decoder_layers(full)) == 2
+    assert full.is_gradient_checkpointing
+    lora = build_model(job.spec.model, MethodSpec(type="lora"), tok, CPU,
+                       activation_checkpointing=False)
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert 0 < trainable < sum(p.numel() for p in lora.parameters()) / 5
+    assert len(decoder_layers(lora)) == 2  # found through the peft wrapper
+
+
+def test_qlora_refused_on_cpu() -> None:
+    job = make_job()
+    with pytest.raises(UnsupportedConfigError, match="qlora needs a CUDA GPU"):
+        build_model(job.spec.model, MethodSpec(type="qlora"), build_byte_tokenizer(), CPU,
+                    activation_checkpointing=False)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "backend"), [("zero1", "auto"), ("zero2", "auto"), ("zero3", "deepspeed")]
+)
+def test_deepspeed_refused_not_replaced(strategy: str, backend: str) -> None:
+    job = make_job(strategy=strategy)
+    with pytest.raises(UnsupportedConfigError, match="deepspeed is not implemented yet"):
+        parallelize(torch.nn.Linear(2, 2), job.plan, StrategySpec(type=strategy, backend=backend),
+                    CPU, 1)
+
+
+METRIC_NAMES = [
+    "finetune_trainer_step", "finetune_trainer_total_steps", "finetune_trainer_loss",
+    "finetune_trainer_step_duration_seconds_bucket", "finetune_trainer_compute_duration_seconds_sum",
+    "finetune_trainer_wait_duration_seconds_count", "finetune_trainer_tokens_total",
+    "finetune_trainer_checkpoint_blocking_seconds_count",
+    "finetune_trainer_checkpoint_save_duration_seconds_count",
+    "finetune_trainer_last_checkpoint_step", "finetune_trainer_last_checkpoint_timestamp_seconds",
+    "finetune_trainer_elastic_restarts", "finetune_trainer_peak_memory_bytes",
+]
+
+
+def test_metrics_names_and_labels() -> None:
+    m = TrainerMetrics(job="quickstart", rank=1, device=CPU, restarts=2, total_steps=60)
+    m.observe_step(StepStats(step=3, loss=2.5, lr=1e-3, tokens=1024, step_seconds=0.2,
+                             compute_seconds=0.15, wait_seconds=0.05), world_size=2)
+    m.observe_checkpoint_committed(3, 0.4)
+    text = generate_latest(m.registry).decode()
+    for name in METRIC_NAMES:
+        pattern = rf'^{name}{{[^}}]*finetunejob="quickstart"[^}}]*rank="1"'
+        assert re.search(pattern, text, re.M), name
+    assert 'finetune_trainer_elastic_restarts{finetunejob="quickstart",rank="1"} 2.0' in text
+    assert 'finetune_trainer_tokens_total{finetunejob="quickstart",rank="1"} 512.0' in text
+    assert "job=" not in text.replace("finetunejob=", "")
