@@ -56,7 +56,12 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     from finetune_operator.handlers import run_operator
 
     namespaces = None if args.all_namespaces else (args.namespace or ["default"])
-    run_operator(namespaces=namespaces, liveness=args.liveness, peering=args.peering)
+    run_operator(
+        namespaces=namespaces,
+        liveness=args.liveness,
+        peering=None if args.standalone else args.peering,
+        metrics_port=args.metrics_port,
+    )
     return 0
 
 

@@ -139,5 +139,32 @@ def test_stop_leaves_no_processes(crds_dir: Any, tmp_path: Any, new_api_client: 
         core.create_namespaced_pod("default", _pod("orphan", "sleep 300 & sleep 300"))
         pod = _wait_pod(core, "orphan", lambda p: p.status.phase == "Running")
         pid = int(pod.status.container_statuses[0].container_id.removeprefix("local://"))
-        assert len(_live_members(pid)) >= 2  # the shell's background child shares its group
+        # The shell's background child shares its group (it may take a moment to fork).
+        deadline = time.monotonic() + 10
+        while len(_live_members(pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_live_members(pid)) >= 2
     assert _live_members(pid) == []
+
+
+def test_volume_over_tmp_keeps_image_paths_visible(cluster: LocalCluster, core: client.CoreV1Api) -> None:
+    # The cluster's data dir lives under /tmp here (pytest's tmp_path); a pod mounting an
+    # emptyDir over /tmp (as worker pods do) must still see it, and the Python environment,
+    # while its /tmp is otherwise the fresh, empty volume.
+    assert str(cluster.data_dir).startswith("/tmp/")
+    marker = cluster.data_dir / "shared" / "marker.txt"
+    marker.write_text("visible")
+    stray = pathlib.Path("/tmp") / f"stray-{uuid.uuid4().hex[:6]}"
+    stray.write_text("host /tmp")
+    name = _name("tmpvol")
+    script = f"cat {marker}; echo; test -e {stray} && echo STRAY || echo CLEAN; python -c 'print(1+1)'"
+    core.create_namespaced_pod("default", _pod(
+        name, script, volumes=[{"name": "tmp", "emptyDir": {}}],
+        container={"volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}))
+    try:
+        _wait_pod(core, name, lambda p: p.status.phase in ("Succeeded", "Failed"))
+        log = cluster.pod_log_path("default", name)
+        assert log is not None
+        assert log.read_text().split() == ["visible", "CLEAN", "2"], log.read_text()
+    finally:
+        stray.unlink()

@@ -127,7 +127,7 @@ def _is_int_or_auto(node: Schema) -> bool:
 
 def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
     # The field's own description/default win over those of the model it refers to.
-    field_meta = {k: node[k] for k in ("description", "default") if k in node}
+    field_meta: Schema = {k: node[k] for k in ("description", "default") if k in node}
     node, def_name = _resolve(node, defs)
     node, _ = _strip_null(node)
     node, inner_name = _resolve(node, defs) if "$ref" in node else (node, None)

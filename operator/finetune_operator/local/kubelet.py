@@ -325,7 +325,8 @@ class Kubelet:
             return
         workdir = pathlib.Path(container.get("workingDir") or self.config.data_dir / "shared")
         workdir.mkdir(parents=True, exist_ok=True)
-        run.launch = {"hostname": env["HOSTNAME"], "mounts": mounts, "workingDir": str(workdir), "argv": argv}
+        run.launch = {"hostname": env["HOSTNAME"], "mounts": mounts, "workingDir": str(workdir),
+                      "argv": argv, "keepVisible": podrunner.image_paths(self.config.data_dir)}
         run.env = env
         self.runs[key] = run
         run.process = await podrunner.spawn(run.launch, directory / "launch.json", env, run.log_path)

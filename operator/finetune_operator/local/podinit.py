@@ -8,7 +8,9 @@ starts fast). In a fresh single-threaded process it is safe to call ``unshare(2)
 2. make ``/`` a private mount tree, so the pod's mounts never propagate back to the host;
 3. ``sethostname(<pod hostname>)``;
 4. bind-mount each volume (and the pod's hosts file onto ``/etc/hosts``) at its mount path,
-   read-only where asked;
+   read-only where asked; a volume over a directory that holds the pod's "image" (the Python
+   environment, the project, the cluster's data dir: ``keepVisible``) would hide it, so those
+   paths are bound again on top (a real pod has its own root filesystem; ours is the host's);
 5. ``chdir`` to the working directory and ``execvp`` the container's command (PATH from the
    pod environment, which the kubelet already set).
 
@@ -56,13 +58,35 @@ def bind(source: str, target: str, read_only: bool) -> None:
         _mount(source, target, MS_BIND | MS_REMOUNT | MS_RDONLY)
 
 
+def _hidden_by(target: str, keep: list[str]) -> list[str]:
+    prefix = target.rstrip("/") + "/"
+    return [path for path in keep if path.startswith(prefix) and os.path.exists(path)]
+
+
+def mount_volume(mount: dict[str, object], keep: list[str]) -> None:
+    """Bind one volume; re-expose the kept paths it would shadow (held open with O_PATH across
+    the mount, then bound back from /proc/self/fd)."""
+    source, target = str(mount["source"]), str(mount["target"])
+    held = {path: os.open(path, os.O_PATH) for path in _hidden_by(target, keep)}
+    bind(source, target, bool(mount.get("readOnly", False)))
+    for path, fd in held.items():
+        try:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, exist_ok=True)
+            elif not os.path.exists(path):
+                open(path, "a").close()
+            _mount(f"/proc/self/fd/{fd}", path, MS_BIND | MS_REC)
+        finally:
+            os.close(fd)
+
+
 def main() -> int:
     with open(sys.argv[1]) as handle:
         spec = json.load(handle)
     try:
         enter_namespaces(spec["hostname"])
         for mount in spec["mounts"]:
-            bind(mount["source"], mount["target"], mount.get("readOnly", False))
+            mount_volume(mount, spec.get("keepVisible", []))
         os.chdir(spec["workingDir"])
     except OSError as exc:
         print(f"local kubelet: pod setup failed: {exc}", file=sys.stderr, flush=True)

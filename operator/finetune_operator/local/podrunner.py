@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -114,6 +115,17 @@ def container_mounts(container: Mapping[str, Any], volumes: Mapping[str, tuple[p
         mounts.append({"source": str(source), "target": str(target),
                        "readOnly": read_only or bool(mount.get("readOnly"))})
     return mounts
+
+
+def image_paths(data_dir: pathlib.Path) -> list[str]:
+    """What stands for the pod's image on this host: the Python environment, the project's
+    packages and the cluster's data dir. A volume must never hide them (see podinit)."""
+    paths = {sys.prefix, sys.base_prefix, str(data_dir.resolve())}
+    for package in ("finetune_operator", "finetune_trainer"):
+        spec = importlib.util.find_spec(package)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            paths.add(str(pathlib.Path(location).resolve().parent))
+    return sorted(paths)
 
 
 async def spawn(spec: dict[str, Any], spec_path: pathlib.Path, env: Mapping[str, str],

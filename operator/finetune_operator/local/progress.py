@@ -1,0 +1,77 @@
+"""Progress of a FineTuneJob as text lines, from its status alone (pure: `now` is passed in)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+JobObject = dict[str, Any]
+
+
+def tokens_per_step(job: JobObject) -> int:
+    training = job.get("spec", {}).get("training", {})
+    return int(training.get("globalBatchSize", 0)) * int(training.get("sequenceLength", 0))
+
+
+@dataclass
+class ProgressTracker:
+    """Turns successive observations of a job into progress lines, one per change."""
+
+    started: float
+    last_line: str = ""
+    _rate_from: tuple[float, int] | None = field(default=None, repr=False)
+    tokens_per_second: float = 0.0
+
+    def observe(self, job: JobObject, now: float) -> str | None:
+        status = job.get("status", {})
+        step = status.get("step")
+        if isinstance(step, int):
+            self._update_rate(step, tokens_per_step(job), now)
+        line = self.render(status)
+        if line == self.last_line:
+            return None
+        self.last_line = line
+        return f"[{now - self.started:6.1f}s] {line}"
+
+    def _update_rate(self, step: int, per_step: int, now: float) -> None:
+        if self._rate_from is None or step < self._rate_from[1]:
+            self._rate_from = (now, step)
+            return
+        since, first = self._rate_from
+        if step > first and now > since:
+            self.tokens_per_second = (step - first) * per_step / (now - since)
+
+    def render(self, status: dict[str, Any]) -> str:
+        parts = [f"{status.get('phase') or 'Pending':<10}"]
+        step, total = status.get("step"), status.get("totalSteps")
+        if step is not None:
+            parts.append(f"step {step}/{total if total is not None else '?'}")
+        if status.get("loss") is not None:
+            parts.append(f"loss {float(status['loss']):.4f}")
+        if self.tokens_per_second:
+            parts.append(f"{self.tokens_per_second:,.0f} tok/s")
+        if status.get("readyWorkers") is not None and status.get("plan"):
+            parts.append(f"workers {status['readyWorkers']}/{status['plan'].get('nodes', '?')}")
+        ckpt = status.get("lastCheckpoint")
+        if ckpt:
+            parts.append(f"checkpoint step {ckpt.get('step')}")
+        parts.append(f"restarts {status.get('restarts', 0)}")
+        return "  ".join(parts)
+
+
+def summarize(job: JobObject) -> str:
+    """The final report: phase, every condition, progress and where things are."""
+    status = job.get("status", {})
+    lines = [f"FineTuneJob {job['metadata']['name']}: {status.get('phase', 'Unknown')}"]
+    for cond in status.get("conditions", []):
+        lines.append(
+            f"  {cond['type']:<18} {cond['status']:<8} {cond.get('reason', '')}: "
+            f"{cond.get('message', '')}"
+        )
+    if status.get("step") is not None:
+        lines.append(f"  steps {status['step']}/{status.get('totalSteps', '?')}")
+    ckpt = status.get("lastCheckpoint")
+    if ckpt:
+        lines.append(f"  last checkpoint: step {ckpt.get('step')} at {ckpt.get('uri')}")
+    lines.append(f"  restarts {status.get('restarts', 0)}")
+    return "\n".join(lines)

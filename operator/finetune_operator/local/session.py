@@ -1,0 +1,165 @@
+"""A local cluster with the real operator running beside it: what `ftjob run --local` and the
+end-to-end tests drive. The operator runs in its own thread and event loop, exactly as
+`ftjob operator` runs it in a pod, logged in through the cluster's kubeconfig."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Collection
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, cast
+
+from kubernetes import client, config
+
+from finetune_operator.api.constants import GROUP, PLURAL, VERSION
+from finetune_operator.local.cluster import LocalCluster
+
+JobObject = dict[str, Any]
+
+
+def default_data_dir() -> Path:
+    """A fresh directory for the cluster's state, deliberately *not* under /tmp: worker pods
+    mount an emptyDir over /tmp (read-only root filesystem), which would hide it from them."""
+    base = Path(os.environ.get("FTJOB_LOCAL_DIR", Path.cwd() / ".ftjob"))
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="run-", dir=base))
+
+
+class OperatorThread:
+    """The kopf operator (finetune_operator.handlers.operate) on a thread of its own."""
+
+    def __init__(self, kubeconfig: Path, namespaces: Collection[str] | None) -> None:
+        self._kubeconfig = str(kubeconfig)
+        self._namespaces = list(namespaces) if namespaces else None
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="operator", daemon=True)
+
+    def _main(self) -> None:
+        from finetune_operator.handlers import operate
+
+        try:
+            asyncio.run(
+                operate(
+                    self._namespaces,
+                    kubeconfig=self._kubeconfig,
+                    ready_flag=self._ready,
+                    stop_flag=self._stop,
+                )
+            )
+        except BaseException as exc:  # surfaced by start()/stop()
+            self._error = exc
+            self._ready.set()
+
+    def start(self, timeout: float = 60.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError("the operator did not become ready")
+        if self._error is not None:
+            raise RuntimeError(f"the operator failed to start: {self._error}") from self._error
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+
+class LocalSession:
+    """Cluster + operator; submit FineTuneJobs and watch them.
+
+    with LocalSession() as session:
+        session.submit(manifest_dict)
+        job = session.wait_for("quickstart", lambda job: phase(job) == "Succeeded")
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        *,
+        nodes: int = 4,
+        namespaces: Collection[str] = ("default",),
+        keep_data: bool = True,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir) if data_dir else default_data_dir()
+        self.cluster = LocalCluster(
+            self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env
+        )
+        self._namespaces = list(namespaces)
+        self._operator: OperatorThread | None = None
+        self._custom: client.CustomObjectsApi | None = None
+        self.core: client.CoreV1Api | None = None
+
+    def __enter__(self) -> Self:
+        self.cluster.start()
+        try:
+            api_client = config.new_client_from_config(  # type: ignore[no-untyped-call]
+                str(self.cluster.kubeconfig_path)
+            )
+            self._custom = client.CustomObjectsApi(api_client)
+            self.core = client.CoreV1Api(api_client)
+            self._operator = OperatorThread(self.cluster.kubeconfig_path, self._namespaces)
+            self._operator.start()
+        except BaseException:
+            self.cluster.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._operator is not None:
+            self._operator.stop()
+        self.cluster.stop()
+
+    @property
+    def custom(self) -> client.CustomObjectsApi:
+        assert self._custom is not None, "the session is not started"
+        return self._custom
+
+    def submit(self, manifest: JobObject) -> JobObject:
+        """Create the FineTuneJob (raises kubernetes ApiException when the server refuses it)."""
+        namespace = manifest.get("metadata", {}).get("namespace", "default")
+        created = self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, manifest
+        )
+        return cast(JobObject, created)
+
+    def get(self, name: str, namespace: str = "default") -> JobObject:
+        job = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        return cast(JobObject, job)
+
+    def wait_for(
+        self,
+        name: str,
+        until: Callable[[JobObject], bool],
+        *,
+        namespace: str = "default",
+        timeout: float = 600.0,
+        interval: float = 0.5,
+        on_poll: Callable[[JobObject], None] | None = None,
+    ) -> JobObject:
+        """Poll the job until `until(job)`; `on_poll` sees every observation (progress display)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.get(name, namespace)
+            if on_poll is not None:
+                on_poll(job)
+            if until(job):
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{namespace}/{name}: condition not reached in {timeout:.0f} s")
+            time.sleep(interval)
+
+
+def phase_of(job: JobObject) -> str:
+    return str(job.get("status", {}).get("phase") or "")
+
+
+def is_finished(job: JobObject) -> bool:
+    return phase_of(job) in ("Succeeded", "Failed")
