@@ -15,9 +15,10 @@ Where a CPU trace would not show what a GPU does, the tracer makes the GPU choic
   temporaries are one parameter wide instead of one whole shard wide);
 - optimizer states are created by a warm-up step *outside* the tracker: step 1's lazy init is not
   the steady state, and under DTensor it is counted at unsharded size by the tracker;
-- DDP's gradient buckets (``gradient_as_bucket_view=False``, torch's default) cannot run under
-  fake tensors: they are added as one more copy of the trainable gradients, allocated for the
-  whole step (that is what the reducer does at construction).
+- DDP's reducer cannot run on fake tensors; its buckets (one copy of the trainable gradients,
+  allocated at construction, never freed) are modelled: with ``gradient_as_bucket_view`` the
+  gradients are the buckets, so they are kept across ``zero_grad``; without it (torch's
+  default) the buckets are one more gradient-sized block added to every figure of the step.
 What stays out: CUDA context, cuBLAS/flash workspaces inside kernels, the caching allocator's
 512-byte rounding and fragmentation (``reserved``); with DDP + bf16-mixed the CPU autocast op lists.
 """
@@ -300,7 +301,10 @@ def _trace(config: TraceConfig, start: float) -> TraceResult:
         for p in params:  # warm-up: create the AdamW states outside the tracker
             p.grad = torch.zeros_like(p)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        # DDP with gradient_as_bucket_view: the gradients *are* the reducer's buckets, allocated
+        # once and never freed, so they stay; everywhere else zero_grad frees them.
+        keep_grads = config.strategy == "ddp" and config.ddp_bucket_view
+        opt.zero_grad(set_to_none=not keep_grads)
         ids = torch.randint(0, vocab, (config.micro_batch, config.seq_len))
         tracker = _fast(FSDPMemTracker)(model, opt) if sharded else _fast(MemTracker)()
         if not sharded:
@@ -318,7 +322,7 @@ def _trace(config: TraceConfig, start: float) -> TraceResult:
             peak_fb = _snap(tracker, "peak")
             opt.step()
             after_step = _snap(tracker, "current")
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=not keep_grads)
         peak_snap = _snap(tracker, "peak")
     # AdamW's `step` counters are 4-byte tensors that a GPU keeps on the host (not capturable).
     host = 4 * len(params)
