@@ -1,0 +1,125 @@
+"""Real torchrun runs on CPU/gloo with the tiny quickstart model (marked slow)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import (
+    Proc,
+    free_port,
+    make_job,
+    standalone_args,
+    step_lines,
+    tail,
+    trainer_env,
+    wait_until,
+    write_job,
+)
+from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
+from test_components import METRIC_NAMES
+
+pytestmark = pytest.mark.slow
+
+
+def committed(root: Path) -> dict[int, dict[str, object]]:
+    out = {}
+    for marker in root.glob(f"step-*/{CHECKPOINT_COMMITTED_MARKER}"):
+        meta = json.loads(marker.read_text())
+        out[int(meta["step"])] = meta
+    return out
+
+
+def run(tmp_path: Path, procs: list[Proc], name: str, job_path: Path, nproc: int,
+        **env: str) -> Proc:
+    p = Proc(standalone_args(nproc, job_path, free_port()), cwd=tmp_path,
+             log=tmp_path / f"{name}.log", env=trainer_env("127.0.0.1", **env))
+    procs.append(p)
+    return p
+
+
+def test_ddp_two_ranks_loss_goes_down_and_metrics_served(tmp_path: Path, procs: list[Proc]) -> None:
+    job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 40},
+                                                     checkpoint={"intervalSteps": 20}))
+    port, ip = free_port("127.0.0.6"), "127.0.0.6"
+    p = Proc(standalone_args(2, job, free_port()), cwd=tmp_path, log=tmp_path / "ddp.log",
+             env=trainer_env(ip, FT_METRICS_BASE_PORT=str(port), FT_STEP_DELAY_SECONDS="0.1"))
+    procs.append(p)
+
+    def scraped() -> str:
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{port + 1}/metrics", timeout=2) as r:
+                return str(r.read().decode())
+        except OSError:
+            return ""
+
+    wait_until(lambda: re.search(r'^finetune_trainer_step\{.*\} ([1-9]\d*)', scraped(), re.M)
+               is not None, 90, "rank 1 metrics with a step > 0", p.log)
+    text = scraped()
+    for name in METRIC_NAMES:
+        assert re.search(rf'^{name}{{[^}}]*finetunejob="quickstart"[^}}]*rank="1"', text, re.M), name
+    assert p.wait(120) == 0, tail(p.log)
+    losses = [s["loss"] for s in step_lines(p.log)]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < losses[0] - 2.0, losses  # ~5.6 -> ~2.7 on the corpus
+    assert set(committed(tmp_path / "checkpoints" / "quickstart")) == {20, 40}
+
+
+def test_fsdp_two_ranks_checkpoint_loads_at_world_one(tmp_path: Path, procs: list[Proc]) -> None:
+    root = tmp_path / "checkpoints" / "quickstart"
+    two = write_job(tmp_path / "two.json", make_job(
+        strategy="fsdp-full-shard", training={"maxSteps": 20}, checkpoint={"intervalSteps": 10}))
+    p = run(tmp_path, procs, "fsdp2", two, 2)
+    assert p.wait(120) == 0, tail(p.log)
+    assert {s: m["worldSize"] for s, m in committed(root).items()} == {10: 2, 20: 2}
+    assert len(list((root / "step-00000020").glob("*.distcp"))) == 2  # one shard file per rank
+    loss20 = step_lines(p.log)[-1]["loss"]
+
+    one = write_job(tmp_path / "one.json", make_job(
+        strategy="fsdp-full-shard", training={"maxSteps": 30}, checkpoint={"intervalSteps": 10}))
+    q = run(tmp_path, procs, "fsdp1", one, 1)
+    assert q.wait(120) == 0, tail(q.log)
+    log = q.log.read_text()
+    assert "world 1, micro-batch 2, grad accumulation 4" in log
+    assert "resumed from checkpoint step 20" in log
+    steps = step_lines(q.log)
+    assert [s["step"] for s in steps] == list(range(21, 31))
+    assert abs(steps[0]["loss"] - loss20) < 0.4, (steps[0]["loss"], loss20)  # not a fresh model
+    assert committed(root)[30]["worldSize"] == 1
+
+
+def test_resume_after_kill_continues_from_last_commit(tmp_path: Path, procs: list[Proc]) -> None:
+    root = tmp_path / "checkpoints" / "quickstart"
+    job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 30},
+                                                     checkpoint={"intervalSteps": 5}))
+    p = run(tmp_path, procs, "first", job, 2, FT_STEP_DELAY_SECONDS="0.15")
+    wait_until(lambda: max(committed(root), default=0) >= 10, 90, "a commit at step 10", p.log)
+    p.kill(signal.SIGKILL)
+    p.wait(30)
+    last = max(committed(root))
+    junk = root / "step-00009999"
+    junk.mkdir()  # an uncommitted leftover: must be ignored and cleaned
+    q = run(tmp_path, procs, "second", job, 2)
+    assert q.wait(120) == 0, tail(q.log)
+    resumed = int(re.findall(r"resumed from checkpoint step (\d+)", q.log.read_text())[0])
+    assert resumed >= last >= 10
+    assert step_lines(q.log)[0]["step"] == resumed + 1
+    assert not junk.exists()
+    assert max(committed(root)) == 30 and len(committed(root)) == 3
+
+
+def test_sigterm_makes_a_final_checkpoint(tmp_path: Path, procs: list[Proc]) -> None:
+    root = tmp_path / "checkpoints" / "quickstart"
+    job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 200},
+                                                     checkpoint={"intervalSteps": 1000}))
+    p = run(tmp_path, procs, "term", job, 2, FT_STEP_DELAY_SECONDS="0.1")
+    wait_until(lambda: len(step_lines(p.log)) >= 4, 90, "a few steps", p.log)
+    p.kill(signal.SIGTERM)  # torchrun forwards SIGTERM to both workers
+    p.wait(60)
+    stopped = [int(s) for s in re.findall(r"stopped at step (\d+)", p.log.read_text())]
+    assert len(stopped) == 2 and stopped[0] == stopped[1], tail(p.log)
+    assert list(committed(root)) == [stopped[0]], tail(p.log)  # not on the 1000-step interval
