@@ -36,6 +36,7 @@ from finetune_operator.reconcile import (
     merge_progress,
     note_apply_errors,
     observe_pod,
+    parse_termination_message,
     parse_trainer_metrics,
     read_status,
     reconcile_job,
@@ -210,12 +211,14 @@ async def _reconcile(
 
 
 async def _with_progress(status: Any, out: Outcome, pods: list[PodView]) -> Any:
+    """Merge what the trainers report: live metrics of running workers, and the final
+    report (termination message) of workers that have exited."""
     assert out.evaluation.spec is not None and out.evaluation.plan is not None
+    finals = [parse_termination_message(p.termination_message) for p in pods if p.is_worker]
     targets = scrape_targets(pods, out.evaluation.plan.gpus_per_node)
-    if not targets or status.phase in (PHASE_SUCCEEDED, PHASE_FAILED):
-        return status
-    pages = await scrape_all(targets, SCRAPE_TIMEOUT)
-    progress = combine_progress(parse_trainer_metrics(p) for p in pages.values())
+    finished = status.phase in (PHASE_SUCCEEDED, PHASE_FAILED)
+    pages = await scrape_all(targets, SCRAPE_TIMEOUT) if targets and not finished else {}
+    progress = combine_progress([*(parse_trainer_metrics(p) for p in pages.values()), *finals])
     return merge_progress(status, progress, out.evaluation.spec.checkpoint.uri)
 
 

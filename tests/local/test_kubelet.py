@@ -168,3 +168,23 @@ def test_volume_over_tmp_keeps_image_paths_visible(cluster: LocalCluster, core: 
         assert log.read_text().split() == ["visible", "CLEAN", "2"], log.read_text()
     finally:
         stray.unlink()
+
+
+@pytest.mark.parametrize(
+    ("script", "policy", "phase", "expected"),
+    [
+        ('echo \'{"step": 7}\' > /dev/termination-log', None, "Succeeded", '{"step": 7}\n'),
+        ("echo boom; exit 2", "FallbackToLogsOnError", "Failed", "boom"),
+        ("echo boom; exit 2", None, "Failed", None),
+    ],
+    ids=["file", "fallback-to-logs", "file-policy-empty"],
+)
+def test_termination_message(
+    core: client.CoreV1Api, script: str, policy: str | None, phase: str, expected: str | None
+) -> None:
+    name = _name("term")
+    container = {"terminationMessagePolicy": policy} if policy else {}
+    core.create_namespaced_pod("default", _pod(name, script, container=container))
+    pod = _wait_pod(core, name, lambda p: p.status.phase == phase)
+    message = pod.status.container_statuses[0].state.terminated.message
+    assert (message or None) == expected

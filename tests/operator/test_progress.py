@@ -96,3 +96,25 @@ def test_scrape_targets_cover_every_local_rank_of_running_workers() -> None:
         "http://10.0.0.5:9400/metrics",
         "http://10.0.0.5:9401/metrics",
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "step", "checkpoint", "loss"),
+    [
+        ('{"step": 60, "loss": 2.5, "checkpointStep": 60, "checkpointTime": 1.0}', 60, 60, 2.5),
+        ('{"step": 12}', 12, None, None),
+        ('{"step": 12, "checkpointStep": 0}', 12, None, None),
+        ("Traceback (most recent call last):\n  boom", None, None, None),
+        ('["not", "a", "report"]', None, None, None),
+        ('{"step": "x", "loss": NaN}', None, None, None),
+        ("", None, None, None),
+    ],
+    ids=["full", "step-only", "no-checkpoint-yet", "log-tail", "not-an-object", "junk", "empty"],
+)
+def test_parse_termination_message(
+    text: str, step: int | None, checkpoint: int | None, loss: float | None
+) -> None:
+    from finetune_operator.reconcile.progress import parse_termination_message
+
+    report = parse_termination_message(text)
+    assert (report.step, report.checkpoint_step, report.loss) == (step, checkpoint, loss)

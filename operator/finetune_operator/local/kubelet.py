@@ -37,6 +37,7 @@ from finetune_operator.local.podstatus import conditions as pod_conditions
 from finetune_operator.local.podstatus import container_base, now, running_status, waiting
 from finetune_operator.local.restclient import ApiStatusError, RestClient, resource_path
 from finetune_operator.local.scheduler import pick_node
+from finetune_operator.local.termination import read_message, termination_mount
 
 logger = logging.getLogger(__name__)
 PodKey = tuple[str, str]
@@ -86,6 +87,10 @@ class PodRun:
     @property
     def log_path(self) -> pathlib.Path:
         return self.directory / f"{self.container}.log"
+
+    @property
+    def termination_file(self) -> pathlib.Path:
+        return self.directory / f"{self.container}.termination-log"
 
 
 class Kubelet:
@@ -315,6 +320,8 @@ class Kubelet:
             run.hosts_text = self._hosts_for(pod_view, run.ip)
             run.hosts_file.write_text(run.hosts_text)
             mounts = podrunner.container_mounts(container, volumes, run.hosts_file, self.mountpoints)
+            mounts.append(termination_mount(container, run.termination_file))
+            self.mountpoints.ensure(pathlib.Path(mounts[-1]["target"]), is_file=True)
         except ConfigMissingError as exc:
             await self._patch_status(key, {"containerStatuses": [waiting(container, "ContainerCreating", str(exc))]})
             await asyncio.sleep(1.0)  # retried by the next reconcile, as a real kubelet does
@@ -355,7 +362,7 @@ class Kubelet:
             await self._patch_status(key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container))
             await self._watch_process(key, pod, container)
             return
-        await self._finish(key, run, code, "")
+        await self._finish(key, run, code, read_message(container, run.termination_file, run.log_path, code))
 
     async def _finish(self, key: PodKey, run: PodRun, code: int, message: str) -> None:
         run.finished = True

@@ -16,6 +16,7 @@ from finetune_operator.reconcile.progress import (
     TrainerProgress,
     combine_progress,
     merge_progress,
+    parse_termination_message,
     parse_trainer_metrics,
     scrape_targets,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "merge_progress",
     "note_apply_errors",
     "observe_pod",
+    "parse_termination_message",
     "parse_trainer_metrics",
     "read_status",
     "reconcile_job",

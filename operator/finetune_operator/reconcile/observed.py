@@ -36,6 +36,7 @@ class PodView:
     finished_at: datetime | None = None
     reason: str | None = None
     restart_attempt: int = 0
+    termination_message: str | None = None  # what the container left in its termination log
 
     @property
     def is_worker(self) -> bool:
@@ -114,6 +115,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
         finished_at=parse_time(term.get("finishedAt")),
         reason=term.get("reason") or status.get("reason"),
         restart_attempt=_int(annotations.get(ANNOTATION_RESTART_ATTEMPT), 0) or 0,
+        termination_message=term.get("message") or None,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -83,8 +84,36 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         step=int(step) if step is not None else None,
         loss=loss,
         loss_rank=loss_rank,
-        checkpoint_step=int(ckpt_step) if ckpt_step is not None and ckpt_step >= 0 else None,
+        # Until its first save the trainer's gauge reads -1 (or 0): no checkpoint yet.
+        checkpoint_step=int(ckpt_step) if ckpt_step is not None and ckpt_step > 0 else None,
         checkpoint_time=ckpt_time if ckpt_time else None,
+    )
+
+
+def parse_termination_message(text: str | None) -> TrainerProgress:
+    """A worker's final report (the trainer writes JSON to its termination log on exit):
+    what the last scrape may have missed, e.g. the final step and checkpoint. Anything that is
+    not that JSON (a log tail from FallbackToLogsOnError) reports nothing."""
+    try:
+        data = json.loads(text or "")
+    except ValueError:
+        return TrainerProgress()
+    if not isinstance(data, dict):
+        return TrainerProgress()
+
+    def number(key: str) -> float | None:
+        value = data.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        return float(value) if math.isfinite(value) else None
+
+    step, ckpt, loss, when = (number(k) for k in ("step", "checkpointStep", "loss", "checkpointTime"))
+    return TrainerProgress(
+        step=int(step) if step is not None else None,
+        loss=loss,
+        loss_rank=int(number("rank") or 0) if loss is not None else None,
+        checkpoint_step=int(ckpt) if ckpt is not None and ckpt > 0 else None,
+        checkpoint_time=when or None,
     )
 
 

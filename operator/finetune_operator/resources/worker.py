@@ -116,6 +116,11 @@ def _container(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any
             for i in range(plan.gpus_per_node)
         ],
         "securityContext": container_security_context(),
+        # The trainer writes its final step/loss/checkpoint to /dev/termination-log, which the
+        # operator reads once the pod has exited (metrics are gone by then); on a crash with
+        # no message the log's tail shows in `kubectl describe pod` instead.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
