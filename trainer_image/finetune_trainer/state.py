@@ -66,6 +66,9 @@ class TrainState:
         self.step = int(train["step"])
         self.sampler.load_state_dict(train["sampler"])
         self.scheduler.load_state_dict(train["scheduler"])
+        # Recompute the LR from this run's schedule (its maxSteps may differ from the saved one).
+        self.scheduler.last_epoch = self.step - 1
+        self.scheduler.step()
         rng = sd.get(RNG_PREFIX, {}).get(self._rng_key())
         if rng is None:
             torch.manual_seed(self.seed + 100_003 * self.rank + self.step)
