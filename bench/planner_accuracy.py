@@ -159,6 +159,13 @@ TOOLS: dict[str, Callable[[Any, Any], int | None]] = {
 }
 
 
+def _safe(fn: Callable[[Any, Any], int | None], row: Any, model: Any) -> int | None:
+    try:
+        return fn(row, model)
+    except Exception:  # e.g. llm-analysis asserts when the model does not fit its GPU
+        return None
+
+
 def _err(value: int | None, ref: int) -> float | None:
     return None if value is None else (value - ref) / ref * 100
 
@@ -174,11 +181,16 @@ def run(rows: list[Any]) -> tuple[list[str], list[str], dict[str, list[float]]]:
     errors: dict[str, list[float]] = {n: [] for n in names}
     for row in rows:
         t0 = time.perf_counter()
-        trace = M.traced(row)
+        try:
+            trace = M.traced(row)
+        except Exception as exc:  # a row that cannot be traced is reported, not fatal
+            table.append(f"{row.id:<62} trace failed: {exc}")
+            print(table[-1], flush=True)
+            continue
         secs = time.perf_counter() - t0
         peak, est = M.estimate(row)
         model = _meta_model(row)
-        values = {"planner": peak} | {n: f(row, model) for n, f in TOOLS.items()}
+        values = {"planner": peak} | {n: _safe(f, row, model) for n, f in TOOLS.items()}
         errs = {n: _err(v, trace.peak) for n, v in values.items()}
         for n, e in errs.items():
             if e is not None:

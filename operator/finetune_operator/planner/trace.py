@@ -25,6 +25,7 @@ What stays out: CUDA context, cuBLAS/flash workspaces inside kernels, the cachin
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -65,6 +66,13 @@ class TraceConfig:
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", *_SHARDED):
             raise ValueError(f"strategy {self.strategy!r} cannot be traced (ddp or fsdp/zero3)")
+        if (
+            self.arch.num_local_experts
+            and self.strategy == "ddp"
+            and self.precision == "bf16-mixed"
+        ):
+            # grouped_mm wants bf16 operands and CPU autocast does not cast them.
+            raise ValueError("MoE with DDP bf16-mixed cannot be traced on CPU; use bf16-pure")
         if self.world_size < 1 or self.micro_batch < 1 or self.seq_len < 1:
             raise ValueError("world_size, micro_batch and seq_len must be >= 1")
 
@@ -112,11 +120,12 @@ def run_trace(config: TraceConfig) -> TraceResult:
     if dist.is_initialized():
         raise RuntimeError("trace needs its own fake process group: a process group is active")
     start = time.perf_counter()
-    old_dtype = torch.get_default_dtype()
+    old_dtype, old_hook = torch.get_default_dtype(), sys.excepthook
     try:
         return _trace(config, start)
     finally:
         torch.set_default_dtype(old_dtype)
+        sys.excepthook = old_hook  # init_process_group wraps it with a rank prefix each time
         if dist.is_initialized():
             dist.destroy_process_group()
 
