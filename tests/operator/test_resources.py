@@ -115,8 +115,10 @@ def test_worker_command(
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=quickstart-rdzv.team-a.svc:29400",
         f"--rdzv-id={UID}",
-        "--rdzv-conf=is_host=false",
+        "--rdzv-conf=is_host=false,last_call_timeout=5,keep_alive_interval=2,"
+        "keep_alive_max_attempt=3",
         "--max-restarts=3",
+        "--local-addr=$(POD_IP)",
         "-m",
         "finetune_trainer",
         "--config",

@@ -22,6 +22,7 @@ from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model
 from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import parallelize
+from finetune_trainer.report import write_final_report
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from finetune_trainer.tokenizer import build_tokenizer
@@ -144,14 +145,27 @@ class Trainer:
     def train(self) -> int:
         """Run to `total_steps` or until stopped; returns the process exit code."""
         self.state.step = self.checkpointer.load()
+        # Report the resumed step from the first scrape on: a restarted rank must not look
+        # as if the job went back to step 0.
+        self.metrics.step.set(self.state.step)
         self.metrics.serve(self.env.metrics_port, self.env.pod_ip)
         stop = False
+        loss: float | None = None
         while self.state.step < self.total_steps and not stop:
             stats, stop, time_due = self.train_step()
+            loss = stats.loss
             self.metrics.observe_step(stats, self.dist.world_size)
             last = self.state.step == self.total_steps
             self.checkpointer.maybe_save(self.state.step, force=stop or last, time_due=time_due)
-        return self._finish(stopped=stop)
+        code = self._finish(stopped=stop)
+        if self.env.local_rank == 0:  # one report per pod
+            write_final_report(
+                step=self.state.step,
+                loss=loss,
+                checkpoint_step=self.checkpointer.last_committed_step,
+                rank=self.dist.rank,
+            )
+        return code
 
     def train_step(self) -> tuple[StepStats, bool, bool]:
         t0 = time.perf_counter()

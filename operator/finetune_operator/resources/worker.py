@@ -37,7 +37,10 @@ SHM_VOLUME = "dshm"
 
 # The single place for extra torchrun flags the trainer needs (e.g. "--local-addr=$(POD_IP)";
 # Kubernetes expands $(VAR) in a command from the container's env).
-TORCHRUN_EXTRA_FLAGS: tuple[str, ...] = ()
+TORCHRUN_EXTRA_FLAGS: tuple[str, ...] = (
+    # Publish the pod's own address to the other agents, not socket.getfqdn().
+    "--local-addr=$(POD_IP)",
+)
 
 WORKER_ENV: dict[str, str] = {
     # torch 2.13 elastic: without it a scale-up after a scale-down hangs (TOOLING.md).
@@ -69,7 +72,10 @@ def worker_command(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> list[str]
         f"--rdzv-endpoint={rendezvous_endpoint(owner)}",
         f"--rdzv-id={owner.uid}",
         # The store lives in the rendezvous pod, so no agent may try to host it.
-        "--rdzv-conf=is_host=false",
+        # The store lives in the rendezvous pod. A lost node expires after 2 missed 2 s
+        # keep-alives and stragglers get a 5 s last call: re-forming takes ~10 s, not ~45 s.
+        "--rdzv-conf=is_host=false,last_call_timeout=5,keep_alive_interval=2,"
+        "keep_alive_max_attempt=3",
         f"--max-restarts={spec.fault_tolerance.max_restarts}",
         *TORCHRUN_EXTRA_FLAGS,
         "-m",

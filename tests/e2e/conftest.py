@@ -1,0 +1,45 @@
+"""End-to-end: the real operator, the local cluster, torchrun and gloo training on CPU."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import EXAMPLES
+
+
+@pytest.fixture
+def quickstart_doc() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
+    return copy.deepcopy(doc)
+
+
+def step_records(log: Path) -> list[dict[str, Any]]:
+    """The rank-0 JSON step lines of a trainer log, in order."""
+    records = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"step"' in line:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records
+
+
+RESUMED = re.compile(r"resumed from checkpoint step (\d+)")
+
+
+def resumed_steps(log: Path) -> list[int]:
+    return [int(m.group(1)) for m in RESUMED.finditer(log.read_text(errors="replace"))]
+
+
+def committed_steps(root: Path) -> list[int]:
+    return sorted(
+        int(d.name.removeprefix("step-")) for d in root.glob("step-*") if (d / "COMMITTED").exists()
+    )

@@ -1,0 +1,38 @@
+"""The final report a worker leaves in its container termination log.
+
+Kubernetes copies `terminationMessagePath` (default /dev/termination-log) into the pod's
+`state.terminated.message` when the container exits; the operator reads the final step, loss
+and checkpoint from there, since the metrics endpoint is gone by then."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+TERMINATION_LOG_ENV = "FT_TERMINATION_LOG"
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+MAX_BYTES = 4096  # the kubelet keeps at most this much
+
+
+def write_final_report(
+    *, step: int, loss: float | None, checkpoint_step: int, rank: int, path: str | None = None
+) -> bool:
+    """Write the report if the termination log exists (it does in a pod); never raises."""
+    target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
+    if not target.exists():
+        return False
+    report: dict[str, float | int] = {"step": step, "rank": rank}
+    if loss is not None:
+        report["loss"] = loss
+    if checkpoint_step > 0:
+        report["checkpointStep"] = checkpoint_step
+    try:
+        target.write_text(json.dumps(report)[:MAX_BYTES])
+    except OSError as e:
+        log.warning("could not write the termination report to %s: %s", target, e)
+        return False
+    return True
