@@ -9,8 +9,8 @@ import celpy
 import kubernetes_validate
 import pytest
 import yaml
-from finetune_operator.api.crd import CEL_RULES, INT_OR_AUTO_RULE, build_crd, render_crd_yaml
 
+from finetune_operator.api.crd import CEL_RULES, INT_OR_AUTO_RULE, build_crd, render_crd_yaml
 from tests.conftest import CRD_PATH
 
 

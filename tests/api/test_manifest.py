@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator.api.manifest import ManifestError, load_manifest, parse_manifest
 
+from finetune_operator.api.manifest import ManifestError, load_manifest, parse_manifest
 from tests.conftest import EXAMPLES
 
 

@@ -5,7 +5,6 @@ with the field and the reason, and leave nothing half-created."""
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator.local.cluster import LocalCluster
 from kubernetes import client, config
+
+from finetune_operator.local.cluster import LocalCluster
 
 WIDGET_CRD: dict[str, Any] = {
     "apiVersion": "apiextensions.k8s.io/v1",

@@ -9,8 +9,9 @@ import uuid
 from typing import Any
 
 import pytest
-from finetune_operator.local.cluster import LocalCluster
 from kubernetes import client, watch
+
+from finetune_operator.local.cluster import LocalCluster
 
 GROUP, VERSION, PLURAL = "test.dev", "v1", "widgets"
 

@@ -9,8 +9,9 @@ from typing import Any
 
 import kopf
 import pytest
-from finetune_operator.local.cluster import LocalCluster
 from kubernetes import client
+
+from finetune_operator.local.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,9 @@ import uuid
 from typing import Any
 
 import pytest
-from finetune_operator.local.cluster import LocalCluster
 from kubernetes import client
+
+from finetune_operator.local.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.resources import Owner
-
 from tests.operator.factories import EIGHT_GPU_SPEC, UID, quickstart_raw
 
 

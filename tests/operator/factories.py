@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from finetune_operator.api.plan import MemoryBreakdown, Plan
 
 REPO = Path(__file__).resolve().parents[2]

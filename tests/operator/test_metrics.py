@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from finetune_operator import metrics
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile import read_status, status_patch
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 CONTRACT = {
     "finetune_operator_jobs": "gauge",

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from finetune_operator.api.constants import GROUP, PLURAL, VERSION
 
+from finetune_operator.api.constants import GROUP, PLURAL, VERSION
 from tests.operator.factories import make_plan, quickstart_raw
 
 pytestmark = pytest.mark.slow
@@ -74,8 +74,9 @@ def _wait(what: str, fn: Any, timeout: float = 60) -> Any:
 
 
 def test_create_fail_replace_succeed(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from finetune_operator.reconcile.apply import load_api_client
     from kubernetes import client
+
+    from finetune_operator.reconcile.apply import load_api_client
 
     monkeypatch.setenv("FINETUNE_OPERATOR_INTERVAL", "1")
     _fake_commands(monkeypatch, Path(cluster.data_dir) / "failed-once")

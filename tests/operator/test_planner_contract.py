@@ -6,7 +6,6 @@ from datetime import UTC, datetime
 
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile import JobRef, default_planner, reconcile_job
-
 from tests.operator.factories import UID, quickstart_raw
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from finetune_operator.api.status import CheckpointRef, FineTuneJobStatus
 from finetune_operator.reconcile import (
     TrainerProgress,

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+
 from finetune_operator.api.constants import (
     COND_FAILED,
     COND_PLANNED,
@@ -30,7 +31,6 @@ from finetune_operator.reconcile import (
     status_patch,
 )
 from finetune_operator.reconcile.conditions import find
-
 from tests.operator.factories import UID, make_plan, quickstart_raw
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -7,6 +7,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+
 from finetune_operator.api.constants import (
     CONFIG_FILE_NAME,
     LABEL_JOB,
@@ -25,7 +26,6 @@ from finetune_operator.resources import (
     desired_objects,
     merge_node_exclusion,
 )
-
 from tests.operator.factories import UID, make_plan
 
 K8S_VERSION = "1.32"

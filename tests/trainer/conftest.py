@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.plan import MemoryBreakdown, Plan
 from finetune_operator.api.spec import FineTuneJobSpec

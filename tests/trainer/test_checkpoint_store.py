@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.errors import UnsupportedConfigError
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import free_port, make_job
+from torch import nn
+
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.checkpointer import (
@@ -22,7 +24,6 @@ from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.optim import build_scheduler
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
-from torch import nn
 
 
 @pytest.fixture(scope="module")

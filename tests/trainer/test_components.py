@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_job
+from prometheus_client import generate_latest
+
 from finetune_operator.api.spec import DatasetSpec, MethodSpec, StrategySpec
 from finetune_trainer.data import build_dataset, pack, resolve_uri
 from finetune_trainer.errors import UnsupportedConfigError
@@ -16,7 +18,6 @@ from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model, decoder_layers
 from finetune_trainer.parallelize import parallelize
 from finetune_trainer.tokenizer import build_byte_tokenizer
-from prometheus_client import generate_latest
 
 CPU = torch.device("cpu")
 

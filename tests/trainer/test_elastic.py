@@ -20,6 +20,7 @@ from conftest import (
     wait_until,
     write_job,
 )
+
 from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
 
 pytestmark = pytest.mark.slow

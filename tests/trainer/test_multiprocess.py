@@ -20,8 +20,9 @@ from conftest import (
     wait_until,
     write_job,
 )
-from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
 from test_components import METRIC_NAMES
+
+from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
 
 pytestmark = pytest.mark.slow
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from finetune_trainer.sampler import StepSampler
 
 

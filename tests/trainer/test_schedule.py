@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.optim import lr_factor

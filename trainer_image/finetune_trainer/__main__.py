@@ -11,7 +11,6 @@ import threading
 import time
 
 from finetune_operator.api.constants import CONFIG_PATH
-
 from finetune_trainer.config import RuntimeEnv, load_job_config
 from finetune_trainer.distributed import destroy_distributed
 from finetune_trainer.errors import UnsupportedConfigError

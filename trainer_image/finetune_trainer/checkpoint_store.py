@@ -18,7 +18,6 @@ from finetune_operator.api.constants import (
     CHECKPOINT_STEP_PREFIX,
     checkpoint_dir_name,
 )
-
 from finetune_trainer.errors import UnsupportedConfigError
 
 _STEP_DIR = re.compile(re.escape(CHECKPOINT_STEP_PREFIX) + r"(\d{8,})$")

@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from finetune_operator.api.spec import CheckpointSpec
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from finetune_operator.api.spec import CheckpointSpec
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.state import TrainState

@@ -10,9 +10,9 @@ from typing import Any
 
 import datasets
 import torch
-from finetune_operator.api.spec import DatasetSpec
 from transformers import PreTrainedTokenizerBase
 
+from finetune_operator.api.spec import DatasetSpec
 from finetune_trainer.errors import UnsupportedConfigError
 
 log = logging.getLogger(__name__)

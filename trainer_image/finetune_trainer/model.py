@@ -7,10 +7,10 @@ import logging
 from typing import Any
 
 import torch
-from finetune_operator.api.spec import MethodSpec, ModelArchitecture, ModelSpec
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from finetune_operator.api.spec import MethodSpec, ModelArchitecture, ModelSpec
 from finetune_trainer.errors import UnsupportedConfigError
 
 log = logging.getLogger(__name__)

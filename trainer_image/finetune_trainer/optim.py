@@ -6,10 +6,10 @@ import math
 from collections.abc import Iterable
 
 import torch
-from finetune_operator.api.spec import TrainingSpec
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from finetune_operator.api.spec import TrainingSpec
 from finetune_trainer.errors import UnsupportedConfigError
 
 

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from finetune_operator.api.plan import Plan
-from finetune_operator.api.spec import StrategySpec
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from finetune_operator.api.plan import Plan
+from finetune_operator.api.spec import StrategySpec
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.model import decoder_layers
 

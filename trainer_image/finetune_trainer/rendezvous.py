@@ -17,8 +17,9 @@ import threading
 from datetime import timedelta
 from types import FrameType
 
-from finetune_operator.api.constants import RDZV_PORT
 from torch.distributed import TCPStore
+
+from finetune_operator.api.constants import RDZV_PORT
 
 log = logging.getLogger("finetune_trainer.rendezvous")
 

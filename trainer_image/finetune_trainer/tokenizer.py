@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from finetune_operator.api.spec import ModelSpec
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from finetune_operator.api.spec import ModelSpec
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 BYTE_VOCAB_SIZE = 256 + 3

@@ -11,8 +11,8 @@ import time
 from types import FrameType
 
 import torch
-from finetune_operator.api.jobconfig import JobConfig
 
+from finetune_operator.api.jobconfig import JobConfig
 from finetune_trainer.checkpointer import build_checkpointer
 from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.data import build_dataset
