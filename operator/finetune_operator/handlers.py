@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -254,6 +255,10 @@ async def operate(
     if kubeconfig is not None:
         memo["cluster"] = ClusterApi(load_api_client(kubeconfig))
     await kopf.operator(
+        # kopf freezes every peer whose priority is not higher than another's ("pausing all
+        # operators, including self"): a distinct random priority per replica lets exactly one
+        # replica act, and a rolling upgrade's overlap pause only the lower one.
+        priority=secrets.randbelow(2**31 - 1) + 1 if peering else 0,
         clusterwide=not namespaces,
         namespaces=list(namespaces or ()),
         liveness_endpoint=liveness,

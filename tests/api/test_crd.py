@@ -3,6 +3,7 @@ the pydantic validators refuse."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import celpy
@@ -91,3 +92,12 @@ def test_cel_rules(model: str, obj: dict[str, Any], ok: bool) -> None:
 @pytest.mark.parametrize(("value", "ok"), [(1, True), (4, True), ("auto", True), (0, False), ("x", False)])
 def test_int_or_auto_rule(value: Any, ok: bool) -> None:
     assert _cel(INT_OR_AUTO_RULE["rule"], value) is ok
+
+
+def test_committed_reference_matches_generation(repo_root: Path) -> None:
+    from finetune_operator.api.reference import render_reference
+
+    committed = (repo_root / "docs" / "reference.md").read_text()
+    assert committed == render_reference(), (
+        "docs/reference.md is stale: python -m finetune_operator.api.reference > docs/reference.md"
+    )

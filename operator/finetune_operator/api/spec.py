@@ -223,15 +223,22 @@ class OutputSpec(ApiModel):
 
 
 class FineTuneJobSpec(ApiModel):
-    model: ModelSpec
-    dataset: DatasetSpec
-    method: MethodSpec = Field(default_factory=MethodSpec)
-    training: TrainingSpec
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    strategy: StrategySpec = Field(default_factory=StrategySpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
-    output: OutputSpec = Field(default_factory=OutputSpec)
+    model: ModelSpec = Field(..., description="The model to fine-tune.")
+    dataset: DatasetSpec = Field(..., description="The training data.")
+    method: MethodSpec = Field(default_factory=MethodSpec, description="full, lora or qlora.")
+    training: TrainingSpec = Field(..., description="Sequence, batch, steps, optimizer, precision.")
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="GPUs, nodes and pod scheduling."
+    )
+    strategy: StrategySpec = Field(
+        default_factory=StrategySpec, description="Sharding strategy (auto: the planner picks)."
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, description="Where and how often to checkpoint."
+    )
+    fault_tolerance: FaultToleranceSpec = Field(
+        default_factory=FaultToleranceSpec, description="Restarts, backoff and stragglers."
+    )
+    output: OutputSpec = Field(default_factory=OutputSpec, description="The trained model.")
     image: str = Field(DEFAULT_TRAINER_IMAGE, description="Trainer image.")
     suspend: bool = Field(False, description="Delete pods, keep checkpoints; false resumes.")
-    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="Delete after end.")
