@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -37,3 +38,12 @@ def test_quickstart_runs_to_succeeded(tmp_path: Path) -> None:
     assert records, "no step lines in the worker logs"
     first, last = records[0]["loss"], records[-1]["loss"]
     assert last < first * 0.8, f"loss did not go down: {first} -> {last}"
+
+    # The trained model, exported by rank 0 once training completed (spec.output).
+    output = data / "shared" / "output" / "quickstart"
+    assert {"model.safetensors", "config.json", "FINISHED"} <= {p.name for p in output.iterdir()}
+    assert json.loads((output / "FINISHED").read_text())["step"] == 60
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(output)
+    assert model.config.num_hidden_layers == 2

@@ -2,7 +2,8 @@
 
 Kubernetes copies `terminationMessagePath` (default /dev/termination-log) into the pod's
 `state.terminated.message` when the container exits; the operator reads the final step, loss
-and checkpoint from there, since the metrics endpoint is gone by then."""
+and checkpoint from there, since the metrics endpoint is gone by then.
+Keys: step, rank, loss?, checkpointStep?, output? (readers ignore keys they do not know)."""
 
 from __future__ import annotations
 
@@ -19,17 +20,26 @@ MAX_BYTES = 4096  # the kubelet keeps at most this much
 
 
 def write_final_report(
-    *, step: int, loss: float | None, checkpoint_step: int, rank: int, path: str | None = None
+    *,
+    step: int,
+    loss: float | None,
+    checkpoint_step: int,
+    rank: int,
+    path: str | None = None,
+    output: str | None = None,
 ) -> bool:
-    """Write the report if the termination log exists (it does in a pod); never raises."""
+    """Write the report if the termination log exists (it does in a pod); never raises.
+    `output`: where the trained model was exported (only the rank that wrote it says so)."""
     target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
     if not target.exists():
         return False
-    report: dict[str, float | int] = {"step": step, "rank": rank}
+    report: dict[str, float | int | str] = {"step": step, "rank": rank}
     if loss is not None:
         report["loss"] = loss
     if checkpoint_step > 0:
         report["checkpointStep"] = checkpoint_step
+    if output:
+        report["output"] = output
     try:
         target.write_text(json.dumps(report)[:MAX_BYTES])
     except OSError as e:

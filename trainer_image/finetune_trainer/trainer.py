@@ -18,6 +18,7 @@ from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.data import build_dataset
 from finetune_trainer.distributed import init_distributed, select_device
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.export import build_exporter
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model
 from finetune_trainer.optim import build_optimizer, build_scheduler
@@ -132,6 +133,14 @@ class Trainer:
             metrics=self.metrics,
             meta={"job": job.name, "uid": job.uid, "strategy": self.parallel.strategy},
         )
+        self.exporter = build_exporter(
+            spec.output,
+            model=self.model,
+            tokenizer=tokenizer,
+            method=spec.method,
+            rank=self.dist.rank,
+            meta={"job": job.name, "uid": job.uid, "strategy": self.parallel.strategy},
+        )
         self.hard_exit = False
         log.info(
             "world %d, micro-batch %d, grad accumulation %d, %d steps, strategy %s",
@@ -158,12 +167,15 @@ class Trainer:
             last = self.state.step == self.total_steps
             self.checkpointer.maybe_save(self.state.step, force=stop or last, time_due=time_due)
         code = self._finish(stopped=stop)
+        # Only a completed run exports (collective); a stopped one resumes and exports later.
+        output = None if stop else self.exporter.export(self.state.step, loss=loss)
         if self.env.local_rank == 0:  # one report per pod
             write_final_report(
                 step=self.state.step,
                 loss=loss,
                 checkpoint_step=self.checkpointer.last_committed_step,
                 rank=self.dist.rank,
+                output=str(output) if output else None,
             )
         return code
 
