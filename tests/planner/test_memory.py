@@ -40,11 +40,14 @@ def test_textbook_mixed_precision_adamw(strategy: StrategyName, expected: int) -
     assert model_states(strategy, N) == expected
 
 
-def test_ddp_split_is_2_2_12() -> None:
-    b = estimate_memory(
-        LLAMA2_7B, TrainingShape(micro_batch=1, seq_len=512), Candidate("ddp", 1, 1)
-    ).breakdown
-    assert (b.parameters, b.gradients, b.optimizer) == (2 * P, 2 * P, 12 * P)
+def test_ddp_split_is_autocast_4_4_8_and_zero_is_2_2_12() -> None:
+    """DDP mixed precision is an fp32 model under autocast (fp32 params, grads, m, v);
+    DeepSpeed ZeRO keeps bf16 params/grads and fp32 master + m + v. Both total 16 B/param."""
+    shape = TrainingShape(micro_batch=1, seq_len=512)
+    b = estimate_memory(LLAMA2_7B, shape, Candidate("ddp", 1, 1)).breakdown
+    assert (b.parameters, b.gradients, b.optimizer) == (4 * P, 4 * P, 8 * P)
+    z = estimate_memory(LLAMA2_7B, shape, Candidate("zero1", 1, 1)).breakdown
+    assert (z.parameters, z.gradients, z.optimizer) == (2 * P, 2 * P, 12 * P)
 
 
 @pytest.mark.parametrize(
@@ -125,10 +128,11 @@ def test_activation_bytes_per_token(attention: str, seq: int, expected: int) -> 
 
 
 def test_checkpointing_keeps_layer_inputs_plus_one_layer() -> None:
+    # FSDP: bf16 compute without autocast (DDP's autocast weight copies also depend on AC).
     m = LLAMA2_7B
-    ddp = Candidate("ddp", 1, 1)
-    no = estimate_memory(m, TrainingShape(micro_batch=2, seq_len=4096), ddp)
-    ck = estimate_memory(m, TrainingShape(micro_batch=2, seq_len=4096, checkpointing=True), ddp)
+    fsdp = Candidate("fsdp-full-shard", 8, 8)
+    no = estimate_memory(m, TrainingShape(micro_batch=2, seq_len=4096), fsdp)
+    ck = estimate_memory(m, TrainingShape(micro_batch=2, seq_len=4096, checkpointing=True), fsdp)
     act = activation_model(m, tokens=2 * 4096, seq=4096, e=2, attention="sdpa")
     layers = m.arch.num_hidden_layers
     assert no.phases["loss"] - ck.phases["loss"] == layers * (act.per_layer - act.layer_input)

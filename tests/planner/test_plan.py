@@ -80,7 +80,9 @@ def test_70b_full_ft_on_two_24gb_gpus_does_not_fit() -> None:
     for part in (
         "Tried world sizes 1, 2",
         "smallest need",
-        "Needs >=",
+        # The FSDP root unit (embedding + head, 4.2 GB in bf16) stays unsharded and the fp32
+        # loss tensors take 12 b*s*V: no GPU count fits 24 GB without offload.
+        "strategy.offload: cpu would fit",
         "QLoRA would fit",
         "A GPU with >=",
     ):

@@ -124,6 +124,17 @@ def _optimizer_state_bytes(shape: TrainingShape, e: int, mixed: bool) -> float:
     return state  # SGD with momentum: one buffer
 
 
+def _fsdp_shard_elems(m: ModelShape, trainable: int, s: int) -> int | None:
+    """Per-rank elements of FSDP2's Shard(0) when stacked expert tensors (experts, ...) have
+    fewer rows than ranks: each rank holds ceil(E/s) whole experts, the tail ranks padding
+    (torch.distributed.fsdp FSDPParam pads dim 0 to a multiple of the shard count)."""
+    if not m.experts or s <= m.experts or trainable != m.total:
+        return None
+    per_expert = 3 * m.arch.hidden_size * m.expert_inter * m.arch.num_hidden_layers
+    experts = per_expert * m.experts
+    return _ceil_div(trainable - experts, s) + per_expert * _ceil_div(m.experts, s)
+
+
 def _model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> _States:
     e = PRECISION_BYTES[shape.precision]
     mixed = e != FP32 and shape.master_weights is not False
@@ -139,12 +150,17 @@ def _model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> _Stat
     opt_b = _optimizer_state_bytes(shape, e, mixed)
     master = FP32 if mixed else 0
     st = cand.strategy
-    if st in FSDP:
+    if st in FSDP or (st == "ddp" and mixed):
         # FSDP2 shards the original-dtype params; with mixed precision those are fp32 masters.
+        # DDP mixed precision is an fp32 model under autocast (what the trainer runs and what
+        # torch AMP means): fp32 params + fp32 grads + fp32 m, v = 4 + 4 + 8 = the textbook 16 B.
         pe = FP32 if mixed else e
-        params = _ceil_div(trainable, s) * pe + _ceil_div(frozen_bytes, s)
-        grads = _ceil_div(trainable, s) * pe
-        optim = int(_ceil_div(trainable, s) * opt_b)
+        s = s if st in FSDP else 1
+        shard = _fsdp_shard_elems(m, trainable, s) if shape.method == "full" else None
+        shard = shard if shard is not None else _ceil_div(trainable, s)
+        params = shard * pe + _ceil_div(frozen_bytes, s)
+        grads = shard * pe
+        optim = int(shard * opt_b)
     else:
         p_shard = n if st == "zero3" else 1
         g_shard = n if st in ("zero2", "zero3") else 1
@@ -169,22 +185,27 @@ def _model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> _Stat
 def _gathered_units(m: ModelShape, shape: TrainingShape, cand: Candidate) -> tuple[int, int]:
     """(loss-phase, backward-phase) bytes of all-gathered parameters and unsharded grads.
 
-    Assumes TorchTitan-style wrapping: each decoder layer is a unit, the embedding and the
-    head are their own units; the current unit plus one prefetched unit are unsharded.
+    Wrapping as the trainer does (finetune_trainer.parallelize.apply_fsdp): each decoder layer
+    is a unit, the root (embedding, final norm, head: both matrices when untied) is one more
+    unit that is never resharded after forward, so it stays unsharded from forward through
+    backward. At the start of backward the next layer is prefetched (FSDP2 implicit backward
+    prefetch: one all-gather buffer); in a layer's backward, its params, the prefetched next
+    layer and its unsharded gradient. Full fine-tuning also holds the root's unsharded head
+    gradient until the root's reduce-scatter at the very end of backward.
     """
     e = PRECISION_BYTES[shape.precision]
     layer = m.layer * e
-    head = (m.lm_head or m.embedding) * e
+    head_grad = (m.lm_head or m.embedding) * e if shape.method == "full" else 0
+    root = (m.embedding + m.lm_head + m.arch.hidden_size) * e
     if shape.method == "qlora":
         layer = int(qlora_base_bytes(m, e) / max(1, m.total) * m.layer)
     if cand.strategy == "fsdp-shard-grad-op":
         # reshard_after_forward=False: every unit stays unsharded from forward to backward.
         full = m.total * e
-        return full, full + layer
+        return full, full + layer + head_grad
     if cand.strategy == "zero3" or cand.strategy in FSDP:
-        # Loss: head gathered + last layer prefetched; its unsharded grad during backward.
         grad_unit = layer if shape.method == "full" else 0
-        return head + layer + (head if shape.method == "full" else 0), 2 * layer + grad_unit
+        return root + layer, root + head_grad + 2 * layer + grad_unit
     return 0, 0
 
 
@@ -208,7 +229,7 @@ def _loss_buffers(m: ModelShape, tokens: int, e: int) -> tuple[int, int]:
     fp32 output at once. The e-byte logits stay referenced by the model output.
     """
     bsv = tokens * m.arch.vocab_size
-    held = e * bsv * (3 if m.family.logit_softcap else 1)  # softcap: x/c and tanh saved
+    held = e * bsv * (2 if m.family.logit_softcap else 0)  # softcap: x/c and tanh saved
     return held + 3 * FP32 * bsv, held
 
 
@@ -218,6 +239,43 @@ def _optimizer_temp(shape: TrainingShape, cand: Candidate, st: _States) -> int:
     if cand.strategy in DEEPSPEED or cand.offload != "none" or shape.optimizer != "adamw":
         return 0
     return st.optim // 2 if st.optim else 0
+
+
+def _compute_regime(shape: TrainingShape, cand: Candidate) -> tuple[bool, str]:
+    """(autocast, LoRA compute) of what the GPU runs for this strategy and precision.
+
+    autocast: DDP with mixed precision keeps an fp32 model and runs forward under
+    torch.autocast (finetune_trainer: trainer.precision_context), so the residual stream is
+    fp32. FSDP2 casts parameters to bf16 itself (MixedPrecisionPolicy), DeepSpeed keeps a bf16
+    module: no autocast there. LoRA compute: see activations.lora_bytes_per_token.
+    """
+    lowp = PRECISION_BYTES[shape.precision] != FP32
+    mixed = lowp and shape.master_weights is not False
+    full = shape.method == "full"
+    if cand.strategy == "ddp" and lowp:
+        return full and mixed, "autocast"
+    if cand.strategy in FSDP and mixed:
+        return False, "param"
+    return False, "fp32"
+
+
+def _autocast_weight_copies(m: ModelShape, shape: TrainingShape) -> tuple[int, int, int]:
+    """(forward end, loss, backward) bytes of autocast's bf16 copies of the fp32 weights.
+
+    torch.autocast casts each fp32 weight once per forward and caches the copy
+    (aten/src/ATen/autocast_mode.cpp `cached_cast`: leaf fp32 tensors that require grad); the
+    matmul saves it for backward, so every linear's copy lives until that linear's backward.
+    The cache itself is dropped when the outermost autocast exits (end of forward). With
+    activation checkpointing the decoder layers save nothing in forward: after autocast exits
+    only the head's copy is held, and recompute re-creates one layer's.
+    """
+    e = PRECISION_BYTES[shape.precision]
+    layers = m.layer_linear * m.arch.num_hidden_layers * e
+    head = (m.lm_head or m.embedding) * e
+    one_layer = m.layer_linear * e
+    if shape.checkpointing:
+        return layers + head, head, one_layer
+    return layers + head, layers + head, layers
 
 
 def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> MemoryEstimate:
@@ -235,16 +293,18 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     e = PRECISION_BYTES[shape.precision]
     tokens = shape.micro_batch * shape.seq_len
     full = shape.method == "full"
-    targets = () if full else shape.lora_targets
+    autocast, lora_compute = _compute_regime(shape, cand)
     act = activation_model(
         m,
         tokens=tokens,
         seq=shape.seq_len,
         e=e,
         attention=shape.attention,
-        lora_targets=targets,
+        lora_targets=() if full else shape.lora_targets,
         lora_rank=0 if full else shape.lora_rank,
         lora_dropout=shape.lora_dropout,
+        lora_compute=lora_compute,
+        autocast=autocast,
     )
     st = _model_states(m, shape, cand)
     layers = m.arch.num_hidden_layers
@@ -253,6 +313,7 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
         in_backward = resident + act.per_layer
     else:
         resident = in_backward = layers * act.per_layer + act.head
+    copies = _autocast_weight_copies(m, shape) if autocast else (0, 0, 0)
     loss_buf, held = _loss_buffers(m, tokens, e)
     gather_loss, gather_bwd = _gathered_units(m, shape, cand)
     trainable = m.total if full else adapter_parameters(m, shape.lora_rank, shape.lora_targets)
@@ -263,13 +324,15 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     grads_fwd = 0 if (cand.strategy in FSDP and shape.grad_accumulation == 1) else st.grads
     base = st.params + st.optim
     buffers = {
-        "loss": loss_buf + gather_loss,
-        "backward": held + act.backward_transient + gather_bwd + bucket + dequant,
+        # End of forward, inside the loss: e-byte logits, their fp32 upcast, log_softmax out.
+        "forward": (e + 2 * FP32) * tokens * m.arch.vocab_size + gather_loss + copies[0],
+        "loss": loss_buf + gather_loss + copies[1],
+        "backward": held + act.backward_transient + gather_bwd + bucket + dequant + copies[2],
         "optimizer": _optimizer_temp(shape, cand, st)
         + (bucket if cand.strategy in DEEPSPEED else 0),
     }
-    acts = {"loss": resident, "backward": in_backward, "optimizer": 0}
-    grads = {"loss": grads_fwd, "backward": grads_fwd, "optimizer": st.grads}
+    acts = {"forward": resident, "loss": resident, "backward": in_backward, "optimizer": 0}
+    grads = {"forward": grads_fwd, "loss": grads_fwd, "backward": grads_fwd, "optimizer": st.grads}
     phases = {k: base + grads[k] + acts[k] + buffers[k] for k in buffers}
     phase = max(phases, key=lambda k: phases[k])
     peak = phases[phase]

@@ -11,6 +11,9 @@ Where a CPU trace would not show what a GPU does, the tracer makes the GPU choic
 - attention runs under ``sdpa_kernel(FLASH_ATTENTION)``: the CPU flash kernel, like the GPU one,
   returns only the output and log-sum-exp (no s² scores); a model that cannot use it (eager
   attention, soft-capping) falls back and says so in ``notes``;
+- dropout runs as ``native_dropout`` (CUDA's fused kernel: the saved mask is 1-byte bool); on
+  CPU ``F.dropout`` multiplies by a noise tensor of the input's dtype and saves that (2-4 bytes
+  per element), an artefact of the CPU path;
 - AdamW runs ``foreach=True`` (the CUDA default; CPU defaults to the per-tensor loop, whose
   temporaries are one parameter wide instead of one whole shard wide);
 - optimizer states are created by a warm-up step *outside* the tracker: step 1's lazy init is not
@@ -232,11 +235,30 @@ def _step_contexts(config: TraceConfig, notes: list[str]) -> list[AbstractContex
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    ctxs: list[AbstractContextManager[Any]] = [sdpa_kernel([SDPBackend.FLASH_ATTENTION])]
+    ctxs: list[AbstractContextManager[Any]] = [
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION]),
+    ]
     if config.strategy == "ddp" and config.precision == "bf16-mixed":
         notes.append("DDP bf16-mixed uses CPU autocast: its op lists differ from CUDA's")
         ctxs.append(torch.autocast("cpu", dtype=torch.bfloat16))
     return ctxs
+
+
+def _fused_dropout() -> AbstractContextManager[Any]:
+    """``F.dropout`` as CUDA runs it: aten::dropout takes the fused ``native_dropout`` (bool
+    mask) on CUDA (ATen Dropout.cpp ``is_fused_kernel_acceptable``), the unfused
+    ``input * noise`` with a noise tensor of the input dtype on CPU."""
+    from unittest import mock
+
+    import torch
+    import torch.nn.functional as F
+
+    def dropout(x: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+        if not training or p == 0.0:
+            return x
+        return torch.native_dropout(x, p, training)[0]
+
+    return mock.patch.object(F, "dropout", dropout)
 
 
 def _fast(tracker_cls: type[Any]) -> type[Any]:
@@ -319,7 +341,8 @@ def _trace(config: TraceConfig, start: float) -> TraceResult:
         if not sharded:
             _skip_frozen_grad_hooks(tracker, model)
             tracker.track_external(model, opt)
-        with tracker, ExitStack() as stack:
+        # Dropout stays fused through backward: checkpointing recomputes it there.
+        with tracker, _fused_dropout(), ExitStack() as stack:
             for ctx in _step_contexts(config, notes):
                 stack.enter_context(ctx)
             # `.loss` only, as a trainer holds it: the bf16 logits die after the fp32 upcast.
