@@ -5,12 +5,13 @@ with the field and the reason, and leave nothing half-created."""
 from __future__ import annotations
 
 import subprocess
+import time
 from typing import Any
 
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from finetune_operator.api.constants import LABEL_JOB
+from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
 from finetune_operator.local.session import LocalSession, is_finished, phase_of
 from tests.e2e.conftest import committed_steps, resumed_steps
 
@@ -60,6 +61,23 @@ def test_killed_worker_resumes_from_checkpoint(session: LocalSession, quickstart
     resumed = resumed_steps(log)
     assert resumed and min(resumed) >= checkpoint_at_kill > 0, (resumed, checkpoint_at_kill)
     assert min(seen_after_kill) >= checkpoint_at_kill
+    assert committed_steps(shared / "checkpoints" / "ft-kill")[-1] == 60
+
+    # Deleting the job removes everything it made (ownerReferences), checkpoints stay.
+    session.custom.delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "ft-kill")
+    assert session.core is not None
+    selector = f"{LABEL_JOB}=ft-kill"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        left = [
+            *session.core.list_namespaced_pod("default", label_selector=selector).items,
+            *session.core.list_namespaced_service("default", label_selector=selector).items,
+            *session.core.list_namespaced_config_map("default", label_selector=selector).items,
+        ]
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, [o.metadata.name for o in left]
     assert committed_steps(shared / "checkpoints" / "ft-kill")[-1] == 60
 
 

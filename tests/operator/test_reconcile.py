@@ -292,8 +292,15 @@ def test_suspend_and_resume() -> None:
             "spec.model.name: unknown model",
         ),
         (lambda s: None, make_plan(2, fits=False), "PlanInfeasible", "needs 120 GiB per GPU"),
+        (
+            lambda s: s["training"].update(optimizer="adamw8bit"),
+            None,
+            "Unsupported",
+            "spec.training.optimizer: adamw8bit is not implemented yet",
+        ),
     ],
-    ids=["missing-steps", "min-over-max", "unknown-field", "planning-error", "infeasible"],
+    ids=["missing-steps", "min-over-max", "unknown-field", "planning-error", "infeasible",
+         "not-implemented-by-trainer"],
 )
 def test_refused_job_creates_nothing(
     mutate: Any, planner_result: Any, reason: str, message_part: str

@@ -20,6 +20,7 @@ class ProgressTracker:
     started: float
     last_line: str = ""
     _rate_from: tuple[float, int] | None = field(default=None, repr=False)
+    _last_step: int = field(default=-1, repr=False)
     tokens_per_second: float = 0.0
 
     def observe(self, job: JobObject, now: float) -> str | None:
@@ -34,11 +35,18 @@ class ProgressTracker:
         return f"[{now - self.started:6.1f}s] {line}"
 
     def _update_rate(self, step: int, per_step: int, now: float) -> None:
+        """Tokens/s between the first and the latest *change* of step (a rate measured at
+        every poll would decay while the step stands still between two scrapes); a step that
+        goes back (a restart resumed from a checkpoint) starts a new measurement."""
         if self._rate_from is None or step < self._rate_from[1]:
             self._rate_from = (now, step)
+            self._last_step = step
             return
+        if step == self._last_step:
+            return
+        self._last_step = step
         since, first = self._rate_from
-        if step > first and now > since:
+        if now > since:
             self.tokens_per_second = (step - first) * per_step / (now - since)
 
     def render(self, status: dict[str, Any]) -> str:

@@ -24,6 +24,7 @@ from finetune_operator.api.constants import (
     REASON_RESTARTING,
     REASON_RUNNING,
     REASON_SUSPENDED,
+    REASON_UNSUPPORTED,
 )
 from finetune_operator.api.status import Condition
 from finetune_operator.reconcile.observed import format_time
@@ -32,7 +33,13 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 EventType = Literal["Normal", "Warning"]
 
 WARNING_REASONS = frozenset(
-    {REASON_RESTARTING, REASON_BACKOFF_LIMIT_EXCEEDED, REASON_INVALID_SPEC, REASON_PLAN_INFEASIBLE}
+    {
+        REASON_RESTARTING,
+        REASON_BACKOFF_LIMIT_EXCEEDED,
+        REASON_INVALID_SPEC,
+        REASON_PLAN_INFEASIBLE,
+        REASON_UNSUPPORTED,
+    }
 )
 
 

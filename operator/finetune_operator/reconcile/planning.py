@@ -9,11 +9,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from finetune_operator.api.capabilities import trainer_refusals
 from finetune_operator.api.constants import (
     COND_FAILED,
     COND_PLANNED,
     REASON_INVALID_SPEC,
     REASON_PLAN_INFEASIBLE,
+    REASON_UNSUPPORTED,
     rendezvous_name,
     worker_name,
 )
@@ -92,7 +94,7 @@ def _sticky_failure(job: JobRef, status: FineTuneJobStatus) -> Evaluation | None
     if (
         failed is not None
         and failed.status == "True"
-        and failed.reason in (REASON_INVALID_SPEC, REASON_PLAN_INFEASIBLE)
+        and failed.reason in (REASON_INVALID_SPEC, REASON_PLAN_INFEASIBLE, REASON_UNSUPPORTED)
         and status.observed_generation == job.generation
     ):
         return Evaluation(job, failure_reason=failed.reason, failure_message=failed.message)
@@ -141,4 +143,8 @@ def evaluate_job(
     if not plan.fits:
         message = f"no configuration fits: {plan.reason}"
         return Evaluation(job, spec, plan, REASON_PLAN_INFEASIBLE, message)
+    refusals = trainer_refusals(spec, plan)
+    if refusals:
+        message = "the trainer cannot run this job: " + "; ".join(refusals)
+        return Evaluation(job, spec, plan, REASON_UNSUPPORTED, message)
     return Evaluation(job, spec, plan)

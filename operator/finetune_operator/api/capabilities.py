@@ -1,0 +1,46 @@
+"""What the trainer does not implement yet, decided before any pod starts.
+
+A valid FineTuneJob may still ask for something this version's trainer refuses (DeepSpeed,
+8-bit Adam, ...). Refusing it at plan time gives the user a condition naming the field, instead
+of worker pods that exit with an error until the restart budget is spent."""
+
+from __future__ import annotations
+
+from finetune_operator.api.plan import Plan
+from finetune_operator.api.spec import FineTuneJobSpec
+
+_OBJECT_STORES = ("s3://", "gs://", "az://", "abfs://")
+
+
+def trainer_refusals(spec: FineTuneJobSpec, plan: Plan) -> list[str]:
+    """Each problem as '<field>: <reason>'; empty when the trainer can run the plan."""
+    problems: list[str] = []
+    if plan.strategy in ("zero1", "zero2") or plan.backend == "deepspeed":
+        problems.append(
+            f"spec.strategy: {plan.strategy} on DeepSpeed is not implemented by the trainer yet; "
+            "use ddp or an fsdp strategy (zero3 runs as fsdp-full-shard)"
+        )
+    if plan.offload == "nvme":
+        problems.append("spec.strategy.offload: nvme is not implemented yet; use cpu")
+    if plan.offload != "none" and plan.strategy == "ddp":
+        problems.append("spec.strategy.offload: offload needs an fsdp strategy, not ddp")
+    training = spec.training
+    if training.optimizer == "adamw8bit":
+        problems.append("spec.training.optimizer: adamw8bit is not implemented yet; use adamw")
+    if training.precision == "fp16":
+        problems.append("spec.training.precision: fp16 is not implemented; use bf16")
+    cpu = spec.resources.device == "cpu"
+    if cpu and spec.method.type == "qlora":
+        problems.append("spec.method.type: qlora needs a CUDA GPU; use lora on CPU")
+    if cpu and spec.model.attention == "flash":
+        problems.append("spec.model.attention: flash needs a CUDA GPU; use sdpa")
+    if spec.model.source == "inline" and spec.model.architecture is None:
+        problems.append("spec.model.architecture: source inline builds the model from it")
+    for field, uri in (
+        ("spec.checkpoint.uri", spec.checkpoint.uri),
+        ("spec.dataset.uri", spec.dataset.uri),
+        ("spec.output.uri", spec.output.uri or ""),
+    ):
+        if uri.startswith(_OBJECT_STORES):
+            problems.append(f"{field}: object storage is not implemented yet; use a shared path")
+    return problems

@@ -1,0 +1,67 @@
+"""Plan-time refusal of what the trainer does not implement (instead of a crash loop)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from finetune_operator.api.capabilities import trainer_refusals
+from finetune_operator.api.plan import MemoryBreakdown, Plan
+from finetune_operator.api.spec import FineTuneJobSpec
+
+BASE: dict[str, Any] = {
+    "model": {"name": "m", "source": "inline", "architecture": {
+        "hiddenSize": 64, "numHiddenLayers": 2, "numAttentionHeads": 4,
+        "intermediateSize": 128, "vocabSize": 259}},
+    "dataset": {"uri": "builtin://quickstart"},
+    "training": {"maxSteps": 10},
+    "resources": {"device": "cpu"},
+}  # fmt: skip
+
+
+def _plan(strategy: str = "ddp", backend: str = "torch", offload: str = "none") -> Plan:
+    zero = MemoryBreakdown(
+        parameters=0, gradients=0, optimizer=0, activations=0, buffers=0, peak=0, reserved=0,
+        total=0,
+    )  # fmt: skip
+    return Plan.model_validate({
+        "fits": True, "worldSize": 2, "nodes": 2, "gpusPerNode": 1, "strategy": strategy,
+        "backend": backend, "offload": offload, "microBatchSize": 1,
+        "gradientAccumulationSteps": 1, "activationCheckpointing": False, "gpuMemoryBytes": 1,
+        "headroom": 0.5, "estimatedStepSeconds": 1.0, "reason": "", "memory": zero.to_json_dict(),
+    })  # fmt: skip
+
+
+def _spec(**overrides: Any) -> FineTuneJobSpec:
+    raw: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in BASE.items()}
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition("__")
+        raw.setdefault(section, {})[key] = value
+    return FineTuneJobSpec.model_validate(raw)
+
+
+def test_supported_job_has_no_refusal() -> None:
+    assert trainer_refusals(_spec(), _plan()) == []
+    assert trainer_refusals(_spec(), _plan("fsdp-full-shard", offload="cpu")) == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "plan", "field"),
+    [
+        (_spec(), _plan("zero2", "deepspeed"), "spec.strategy"),
+        (_spec(), _plan("fsdp-full-shard", offload="nvme"), "spec.strategy.offload"),
+        (_spec(), _plan("ddp", offload="cpu"), "spec.strategy.offload"),
+        (_spec(training__optimizer="adamw8bit"), _plan(), "spec.training.optimizer"),
+        (_spec(training__precision="fp16"), _plan(), "spec.training.precision"),
+        (_spec(method__type="qlora"), _plan(), "spec.method.type"),
+        (_spec(model__attention="flash"), _plan(), "spec.model.attention"),
+        (_spec(checkpoint__uri="s3://bucket/ckpt"), _plan(), "spec.checkpoint.uri"),
+        (_spec(dataset__uri="s3://bucket/data.jsonl"), _plan(), "spec.dataset.uri"),
+    ],
+    ids=["deepspeed", "nvme", "offload-ddp", "adamw8bit", "fp16", "qlora-cpu", "flash-cpu",
+         "s3-checkpoint", "s3-dataset"],
+)
+def test_refusals_name_the_field(spec: FineTuneJobSpec, plan: Plan, field: str) -> None:
+    problems = trainer_refusals(spec, plan)
+    assert len(problems) == 1 and problems[0].startswith(field + ":"), problems

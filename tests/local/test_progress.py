@@ -1,0 +1,60 @@
+"""The `ftjob run --local` progress display (pure: observations in, lines out)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from finetune_operator.local.progress import ProgressTracker, summarize
+
+
+def _job(step: int | None = None, phase: str = "Running", **status: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"phase": phase, **status}
+    if step is not None:
+        body["step"] = step
+    return {
+        "metadata": {"name": "quickstart"},
+        "spec": {"training": {"globalBatchSize": 8, "sequenceLength": 128}},
+        "status": body,
+    }
+
+
+def test_one_line_per_change_with_rate_between_step_changes() -> None:
+    tracker = ProgressTracker(started=0.0)
+    assert tracker.observe(_job(10, totalSteps=60), 1.0) is not None
+    assert tracker.observe(_job(10, totalSteps=60), 1.5) is None  # nothing changed
+    line = tracker.observe(_job(20, totalSteps=60), 2.0)
+    assert line is not None and "step 20/60" in line
+    assert tracker.tokens_per_second == pytest.approx(10 * 8 * 128 / 1.0)
+    # Polls without a new step neither print nor decay the rate.
+    assert tracker.observe(_job(20, totalSteps=60), 5.0) is None
+    assert tracker.tokens_per_second == pytest.approx(10 * 8 * 128 / 1.0)
+
+
+def test_step_going_back_restarts_the_rate() -> None:
+    tracker = ProgressTracker(started=0.0)
+    tracker.observe(_job(30), 1.0)
+    tracker.observe(_job(40), 2.0)
+    tracker.observe(_job(20), 3.0)  # resumed from the checkpoint at step 20
+    tracker.observe(_job(30), 5.0)
+    assert tracker.tokens_per_second == pytest.approx(10 * 8 * 128 / 2.0)
+
+
+def test_render_and_summary_show_checkpoint_restarts_and_conditions() -> None:
+    job = _job(
+        60,
+        phase="Succeeded",
+        totalSteps=60,
+        loss=2.5,
+        restarts=1,
+        lastCheckpoint={"step": 60, "uri": "checkpoints/q/step-00000060"},
+        conditions=[{"type": "Succeeded", "status": "True", "reason": "Completed", "message": "ok"}],
+    )
+    line = ProgressTracker(started=0.0).observe(job, 3.0)
+    assert line is not None
+    for part in ("Succeeded", "step 60/60", "loss 2.5000", "checkpoint step 60", "restarts 1"):
+        assert part in line
+    summary = summarize(job)
+    assert summary.startswith("FineTuneJob quickstart: Succeeded")
+    assert "Completed: ok" in summary and "steps 60/60" in summary
