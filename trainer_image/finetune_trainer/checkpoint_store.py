@@ -18,7 +18,7 @@ from finetune_operator.api.constants import (
     CHECKPOINT_STEP_PREFIX,
     checkpoint_dir_name,
 )
-from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.paths import resolve_dir
 
 _STEP_DIR = re.compile(re.escape(CHECKPOINT_STEP_PREFIX) + r"(\d{8,})$")
 DCP_METADATA_FILE = ".metadata"
@@ -36,16 +36,8 @@ class CheckpointDir:
 
 
 def resolve_root(uri: str, cwd: Path | None = None) -> Path:
-    """A checkpoint URI as a directory: relative URIs resolve against the working directory."""
-    if uri.startswith("file://"):
-        uri = uri.removeprefix("file://")
-    elif "://" in uri:
-        raise UnsupportedConfigError(
-            f"checkpoint.uri {uri!r}: object storage is not implemented yet; "
-            "use a path on a shared filesystem (relative paths resolve against the working dir)"
-        )
-    path = Path(uri)
-    return path if path.is_absolute() else (cwd or Path.cwd()) / path
+    """A checkpoint URI as a directory (see `resolve_dir`)."""
+    return resolve_dir(uri, "checkpoint.uri", cwd)
 
 
 def step_dir(root: Path, step: int) -> Path:

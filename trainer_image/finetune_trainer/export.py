@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from finetune_operator.api.spec import MethodSpec, OutputSpec
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.paths import resolve_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +57,8 @@ class NoOpExporter:
 
 
 def resolve_output(uri: str, cwd: Path | None = None) -> Path:
-    """`output.uri` as a directory: relative paths resolve against the working directory."""
-    if uri.startswith("file://"):
-        uri = uri.removeprefix("file://")
-    elif "://" in uri:
-        raise UnsupportedConfigError(
-            f"output.uri {uri!r}: object storage is not implemented yet; use a path on a shared "
-            "filesystem (relative paths resolve against the working directory)"
-        )
-    path = Path(uri)
-    return path if path.is_absolute() else (cwd or Path.cwd()) / path
+    """`output.uri` as a directory (see `resolve_dir`)."""
+    return resolve_dir(uri, "output.uri", cwd)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
