@@ -117,6 +117,14 @@ class LocalSession:
             self._operator.stop()
         self.cluster.stop()
 
+    def restart_operator(self) -> None:
+        """Stop the operator and start a fresh one (nothing carried over in memory), as a
+        rolling upgrade or a crashed operator pod would."""
+        if self._operator is not None:
+            self._operator.stop()
+        self._operator = OperatorThread(self.cluster.kubeconfig_path, self._namespaces)
+        self._operator.start()
+
     @property
     def custom(self) -> client.CustomObjectsApi:
         assert self._custom is not None, "the session is not started"

@@ -1,0 +1,86 @@
+"""Suspend and resume a running job; restart the operator mid-run. Both must lose nothing:
+the job continues from its last committed checkpoint and finishes Succeeded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
+from finetune_operator.local.session import LocalSession, is_finished, phase_of
+from tests.e2e.conftest import resumed_steps
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    data = tmp_path_factory.mktemp("lifecycle") / "cluster"
+    with LocalSession(data, nodes=2, extra_env={"FT_STEP_DELAY_SECONDS": "0.2"}) as s:
+        yield s
+
+
+def _status(job: dict[str, Any]) -> dict[str, Any]:
+    return dict(job.get("status") or {})
+
+
+def _checkpoint(job: dict[str, Any]) -> int:
+    return int((_status(job).get("lastCheckpoint") or {}).get("step") or 0)
+
+
+def _submit(session: LocalSession, doc: dict[str, Any], name: str) -> None:
+    doc["metadata"]["name"] = name
+    doc["spec"]["checkpoint"]["uri"] = f"checkpoints/{name}"
+    doc["spec"].pop("output", None)
+    session.submit(doc)
+
+
+def _pods(session: LocalSession, name: str) -> list[Any]:
+    assert session.core is not None
+    return list(session.core.list_namespaced_pod("default", label_selector=f"{LABEL_JOB}={name}").items)
+
+
+def _set_suspend(session: LocalSession, name: str, value: bool) -> None:
+    session.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, "default", PLURAL, name, {"spec": {"suspend": value}}
+    )
+
+
+def test_suspend_then_resume_continues_from_checkpoint(
+    session: LocalSession, quickstart_doc: dict[str, Any]
+) -> None:
+    _submit(session, quickstart_doc, "ft-suspend")
+    session.wait_for("ft-suspend", lambda j: _checkpoint(j) >= 10, timeout=240)
+
+    _set_suspend(session, "ft-suspend", True)
+    job = session.wait_for(
+        "ft-suspend", lambda j: phase_of(j) == "Suspended" and not _pods(session, "ft-suspend"),
+        timeout=120,
+    )  # fmt: skip
+    saved = _checkpoint(job)
+    assert saved >= 10
+
+    _set_suspend(session, "ft-suspend", False)
+    job = session.wait_for("ft-suspend", is_finished, timeout=300)
+    assert phase_of(job) == "Succeeded", _status(job)
+    assert _status(job)["step"] == 60
+    log = session.cluster.pod_log_path("default", "ft-suspend-worker-0")
+    assert log is not None and max(resumed_steps(log)) >= saved > 0
+
+
+def test_operator_restart_loses_nothing(
+    session: LocalSession, quickstart_doc: dict[str, Any]
+) -> None:
+    _submit(session, quickstart_doc, "ft-oprestart")
+    job = session.wait_for("ft-oprestart", lambda j: int(_status(j).get("step") or 0) >= 5, timeout=240)
+    pods_before = {p.metadata.uid for p in _pods(session, "ft-oprestart")}
+
+    session.restart_operator()
+    job = session.wait_for("ft-oprestart", is_finished, timeout=300)
+    assert phase_of(job) == "Succeeded", _status(job)
+    status = _status(job)
+    assert status["step"] == 60 and status["restarts"] == 0
+    # The new operator adopted the running pods: it created no second set of workers.
+    workers = {p.metadata.uid for p in _pods(session, "ft-oprestart") if "worker" in p.metadata.name}
+    assert workers <= pods_before
