@@ -5,6 +5,7 @@ end-to-end tests drive. The operator runs in its own thread and event loop, exac
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 import threading
@@ -43,6 +44,9 @@ class OperatorThread:
 
     def _main(self) -> None:
         from finetune_operator.handlers import operate
+
+        # Expected here: signals belong to the main thread (the session's owner handles them).
+        logging.getLogger("kopf._core.reactor.running").setLevel(logging.ERROR)
 
         try:
             asyncio.run(
