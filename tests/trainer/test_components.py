@@ -74,11 +74,12 @@ def test_missing_text_field_is_named(tmp_path: Path) -> None:
 def test_inline_model_and_lora() -> None:
     job = make_job()
     tok = build_byte_tokenizer()
-    full = build_model(job.spec.model, job.spec.method, tok, CPU, activation_checkpointing=True)
+    full = build_model(job.spec.model, job.spec.method, tok, CPU, activation_checkpointing=True,
+                       precision="fp32")
     assert full.config.vocab_size == 259 and len(decoder_layers(full)) == 2
     assert full.is_gradient_checkpointing
     lora = build_model(job.spec.model, MethodSpec(type="lora"), tok, CPU,
-                       activation_checkpointing=False)
+                       activation_checkpointing=False, precision="fp32")
     trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert 0 < trainable < sum(p.numel() for p in lora.parameters()) / 5
     assert len(decoder_layers(lora)) == 2  # found through the peft wrapper
@@ -88,7 +89,7 @@ def test_qlora_refused_on_cpu() -> None:
     job = make_job()
     with pytest.raises(UnsupportedConfigError, match="qlora needs a CUDA GPU"):
         build_model(job.spec.model, MethodSpec(type="qlora"), build_byte_tokenizer(), CPU,
-                    activation_checkpointing=False)
+                    activation_checkpointing=False, precision="bf16")
 
 
 @pytest.mark.parametrize(
@@ -98,7 +99,7 @@ def test_deepspeed_refused_not_replaced(strategy: str, backend: str) -> None:
     job = make_job(strategy=strategy)
     with pytest.raises(UnsupportedConfigError, match="deepspeed is not implemented yet"):
         parallelize(torch.nn.Linear(2, 2), job.plan, StrategySpec(type=strategy, backend=backend),
-                    CPU, 1)
+                    CPU, 1, precision="bf16")
 
 
 METRIC_NAMES = [

@@ -50,12 +50,13 @@ def trained(method: MethodSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module
     job = make_job()
     torch.manual_seed(0)
     model = build_model(job.spec.model, method, tokenizer, torch.device("cpu"),
-                        activation_checkpointing=False)
+                        activation_checkpointing=False, precision=job.spec.training.precision)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)
-    return parallelize(model, job.plan, job.spec.strategy, torch.device("cpu"), 1).model
+    return parallelize(model, job.plan, job.spec.strategy, torch.device("cpu"), 1,
+                       precision=job.spec.training.precision).model
 
 
 def logits(model: nn.Module) -> torch.Tensor:
@@ -215,7 +216,7 @@ def test_fsdp_two_ranks_export_matches_the_final_checkpoint(
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
     tok = build_byte_tokenizer()
     trained = build_model(job.spec.model, job.spec.method, tok, torch.device("cpu"),
-                          activation_checkpointing=False)
+                          activation_checkpointing=False, precision=job.spec.training.precision)
     trained.load_state_dict(saved, strict=True)
     torch.testing.assert_close(logits(exported), logits(trained), rtol=0, atol=1e-5)
     if merge:  # the adapter trained away from its no-op start, and it is in the weights

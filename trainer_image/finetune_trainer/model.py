@@ -1,5 +1,10 @@
 """The model: built from an inline architecture or loaded with `from_pretrained`, with LoRA
-adapters when the method asks for them."""
+adapters when the method asks for them.
+
+Dtypes are what the planner assumes (finetune_operator.planner.memory): full fine-tuning keeps
+fp32 master weights in every precision (bf16 compute comes from the strategy: FSDP2's
+MixedPrecisionPolicy or DDP's autocast); LoRA/QLoRA with bf16 freeze a bf16 base, as real
+stacks load it, and peft keeps the adapters in fp32 (`autocast_adapter_dtype=True`)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from finetune_operator.api.spec import MethodSpec, ModelArchitecture, ModelSpec
+from finetune_operator.api.spec import MethodSpec, ModelArchitecture, ModelSpec, Precision
 from finetune_trainer.errors import UnsupportedConfigError
 
 log = logging.getLogger(__name__)
@@ -33,8 +38,20 @@ def _attention(spec: ModelSpec, device: torch.device) -> str:
     return _ATTENTION[spec.attention]
 
 
+def base_dtype(method: MethodSpec, precision: Precision) -> torch.dtype:
+    """dtype of the base weights: a frozen LoRA/QLoRA base is bf16 under bf16; everything
+    else (full fine-tuning's master weights, fp32 runs) is fp32."""
+    if method.type in ("lora", "qlora") and precision == "bf16":
+        return torch.bfloat16
+    return torch.float32
+
+
 def _load_base(
-    spec: ModelSpec, tokenizer: PreTrainedTokenizerBase, device: torch.device, method: MethodSpec
+    spec: ModelSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+    method: MethodSpec,
+    dtype: torch.dtype,
 ) -> nn.Module:
     attn = _attention(spec, device)
     if spec.source == "inline":
@@ -47,9 +64,17 @@ def _load_base(
             pad_token_id=tokenizer.pad_token_id,
             **hf_config_kwargs(spec.architecture),
         )
-        # Every rank seeds identically before this call, so FSDP shards one shared init.
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    kwargs: dict[str, Any] = {"revision": spec.revision, "attn_implementation": attn}
+        # Every rank seeds identically before this call, so FSDP shards one shared init. The
+        # init runs in fp32 and a bf16 base is cast afterwards (the same weights, rounded).
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        return model.to(dtype) if dtype != torch.float32 else model
+    # dtype explicitly: transformers 5 defaults to "auto" (the checkpoint's own dtype, often
+    # bf16), which would silently drop full fine-tuning's fp32 master weights.
+    kwargs: dict[str, Any] = {
+        "revision": spec.revision,
+        "attn_implementation": attn,
+        "dtype": dtype,
+    }
     if method.type == "qlora":
         kwargs["quantization_config"] = _qlora_config()
         kwargs["device_map"] = {"": device}
@@ -82,7 +107,9 @@ def _add_lora(model: nn.Module, method: MethodSpec) -> nn.Module:
         target_modules=list(method.lora.target_modules),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)  # type: ignore[arg-type]
+    # autocast_adapter_dtype (peft's default): adapters over a bf16 base are created in fp32,
+    # their own master weights.
+    return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]
 
 
 def build_model(
@@ -92,14 +119,16 @@ def build_model(
     device: torch.device,
     *,
     activation_checkpointing: bool,
+    precision: Precision,
 ) -> nn.Module:
-    """Build on the training device; wrapping for a strategy happens later (parallelize)."""
+    """Build on the training device in the dtypes `precision` asks for (see the module
+    docstring); wrapping for a strategy happens later (parallelize)."""
     if method.type == "qlora" and device.type != "cuda":
         raise UnsupportedConfigError(
             "method.type qlora needs a CUDA GPU (bitsandbytes 4-bit weights); "
             "use method.type lora on CPU"
         )
-    model = _load_base(spec, tokenizer, device, method)
+    model = _load_base(spec, tokenizer, device, method, base_dtype(method, precision))
     if method.type != "qlora":
         model = model.to(device)
     if activation_checkpointing:

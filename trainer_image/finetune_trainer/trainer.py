@@ -22,7 +22,7 @@ from finetune_trainer.export import build_exporter
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model
 from finetune_trainer.optim import build_optimizer, build_scheduler
-from finetune_trainer.parallelize import parallelize
+from finetune_trainer.parallelize import check_precision, parallelize
 from finetune_trainer.report import write_final_report
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
@@ -64,13 +64,15 @@ def gradient_accumulation(global_batch: int, world_size: int, micro_batch: int) 
 
 
 def precision_context(
-    precision: str, device: torch.device
+    precision: str, device: torch.device, *, autocast: bool = True
 ) -> contextlib.AbstractContextManager[None]:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    if precision == "bf16":
+    """The forward's precision context: torch.autocast for bf16 where the strategy computes in
+    an fp32 model (DDP; `Parallel.autocast`), nothing where it casts parameters itself (FSDP2's
+    MixedPrecisionPolicy) or in fp32."""
+    check_precision(precision)
+    if precision == "bf16" and autocast:
         return torch.autocast(device.type, dtype=torch.bfloat16)
-    raise UnsupportedConfigError("training.precision fp16 is not implemented yet; use bf16 or fp32")
+    return contextlib.nullcontext()
 
 
 class Trainer:
@@ -81,7 +83,7 @@ class Trainer:
         self.dist = init_distributed(self.device, env)
         world, micro = self.dist.world_size, job.plan.micro_batch_size
         self.grad_accum = gradient_accumulation(spec.training.global_batch_size, world, micro)
-        precision_context(spec.training.precision, self.device)  # refuse early
+        check_precision(spec.training.precision)  # refuse early
         torch.manual_seed(spec.training.seed)
 
         tokenizer = build_tokenizer(spec.model)
@@ -92,9 +94,15 @@ class Trainer:
             tokenizer,
             self.device,
             activation_checkpointing=job.plan.activation_checkpointing,
+            precision=spec.training.precision,
         )
         self.parallel = parallelize(
-            model, job.plan, spec.strategy, self.device, env.local_world_size
+            model,
+            job.plan,
+            spec.strategy,
+            self.device,
+            env.local_world_size,
+            precision=spec.training.precision,
         )
         self.model = self.parallel.model
         self.total_steps = spec.training.max_steps or math.ceil(
@@ -211,10 +219,11 @@ class Trainer:
         self.model.train()
         loss_sum, tokens = 0.0, 0.0
         precision = self.job.spec.training.precision
+        autocast = self.parallel.autocast
         for i, indices in enumerate(micro_batches):
             batch = self.data.batch(indices, self.device)
             with self.parallel.accumulate(i == len(micro_batches) - 1):
-                with precision_context(precision, self.device):
+                with precision_context(precision, self.device, autocast=autocast):
                     loss = self.model(**batch).loss / len(micro_batches)
                 loss.backward()
             loss_sum += float(loss.detach())
@@ -243,7 +252,7 @@ class Trainer:
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.parallel.zero_grad_set_to_none)
         return lr
 
     def _device_sync(self) -> None:
