@@ -63,12 +63,13 @@ def _large_rows() -> list[Any]:
 
 def _meta_model(row: Any) -> Any:
     import torch
-    from finetune_operator.planner.trace import _hf_config
     from transformers import AutoModelForCausalLM
+
+    from finetune_operator.planner.trace_model import hf_config
 
     auto: Any = AutoModelForCausalLM
     with torch.device("meta"):
-        return auto.from_config(_hf_config(M.ARCHS[row.arch]))
+        return auto.from_config(hf_config(M.ARCHS[row.arch]))
 
 
 def accelerate_estimate(row: Any, model: Any) -> int | None:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from finetune_operator.api.spec import ModelArchitecture, ModelSpec
 from finetune_operator.planner import PlanningError, resolve_model, shape_of
 from finetune_operator.planner.catalog import CatalogEntry, catalog_entries, lookup

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from finetune_operator.api.spec import ModelArchitecture, StrategyName
 from finetune_operator.planner import Candidate, TrainingShape, estimate_memory, shape_of
 from finetune_operator.planner.activations import activation_model, layer_bytes_per_token
@@ -112,13 +113,13 @@ TINY = ModelArchitecture(
 @pytest.mark.parametrize(
     ("attention", "seq", "expected"),
     # Hand-derived from the Llama modeling code (see activations.py docstring):
-    # 2 norms x 6H + q/k 3e(D+Dkv) + v eDkv + out eD + 4 heads lse + 4e I.
+    # 2 norms x (6H + output eH) + rotated q/k e(D+Dkv) + v eDkv + out eD + 4 heads lse + 4e I.
     [
-        ("sdpa", 64, 2 * 6 * 256 + 6 * 320 + 2 * 64 + 2 * 256 + 4 * 8 + 8 * 704),
+        ("sdpa", 64, 2 * 8 * 256 + 2 * 320 + 2 * 64 + 2 * 256 + 4 * 8 + 8 * 704),
         (
             "eager",
             64,
-            2 * 6 * 256 + 6 * 320 + 2 * 64 + 2 * 256 + 8 * 704 + 4 * (256 - 64) + 6 * 8 * 64,
+            2 * 8 * 256 + 2 * 320 + 2 * 64 + 2 * 256 + 8 * 704 + 4 * (256 - 64) + 6 * 8 * 64,
         ),
     ],
     ids=["sdpa-no-s2", "eager-s2-term"],

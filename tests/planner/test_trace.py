@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from finetune_operator.api.spec import LoraSpec, ModelArchitecture
 
 pytest.importorskip("torch")
@@ -40,9 +41,14 @@ def _trace(**kw: object) -> TraceResult:
 
 
 def test_import_needs_no_torch() -> None:
+    """Every planner module (the tracer's split ones included) imports without torch."""
     code = (
-        "import sys; import finetune_operator.planner.trace as t; "
-        "assert 'torch' not in sys.modules, 'trace.py imported torch'; print(t.TraceConfig)"
+        "import importlib, pkgutil, sys; import finetune_operator.planner as p; "
+        "names = [m.name for m in pkgutil.iter_modules(p.__path__)]; "
+        "assert {'trace', 'trace_model', 'trace_step', 'trace_result'} <= set(names), names; "
+        "[importlib.import_module('finetune_operator.planner.' + n) for n in names]; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "assert not bad, f'planner imported {bad}'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 

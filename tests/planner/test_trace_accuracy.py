@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 import pytest
+
 from finetune_operator.api.spec import LoraSpec, ModelArchitecture
 from finetune_operator.planner import Candidate, TrainingShape, estimate_memory, shape_of
 from finetune_operator.planner.catalog import lookup

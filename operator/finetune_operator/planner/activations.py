@@ -3,14 +3,20 @@
 Per token of one decoder layer (e = bytes of the compute dtype; HF Llama/Qwen/Mistral code):
   RMSNorm        x.to(fp32) saved by pow/mul (4H; the input itself when e = 4) and the
                  normalised e-byte tensor saved by `weight * x` (eH)           -> (4 + e) H
-  q, k           raw projection (saved by `q * cos`), rotate_half(q) (saved by `* sin`) and
-                 the rotated result (saved by SDPA)                          -> 3e (Dq + Dkv)
+                 + its output, saved by the linears that read it (one tensor) -> eH
+  q, k           the rotated result (saved by SDPA); `q * cos`, `rotate_half(q) * sin` save
+                 only cos/sin (they do not require grad)                     -> e (Dq + Dkv)
   v              saved by SDPA                                                  -> e Dkv
   SDPA           its output (e Dq) and the fp32 log-sum-exp (4 heads); eager instead keeps the
                  fp32 softmax and its e-byte copy (heads * s each) and repeat_kv'd k, v
   MLP (SwiGLU)   gate (SiLU input), act, up, act*up (down_proj input)           -> 4e I
   residual adds  save nothing; the hidden states between layers are not kept.
-Checked against `saved_tensors_hooks` and MemTracker on tiny Llamas: within 0.5%.
+Checked against `saved_tensors_hooks` and MemTracker on tiny Llamas (real and fake tensors
+alike, bf16, no mask): H 256, head_dim 64: 9752 B/token measured, 9752 modelled. An earlier form
+counted q, k three times (3e(Dq + Dkv)) and omitted the norm outputs (2eH): the two nearly cancel
+when Dq = H (Llama, Mistral: 0.5-2% high) but not for Qwen3 (head_dim 128 x 16 heads = 2H:
++8 KB/token/layer, +8.7% on the traced 28-layer LoRA row once the tracer stopped materialising
+a causal mask, see planner/trace_step.py `unpacked_positions`).
 
 Autocast (`autocast=True`: fp32 model under `torch.autocast(bf16)`, the trainer's DDP path). The
 embedding is not on any autocast list, so the residual stream is fp32, and every RMSNorm works
@@ -62,13 +68,16 @@ class ActivationModel:
 def norm_bytes(m: ModelShape, e: int, width: int, readers: int = 0, autocast: bool = False) -> int:
     """Saved bytes per token of one RMSNorm over `width` features.
 
-    Under autocast the output is fp32 and each of its `readers` (linears) saves an e-byte cast.
+    Under autocast the output is fp32 and each of its `readers` (linears) saves an e-byte cast;
+    without it the e-byte output is saved once, by whichever linears read it.
     """
     if autocast:
         return 2 * FP32 * width + readers * e * width
+    # Without autocast every reader saves the same output tensor.
+    out = e * width if readers else 0
     if m.arch.model_type.startswith("gemma"):
-        return 2 * FP32 * width  # Gemma normalises and scales in fp32, then casts.
-    return (FP32 + e) * width
+        return 2 * FP32 * width + out  # Gemma normalises and scales in fp32, then casts.
+    return (FP32 + e) * width + out
 
 
 def layer_bytes_per_token(
@@ -85,15 +94,16 @@ def layer_bytes_per_token(
         )
         norms += (m.family.norms_per_layer - 2) * norm_bytes(m, e, a.hidden_size, 0, True)
     else:
-        norms = m.family.norms_per_layer * norm_bytes(m, e, a.hidden_size)
+        # Input norm (read by q/k/v) and post-attention norm (MLP/router); Gemma's extra
+        # post-norms feed residual adds, which save nothing.
+        norms = 2 * norm_bytes(m, e, a.hidden_size, 1) + (
+            m.family.norms_per_layer - 2
+        ) * norm_bytes(m, e, a.hidden_size)
+    # q_norm/k_norm outputs are read by RoPE, whose muls save only cos/sin.
     qk_norm = norm_bytes(m, e, m.q_dim) + norm_bytes(m, e, m.kv_dim) if m.family.qk_norm else 0
-    if autocast:
-        # `q * cos` / `rotate_half(q) * sin` with cos/sin not requiring grad save only cos/sin;
-        # what SDPA saves is its bf16 cast of the fp32 rotated q, k (measured with
-        # saved_tensors_hooks on a Llama layer: 2e(Dq + Dkv) less than without autocast).
-        attn = e * (m.q_dim + m.kv_dim) + e * m.kv_dim + e * m.q_dim
-    else:
-        attn = 3 * e * (m.q_dim + m.kv_dim) + e * m.kv_dim + e * m.q_dim
+    # `q * cos` / `rotate_half(q) * sin` with cos/sin not requiring grad save only cos/sin; SDPA
+    # saves the rotated q, k (under autocast: its bf16 cast of the fp32 result), v and its output.
+    attn = e * (m.q_dim + m.kv_dim) + e * m.kv_dim + e * m.q_dim
     if attention == "eager":
         # k and v are repeat_kv'd to all heads, then the fp32 softmax and its copy (s^2 term).
         attn += 2 * e * (m.q_dim - m.kv_dim) + (FP32 + e) * heads * seq
@@ -122,7 +132,9 @@ def frozen_base_savings(m: ModelShape, e: int, targets: tuple[str, ...]) -> int:
       down_proj's input (act * up, e I per routed copy) unless down_proj has an adapter;
       each norm's normalised tensor (saved by `weight *`: eH, 4H under autocast);
       the norm outputs read only by frozen linears (q/k/v, gate/up: eH each, unless an adapter
-      without dropout reads that same tensor; the adapters' own inputs are lora_bytes').
+      without dropout reads that same tensor; the adapters' own inputs are lora_bytes');
+      Qwen3's q_norm/k_norm normalised tensors behind their frozen weights: e (Dq + Dkv)
+      (traced 28-layer Qwen3-0.6B LoRA vs full: 6.1 KB/token/layer less, e (Dq + Dkv) = 6144).
     Measured on a 2-3-layer Llama (H 256/512, I 704/1408): LoRA q/k/v/o saves 8232 B/token
     per layer where this model predicts 8384 and full FT's formula 11296 (measured 11048).
     """
@@ -131,6 +143,8 @@ def frozen_base_savings(m: ModelShape, e: int, targets: tuple[str, ...]) -> int:
     saved = 0 if "down_proj" in targets else e * m.expert_inter * copies
     saved += m.family.norms_per_layer * e * h  # normalised tensors behind frozen weights
     saved += 2 * e * h  # input-norm output (q/k/v inputs) and post-norm output (gate/up)
+    if m.family.qk_norm:
+        saved += e * (m.q_dim + m.kv_dim)
     return saved
 
 
@@ -205,6 +219,8 @@ def activation_model(
     head = norm_bytes(m, e, m.arch.hidden_size, 1, autocast) + PER_TOKEN_MISC_BYTES
     if lora_targets and "lm_head" not in lora_targets:
         head -= e * m.arch.hidden_size  # frozen final norm weight: its normalised input unsaved
+        if not autocast:
+            head -= e * m.arch.hidden_size  # frozen lm_head: its input (the norm output) unsaved
     return ActivationModel(
         per_layer=tokens * per_tok,
         layer_input=tokens * (FP32 if autocast else e) * m.arch.hidden_size,
