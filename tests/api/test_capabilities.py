@@ -56,10 +56,13 @@ def test_supported_job_has_no_refusal() -> None:
         (_spec(training__precision="fp16"), _plan(), "spec.training.precision"),
         (_spec(method__type="qlora"), _plan(), "spec.method.type"),
         (_spec(model__attention="flash"), _plan(), "spec.model.attention"),
+        (_spec(method__type="qlora", resources__device="gpu", resources__gpu={"memoryGiB": 80}),
+         _plan("fsdp-full-shard"), "spec.method.type"),
         (_spec(checkpoint__uri="s3://bucket/ckpt"), _plan(), "spec.checkpoint.uri"),
         (_spec(dataset__uri="s3://bucket/data.jsonl"), _plan(), "spec.dataset.uri"),
     ],
     ids=["deepspeed", "nvme", "offload-ddp", "adamw8bit", "fp16", "qlora-cpu", "flash-cpu",
+         "qlora-fsdp",
          "s3-checkpoint", "s3-dataset"],
 )
 def test_refusals_name_the_field(spec: FineTuneJobSpec, plan: Plan, field: str) -> None:

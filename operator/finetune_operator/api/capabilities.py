@@ -32,6 +32,10 @@ def trainer_refusals(spec: FineTuneJobSpec, plan: Plan) -> list[str]:
     cpu = spec.resources.device == "cpu"
     if cpu and spec.method.type == "qlora":
         problems.append("spec.method.type: qlora needs a CUDA GPU; use lora on CPU")
+    elif spec.method.type == "qlora" and plan.strategy.startswith(("fsdp", "zero3")):
+        # FSDP2 cannot shard bitsandbytes 4-bit weights (it crashes or drops their
+        # quantisation state); QLoRA runs replicated.
+        problems.append(f"spec.method.type: qlora cannot run under {plan.strategy}; use ddp")
     if cpu and spec.model.attention == "flash":
         problems.append("spec.model.attention: flash needs a CUDA GPU; use sdpa")
     if spec.model.source == "inline" and spec.model.architecture is None:

@@ -74,6 +74,8 @@ def strategies_for(p: Problem, n: int) -> list[StrategyName]:
         return [st.type]
     out: list[StrategyName] = []
     for s in STRATEGY_ORDER:
+        if p.spec.method.type == "qlora" and s != "ddp":
+            continue  # FSDP cannot shard bitsandbytes 4-bit weights: QLoRA runs replicated.
         if s in DEEPSPEED_ONLY and st.backend != "deepspeed":
             continue
         if s in FSDP_ONLY and st.backend == "deepspeed":
