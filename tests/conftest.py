@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 CRD_PATH = REPO / "crds" / "finetunejobs.finetune.dev.yaml"
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+def wait_until(
+    fn: Callable[[], T | None],
+    what: str,
+    timeout: float = 60.0,
+    interval: float = 0.2,
+    detail: Callable[[], str] | None = None,
+) -> T:
+    """Poll `fn` until it returns a truthy value and return it; fail naming `what` (and the
+    `detail` of the last state) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f"\n{detail()}" if detail else ""))
+        time.sleep(interval)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from finetune_operator.local.session import LocalSession
 from tests.conftest import EXAMPLES
 
 
@@ -43,3 +45,13 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(
         int(d.name.removeprefix("step-")) for d in root.glob("step-*") if (d / "COMMITTED").exists()
     )
+
+
+def slowed_session(
+    tmp_path_factory: pytest.TempPathFactory, name: str, nodes: int
+) -> Iterator[LocalSession]:
+    """A cluster + operator whose trainers sleep 0.2 s a step, so a test can act (kill,
+    suspend, restart the operator) between two checkpoints."""
+    data = tmp_path_factory.mktemp(name) / "cluster"
+    with LocalSession(data, nodes=nodes, extra_env={"FT_STEP_DELAY_SECONDS": "0.2"}) as session:
+        yield session

@@ -5,7 +5,7 @@ with the field and the reason, and leave nothing half-created."""
 from __future__ import annotations
 
 import subprocess
-import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,17 +13,15 @@ from kubernetes.client.exceptions import ApiException
 
 from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
 from finetune_operator.local.session import LocalSession, is_finished, phase_of
-from tests.e2e.conftest import committed_steps, resumed_steps
+from tests.conftest import wait_until
+from tests.e2e.conftest import committed_steps, resumed_steps, slowed_session
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    # Slow steps down so the test can act between two checkpoints.
-    data = tmp_path_factory.mktemp("e2e") / "cluster"
-    with LocalSession(data, nodes=4, extra_env={"FT_STEP_DELAY_SECONDS": "0.2"}) as s:
-        yield s
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
+    yield from slowed_session(tmp_path_factory, "e2e", nodes=4)
 
 
 def _step(job: dict[str, Any]) -> int:
@@ -67,17 +65,19 @@ def test_killed_worker_resumes_from_checkpoint(session: LocalSession, quickstart
     session.custom.delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "ft-kill")
     assert session.core is not None
     selector = f"{LABEL_JOB}=ft-kill"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        left = [
-            *session.core.list_namespaced_pod("default", label_selector=selector).items,
-            *session.core.list_namespaced_service("default", label_selector=selector).items,
-            *session.core.list_namespaced_config_map("default", label_selector=selector).items,
+    core = session.core
+
+    def remaining() -> list[str]:
+        return [
+            o.metadata.name
+            for o in (
+                *core.list_namespaced_pod("default", label_selector=selector).items,
+                *core.list_namespaced_service("default", label_selector=selector).items,
+                *core.list_namespaced_config_map("default", label_selector=selector).items,
+            )
         ]
-        if not left:
-            break
-        time.sleep(0.5)
-    assert not left, [o.metadata.name for o in left]
+
+    wait_until(lambda: not remaining(), "the job's objects to be deleted", 60, 0.5, detail=lambda: str(remaining()))
     assert committed_steps(shared / "checkpoints" / "ft-kill")[-1] == 60
 
 

@@ -3,22 +3,21 @@ the job continues from its last committed checkpoint and finishes Succeeded."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
 from finetune_operator.local.session import LocalSession, is_finished, phase_of
-from tests.e2e.conftest import resumed_steps
+from tests.e2e.conftest import resumed_steps, slowed_session
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    data = tmp_path_factory.mktemp("lifecycle") / "cluster"
-    with LocalSession(data, nodes=2, extra_env={"FT_STEP_DELAY_SECONDS": "0.2"}) as s:
-        yield s
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
+    yield from slowed_session(tmp_path_factory, "lifecycle", nodes=2)
 
 
 def _status(job: dict[str, Any]) -> dict[str, Any]:

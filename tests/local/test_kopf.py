@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import kopf
@@ -12,18 +11,13 @@ import pytest
 from kubernetes import client
 
 from finetune_operator.local.cluster import LocalCluster
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def _wait(predicate: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("condition not reached in time")
+    return wait_until(predicate, "the kopf handler's effect", timeout)
 
 
 def test_kopf_handler_patches_status_and_releases_finalizer(api_cluster: LocalCluster, new_api_client: Any) -> None:

@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client
 
 from finetune_operator.local.cluster import LocalCluster
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +29,14 @@ def _pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
 
 
 def _wait_pod(core: client.CoreV1Api, name: str, predicate: Any, timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pod = core.read_namespaced_pod(name, "default")
-        if predicate(pod):
-            return pod
-        time.sleep(0.2)
-    raise AssertionError(f"pod {name} never reached the state; last: {pod.status}")
+    def read() -> Any:
+        return core.read_namespaced_pod(name, "default")
+
+    def matching() -> Any:
+        pod = read()
+        return pod if predicate(pod) else None
+
+    return wait_until(matching, f"pod {name}", timeout, detail=lambda: str(read().status))
 
 
 def _name(prefix: str) -> str:
@@ -82,16 +84,15 @@ def test_delete_sends_sigterm_then_removes(cluster: LocalCluster, core: client.C
     time.sleep(0.5)
     core.delete_namespaced_pod(name, "default")
     assert core.read_namespaced_pod(name, "default").metadata.deletion_timestamp  # graceful first
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
+    def removed() -> bool:
         try:
             core.read_namespaced_pod(name, "default")
         except client.ApiException as exc:
             assert exc.status == 404
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError("pod was never removed")
+            return True
+        return False
+
+    wait_until(removed, "the pod to be removed", 15)
     assert "got-term" in log.read_text()
 
 

@@ -11,7 +11,6 @@ import asyncio
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from finetune_operator.api.constants import GROUP, PLURAL, VERSION
+from tests.conftest import wait_until
 from tests.operator.factories import make_plan, quickstart_raw
 
 pytestmark = pytest.mark.slow
@@ -64,13 +64,7 @@ def _run_operator(kubeconfig: str, stop: threading.Event, ready: threading.Event
 
 
 def _wait(what: str, fn: Any, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(fn, what, timeout, interval=0.5)
 
 
 def test_create_fail_replace_succeed(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:

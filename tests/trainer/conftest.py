@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import yaml
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.plan import MemoryBreakdown, Plan
 from finetune_operator.api.spec import FineTuneJobSpec
+from tests.conftest import wait_until as shared_wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -115,12 +115,7 @@ def tail(log: Path, n: int = 60) -> str:
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}" + (f"\n{tail(log)}" if log else ""))
+    shared_wait_until(cond, what, timeout, detail=(lambda: tail(log)) if log else None)
 
 
 @pytest.fixture
