@@ -11,6 +11,7 @@ HISTOGRAM: Final = "histogram"
 
 TRAINER_METRICS: Final = {
     "finetune_trainer_step": GAUGE,
+    "finetune_trainer_total_steps": GAUGE,
     "finetune_trainer_step_duration_seconds": HISTOGRAM,
     "finetune_trainer_compute_duration_seconds": HISTOGRAM,
     "finetune_trainer_wait_duration_seconds": HISTOGRAM,
