@@ -1,0 +1,9 @@
+"""Straggler detection (DESIGN.md §7): a pure detector over per-rank step records.
+
+`find_stragglers(records, policy)` is the one entry point the operator (live scrapes) and
+`ftjob stragglers` (recorded traces) share. No I/O, no clocks, no randomness in here.
+"""
+
+from finetune_operator.stragglers.types import Policy, StepRecord, Verdict
+
+__all__ = ["Policy", "StepRecord", "Verdict"]
