@@ -41,7 +41,12 @@ from finetune_operator.local.termination import read_message, termination_mount
 
 logger = logging.getLogger(__name__)
 PodKey = tuple[str, str]
-_PASS_ENV = ("HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "GLOO_")
+# What of the host environment stands for the pod's image: the Python environment includes
+# PYTHONPATH (a source checkout run without installing it, e.g. a git worktree).
+_PASS_ENV = (
+    "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "GLOO_",
+    "PYTHONPATH",
+)
 
 
 def _key(obj: Mapping[str, Any]) -> PodKey:
