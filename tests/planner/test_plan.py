@@ -212,5 +212,6 @@ def test_specific_errors(sections: dict[str, Any], field: str | None) -> None:
 def test_report_is_aligned_table_in_gib() -> None:
     text = render_plan(plan_job(make_spec()))
     assert "GiB" in text and "Reason:" in text
-    rows = [line for line in text.splitlines() if line.startswith(("parameters", "peak"))]
-    assert len({len(r) for r in rows}) == 1  # right-aligned numbers
+    table = text.partition("Reason:")[0]
+    rows = [line for line in table.splitlines() if line.startswith(("parameters", "peak"))]
+    assert len(rows) == 2 and len({len(r) for r in rows}) == 1  # right-aligned numbers

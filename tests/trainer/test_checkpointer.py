@@ -131,9 +131,25 @@ def test_nothing_usable_starts_at_zero(tmp_path: Path, ckpt_group: dist.ProcessG
 def test_disabled_checkpointing_is_a_noop(ckpt_group: dist.ProcessGroup) -> None:
     metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), restarts=0,
                              total_steps=1)
-    ck = build_checkpointer(CheckpointSpec(), new_state(), group=ckpt_group, world_size=1,
-                            metrics=metrics, meta={})
+    ck = build_checkpointer(CheckpointSpec(enabled=False), new_state(), group=ckpt_group,
+                            world_size=1, metrics=metrics, meta={})
     assert isinstance(ck, NoOpCheckpointer) and ck.load() == 0 and ck.finish()
+
+
+def test_default_spec_checkpoints_on_a_time_interval(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup
+) -> None:
+    """A job that says nothing about checkpoints still saves (time-based), so it resumes and
+    makes a final save on SIGTERM."""
+    spec = CheckpointSpec(uri=str(tmp_path))
+    assert spec.interval_steps is None and spec.interval_minutes == 30.0
+    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), restarts=0,
+                             total_steps=1)
+    ck = build_checkpointer(spec, new_state(), group=ckpt_group, world_size=1,
+                            metrics=metrics, meta={})
+    assert not isinstance(ck, NoOpCheckpointer)
+    assert not ck.time_due()  # not before the interval
+    ck.close()
 
 
 @pytest.mark.parametrize(

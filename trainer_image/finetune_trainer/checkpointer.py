@@ -260,7 +260,9 @@ def build_checkpointer(
     metrics: TrainerMetrics,
     meta: dict[str, Any],
 ) -> Checkpointer:
-    if spec is None or (spec.interval_steps is None and spec.interval_minutes is None):
+    if spec is None or not spec.enabled:
+        return NoOpCheckpointer()
+    if spec.interval_steps is None and spec.interval_minutes is None:
         return NoOpCheckpointer()
     return DcpCheckpointer(
         spec, state, group=group, world_size=world_size, metrics=metrics, meta=meta

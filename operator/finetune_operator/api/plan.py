@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from finetune_operator.api.base import ApiModel
@@ -29,7 +31,15 @@ class MemoryBreakdown(ApiModel):
 
 
 class Plan(ApiModel):
+    device: Literal["gpu", "cpu"] = Field(
+        "gpu", description="What a rank runs on: memory figures are per GPU, or per process on cpu."
+    )
     fits: bool = Field(..., description="Whether the chosen configuration fits with headroom.")
+    objective: str = Field(
+        "fewest-gpus",
+        description="What chose among the fits: fewest-gpus, fastest, lowest-cost, or fixed "
+        "(the node range or a pin fixes the world size).",
+    )
     world_size: int = Field(..., ge=1, description="Total processes (GPUs).")
     nodes: int = Field(..., ge=1, description="Worker pods.")
     gpus_per_node: int = Field(..., ge=1, description="Processes per worker pod.")

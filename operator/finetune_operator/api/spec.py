@@ -24,6 +24,11 @@ OptimizerName = Literal["adamw", "adamw8bit", "sgd"]
 # Structural CRD schemas cannot say "boolean or string", so checkpointing is an enum.
 CheckpointingMode = Literal["auto", "none", "full"]
 AttentionImpl = Literal["sdpa", "flash", "eager"]
+# What the planner optimises among the configurations that fit (DESIGN §4 picks fewest GPUs).
+Objective = Literal["auto", "fewest-gpus", "fastest", "lowest-cost"]
+# Without checkpoint fields a job still saves this often, so it resumes and can make a final
+# save on SIGTERM: a default that loses work is worse than the cost of a save per half hour.
+DEFAULT_CHECKPOINT_INTERVAL_MINUTES = 30.0
 
 
 class ModelArchitecture(ApiModel):
@@ -155,6 +160,14 @@ class ResourcesSpec(ApiModel):
     max_gpus: int | None = Field(
         None, ge=1, alias="maxGPUs", description="Upper bound on the world size."
     )
+    objective: Objective = Field(
+        "auto",
+        description=(
+            "What the planner optimises among plans that fit: fewest-gpus, fastest (shortest "
+            "step time within maxGPUs), lowest-cost (fewest GPU-hours). auto: fastest when "
+            "maxGPUs is set (you said what you will spend), else fewest-gpus."
+        ),
+    )
     min_nodes: int | None = Field(None, ge=1, description="Elastic minimum of worker pods.")
     max_nodes: int | None = Field(None, ge=1, description="Elastic maximum of worker pods.")
     cpu: str | None = Field(None, description="CPU request/limit per worker pod, e.g. '8'.")
@@ -194,8 +207,15 @@ class CheckpointSpec(ApiModel):
     uri: str = Field(
         "checkpoints", min_length=1, description="Directory (or s3:// URI) for checkpoints."
     )
+    enabled: bool = Field(
+        True, description="false: never checkpoint (no resume, no final save on SIGTERM)."
+    )
     interval_steps: int | None = Field(None, ge=1, description="Save every N steps.")
-    interval_minutes: float | None = Field(None, gt=0, description="Save every N minutes.")
+    interval_minutes: float | None = Field(
+        DEFAULT_CHECKPOINT_INTERVAL_MINUTES,
+        gt=0,
+        description="Save every N minutes (also when intervalSteps is set: whichever comes first).",
+    )
     keep: int = Field(3, ge=1, le=1000, description="Committed checkpoints to keep.")
     async_: bool = Field(True, alias="async", description="Save in the background (DCP async).")
 

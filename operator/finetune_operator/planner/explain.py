@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from finetune_operator.api.plan import Plan
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.planner.hardware import GIB
 from finetune_operator.planner.search import MIN_HEADROOM, Evaluated, Problem, SearchResult
@@ -26,35 +27,70 @@ def _config(ev: Evaluated) -> str:
     )
 
 
+def _plan_config(plan: Plan) -> str:
+    ck = "full checkpointing" if plan.activation_checkpointing else "no checkpointing"
+    off = f", offload {plan.offload}" if plan.offload != "none" else ""
+    return (
+        f"{plan.strategy}{off}, micro-batch {plan.micro_batch_size} x "
+        f"{plan.gradient_accumulation_steps} accumulation, {ck}"
+    )
+
+
 def _device(p: Problem) -> str:
     return "CPU process" if not p.acc.cuda else f"{p.acc.name} GPU"
 
 
-def explain_choice(p: Problem, result: SearchResult, best: Evaluated, launch_n: int) -> str:
-    b = best.est.breakdown
-    mem = p.acc.memory_bytes
+def _per(p: Problem) -> str:
+    return "per process" if not p.acc.cuda else "per GPU"
+
+
+_OBJECTIVE_WORDS = {
+    "fewest-gpus": "Objective fewest-gpus: the fastest of the configurations that fit at the "
+    "smallest world size",
+    "fastest": "Objective fastest: the shortest modelled step of the configurations that fit "
+    "at any world size up to the GPU limit",
+    "lowest-cost": "Objective lowest-cost: the fewest modelled GPU-hours of the configurations "
+    "that fit at any world size up to the GPU limit",
+}
+
+
+def explain_choice(
+    p: Problem, result: SearchResult, best: Evaluated, plan: Plan, objective: str
+) -> str:
+    """The reason, written from the Plan's own numbers (what runs: the launched world size
+    and its accumulation), so the table, the reason and the Planned condition agree."""
     res = p.spec.resources
-    smaller = [n for n in sorted(result.tried) if n < best.cand.world_size]
+    mem = plan.gpu_memory_bytes
+    elastic = res.min_nodes is not None and best.cand.world_size != plan.world_size
     lines = [
-        f"{best.cand.world_size} x {_device(p)}: {_config(best)}; needs {_gib(b.total)} of "
-        f"{_gib(mem)} ({1 - b.total / mem:.0%} headroom, peak at {best.est.peak_phase}); "
-        f"modelled {best.step_s:.3g} s/step."
+        f"{plan.world_size} x {_device(p)}: {_plan_config(plan)}; "
+        f"modelled {plan.estimated_step_seconds:.3g} s/step. Needs {_gib(plan.memory.total)} "
+        f"of {_gib(mem)} {_per(p)} ({plan.headroom:.0%} headroom, peak at "
+        f"{best.est.peak_phase})" + (
+            f" at minNodes ({best.cand.world_size} ranks, micro-batch {best.shape.micro_batch} "
+            f"x {best.shape.grad_accumulation} accumulation)." if elastic else "."
+        )
     ]
-    if smaller:
+    smaller = [n for n in sorted(result.tried) if n < best.cand.world_size]
+    if smaller and objective == "fewest-gpus":
         tried = ", ".join(f"{n} ({_gib(result.tried[n])})" for n in smaller)
         lines.append(f"Fewer ranks do not fit with {MIN_HEADROOM:.0%} headroom: {tried}.")
-    if res.min_nodes is not None:
+    if res.min_nodes is not None and res.min_nodes != (res.max_nodes or res.min_nodes):
         lines.append(
-            f"Elastic {res.min_nodes}-{res.max_nodes or res.min_nodes} nodes: launches "
-            f"{launch_n // min(res.gpus_per_node, launch_n)} pods ({launch_n} ranks); memory checked "
-            f"at minNodes ({best.cand.world_size} ranks) because sharded states and the per-rank "
-            "batch grow when ranks leave."
+            f"Elastic {res.min_nodes}-{res.max_nodes} nodes: launches "
+            f"{plan.nodes} pods ({plan.world_size} ranks); memory is checked at minNodes "
+            "because sharded states and the per-rank batch grow when ranks leave."
         )
-    elif p.spec.strategy.type != "auto":
+    elif res.min_nodes is not None:
+        lines.append(f"minNodes = maxNodes fixes {plan.nodes} pods ({plan.world_size} ranks).")
+    if p.spec.strategy.type != "auto":
         lines.append(f"Strategy pinned to {p.spec.strategy.type}.")
-    lines.append(
-        f"Fastest of the configurations that fit at this size ({result.evaluated} evaluated)."
-    )
+    if res.min_nodes is None and not (p.spec.strategy.type != "auto" and res.max_nodes):
+        lines.append(f"{_OBJECTIVE_WORDS[objective]} ({result.evaluated} evaluated).")
+    else:
+        lines.append(
+            f"Fastest of the configurations that fit at this size ({result.evaluated} evaluated)."
+        )
     return " ".join(lines)
 
 

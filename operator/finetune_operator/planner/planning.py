@@ -18,6 +18,7 @@ from finetune_operator.planner.search import (
     SearchResult,
     checkpoint_modes,
     fastest,
+    resolve_objective,
     run_search,
     search_at,
     world_sizes,
@@ -105,7 +106,7 @@ def _search(p: Problem) -> tuple[SearchResult, int | None]:
                 "spec.training.globalBatchSize",
                 f"no world size up to the GPU limit divides {p.spec.training.global_batch_size}",
             )
-        return run_search(p, sizes), None
+        return run_search(p, sizes, resolve_objective(p.spec)), None
     mem_n, launch_n = fixed
     mb = p.spec.training.micro_batch_size
     per_rank = p.spec.training.global_batch_size // mem_n
@@ -136,6 +137,7 @@ def _to_plan(
     )
     b = ev.est.breakdown
     return Plan(
+        device=p.spec.resources.device,
         fits=fits,
         world_size=launch_n,
         nodes=max(1, launch_n // gpn),
@@ -172,7 +174,13 @@ def plan_job(spec: FineTuneJobSpec) -> Plan:
     if result.best is not None:
         best = result.best
         n = launch_n or best.cand.world_size
-        return _to_plan(p, best, True, explain_choice(p, result, best, n), n, result.evaluated)
+        plan = _to_plan(p, best, True, "", n, result.evaluated)
+        fixed = launch_n is not None
+        objective = "fewest-gpus" if fixed else resolve_objective(spec)
+        reason = explain_choice(p, result, best, plan, objective)
+        return plan.model_copy(
+            update={"reason": reason, "objective": "fixed" if fixed else objective}
+        )
     if result.smallest is None:
         raise PlanningError(
             "spec.training.microBatchSize",

@@ -26,15 +26,17 @@ def _gib(n: int) -> str:
 def render_plan(plan: Plan, width: int = 88) -> str:
     """Key facts, the per-GPU memory breakdown, then the reason wrapped to `width`."""
     verdict = "fits" if plan.fits else "DOES NOT FIT"
+    per = "Memory per GPU" if plan.device == "gpu" else "Memory per process"
     ga = plan.gradient_accumulation_steps
     facts = [
         ("Verdict", verdict),
         ("World size", f"{plan.world_size} ({plan.nodes} nodes x {plan.gpus_per_node})"),
+        ("Objective", plan.objective if plan.objective != "fixed" else "none (world size fixed)"),
         ("Strategy", f"{plan.strategy} ({plan.backend}), offload {plan.offload}"),
         ("Micro-batch", f"{plan.micro_batch_size} x {ga} accumulation steps"),
         ("Checkpointing", plan.checkpointing_mode),
         (
-            "Memory per GPU",
+            per,
             f"{_gib(plan.memory.total)} of {_gib(plan.gpu_memory_bytes)} "
             f"({plan.headroom:.1%} headroom)",
         ),
@@ -46,7 +48,7 @@ def render_plan(plan: Plan, width: int = 88) -> str:
     key_w = max(len(k) for k, _ in facts)
     lines = [f"{k:<{key_w}}  {v}" for k, v in facts]
     lines.append("")
-    lines.append(f"{'Memory per GPU':<14}{'GiB':>10}")
+    lines.append(f"{per:<18}{'GiB':>6}")
     for name in _MEMORY_ROWS:
         value = getattr(plan.memory, name)
         lines.append(f"{name:<14}{value / GIB:>10.2f}")

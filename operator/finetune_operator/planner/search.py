@@ -1,4 +1,5 @@
-"""DESIGN §4 search: the fewest GPUs that fit with headroom, then the fastest configuration.
+"""DESIGN §4 search: the configurations that fit with headroom, chosen by the job's objective
+(fewest GPUs then fastest, as DESIGN §4 says; fastest within maxGPUs; or fewest GPU-hours).
 
 Order of enumeration: world sizes ascending (1..gpusPerNode, then whole nodes up to maxGPUs),
 strategies by communication cost, micro-batches ascending (memory grows with it, so the first
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from finetune_operator.api.spec import FineTuneJobSpec, StrategyName
+from finetune_operator.api.spec import FineTuneJobSpec, Objective, StrategyName
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.hardware import Accelerator
 from finetune_operator.planner.memory import (
@@ -187,12 +188,37 @@ def fastest(fitting: list[Evaluated]) -> Evaluated:
     return min(fitting, key=lambda ev: ev.step_s)
 
 
-def run_search(p: Problem, sizes: list[int]) -> SearchResult:
-    """Fewest GPUs first; the fastest fitting configuration at the first size that fits."""
+def resolve_objective(spec: FineTuneJobSpec) -> Objective:
+    """`auto`: fastest when the user bounded the GPUs (maxGPUs says what they will spend),
+    else fewest GPUs (without a bound, "fastest" would mean as many GPUs as exist)."""
+    obj = spec.resources.objective
+    if obj != "auto":
+        return obj
+    return "fastest" if spec.resources.max_gpus is not None else "fewest-gpus"
+
+
+def _gpu_seconds(ev: Evaluated) -> float:
+    return ev.step_s * ev.cand.world_size
+
+
+def choose(fitting: list[Evaluated], objective: Objective) -> Evaluated:
+    """The best of `fitting` for `objective`; ties go to fewer GPUs, then the faster one."""
+    if objective == "lowest-cost":
+        return min(fitting, key=lambda ev: (_gpu_seconds(ev), ev.cand.world_size, ev.step_s))
+    if objective == "fastest":
+        return min(fitting, key=lambda ev: (ev.step_s, ev.cand.world_size))
+    return min(fitting, key=lambda ev: (ev.cand.world_size, ev.step_s))
+
+
+def run_search(p: Problem, sizes: list[int], objective: Objective = "fewest-gpus") -> SearchResult:
+    """fewest-gpus stops at the first size with a fitting configuration and takes its fastest;
+    fastest and lowest-cost compare every size up to the bound."""
     result = SearchResult(best=None, smallest=None, tried={})
+    fitting: list[Evaluated] = []
     for n in sizes:
-        fitting = search_at(p, n, result)
-        if fitting:
-            result.best = fastest(fitting)
+        fitting.extend(search_at(p, n, result))
+        if fitting and objective == "fewest-gpus":
             break
+    if fitting:
+        result.best = choose(fitting, objective)
     return result
