@@ -5,8 +5,9 @@ FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator/ operator/
-# setuptools looks for packages in trainer_image/ too; the operator image ships none of them.
-RUN mkdir trainer_image \
+# setuptools looks for packages in trainer_image/ and local_cluster/ too; the operator image
+# ships none of them (no trainer, no local-cluster emulator).
+RUN mkdir trainer_image local_cluster \
     && pip install --no-cache-dir --prefix=/install .
 
 FROM python:3.11-slim-bookworm
@@ -21,6 +22,7 @@ COPY --from=build /install /usr/local
 RUN groupadd --gid 65532 operator \
     && useradd --uid 65532 --gid 65532 --no-create-home --shell /usr/sbin/nologin operator \
     && python -c "import finetune_operator.handlers" \
+    && ! python -c "import finetune_local" 2>/dev/null \
     && ! python -c "import torch" 2>/dev/null
 USER 65532:65532
 # 8080: kopf liveness (/healthz); 9090: operator metrics (/metrics).

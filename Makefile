@@ -21,7 +21,7 @@ helm:
 	bash scripts/fetch-helm.sh
 
 lint: setup
-	$(BIN)/ruff check operator trainer_image tests bench
+	$(BIN)/ruff check operator trainer_image local_cluster tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile trainer_image/Dockerfile

@@ -77,3 +77,18 @@ def test_planning_error_names_the_field(tmp_path: Path, capsys: pytest.CaptureFi
 def test_crd_command_prints_the_committed_crd(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["crd"]) == 0
     assert capsys.readouterr().out == CRD_PATH.read_text()
+
+
+def test_run_local_is_a_plugin_and_says_what_to_install_without_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The operator image has no local cluster: `ftjob run --local` then explains itself."""
+    from importlib.metadata import entry_points
+
+    import finetune_operator.cli as cli
+
+    registered = entry_points(group="finetune_operator.run", name="local")
+    assert [ep.value for ep in registered] == ["finetune_local.runner:run_local"]
+    monkeypatch.setattr(cli, "entry_points", lambda **_: [])
+    assert main(["run", "--local", str(EXAMPLES / "quickstart.yaml")]) == 2
+    assert "finetune-operator[local]" in capsys.readouterr().err

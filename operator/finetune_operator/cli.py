@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 
 from finetune_operator.api.crd import render_crd_yaml
 from finetune_operator.api.manifest import ManifestError, load_manifest
@@ -37,12 +38,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+def _local_runner() -> Callable[..., int] | None:
+    """The local cluster's runner, registered as an entry point by the `finetune_local`
+    package (beside the product, absent from the operator image)."""
+    for ep in entry_points(group="finetune_operator.run", name="local"):
+        try:
+            runner: Callable[..., int] = ep.load()
+        except ImportError:
+            return None
+        return runner
+    return None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     if not args.local:
         print("error: only --local is supported; on a cluster use kubectl apply", file=sys.stderr)
         return 2
-    from finetune_operator.local.runner import run_local
-
+    run_local = _local_runner()
+    if run_local is None:
+        print(
+            "error: ftjob run --local needs the local cluster: "
+            "pip install 'finetune-operator[local]' from a source checkout",
+            file=sys.stderr,
+        )
+        return 2
     return run_local(
         args.manifest,
         data_dir=args.data_dir,

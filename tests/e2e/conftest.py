@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from finetune_operator.local.session import LocalSession
+from finetune_local.session import LocalSession
 from tests.conftest import EXAMPLES
 
 

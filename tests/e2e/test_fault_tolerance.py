@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from finetune_local.session import LocalSession, is_finished, phase_of
 from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
-from finetune_operator.local.session import LocalSession, is_finished, phase_of
 from tests.conftest import wait_until
 from tests.e2e.conftest import committed_steps, resumed_steps, slowed_session
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from finetune_local.session import LocalSession, is_finished, phase_of
 from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
-from finetune_operator.local.session import LocalSession, is_finished, phase_of
 from tests.e2e.conftest import resumed_steps, slowed_session
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kubernetes import client, config
 
-from finetune_operator.local.cluster import LocalCluster
+from finetune_local.cluster import LocalCluster
 
 WIDGET_CRD: dict[str, Any] = {
     "apiVersion": "apiextensions.k8s.io/v1",

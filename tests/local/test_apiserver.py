@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from kubernetes import client, watch
 
-from finetune_operator.local.cluster import LocalCluster
+from finetune_local.cluster import LocalCluster
 
 GROUP, VERSION, PLURAL = "test.dev", "v1", "widgets"
 

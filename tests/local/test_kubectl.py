@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from finetune_operator.local.cluster import LocalCluster
+from finetune_local.cluster import LocalCluster
 
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 

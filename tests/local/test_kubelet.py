@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from finetune_operator.local.cluster import LocalCluster
+from finetune_local.cluster import LocalCluster
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from tests.operator.factories import make_plan, quickstart_raw
 
 pytestmark = pytest.mark.slow
 
-local = pytest.importorskip("finetune_operator.local.cluster")
+local = pytest.importorskip("finetune_local.cluster")
 
 
 @pytest.fixture

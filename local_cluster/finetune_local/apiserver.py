@@ -21,12 +21,11 @@ import aiohttp.web
 import attrs
 import kmock
 import yaml
-from kmock._internal import rendering
 
-from finetune_operator.local.apiobjects import ObjectService
-from finetune_operator.local.apiresources import Registry
-from finetune_operator.local.apiroutes import ApiPath, Reply, parse_api_path, serve
-from finetune_operator.local.apistore import ApiError, Store
+from finetune_local.apiobjects import ObjectService
+from finetune_local.apiresources import Registry
+from finetune_local.apiroutes import ApiPath, Reply, parse_api_path, serve
+from finetune_local.apistore import ApiError, Store
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +90,7 @@ class ApiServer(kmock.KubernetesEmulator):
                     data = None
         params = dict(raw_request.query)
         path = parse_api_path(raw_request.path)
-        request = rendering.Request(
+        request = kmock.Request(
             id=len(self._requests), raw_request=raw_request, url=raw_request.url,
             method=raw_request.method, params=params, headers=dict(raw_request.headers),
             cookies=dict(raw_request.cookies), body=body, text=text, data=data,
@@ -106,7 +105,7 @@ class ApiServer(kmock.KubernetesEmulator):
         except Exception as exc:
             return await self._render_error(exc)
 
-    def _remember(self, request: rendering.Request) -> None:
+    def _remember(self, request: kmock.Request) -> None:
         self._requests.append(request)
         if len(self._requests) > 2 * _KEEP_REQUESTS:
             del self._requests[:-_KEEP_REQUESTS]
@@ -115,7 +114,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 if isinstance(requests, list):
                     del requests[:-_KEEP_REQUESTS]
 
-    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         # Skip KubernetesEmulator._handle: its state changes are replaced by ObjectService.
         # User-added reactions first; kmock raises NotImplementedError when none matches.
         try:
@@ -135,7 +134,7 @@ class ApiServer(kmock.KubernetesEmulator):
             return await self._stream(request, result)
         return aiohttp.web.json_response(result)
 
-    async def _stream(self, request: rendering.Request, events: AsyncIterator[Any]) -> aiohttp.web.StreamResponse:
+    async def _stream(self, request: kmock.Request, events: AsyncIterator[Any]) -> aiohttp.web.StreamResponse:
         assert request._raw_request is not None
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request._raw_request)  # headers now: clients wait for them

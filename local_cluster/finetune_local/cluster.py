@@ -32,13 +32,13 @@ from typing import Any, Self, TypeVar
 import kmock
 import yaml
 
-from finetune_operator.local.apiserver import ApiServer
-from finetune_operator.local.kubeconfig import write_kubeconfig
-from finetune_operator.local.kubelet import Kubelet, KubeletConfig
-from finetune_operator.local.restclient import RestClient
+from finetune_local.apiserver import ApiServer
+from finetune_local.kubeconfig import write_kubeconfig
+from finetune_local.kubelet import Kubelet, KubeletConfig
+from finetune_local.restclient import RestClient
 
 T = TypeVar("T")
-REPO_CRDS = pathlib.Path(__file__).resolve().parents[3] / "crds"
+REPO_CRDS = pathlib.Path(__file__).resolve().parents[2] / "crds"
 
 
 class LocalCluster:

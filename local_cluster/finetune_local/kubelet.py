@@ -25,19 +25,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune_operator.local import podrunner
-from finetune_operator.local.podspec import (
+from finetune_local import podrunner
+from finetune_local.podspec import (
     ConfigMissingError,
     container_env,
     expand,
     render_hosts,
     secret_data,
 )
-from finetune_operator.local.podstatus import conditions as pod_conditions
-from finetune_operator.local.podstatus import container_base, now, running_status, waiting
-from finetune_operator.local.restclient import ApiStatusError, RestClient, resource_path
-from finetune_operator.local.scheduler import pick_node
-from finetune_operator.local.termination import read_message, termination_mount
+from finetune_local.podstatus import conditions as pod_conditions
+from finetune_local.podstatus import container_base, now, running_status, waiting
+from finetune_local.restclient import ApiStatusError, RestClient, resource_path
+from finetune_local.scheduler import pick_node
+from finetune_local.termination import read_message, termination_mount
 
 logger = logging.getLogger(__name__)
 PodKey = tuple[str, str]

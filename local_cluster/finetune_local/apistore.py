@@ -20,7 +20,7 @@ from typing import Any
 import kmock
 from kmock import KubernetesError
 
-from finetune_operator.local.apiresources import ResourceType
+from finetune_local.apiresources import ResourceType
 
 _LOG_SIZE = 20_000  # events kept for watch replay
 _HISTORY_SIZE = 8  # versions kept per object (kmock keeps all; long runs patch a lot)

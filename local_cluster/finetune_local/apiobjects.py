@@ -17,8 +17,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from finetune_operator.local.apiresources import Registry, ResourceType
-from finetune_operator.local.apistore import (
+from finetune_local.apiresources import Registry, ResourceType
+from finetune_local.apistore import (
     ApiError,
     Store,
     already_exists,
@@ -27,7 +27,7 @@ from finetune_operator.local.apistore import (
     invalid,
     not_found,
 )
-from finetune_operator.local.patches import (
+from finetune_local.patches import (
     PatchError,
     json_patch,
     merge_patch,

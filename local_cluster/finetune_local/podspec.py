@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from finetune_operator.local.selectors import labels_match, selector_from_match_labels
+from finetune_local.selectors import labels_match, selector_from_match_labels
 
 ConfigLookup = Callable[[str, str], "Mapping[str, str] | None"]  # (kind, name) -> data
 _REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")

@@ -13,9 +13,9 @@ from typing import Any, TextIO
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from finetune_local.progress import ProgressTracker, summarize
+from finetune_local.session import LocalSession, is_finished, phase_of
 from finetune_operator.api.manifest import ManifestError, load_manifest
-from finetune_operator.local.progress import ProgressTracker, summarize
-from finetune_operator.local.session import LocalSession, is_finished, phase_of
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3
 

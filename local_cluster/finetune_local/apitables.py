@@ -10,7 +10,7 @@ import datetime
 import re
 from typing import Any
 
-from finetune_operator.local.apiresources import ResourceType
+from finetune_local.apiresources import ResourceType
 
 _SEGMENT = re.compile(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]|\[\?\(@\.([A-Za-z0-9_.]+)\s*==\s*['\"]([^'\"]*)['\"]\)\]")
 

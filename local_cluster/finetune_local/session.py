@@ -17,8 +17,8 @@ from typing import Any, Self, cast
 
 from kubernetes import client, config
 
+from finetune_local.cluster import LocalCluster
 from finetune_operator.api.constants import GROUP, PLURAL, VERSION
-from finetune_operator.local.cluster import LocalCluster
 
 JobObject = dict[str, Any]
 

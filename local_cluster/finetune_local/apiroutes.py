@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kmock._internal import rendering
+import kmock
 
-from finetune_operator.local import apitables
-from finetune_operator.local.apiresources import ResourceType
-from finetune_operator.local.apistore import ApiError, bad_request
-from finetune_operator.local.selectors import (
+from finetune_local import apitables
+from finetune_local.apiresources import ResourceType
+from finetune_local.apistore import ApiError, bad_request
+from finetune_local.selectors import (
     SelectorError,
     fields_match,
     labels_match,
@@ -22,7 +22,7 @@ from finetune_operator.local.selectors import (
 )
 
 if TYPE_CHECKING:
-    from finetune_operator.local.apiserver import ApiServer
+    from finetune_local.apiserver import ApiServer
 
 _BOOKMARK_SECONDS = 20.0  # real servers send bookmarks about once a minute; kopf asks for them
 _POLL_SECONDS = 2.0  # how often an idle watch checks whether its client went away
@@ -75,7 +75,7 @@ def _not_found(path: str) -> ApiError:
     return ApiError(404, "NotFound", "the server could not find the requested resource", {"path": path})
 
 
-async def serve(server: ApiServer, request: rendering.Request) -> Any:
+async def serve(server: ApiServer, request: kmock.Request) -> Any:
     path = request.url.path.rstrip("/") or "/"
     if path == "/version":
         return _VERSION
@@ -115,7 +115,7 @@ async def serve(server: ApiServer, request: rendering.Request) -> Any:
     return await _serve_resource(server, request, rtype, namespace, api.name, api.subresource)
 
 
-async def _serve_resource(server: ApiServer, request: rendering.Request, rtype: ResourceType,
+async def _serve_resource(server: ApiServer, request: kmock.Request, rtype: ResourceType,
                           namespace: str | None, name: str | None, subresource: str | None) -> Any:
     service, params, method = server.service, dict(request.params), str(request.method.value)
     if subresource not in (None, "status", "log"):
@@ -159,7 +159,7 @@ async def _serve_resource(server: ApiServer, request: rendering.Request, rtype: 
     raise ApiError(405, "MethodNotAllowed", f"{method} is not supported", {})
 
 
-def _delete_options(request: rendering.Request) -> dict[str, Any]:
+def _delete_options(request: kmock.Request) -> dict[str, Any]:
     options: dict[str, Any] = dict(request.data) if isinstance(request.data, dict) else {}
     for key in ("gracePeriodSeconds", "propagationPolicy"):
         if key in request.params:
@@ -186,7 +186,7 @@ def _table(server: ApiServer, rtype: ResourceType, items: list[dict[str, Any]], 
     return table
 
 
-def _list(server: ApiServer, request: rendering.Request, rtype: ResourceType, namespace: str | None,
+def _list(server: ApiServer, request: kmock.Request, rtype: ResourceType, namespace: str | None,
           params: dict[str, str]) -> Any:
     items = _select(server, rtype, namespace, params)
     if apitables.wants_table(request.headers.get("Accept", "")):
@@ -196,7 +196,7 @@ def _list(server: ApiServer, request: rendering.Request, rtype: ResourceType, na
             "metadata": {"resourceVersion": str(server.store.resource_version)}, "items": items}
 
 
-async def _watch(server: ApiServer, request: rendering.Request, rtype: ResourceType,
+async def _watch(server: ApiServer, request: kmock.Request, rtype: ResourceType,
                  namespace: str | None, params: dict[str, str]) -> AsyncIterator[Any]:
     labels, fields = _selectors(params)
     as_table = apitables.wants_table(request.headers.get("Accept", ""))

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from finetune_operator.local.podspec import ConfigMissingError, secret_data
+from finetune_local.podspec import ConfigMissingError, secret_data
 
 FetchConfig = Callable[[str, str, str], Awaitable["dict[str, Any] | None"]]  # kind, ns, name
 _LAUNCHER = pathlib.Path(__file__).with_name("podinit.py")
