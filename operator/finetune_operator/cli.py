@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
 from finetune_operator.api.crd import render_crd_yaml
 from finetune_operator.api.manifest import ManifestError, load_manifest
+from finetune_operator.settings import add_operator_arguments, settings_from_args
 
 
 def _cmd_crd(_: argparse.Namespace) -> int:
@@ -74,13 +76,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_operator(args: argparse.Namespace) -> int:
     from finetune_operator.handlers import run_operator
 
-    namespaces = None if args.all_namespaces else (args.namespace or ["default"])
-    run_operator(
-        namespaces=namespaces,
-        liveness=args.liveness,
-        peering=None if args.standalone else args.peering,
-        metrics_port=args.metrics_port,
-    )
+    run_operator(settings_from_args(args))
     return 0
 
 
@@ -107,12 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     op = sub.add_parser("operator", help="run the operator (kopf) against the current cluster")
-    op.add_argument("-n", "--namespace", action="append", help="namespace to watch (repeat)")
-    op.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces")
-    op.add_argument("--liveness", default=None, help="e.g. http://0.0.0.0:8080/healthz")
-    op.add_argument("--peering", default=None, help="kopf peering name (leader election)")
-    op.add_argument("--standalone", action="store_true", help="no peering, no leader election")
-    op.add_argument("--metrics-port", type=int, default=9090, help="operator /metrics port")
+    add_operator_arguments(op, os.environ)  # env FINETUNE_OPERATOR_<FLAG> as defaults
     op.set_defaults(func=_cmd_operator)
     return parser
 

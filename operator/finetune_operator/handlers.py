@@ -1,17 +1,17 @@
 """kopf handlers: the only module that talks kopf. Glue only: read, call pure, apply, patch.
 
-Run it with `kopf run -m finetune_operator.handlers [-n NS | -A] [--standalone|--peering=NAME]`,
-`ftjob operator`, or in-process with `await operate(...)` / `run_operator(...)`.
+Run it with `ftjob operator` (flags: `finetune_operator.settings`), or in-process with
+`await operate(settings, ...)` / `run_operator(settings)`. Settings reach the handlers through
+kopf's memo; nothing here reads the environment.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import threading
-from collections.abc import Collection
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -46,14 +46,12 @@ from finetune_operator.reconcile import (
 )
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
 from finetune_operator.scrape import scrape_all
+from finetune_operator.settings import OperatorSettings
 
 FTJ = (GROUP, VERSION, PLURAL)
-# Seconds between level-based passes over each job (observe pods, scrape, reconcile).
-INTERVAL = float(os.environ.get("FINETUNE_OPERATOR_INTERVAL", "2"))
-SCRAPE_TIMEOUT = float(os.environ.get("FINETUNE_OPERATOR_SCRAPE_TIMEOUT", "1"))
-WATCH_TIMEOUT = float(os.environ.get("FINETUNE_OPERATOR_WATCH_TIMEOUT", "60"))
-PEERING_ENV = "FINETUNE_OPERATOR_PEERING"
-METRICS_PORT_ENV = "FINETUNE_OPERATOR_METRICS_PORT"
+# kopf fixes a timer's interval when the module is imported; the reconcile interval is a
+# runtime setting, so the timer ticks often and each job's pass runs once its interval is due.
+TIMER_TICK_SECONDS = 1.0
 
 
 @dataclass
@@ -63,6 +61,7 @@ class JobState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     deleted_uids: set[str] = field(default_factory=set)  # deletions the watch may not show yet
     ensured_generation: int | None = None  # ConfigMap/Services applied for this generation
+    last_pass: float = float("-inf")  # monotonic time of the last timer pass (scrape)
 
 
 def _job_state(memo: kopf.Memo) -> JobState:
@@ -84,12 +83,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     )
     settings.persistence.finalizer = f"{ANNOTATION_PROGRESS_PREFIX}/finalizer"
     settings.posting.level = logging.WARNING  # our own Events say what happens; not kopf's
-    settings.watching.server_timeout = WATCH_TIMEOUT
-    settings.watching.client_timeout = WATCH_TIMEOUT + 10
+    ours: OperatorSettings = memo.setdefault("settings", OperatorSettings())
+    settings.watching.server_timeout = ours.watch_timeout_seconds
+    settings.watching.client_timeout = ours.watch_timeout_seconds + 10
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 60
-    if os.environ.get(PEERING_ENV):
-        settings.peering.name, settings.peering.mandatory = os.environ[PEERING_ENV], True
+    if ours.peering:
+        settings.peering.name, settings.peering.mandatory = ours.peering, True
         settings.peering.standalone = False
     elif not settings.peering.mandatory:
         settings.peering.standalone = True  # one replica (local mode): no peering objects
@@ -97,9 +97,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         memo["cluster"] = ClusterApi(load_api_client(memo.get("kubeconfig")))
     if memo.get("planner") is None:
         memo["planner"] = default_planner()
-    port = memo.get("metrics_port") or os.environ.get(METRICS_PORT_ENV)
-    if port:
-        metrics.serve_metrics(int(port))
+    if ours.metrics_port:
+        metrics.serve_metrics(ours.metrics_port)
 
 
 @kopf.on.login()
@@ -147,8 +146,12 @@ async def spec_changed(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: ko
     await _reconcile(body, memo, patch, kw["job_pods"], logger)
 
 
-@kopf.timer(*FTJ, interval=INTERVAL, initial_delay=INTERVAL)
+@kopf.timer(*FTJ, interval=TIMER_TICK_SECONDS, initial_delay=TIMER_TICK_SECONDS)
 async def observe(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: kopf.Logger, **kw: Any) -> None:  # fmt: skip
+    state, interval = _job_state(memo), _settings(memo).reconcile_interval_seconds
+    if time.monotonic() - state.last_pass < interval:
+        return
+    state.last_pass = time.monotonic()
     await _reconcile(body, memo, patch, kw["job_pods"], logger, scrape=True)
 
 
@@ -162,6 +165,11 @@ def deleted(namespace: str | None, name: str, **_: Any) -> None:
 @kopf.on.probe(id="jobs")
 def jobs_probe(**_: Any) -> int:
     return len(metrics.tracked_jobs())
+
+
+def _settings(memo: kopf.Memo) -> OperatorSettings:
+    settings: OperatorSettings = memo.get("settings") or OperatorSettings()
+    return settings
 
 
 def _job_ref(body: kopf.Body) -> JobRef:
@@ -204,21 +212,22 @@ async def _reconcile(
                 state.ensured_generation = job.generation
             new = note_apply_errors(out.status, result.errors, now, job.generation)
             if scrape and out.evaluation.ok and out.evaluation.spec and out.evaluation.plan:
-                new = await _with_progress(new, out, pods)
+                new = await _with_progress(new, out, pods, _settings(memo).scrape_timeout_seconds)
             _publish(body, patch, job, old, new, out)
             if result.errors:
                 logger.warning("apply failed: %s", "; ".join(result.errors))
-                raise kopf.TemporaryError("; ".join(result.errors), delay=INTERVAL)
+                delay = _settings(memo).reconcile_interval_seconds
+                raise kopf.TemporaryError("; ".join(result.errors), delay=delay)
 
 
-async def _with_progress(status: Any, out: Outcome, pods: list[PodView]) -> Any:
+async def _with_progress(status: Any, out: Outcome, pods: list[PodView], timeout: float) -> Any:
     """Merge what the trainers report: live metrics of running workers, and the final
     report (termination message) of workers that have exited."""
     assert out.evaluation.spec is not None and out.evaluation.plan is not None
     finals = [parse_termination_message(p.termination_message) for p in pods if p.is_worker]
     targets = scrape_targets(pods, out.evaluation.plan.gpus_per_node)
     finished = status.phase in (PHASE_SUCCEEDED, PHASE_FAILED)
-    pages = await scrape_all(targets, SCRAPE_TIMEOUT) if targets and not finished else {}
+    pages = await scrape_all(targets, timeout) if targets and not finished else {}
     progress = combine_progress([*(parse_trainer_metrics(p) for p in pages.values()), *finals])
     return merge_progress(status, progress, out.evaluation.spec.checkpoint.uri)
 
@@ -236,32 +245,32 @@ def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any
 
 
 async def operate(
-    namespaces: Collection[str] | None = None,
+    settings: OperatorSettings | None = None,
     *,
     kubeconfig: str | None = None,
-    liveness: str | None = None,
-    peering: str | None = None,
-    metrics_port: int | None = None,
     planner: Any = None,
     ready_flag: asyncio.Event | threading.Event | None = None,
     stop_flag: asyncio.Event | threading.Event | None = None,
 ) -> None:
     """Run the operator in the current event loop until `stop_flag` is set.
 
-    namespaces None watches all namespaces. peering None runs standalone (no leader election);
-    a name joins the KopfPeering/ClusterKopfPeering of that name, so only one replica acts.
+    settings.namespaces None watches all namespaces. settings.peering None runs standalone
+    (no leader election); a name joins the KopfPeering/ClusterKopfPeering of that name, so only
+    one replica acts.
     """
-    memo = kopf.Memo(kubeconfig=kubeconfig, metrics_port=metrics_port, planner=planner)
+    settings = settings or OperatorSettings()
+    memo = kopf.Memo(kubeconfig=kubeconfig, planner=planner, settings=settings)
     if kubeconfig is not None:
         memo["cluster"] = ClusterApi(load_api_client(kubeconfig))
+    peering = settings.peering
     await kopf.operator(
         # kopf freezes every peer whose priority is not higher than another's ("pausing all
         # operators, including self"): a distinct random priority per replica lets exactly one
         # replica act, and a rolling upgrade's overlap pause only the lower one.
         priority=secrets.randbelow(2**31 - 1) + 1 if peering else 0,
-        clusterwide=not namespaces,
-        namespaces=list(namespaces or ()),
-        liveness_endpoint=liveness,
+        clusterwide=settings.namespaces is None,
+        namespaces=list(settings.namespaces or ()),
+        liveness_endpoint=settings.liveness,
         peering_name=peering,
         standalone=peering is None,
         memo=memo,
@@ -270,23 +279,6 @@ async def operate(
     )
 
 
-def run_operator(
-    namespaces: Collection[str] | None = None,
-    *,
-    namespace: str | None = None,
-    liveness: str | None = None,
-    peering: str | None = None,
-    metrics_port: int | None = None,
-    kubeconfig: str | None = None,
-) -> None:
-    """Blocking entry point (`ftjob operator`): see `operate` for the arguments."""
-    chosen = list(namespaces or ()) + ([namespace] if namespace else [])
-    asyncio.run(
-        operate(
-            chosen or None,
-            kubeconfig=kubeconfig,
-            liveness=liveness,
-            peering=peering,
-            metrics_port=metrics_port,
-        )
-    )
+def run_operator(settings: OperatorSettings, *, kubeconfig: str | None = None) -> None:
+    """Blocking entry point (`ftjob operator`)."""
+    asyncio.run(operate(settings, kubeconfig=kubeconfig))

@@ -320,6 +320,9 @@ def test_deployment_runs_the_operator_hardened(render: Render) -> None:
         "--liveness=http://0.0.0.0:8080/healthz",
         "--peering=rel-finetune-operator",
         "--metrics-port=9090",
+        "--reconcile-interval=10",
+        "--scrape-timeout=2",
+        "--watch-timeout=60",
     ]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 9090, "health": 8080}
     for probe in ("livenessProbe", "readinessProbe"):
@@ -427,3 +430,18 @@ def test_notes_render(helm: Path, tmp_path: Path) -> None:
         text = yaml.safe_load(proc.stdout)["data"]["notes"]
         assert "rollout status deployment/rel-finetune-operator" in text
         assert "<no value>" not in text
+
+
+def test_operator_settings_come_from_chart_values(render: Render) -> None:
+    """The rendered args are what `ftjob operator` parses into its one settings object (the
+    local cluster builds its operator's settings through the same parser)."""
+    from finetune_operator.settings import parse_operator_args
+
+    docs = render("operator.reconcileIntervalSeconds=30", "operator.scrapeTimeoutSeconds=5",
+                  "operator.clusterWide=false", "operator.watchNamespaces={ml}")  # fmt: skip
+    settings = parse_operator_args(_container(docs)["args"])
+    assert settings.reconcile_interval_seconds == 30.0
+    assert settings.scrape_timeout_seconds == 5.0
+    assert settings.watch_timeout_seconds == 60.0
+    assert settings.namespaces == ("ml",)
+    assert settings.peering == "rel-finetune-operator" and settings.metrics_port == 9090

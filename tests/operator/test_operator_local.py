@@ -51,10 +51,13 @@ def _fake_commands(monkeypatch: pytest.MonkeyPatch, marker: Path) -> None:
 
 def _run_operator(kubeconfig: str, stop: threading.Event, ready: threading.Event) -> None:
     from finetune_operator.handlers import operate
+    from finetune_operator.settings import parse_operator_args
 
+    # The chart's flags, with a 1 s pass so the replacement happens within the test's budget.
+    settings = parse_operator_args(["--namespace=default", "--standalone", "--reconcile-interval=1"])
     asyncio.run(
         operate(
-            ["default"],
+            settings,
             kubeconfig=kubeconfig,
             planner=lambda _: make_plan(2, 1),
             ready_flag=ready,
@@ -72,7 +75,6 @@ def test_create_fail_replace_succeed(cluster: Any, monkeypatch: pytest.MonkeyPat
 
     from finetune_operator.reconcile.apply import load_api_client
 
-    monkeypatch.setenv("FINETUNE_OPERATOR_INTERVAL", "1")
     _fake_commands(monkeypatch, Path(cluster.data_dir) / "failed-once")
     spec = quickstart_raw()
     spec["faultTolerance"] = {"maxRestarts": 2, "backoffSeconds": 1}

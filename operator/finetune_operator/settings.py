@@ -1,0 +1,102 @@
+"""The operator's settings: one typed object, built once from `ftjob operator`'s flags (which
+the Helm chart renders from its values) with environment variables as their defaults.
+
+Nothing else reads the environment: handlers get the settings from kopf's memo. The local
+cluster builds its operator's settings through the same flags (`parse_operator_args`), so the
+end-to-end tests exercise the path a Deployment uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+ENV_PREFIX = "FINETUNE_OPERATOR_"
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    # None: every namespace (cluster-wide RBAC); otherwise the namespaces watched.
+    namespaces: tuple[str, ...] | None = ("default",)
+    # Seconds between level-based passes over each job: observe pods, scrape every rank,
+    # detect stragglers and hangs. Each pass scrapes every rank of every job: keep it coarse in
+    # production (the straggler detector counts steps, not passes, so a longer interval only
+    # delays a verdict by at most one interval).
+    reconcile_interval_seconds: float = 10.0
+    scrape_timeout_seconds: float = 2.0
+    watch_timeout_seconds: float = 60.0
+    peering: str | None = None  # kopf peering name: leader election among replicas
+    liveness: str | None = None  # e.g. http://0.0.0.0:8080/healthz
+    metrics_port: int | None = None
+
+
+def _positive(name: str) -> type[float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a positive number")
+        return value
+
+    return parse  # type: ignore[return-value]
+
+
+def _env(env: Mapping[str, str], key: str, default: str | None) -> str | None:
+    return env.get(ENV_PREFIX + key, default)
+
+
+def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """The flags of `ftjob operator`; each defaults to FINETUNE_OPERATOR_<NAME> if set."""
+    d = OperatorSettings()
+    parser.add_argument("-n", "--namespace", action="append", help="namespace to watch (repeat)")
+    parser.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces")
+    parser.add_argument("--liveness", default=_env(env, "LIVENESS", None),
+                        help="e.g. http://0.0.0.0:8080/healthz")  # fmt: skip
+    parser.add_argument("--peering", default=_env(env, "PEERING", None),
+                        help="kopf peering name (leader election)")  # fmt: skip
+    parser.add_argument("--standalone", action="store_true", help="no peering, no leader election")
+    parser.add_argument("--metrics-port", type=int, default=_env(env, "METRICS_PORT", "9090"),
+                        help="operator /metrics port")  # fmt: skip
+    parser.add_argument(
+        "--reconcile-interval",
+        type=_positive("--reconcile-interval"),
+        default=_env(env, "RECONCILE_INTERVAL_SECONDS", str(d.reconcile_interval_seconds)),
+        help="seconds between passes over each job (pods, scrape, stragglers, hangs)",
+    )
+    parser.add_argument(
+        "--scrape-timeout",
+        type=_positive("--scrape-timeout"),
+        default=_env(env, "SCRAPE_TIMEOUT_SECONDS", str(d.scrape_timeout_seconds)),
+        help="seconds to wait for a trainer's /metrics page",
+    )
+    parser.add_argument(
+        "--watch-timeout",
+        type=_positive("--watch-timeout"),
+        default=_env(env, "WATCH_TIMEOUT_SECONDS", str(d.watch_timeout_seconds)),
+        help="server-side timeout of kopf's watch requests",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
+    namespaces = None if args.all_namespaces else tuple(args.namespace or ["default"])
+    return OperatorSettings(
+        namespaces=namespaces,
+        # argparse applies `type` to string defaults too, so these are floats here.
+        reconcile_interval_seconds=float(args.reconcile_interval),
+        scrape_timeout_seconds=float(args.scrape_timeout),
+        watch_timeout_seconds=float(args.watch_timeout),
+        peering=None if args.standalone else args.peering,
+        liveness=args.liveness,
+        metrics_port=int(args.metrics_port) if args.metrics_port else None,
+    )
+
+
+def parse_operator_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> OperatorSettings:
+    """Settings from `ftjob operator` flags, e.g. the args the chart's Deployment renders."""
+    parser = argparse.ArgumentParser(prog="ftjob operator", exit_on_error=False)
+    add_operator_arguments(parser, env or {})
+    return settings_from_args(parser.parse_args(list(argv)))
