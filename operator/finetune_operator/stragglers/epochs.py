@@ -32,7 +32,7 @@ class Incarnation:
     restart: int
     rank: int
     by_step: dict[int, StepRecord] = field(default_factory=dict)  # a duplicate step: last wins
-    first: int = 0
+    first: int = 0  # first step covered (a record averaging n steps covers n)
     last: int = 0
 
     @property
@@ -83,7 +83,8 @@ def group_incarnations(records: Iterable[StepRecord]) -> dict[IncarnationKey, In
             inc = incs[key] = Incarnation(pod=r.pod, restart=r.restart, rank=r.rank)
         inc.by_step[r.step] = r
     for inc in incs.values():
-        inc.first, inc.last = min(inc.by_step), max(inc.by_step)
+        inc.first = min(r.step - r.steps + 1 for r in inc.by_step.values())
+        inc.last = max(inc.by_step)
     return incs
 
 
@@ -91,13 +92,23 @@ def incarnation_key(r: StepRecord) -> IncarnationKey:
     return (r.pod, r.restart, r.rank)
 
 
-def _superseded(inc: Incarnation, epoch: Epoch) -> bool:
-    """The same pod already runs a later incarnation in `epoch`: `inc` is an older run whose
-    first records have scrolled out of a rolling buffer, not a new re-form."""
-    return inc.pod is not None and any(
+def _stale(inc: Incarnation, epoch: Epoch) -> bool:
+    """`inc` is an older run, not a re-form: its first records scrolled out of a rolling
+    buffer, so it sorts after the epoch that replaced it. Either its pod already runs a later
+    incarnation in `epoch`, or it belongs to an older generation (lower restart count than the
+    epoch's) and stopped while the incarnation it collides with went on."""
+    if inc.pod is not None and any(
         m.incarnation.pod == inc.pod and m.incarnation.restart > inc.restart
         for m in epoch.members.values()
-    )
+    ):
+        return True
+    generation = max(m.incarnation.restart for m in epoch.members.values())
+    holders = [
+        m.incarnation
+        for r, m in epoch.members.items()
+        if r == inc.rank or (inc.pod is not None and m.incarnation.pod == inc.pod)
+    ]
+    return inc.restart < generation and all(h.last > inc.last for h in holders)
 
 
 def split_epochs(incarnations: Iterable[Incarnation]) -> list[Epoch]:
@@ -106,13 +117,12 @@ def split_epochs(incarnations: Iterable[Incarnation]) -> list[Epoch]:
     epochs: list[Epoch] = []
     for inc in sorted(incarnations, key=lambda i: (i.first, i.restart, i.rank, i.pod or "")):
         cur = epochs[-1] if epochs else None
-        if cur is not None and _superseded(inc, cur):
+        claims = cur is not None and (
+            inc.rank in cur.members or (inc.pod is not None and inc.pod in cur.native_pods)
+        )
+        if cur is not None and claims and _stale(inc, cur):
             continue
-        if (
-            cur is None
-            or inc.rank in cur.members
-            or (inc.pod is not None and inc.pod in cur.native_pods)
-        ):
+        if cur is None or claims:
             cur = Epoch(start=inc.first)
             epochs.append(cur)
         cur.members[inc.rank] = Member(inc, inc.first)
