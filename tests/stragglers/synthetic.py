@@ -76,7 +76,7 @@ def _base(s: int, sc: Scenario) -> float:
     return BASE_SECONDS * drift * slowdown
 
 
-def _segments(sc: Scenario) -> list[tuple[int, int, int]]:
+def segments(sc: Scenario) -> list[tuple[int, int, int]]:
     """(restart, first step, last step) of each epoch; a re-form resumes 50 steps back."""
     out, first, restart = [], 1, 0
     for at in sorted(sc.reform_at):
@@ -92,7 +92,7 @@ def generate(sc: Scenario) -> list[StepRecord]:
     slow = {s.pod: s for s in sc.slow}
     hetero = dict(zip(pods, sc.heterogeneity, strict=False))
     records: list[StepRecord] = []
-    for restart, first, last in _segments(sc):
+    for restart, first, last in segments(sc):
         order = pods[:] if restart == 0 else rng.sample(pods, len(pods))  # rank -> pod
         for s in range(first, last + 1):
             computes = []
