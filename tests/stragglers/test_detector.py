@@ -313,3 +313,11 @@ def test_policy_from_spec_maps_the_detector_fields() -> None:
 def test_policy_refuses_nonsense_naming_the_field(kwargs: dict[str, float], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         Policy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_all_pods_recreated_start_a_new_epoch() -> None:
+    """A hang restart: every worker pod is new (restart count 0 again), resuming at 151."""
+    old = sync_job(200, lambda r, s: 1.0)
+    new = sync_job(200, slow_rank(1, 1.4), first=151, pods=[f"new-{r}" for r in range(4)])
+    d = find_stragglers(old + new, POLICY)
+    assert d.epoch_start_step == 151 and [(v.rank, v.pod) for v in d.verdicts] == [(1, "new-1")]

@@ -10,6 +10,8 @@ failure the survivors come back with a higher torchelastic restart count and a r
 pod comes in with its own name; both resume from the same checkpoint. An incarnation whose
 rank nobody claimed in the new epoch (a survivor of a scale-up keeps its restart count, which
 torchelastic does not bump on a membership change) carries its later records over into it.
+An incarnation older than the one it collides with is the tail of a superseded run whose first
+records scrolled out of a rolling buffer (`_stale`): it is dropped, not made the current epoch.
 
 Without pod names (synthetic traces) an incarnation is (restart count, rank): a re-form must
 then change the restart count, as it does after a failure.
