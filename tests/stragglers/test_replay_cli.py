@@ -113,6 +113,12 @@ def test_missing_path_and_empty_directory_exit_2(
     assert code == 2 and "no *.jsonl" in err
 
 
+def test_binary_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "rank-0.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    code, _, err = replay(capsys, str(tmp_path))
+    assert code == 2 and "not UTF-8" in err and "Traceback" not in err
+
+
 def test_records_round_trip_through_the_format() -> None:
     records = sync_job(3, slow_rank(0, 2.0), checkpoint=lambda s: s == 2)
     lines = [json.dumps(record_to_json(r)) for r in records]

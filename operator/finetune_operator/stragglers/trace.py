@@ -20,9 +20,11 @@ from finetune_operator.stragglers.types import StepRecord
 
 
 class TraceError(ValueError):
+    """A trace that cannot be read: `line` is 1-based, 0 for the file as a whole."""
+
     def __init__(self, source: str, line: int, reason: str) -> None:
         self.source, self.line, self.reason = source, line, reason
-        super().__init__(f"{source}:{line}: {reason}")
+        super().__init__(f"{source}:{line}: {reason}" if line else f"{source}: {reason}")
 
 
 def _int(obj: dict[str, Any], key: str, default: int | None, minimum: int) -> int:
@@ -111,8 +113,13 @@ def read_traces(paths: Sequence[str | Path]) -> list[StepRecord]:
     """Every record of every trace file (the thin I/O shell around `parse_trace`)."""
     records: list[StepRecord] = []
     for path in trace_files(paths):
-        with path.open(encoding="utf-8") as fh:
-            records.extend(parse_trace(fh, str(path)))
+        try:
+            with path.open(encoding="utf-8") as fh:
+                records.extend(parse_trace(fh, str(path)))
+        except UnicodeDecodeError as e:
+            raise TraceError(str(path), 0, f"not UTF-8 text ({e.reason})") from None
+        except OSError as e:
+            raise TraceError(str(path), 0, e.strerror or str(e)) from None
     return records
 
 
