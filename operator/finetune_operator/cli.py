@@ -1,4 +1,5 @@
-"""`ftjob`: plan a job, print the CRD, run a job on the local cluster, run the operator."""
+"""`ftjob`: plan a job, print the CRD, run a job on the local cluster, run the operator, replay
+a step trace through the straggler detector."""
 
 from __future__ import annotations
 
@@ -73,6 +74,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_stragglers(args: argparse.Namespace) -> int:
+    from finetune_operator.stragglers import Policy, find_stragglers, policy_from_spec
+    from finetune_operator.stragglers.report import detection_to_json, render_table
+    from finetune_operator.stragglers.trace import TraceError, read_traces
+
+    policy = Policy()
+    if args.policy_from:
+        policy = policy_from_spec(load_manifest(args.policy_from).spec.fault_tolerance.stragglers)
+    try:
+        records = read_traces(args.traces)
+    except TraceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    detection = find_stragglers(records, policy)
+    if args.output == "json":
+        print(json.dumps(detection_to_json(detection, policy, records=len(records)), indent=2))
+    else:
+        print(render_table(detection, policy, records=len(records)))
+    return 0
+
+
 def _cmd_operator(args: argparse.Namespace) -> int:
     from finetune_operator.handlers import run_operator
 
@@ -101,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nodes", type=int, default=4, help="virtual nodes in the local cluster")
     run.add_argument("--keep", action="store_true", help="keep the data dir afterwards")
     run.set_defaults(func=_cmd_run)
+
+    strag = sub.add_parser(
+        "stragglers", help="replay a recorded step trace through the straggler detector"
+    )
+    strag.add_argument("traces", nargs="+", help="trace files (JSON lines) or directories of them")
+    strag.add_argument(
+        "--policy-from", default=None, help="FineTuneJob YAML: its stragglers policy"
+    )
+    strag.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    strag.set_defaults(func=_cmd_stragglers)
 
     op = sub.add_parser("operator", help="run the operator (kopf) against the current cluster")
     add_operator_arguments(op, os.environ)  # env FINETUNE_OPERATOR_<FLAG> as defaults

@@ -51,7 +51,7 @@ class Checkpointer(Protocol):
 
     def load(self) -> int: ...
     def time_due(self) -> bool: ...
-    def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> None: ...
+    def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> bool: ...
     def wait_for_staging(self) -> None: ...
     def finish(self, timeout: float | None = None) -> bool: ...
     def close(self) -> None: ...
@@ -68,8 +68,8 @@ class NoOpCheckpointer:
     def time_due(self) -> bool:
         return False
 
-    def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> None:
-        return None
+    def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> bool:
+        return False
 
     def wait_for_staging(self) -> None:
         return None
@@ -167,7 +167,8 @@ class DcpCheckpointer:
         minutes = self.spec.interval_minutes
         return bool(minutes) and time.monotonic() - self._last_save_time >= 60 * float(minutes)
 
-    def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> None:
+    def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> bool:
+        """Save if due; True if a save started at this step (the step trace marks it)."""
         due = save_due(
             step,
             interval_steps=self.spec.interval_steps,
@@ -176,6 +177,8 @@ class DcpCheckpointer:
         )
         if due or (force and step > self._last_saved):
             self._save(step)
+            return True
+        return False
 
     def _save(self, step: int) -> None:
         t0 = time.monotonic()

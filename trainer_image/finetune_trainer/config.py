@@ -42,6 +42,8 @@ class RuntimeEnv:
       take; torchrun SIGKILLs workers 30 s after it forwards SIGTERM.
     - `FT_METRICS_BASE_PORT` (int, default 9400): metrics port of local rank 0; `0` disables
       the metrics HTTP server.
+    - `FINETUNE_STEP_TRACE_DIR` (path, default unset): each rank appends one line per step to
+      `<dir>/rank-<rank>.jsonl`, the trace `ftjob stragglers` replays (see `steptrace.py`).
     """
 
     rank: int
@@ -54,6 +56,8 @@ class RuntimeEnv:
     step_delay_seconds: float
     grace_seconds: float
     metrics_base_port: int
+    node_name: str | None = None  # NODE_NAME from the downward API
+    step_trace_dir: Path | None = None
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -70,6 +74,8 @@ class RuntimeEnv:
             step_delay_seconds=_float(env, "FT_STEP_DELAY_SECONDS", 0.0),
             grace_seconds=_float(env, "FT_GRACE_SECONDS", 25.0),
             metrics_base_port=int(env.get("FT_METRICS_BASE_PORT", str(METRICS_BASE_PORT))),
+            node_name=env.get("NODE_NAME") or None,
+            step_trace_dir=Path(raw) if (raw := env.get("FINETUNE_STEP_TRACE_DIR")) else None,
         )
 
     @property

@@ -26,6 +26,7 @@ from finetune_trainer.parallelize import check_precision, parallelize
 from finetune_trainer.report import write_final_report
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
+from finetune_trainer.steptrace import build_step_trace
 from finetune_trainer.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class Trainer:
             rank=self.dist.rank,
             meta={"job": job.name, "uid": job.uid, "strategy": self.parallel.strategy},
         )
+        self.step_trace = build_step_trace(env, rank=self.dist.rank)
         self.hard_exit = False
         log.info(
             "world %d, micro-batch %d, grad accumulation %d, %d steps, strategy %s",
@@ -173,7 +175,10 @@ class Trainer:
             loss = stats.loss
             self.metrics.observe_step(stats, self.dist.world_size)
             last = self.state.step == self.total_steps
-            self.checkpointer.maybe_save(self.state.step, force=stop or last, time_due=time_due)
+            saved = self.checkpointer.maybe_save(
+                self.state.step, force=stop or last, time_due=time_due
+            )
+            self.step_trace.record(stats, checkpoint=saved)
         code = self._finish(stopped=stop)
         # Only a completed run exports (collective); a stopped one resumes and exports later.
         output = None if stop else self.exporter.export(self.state.step, loss=loss)
@@ -286,5 +291,6 @@ class Trainer:
         return 0 if self.stop_signal.requested else EXIT_PEER_STOPPED
 
     def close(self) -> None:
+        self.step_trace.close()
         if not self.hard_exit:
             self.checkpointer.close()

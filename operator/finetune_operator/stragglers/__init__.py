@@ -4,6 +4,13 @@
 `ftjob stragglers` (recorded traces) share. No I/O, no clocks, no randomness in here.
 """
 
-from finetune_operator.stragglers.types import Policy, StepRecord, Verdict
+from finetune_operator.stragglers.detector import find_stragglers
+from finetune_operator.stragglers.types import (
+    Detection,
+    Policy,
+    StepRecord,
+    Verdict,
+    policy_from_spec,
+)
 
-__all__ = ["Policy", "StepRecord", "Verdict"]
+__all__ = ["Detection", "Policy", "StepRecord", "Verdict", "find_stragglers", "policy_from_spec"]
