@@ -91,9 +91,8 @@ class Detection:
     earlier: tuple[Verdict, ...] = ()
     epoch_start_step: int = 0  # first step of the current epoch
     windows: int = 0  # complete windows evaluated in the current epoch
-    pods: dict[int, tuple[str | None, str | None]] = field(
-        default_factory=dict
-    )  # rank -> (pod, node), current epoch
+    # rank -> (pod, node) in the current epoch
+    pods: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
 
     @property
     def all_verdicts(self) -> tuple[Verdict, ...]:
