@@ -5,6 +5,7 @@ its traceback and counted, and training goes on."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +19,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from finetune_trainer import checkpoint_store as store
+from finetune_trainer.errors import UnsupportedRuntimeError
+from finetune_trainer.parallelize import _no_buffer_sync_in_forward
 from finetune_trainer.staging import HostStaging
 from finetune_trainer.state import TrainState
+from finetune_trainer.torch_floor import check_torch
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +143,28 @@ def test_sync_save_failure_is_counted_too(tmp_path: Path, ckpt_group: dist.Proce
     assert ckpt.last_failed_step == 2 and ckpt.last_committed_step == 4
     assert failures(ckpt) == 1
     ckpt.close()
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("2.13.0+cpu", True),
+        ("2.11.0+cu130", True),
+        ("3.0.0", True),
+        ("2.10.1", False),
+        ("2.6.0", False),
+        ("nightly", False),
+    ],
+    ids=["image", "gpu-box", "next-major", "below", "old", "unreadable"],
+)
+def test_torch_floor(version: str, ok: bool) -> None:
+    if ok:
+        check_torch(version)
+    else:
+        with pytest.raises(UnsupportedRuntimeError, match="torch"):
+            check_torch(version)
+
+
+def test_ddp_arguments_match_the_installed_torch() -> None:
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    assert set(_no_buffer_sync_in_forward()) <= set(params)

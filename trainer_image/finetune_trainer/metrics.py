@@ -135,7 +135,7 @@ class TrainerMetrics:
         self.compute_seconds.observe(s.compute_seconds)
         self.wait_seconds.observe(s.wait_seconds)
         self.peak_memory.set(peak_memory_bytes(self.device))
-        self._record_stalls([self.stall.step(s.step_seconds, write_done=self._write_done)])
+        self.observe_step_time(s.step_seconds)
         if self.rank == 0:
             print(
                 json.dumps(
@@ -158,6 +158,10 @@ class TrainerMetrics:
                 self.ckpt_blocking.observe(st.blocking)
                 self.ckpt_stall.observe(st.stall)
                 self.stalls.append(st)
+
+    def observe_step_time(self, seconds: float) -> None:
+        """Feed the checkpoint stall estimator (a step ran, maybe under a save in flight)."""
+        self._record_stalls([self.stall.step(seconds, write_done=self._write_done)])
 
     def checkpoint_save_started(self) -> None:
         """Before a save hands anything to a background thread (so no completion is lost)."""

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Stall:
-    """One save's cost. `blocking`: save call + staging wait; `stall`: save call + excess
-    step time over the window; `steps`: steps in the window."""
+    """One save's cost. `blocking`: save call + staging wait (`wait`); `stall`: save call +
+    excess step time over the window; `steps`: steps in the window."""
 
     step: int
     blocking: float
     stall: float
     steps: int
+    wait: float = 0.0
 
 
 @dataclass
@@ -99,4 +100,4 @@ class StallEstimator:
             return None
         # Without a baseline the excess is unknown: report what was measured directly.
         stall = w.call + w.wait if self.baseline() is None else w.call + max(0.0, w.excess)
-        return Stall(step=w.step, blocking=w.call + w.wait, stall=stall, steps=w.steps)
+        return Stall(w.step, blocking=w.call + w.wait, stall=stall, steps=w.steps, wait=w.wait)

@@ -27,6 +27,7 @@ from finetune_trainer.report import write_final_report
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from finetune_trainer.tokenizer import build_tokenizer
+from finetune_trainer.torch_floor import check_torch
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def precision_context(
 
 class Trainer:
     def __init__(self, job: JobConfig, env: RuntimeEnv) -> None:
+        check_torch(torch.__version__)  # before anything that would fail less clearly
         self.job, self.env, spec = job, env, job.spec
         self.stop_signal = StopSignal()
         self.device = select_device(spec.resources.device, env)
