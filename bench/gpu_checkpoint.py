@@ -120,14 +120,16 @@ def trainer_saves(
 ) -> dict[str, Any]:
     times: list[float] = []
     saves: list[dict[str, Any]] = []
-    prepare_t = time.perf_counter()
-    ckpt.prepare()
-    prepare_s = time.perf_counter() - prepare_t
+    prepare_s = 0.0
     for i in range(1, steps + 1):
         t = loop.step(ckpt.wait_for_staging)
         state.step = i
         times.append(t)
         metrics.observe_step_time(t)
+        if i == 1:  # the trainer's maybe_save does this after the first step
+            prepare_t = time.perf_counter()
+            ckpt.prepare()
+            prepare_s = time.perf_counter() - prepare_t
         if saves and saves[-1]["step"] == i - 1:
             saves[-1]["step_after_s"] = t
         if i % every == 0 and i < steps:

@@ -48,9 +48,13 @@ def test_buffers_are_allocated_once_and_reused(
 ) -> None:
     state = new_state()
     ckpt = checkpointer(state, tmp_path, ckpt_group, keep=10)
-    ckpt.prepare()
-    assert ckpt.staging is not None and ckpt.staging.allocations == 1
-    train_steps(state, 8, ckpt)  # saves at 2, 4, 6, 8
+    ckpt.prepare()  # a fresh run: sizing now would initialise the optimizer state, so wait
+    assert ckpt.staging is not None and ckpt.staging.allocations == 0
+    assert not state.optimizer.state
+    train_steps(state, 1, ckpt)  # maybe_save prepares after the first step
+    assert ckpt.staging.allocations == 1
+    train_steps(state, 7, ckpt)  # saves at 2, 4, 6, 8
+    assert state.optimizer.state_dict()["state"][0]["step"] == 8  # no extra optimizer step
     assert ckpt.finish(timeout=30)
     assert [c.step for c in store.committed_newest_first(tmp_path)] == [8, 6, 4, 2]
     assert ckpt.staging.allocations == 1  # not one per save
