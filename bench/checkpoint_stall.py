@@ -151,8 +151,14 @@ def summary(name: str, stalls: list[Stall], sync_s: float) -> dict[str, Any]:
     ]  # fmt: skip
     blocking = statistics.mean(s.blocking for s in stalls)
     stall = statistics.mean(s.stall for s in stalls)
-    return {"name": name, "saves": rows, "mean_blocking_s": blocking, "mean_stall_s": stall,
-            "blocking_over_sync": blocking / sync_s, "stall_over_sync": stall / sync_s}
+    return {
+        "name": name,
+        "saves": rows,
+        "mean_blocking_s": blocking,
+        "mean_stall_s": stall,
+        "blocking_over_sync": blocking / sync_s,
+        "stall_over_sync": stall / sync_s,
+    }
 
 
 def main() -> None:

@@ -217,6 +217,17 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small model (CPU smoke run)")
     ap.add_argument("--json", default=None)
     ap.add_argument(
+        "--sync-reference",
+        type=float,
+        default=None,
+        help="synchronous save seconds measured earlier, for a run that skips its own",
+    )
+    ap.add_argument(
+        "--device-snapshot",
+        action="store_true",
+        help="stage through a snapshot in GPU memory (FT_CHECKPOINT_DEVICE_SNAPSHOT)",
+    )
+    ap.add_argument(
         "--budget",
         type=float,
         default=170.0,
@@ -224,6 +235,8 @@ def main() -> None:
     )
     args = ap.parse_args()
 
+    if args.device_snapshot:
+        os.environ["FT_CHECKPOINT_DEVICE_SNAPSHOT"] = "1"
     cuda = torch.cuda.is_available()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -279,6 +292,8 @@ def main() -> None:
         baseline = default_stager_saves(loop, state, group, root, ours["median_step_s"])
     shutil.rmtree(root, ignore_errors=True)
 
+    if sync_s != sync_s and args.sync_reference:  # NaN: skipped in this run
+        sync_s = args.sync_reference
     props = torch.cuda.get_device_properties(device) if cuda else None
     result = {
         "device": props.name if props else "cpu",
@@ -286,6 +301,9 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "model": "tiny" if args.tiny else "Llama-3.2-1B shape, FSDP2 world 1, bf16 compute",
         "tokens_per_step": args.batch * args.seq,
+        "device_snapshot": args.device_snapshot,
+        "max_memory_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0,
+        "max_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if cuda else 0,
         "build_s": build_s,
         "sync_save_s": sync_s,
         "total_s": time.perf_counter() - t0,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -51,6 +52,8 @@ def save_due(step: int, *, interval_steps: int | None, time_due: bool, last_save
     return time_due or bool(interval_steps and step % interval_steps == 0)
 
 
+# Opt-in: stage through a snapshot in GPU memory (staging.py); costs a copy of the state there.
+DEVICE_SNAPSHOT_ENV = "FT_CHECKPOINT_DEVICE_SNAPSHOT"
 # DCP raises CheckpointException, a BaseException, when any rank fails a save.
 SAVE_ERRORS = (Exception, CheckpointException)
 
@@ -127,7 +130,10 @@ class DcpCheckpointer:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.staging = HostStaging(device) if self.mode is AsyncMode.ASYNC else None
+        snapshot = os.environ.get(DEVICE_SNAPSHOT_ENV) == "1"
+        self.staging = (
+            HostStaging(device, device_snapshot=snapshot) if self.mode is AsyncMode.ASYNC else None
+        )
         self._prepared = False
 
     # ---- load -------------------------------------------------------------------------------

@@ -18,6 +18,12 @@ for the event (`release`): the GPU orders the optimizer after the copy, the host
 on it. The writer thread calls `wait_device` (event.synchronize) before reading the buffers.
 The caller keeps at most one save in flight, so a buffer is never overwritten while written.
 
+Optional device snapshot (`device_snapshot=True`, env `FT_CHECKPOINT_DEVICE_SNAPSHOT=1`): the
+state is first copied device-to-device into a second flat buffer on the GPU (HBM bandwidth:
+milliseconds), and the optimizer only waits for that; the device-to-host copy of the snapshot
+then runs on over the following steps. It costs one more copy of the checkpoint state in GPU
+memory, which the planner does not count: off by default.
+
 DTensor (FSDP2) entries are staged as their local shard and handed to DCP as DTensors with
 the same spec over the host buffer, so the checkpoint keeps its sharding metadata.
 """
@@ -92,6 +98,7 @@ class StagedState:
     _host_copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _event: Any = None  # torch.cuda.Event of the device copies, None without any
     _device: torch.device | None = None
+    _release_event: Any = None  # the live tensors may change after it (default: `_event`)
 
     def copy_host(self) -> None:
         for dst, src in self._host_copies:
@@ -104,16 +111,19 @@ class StagedState:
 
     def release(self) -> None:
         """Order the current stream's next work (the optimizer step) after the copies."""
-        if self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
+        event = self._release_event or self._event
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
 
 
 class HostStaging:
     """Owns the host buffer; `allocations` counts buffer allocations (tests check reuse)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, device_snapshot: bool = False) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        self.device_snapshot = device_snapshot and self.cuda
+        self._snapshot: torch.Tensor | None = None
         self.allocations = 0
         self.allocated_bytes = 0
         self._buffer: torch.Tensor | None = None
@@ -144,6 +154,8 @@ class HostStaging:
         nbytes = last.offset + _nbytes(last.shape, last.dtype) if last else 0
         self._free()
         self._buffer = self._allocate(max(nbytes, 1))
+        if self.device_snapshot:
+            self._snapshot = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         self._layout = layout
         self.allocations += 1
         self.allocated_bytes = nbytes
@@ -171,16 +183,18 @@ class HostStaging:
         if self._buffer is not None and self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
         self._buffer, self._registered, self._layout = None, False, ()
+        self._snapshot = None
 
     def close(self) -> None:
         self._free()
 
     # ---- staging ------------------------------------------------------------------------------
 
-    def _view(self, slot: _Slot) -> torch.Tensor:
-        assert self._buffer is not None
+    def _view(self, slot: _Slot, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        buffer = self._buffer if buffer is None else buffer
+        assert buffer is not None
         size = _nbytes(slot.shape, slot.dtype)
-        return self._buffer[slot.offset : slot.offset + size].view(slot.dtype).view(slot.shape)
+        return buffer[slot.offset : slot.offset + size].view(slot.dtype).view(slot.shape)
 
     def launch(self, state_dict: dict[str, Any]) -> StagedState:
         """Stage `state_dict` into the buffer: device copies enqueued now (non-blocking),
@@ -189,11 +203,20 @@ class HostStaging:
         slots = iter(self._layout)
         host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         device_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        snapshot_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def take(t: torch.Tensor) -> torch.Tensor:
             src = _local(t).detach()
-            dst = self._view(next(slots))
-            (device_copies if src.device.type == "cuda" else host_copies).append((dst, src))
+            slot = next(slots)
+            dst = self._view(slot)
+            if src.device.type != "cuda":
+                host_copies.append((dst, src))
+            elif self._snapshot is not None:
+                snap = self._view(slot, self._snapshot)
+                snapshot_copies.append((snap, src))
+                device_copies.append((dst, snap))
+            else:
+                device_copies.append((dst, src))
             if isinstance(t, DTensor):
                 # Same spec (mesh, placements, global shape) over the host shard: DCP writes
                 # it with the sharding metadata a resharded load needs.
@@ -201,11 +224,17 @@ class HostStaging:
             return dst
 
         staged_sd = _rebuild(state_dict, take)
-        event = None
+        event = release = None
         if device_copies:
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
+                for snap, src in snapshot_copies:
+                    snap.copy_(src, non_blocking=True)
+                    src.record_stream(stream)
+                if snapshot_copies:
+                    release = torch.cuda.Event()
+                    release.record(stream)
                 for dst, src in device_copies:
                     dst.copy_(src, non_blocking=True)
                     # The caching allocator must not hand src's memory to another tensor
@@ -213,4 +242,4 @@ class HostStaging:
                     src.record_stream(stream)
             event = torch.cuda.Event()
             event.record(stream)
-        return StagedState(staged_sd, host_copies, event, self.device)
+        return StagedState(staged_sd, host_copies, event, self.device, release)
