@@ -11,9 +11,8 @@ from finetune_trainer.stall import StallEstimator
 def run(steps: list[tuple[float, str]]) -> list[tuple[int, float, float, int]]:
     """steps: (seconds, event) with event '' (plain step), 'save:<call>' (a save after this
     step), 'done' (the write finished during this step). Returns (step, blocking, stall, n)."""
-    est, out, in_flight, n = StallEstimator(), [], False, 0
-    for seconds, event in steps:
-        n += 1
+    est, out, in_flight = StallEstimator(), [], False
+    for n, (seconds, event) in enumerate(steps, 1):
         done = event == "done"
         closed = est.step(seconds, write_done=done or not in_flight)
         in_flight = in_flight and not done
