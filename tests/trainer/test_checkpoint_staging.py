@@ -172,3 +172,24 @@ def test_torch_floor(version: str, ok: bool) -> None:
 def test_ddp_arguments_match_the_installed_torch() -> None:
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     assert set(_no_buffer_sync_in_forward()) <= set(params)
+
+
+def test_a_staging_failure_on_the_training_thread_is_a_failed_save_not_a_crash(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=10)
+    assert ckpt.staging is not None
+    real_launch = ckpt.staging.launch
+
+    def launch_once_fails(sd: dict[str, object]) -> object:
+        monkeypatch.setattr(ckpt.staging, "launch", real_launch)
+        raise RuntimeError("cannot pin host memory")
+
+    monkeypatch.setattr(ckpt.staging, "launch", launch_once_fails)
+    train_steps(state, 4, ckpt)
+    assert ckpt.finish(timeout=30)
+    assert ckpt.last_failed_step == 2 and ckpt.last_committed_step == 4
+    assert failures(ckpt) == 1
+    assert [c.step for c in store.committed_newest_first(tmp_path)] == [4]
+    ckpt.close()

@@ -125,7 +125,7 @@ class DcpCheckpointer:
         self.last_failed_step = 0
         self._last_saved = 0
         self._last_save_time = time.monotonic()
-        self._pending: tuple[StagedState, Future[None]] | None = None
+        self._pending: tuple[StagedState | None, Future[None]] | None = None
         self._inflight: Future[bool] | None = None
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         if device is None:
@@ -214,21 +214,30 @@ class DcpCheckpointer:
         self.finish()  # at most one save in flight: the staging buffers are free again
         self.metrics.checkpoint_save_started()
         path = store.step_dir(self.root, step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        sd = self.state.capture()
         if self.staging is not None:
-            staged = self.staging.launch(sd)
+            staging = self.staging
+            launched: list[StagedState] = []
+            # A failure here (no memory to pin, a missing volume) must not stop training, and
+            # this rank must still join the commit thread's agreement or its peers would wait.
+            self._attempt(step, "staging", lambda: launched.append(self._launch(staging, path)))
+            staged = launched[0] if launched else None
             ready: Future[None] = Future()
             self._pending = (staged, ready)
             self._inflight = self._committer.submit(self._write_staged, staged, ready, step, t0)
         else:
-            ok = self._attempt(
-                step, "save", lambda: dcp.save(sd, checkpoint_id=path, process_group=self.group)
-            )
-            self._conclude(self._agree(ok), step, t0)
+
+            def save() -> None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                dcp.save(self.state.capture(), checkpoint_id=path, process_group=self.group)
+
+            self._conclude(self._agree(self._attempt(step, "save", save)), step, t0)
         self._last_saved = step
         self._last_save_time = time.monotonic()
         self.metrics.checkpoint_save_returned(step, time.monotonic() - t0)
+
+    def _launch(self, staging: HostStaging, path: Path) -> StagedState:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return staging.launch(self.state.capture())
 
     def _attempt(self, step: int, what: str, action: Any) -> bool:
         try:
@@ -244,15 +253,17 @@ class DcpCheckpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item() == 1.0)
 
-    def _write_staged(self, staged: StagedState, ready: Future[None], step: int, t0: float) -> bool:
+    def _write_staged(
+        self, staged: StagedState | None, ready: Future[None], step: int, t0: float
+    ) -> bool:
         """Commit thread: finish staging, write, commit. Every rank runs the same collectives
         whatever fails, so a failure on one rank never leaves another waiting."""
         try:
-            ok = self._attempt(step, "staging", staged.copy_host)
+            ok = staged is not None and self._attempt(step, "staging", staged.copy_host)
         finally:
             ready.set_result(None)  # the loop may go on; a failure is reported below
-        ok = self._attempt(step, "staging", staged.wait_device) and ok
-        if self._agree(ok):
+        ok = ok and staged is not None and self._attempt(step, "staging", staged.wait_device)
+        if self._agree(ok) and staged is not None:
             path = store.step_dir(self.root, step)
             ok = self._attempt(
                 step,
@@ -298,7 +309,8 @@ class DcpCheckpointer:
         staged, ready = self._pending
         self._pending = None
         ready.result()
-        staged.release()
+        if staged is not None:
+            staged.release()
         self.metrics.checkpoint_staging_waited(time.monotonic() - t)
 
     def finish(self, timeout: float | None = None) -> bool:
@@ -310,8 +322,9 @@ class DcpCheckpointer:
                 return False
             self._inflight = None
         if self._pending is not None:
-            self._pending[0].release()  # staging is over: nothing may run before the copies
-            self._pending = None
+            staged, self._pending = self._pending[0], None
+            if staged is not None:
+                staged.release()  # staging is over: nothing may run before the copies
         self.metrics.checkpoint_window_closed()
         return True
 
