@@ -15,6 +15,7 @@ Precision is what the planner (finetune_operator.planner.memory) assumes and its
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,17 @@ class _BucketCapture:
         self.buffers.clear()
 
 
+def _no_buffer_sync_in_forward() -> dict[str, bool]:
+    """No collective hidden in forward. Recent torch releases have `forward_sync_buffers` for
+    exactly that; older ones (2.11, the GPU machine's) lack it and raise a TypeError, and there
+    `broadcast_buffers=False` stops the same per-forward sync (module states are still
+    broadcast once at construction either way)."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def apply_ddp(model: nn.Module, device: torch.device, precision: Precision) -> Parallel:
     # Gradients are reduced explicitly after the step's sync point instead of inside backward:
     # the loop then times this rank's compute without time spent waiting for slower peers,
@@ -95,7 +107,7 @@ def apply_ddp(model: nn.Module, device: torch.device, precision: Precision) -> P
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        forward_sync_buffers=False,  # no collective hidden in forward
+        **_no_buffer_sync_in_forward(),
         bucket_cap_mb=BUCKET_BYTES / 2**20,
         # Grads live in the reducer's buckets (allocated once): no second gradient-sized
         # block, which is what the planner counts (memory.DDP_BUCKET_BYTES).
