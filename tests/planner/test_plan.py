@@ -214,3 +214,15 @@ def test_report_is_aligned_table_in_gib() -> None:
     assert "GiB" in text and "Reason:" in text
     rows = [line for line in text.splitlines() if line.startswith(("parameters", "peak"))]
     assert len({len(r) for r in rows}) == 1  # right-aligned numbers
+
+
+def test_plan_carries_the_resolved_architecture_for_the_trainer() -> None:
+    """One resolution: the catalog entry the planner sized is what an inline job builds."""
+    from finetune_operator.api.capabilities import trainer_refusals
+    from finetune_operator.planner.catalog import lookup
+
+    spec = make_spec(model={"name": "meta-llama/Llama-2-7b-hf", "source": "inline"})
+    plan = plan_job(spec)
+    entry = lookup("meta-llama/Llama-2-7b-hf")
+    assert entry is not None and plan.architecture == entry.architecture
+    assert not [r for r in trainer_refusals(spec, plan) if r.startswith("spec.model")]

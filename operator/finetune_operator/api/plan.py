@@ -6,7 +6,12 @@ from __future__ import annotations
 from pydantic import Field
 
 from finetune_operator.api.base import ApiModel
-from finetune_operator.api.spec import CheckpointingMode, Offload, StrategyName
+from finetune_operator.api.spec import (
+    CheckpointingMode,
+    ModelArchitecture,
+    Offload,
+    StrategyName,
+)
 
 
 class MemoryBreakdown(ApiModel):
@@ -48,3 +53,10 @@ class Plan(ApiModel):
     reason: str = Field(..., description="Why this plan (or why nothing fits).")
     memory: MemoryBreakdown
     candidates_evaluated: int = Field(0, ge=0, description="Configurations the search tried.")
+    architecture: ModelArchitecture | None = Field(
+        None,
+        description=(
+            "The architecture the planner resolved (spec, catalog or config.json): what the "
+            "trainer builds for an inline model."
+        ),
+    )

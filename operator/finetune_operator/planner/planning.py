@@ -157,6 +157,7 @@ def _to_plan(
         reason=reason,
         memory=b,
         candidates_evaluated=evaluated,
+        architecture=p.model.arch,
     )
 
 
