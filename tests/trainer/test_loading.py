@@ -160,7 +160,7 @@ def test_pretrained_without_safetensors_is_refused_naming_the_field(tmp_path: Pa
     LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
                 vocab_size=259).save_pretrained(tmp_path)
     job = pretrained_job(tmp_path, strategy="ddp")
-    with pytest.raises(UnsupportedConfigError, match=r"spec.model.name: no \*.safetensors"):
+    with pytest.raises(UnsupportedConfigError, match=r"spec.model: no \*.safetensors"):
         reference(job)
 
 

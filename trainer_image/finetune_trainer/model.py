@@ -60,15 +60,17 @@ def weights_dir(spec: ModelSpec) -> Path | None:
     """Where a pretrained model's config and safetensors are: a directory (source pvc/uri, or
     a hub id already on disk), else the hub snapshot (downloaded by every rank into its own
     cache; no weights for inline models)."""
-    if spec.source == "inline":
+    location = spec.weights_location()
+    if location is None:
         return None
-    path = Path(spec.name.removeprefix("file://"))
+    path = Path(location.removeprefix("file://"))
     if path.is_dir():
         return path
     if spec.source != "hub":
+        field = "spec.model.path" if spec.path else "spec.model.name"
         raise UnsupportedConfigError(
-            f"spec.model.name {spec.name!r}: no such directory (source {spec.source} reads a "
-            "Hugging Face model directory on a mounted volume)"
+            f"{field} {location!r}: no such directory (source {spec.source} reads a Hugging "
+            "Face model directory on a mounted volume)"
         )
     from huggingface_hub import snapshot_download
 
@@ -109,7 +111,7 @@ def _load_qlora_base(spec: ModelSpec, device: torch.device) -> nn.Module:
     # bitsandbytes quantises while loading: the one path that still loads whole with
     # from_pretrained (QLoRA runs replicated, DDP only, so every rank holds the 4-bit base).
     return AutoModelForCausalLM.from_pretrained(
-        spec.name,
+        spec.weights_location(),
         revision=spec.revision,
         attn_implementation=_attention(spec, device),
         dtype=torch.bfloat16,

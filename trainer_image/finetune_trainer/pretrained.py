@@ -46,7 +46,7 @@ def load_safetensors(model: nn.Module, path: Path) -> set[int]:
     of the parameters filled. A missing or mis-shaped tensor is an error naming the model."""
     if not has_safetensors(path):
         raise UnsupportedConfigError(
-            f"spec.model.name: no *.safetensors weights in {path} (the trainer reads Hugging "
+            f"spec.model: no *.safetensors weights in {path} (the trainer reads Hugging "
             "Face safetensors; convert .bin checkpoints with save_pretrained)"
         )
     params = checkpoint_keys(model)
@@ -55,7 +55,7 @@ def load_safetensors(model: nn.Module, path: Path) -> set[int]:
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     except Exception as exc:  # DCP wraps per-rank failures in CheckpointException
         raise UnsupportedConfigError(
-            f"spec.model.name: cannot read the weights in {path} into the model built from "
+            f"spec.model: cannot read the weights in {path} into the model built from "
             f"its config: {exc}"
         ) from exc
     return {id(p) for p in params.values()}
