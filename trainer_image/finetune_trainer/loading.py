@@ -42,10 +42,15 @@ def load_parallel_model(
         precision=spec.training.precision,
     )
     seed = spec.training.seed
+    # FSDP2's CPUOffloadPolicy wants its shards on the host from the start (they move to the
+    # GPU per unit while computing), so they are materialised there.
+    # (the condition of parallelize._offload_policy)
+    offloaded = spec.strategy.offload == "cpu" and device.type == "cuda"
+    init_device = torch.device("cpu") if offloaded else device
 
     def fill(m: nn.Module) -> None:
         if is_meta(m):
-            materialize(m, device, seed=seed, weights=weights_dir(spec.model))
+            materialize(m, init_device, seed=seed, weights=weights_dir(spec.model))
 
     sharded = shards_parameters(job.plan.strategy)
     if not sharded:

@@ -53,6 +53,14 @@ class Plan(ApiModel):
     reason: str = Field(..., description="Why this plan (or why nothing fits).")
     memory: MemoryBreakdown
     candidates_evaluated: int = Field(0, ge=0, description="Configurations the search tried.")
+    load_peak_bytes: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Device bytes per GPU while loading: the rank's parameter shards plus the largest "
+            "module in fp32 (the model is built on meta, sharded, then materialised)."
+        ),
+    )
     architecture: ModelArchitecture | None = Field(
         None,
         description=(

@@ -11,6 +11,7 @@ from finetune_operator.planner.architecture import resolve_model
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.planner.explain import explain_choice, explain_refusal
 from finetune_operator.planner.hardware import accelerator_for, host_bytes_per_process
+from finetune_operator.planner.loading import load_peak_bytes
 from finetune_operator.planner.lora import expand_targets
 from finetune_operator.planner.memory import TrainingShape
 from finetune_operator.planner.search import (
@@ -161,6 +162,7 @@ def _to_plan(
         memory=b,
         candidates_evaluated=evaluated,
         architecture=p.model.arch,
+        load_peak_bytes=load_peak_bytes(p.model, b.parameters),
     )
 
 
