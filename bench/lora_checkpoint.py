@@ -2,7 +2,7 @@
 `ignore_frozen_params`) against what changes (adapters + optimizer + training state), on the
 same job, in the same run.
 
-    python bench/lora_checkpoint.py [--hidden 2048 --layers 8 --repeats 3] [--out bench/results/lora_checkpoint.txt]
+    python bench/lora_checkpoint.py [--hidden 1024 --layers 8 --repeats 3] [--out bench/results/lora_checkpoint.txt]
 
 One process, gloo world 1, CPU; a bf16 frozen base with fp32 rank-16 adapters on q/k/v/o, one
 optimizer step taken (so Adam's moments exist), saved with synchronous `dcp.save` to a local
@@ -79,7 +79,7 @@ def save(sd: dict[str, Any], path: Path) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
