@@ -306,6 +306,27 @@ class Kubelet:
                 return None
             raise
 
+    async def _bind_claim(self, namespace: str, name: str) -> pathlib.Path | None:
+        """Provision and bind a PersistentVolumeClaim on its first consumer, as a
+        WaitForFirstConsumer storage class does: a host directory per claim, kept when pods
+        go (the claim outlives them). None when the claim does not exist."""
+        path = resource_path("v1", "persistentvolumeclaims", namespace, name)
+        try:
+            claim: dict[str, Any] = await self.client.get(path)
+        except ApiStatusError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        directory = self.config.data_dir / "pvcs" / namespace / name
+        directory.mkdir(parents=True, exist_ok=True)
+        if claim.get("status", {}).get("phase") != "Bound":
+            spec = claim.get("spec", {})
+            status = {"phase": "Bound", "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
+                      "capacity": dict(spec.get("resources", {}).get("requests", {}))}
+            status_path = resource_path("v1", "persistentvolumeclaims", namespace, name, "status")
+            await self.client.merge_patch(status_path, {"status": status})
+        return directory
+
     async def _start(self, key: PodKey, pod: dict[str, Any]) -> None:
         containers = pod.get("spec", {}).get("containers") or [{}]
         container = containers[0]
@@ -313,7 +334,8 @@ class Kubelet:
         run = PodRun(uid=pod["metadata"]["uid"], ip=self._allocate_ip(), directory=directory,
                      container=container.get("name", "main"), hosts_file=directory / "etc-hosts")
         try:
-            volumes = await podrunner.materialise_volumes(pod, directory, self.config.data_dir, self._fetch_config)
+            volumes = await podrunner.materialise_volumes(pod, directory, self.config.data_dir, self._fetch_config,
+                                                          self._bind_claim)
             lookups: dict[tuple[str, str], dict[str, str] | None] = {}
             for kind, name in _referenced_configs(container):
                 obj = await self._fetch_config(kind, key[0], name)

@@ -23,6 +23,8 @@ from typing import Any
 from finetune_local.podspec import ConfigMissingError, secret_data
 
 FetchConfig = Callable[[str, str, str], Awaitable["dict[str, Any] | None"]]  # kind, ns, name
+# (namespace, claim name) -> the host directory the claim is bound to; None: no such claim.
+BindClaim = Callable[[str, str], Awaitable["pathlib.Path | None"]]
 _LAUNCHER = pathlib.Path(__file__).with_name("podinit.py")
 
 
@@ -59,7 +61,7 @@ class MountPoints:
 
 
 async def materialise_volumes(pod: Mapping[str, Any], directory: pathlib.Path, data_dir: pathlib.Path,
-                              fetch: FetchConfig) -> dict[str, tuple[pathlib.Path, bool]]:
+                              fetch: FetchConfig, bind: BindClaim) -> dict[str, tuple[pathlib.Path, bool]]:
     """Volume name -> (host path, read-only by nature)."""
     namespace = pod["metadata"].get("namespace", "default")
     volumes: dict[str, tuple[pathlib.Path, bool]] = {}
@@ -91,8 +93,10 @@ async def materialise_volumes(pod: Mapping[str, Any], directory: pathlib.Path, d
                 host.mkdir(parents=True, exist_ok=True)
             volumes[name] = (host, False)
         elif "persistentVolumeClaim" in volume:
-            claim = data_dir / "pvcs" / namespace / volume["persistentVolumeClaim"]["claimName"]
-            claim.mkdir(parents=True, exist_ok=True)
+            claim_name = volume["persistentVolumeClaim"]["claimName"]
+            claim = await bind(namespace, claim_name)
+            if claim is None:  # as on Kubernetes: the pod waits for the claim to exist
+                raise ConfigMissingError(f'persistentvolumeclaim "{claim_name}" not found')
             volumes[name] = (claim, bool(volume["persistentVolumeClaim"].get("readOnly")))
         else:
             raise ConfigMissingError(f"volume {name!r}: unsupported volume type {sorted(volume)}")

@@ -190,3 +190,28 @@ def test_termination_message(
     pod = _wait_pod(core, name, lambda p: p.status.phase == phase)
     message = pod.status.container_statuses[0].state.terminated.message
     assert (message or None) == expected
+
+
+def test_claim_binds_on_first_consumer_and_outlives_pods(cluster: LocalCluster,
+                                                         core: client.CoreV1Api) -> None:
+    """A pod whose claim does not exist stays Pending; once the claim exists the kubelet binds
+    it to a host directory (as a WaitForFirstConsumer provisioner would), and what one pod
+    wrote there the next one reads."""
+    name = _name("pvc")
+    volume = {"name": "data", "persistentVolumeClaim": {"claimName": f"{name}-claim"}}
+    mount = {"volumeMounts": [{"name": "data", "mountPath": "/data"}]}
+    core.create_namespaced_pod("default", _pod(f"{name}-w", "echo hello > /data/note",
+                                               volumes=[volume], container=mount))
+    time.sleep(2)
+    assert core.read_namespaced_pod(f"{name}-w", "default").status.phase == "Pending"
+    core.create_namespaced_persistent_volume_claim("default", {
+        "metadata": {"name": f"{name}-claim"},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    _wait_pod(core, f"{name}-w", lambda p: p.status.phase == "Succeeded")
+    claim = core.read_namespaced_persistent_volume_claim(f"{name}-claim", "default")
+    assert claim.status.phase == "Bound" and claim.status.access_modes == ["ReadWriteMany"]
+    core.create_namespaced_pod("default", _pod(f"{name}-r", "cat /data/note",
+                                               volumes=[volume], container=mount))
+    _wait_pod(core, f"{name}-r", lambda p: p.status.phase == "Succeeded")
+    log = cluster.pod_log_path("default", f"{name}-r")
+    assert log is not None and log.read_text().strip() == "hello"

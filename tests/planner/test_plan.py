@@ -215,3 +215,40 @@ def test_report_is_aligned_table_in_gib() -> None:
     table = text.partition("Reason:")[0]
     rows = [line for line in table.splitlines() if line.startswith(("parameters", "peak"))]
     assert len(rows) == 2 and len({len(r) for r in rows}) == 1  # right-aligned numbers
+
+
+def test_plan_carries_the_resolved_architecture_for_the_trainer() -> None:
+    """One resolution: the catalog entry the planner sized is what an inline job builds."""
+    from finetune_operator.api.capabilities import trainer_refusals
+    from finetune_operator.planner.catalog import lookup
+
+    spec = make_spec(model={"name": "meta-llama/Llama-2-7b-hf", "source": "inline"})
+    plan = plan_job(spec)
+    entry = lookup("meta-llama/Llama-2-7b-hf")
+    assert entry is not None and plan.architecture == entry.architecture
+    assert not [r for r in trainer_refusals(spec, plan) if r.startswith("spec.model")]
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},
+        {"method": {"type": "lora"}},
+        {"model": {"name": "meta-llama/Llama-3.1-70B"}, "resources": {"gpusPerNode": 8, "maxGPUs": 16}},
+        {"model": {"name": "Qwen/Qwen3-30B-A3B"}, "resources": {"gpusPerNode": 8}},
+    ],
+    ids=["7b-full", "7b-lora", "70b-full", "moe"],
+)  # fmt: skip
+def test_load_peak_is_the_shards_plus_one_module_and_below_the_step(
+    sections: dict[str, Any],
+) -> None:
+    from finetune_operator.planner.loading import largest_module_parameters
+
+    spec = make_spec(**sections)
+    plan = plan_job(spec)
+    assert plan.architecture is not None
+    from finetune_operator.planner import shape_of
+
+    module = largest_module_parameters(shape_of(plan.architecture)) * 4
+    assert plan.load_peak_bytes == plan.memory.parameters + module
+    assert plan.load_peak_bytes < plan.memory.peak

@@ -1,5 +1,7 @@
-"""The model: built from an inline architecture or loaded with `from_pretrained`, with LoRA
-adapters when the method asks for them.
+"""The model: built on the meta device from one config (the pretrained weights' config.json,
+or the architecture the planner resolved for inline models), with LoRA adapters when the
+method asks for them; sharded, then materialised (finetune_trainer.materialize), so no rank
+ever holds more than its shards plus one module (DESIGN.md §6, loading at scale).
 
 Dtypes are what the planner assumes (finetune_operator.planner.memory): full fine-tuning keeps
 fp32 master weights in every precision (bf16 compute comes from the strategy: FSDP2's
@@ -8,15 +10,23 @@ stacks load it, and peft keeps the adapters in fp32 (`autocast_adapter_dtype=Tru
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from finetune_operator.api.spec import MethodSpec, ModelArchitecture, ModelSpec, Precision
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.materialize import materialize
 
 log = logging.getLogger(__name__)
 
@@ -46,39 +56,68 @@ def base_dtype(method: MethodSpec, precision: Precision) -> torch.dtype:
     return torch.float32
 
 
-def _load_base(
+def weights_dir(spec: ModelSpec) -> Path | None:
+    """Where a pretrained model's config and safetensors are: a directory (source pvc/uri, or
+    a hub id already on disk), else the hub snapshot (downloaded by every rank into its own
+    cache; no weights for inline models)."""
+    location = spec.weights_location()
+    if location is None:
+        return None
+    path = Path(location.removeprefix("file://"))
+    if path.is_dir():
+        return path
+    if spec.source != "hub":
+        field = "spec.model.path" if spec.path else "spec.model.name"
+        raise UnsupportedConfigError(
+            f"{field} {location!r}: no such directory (source {spec.source} reads a Hugging "
+            "Face model directory on a mounted volume)"
+        )
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        snapshot_download(
+            spec.name,
+            revision=spec.revision,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
+        )
+    )
+
+
+def model_config(
     spec: ModelSpec,
     tokenizer: PreTrainedTokenizerBase,
-    device: torch.device,
-    method: MethodSpec,
-    dtype: torch.dtype,
-) -> nn.Module:
-    attn = _attention(spec, device)
-    if spec.source == "inline":
-        if spec.architecture is None:
-            raise UnsupportedConfigError("model.source 'inline' needs model.architecture")
-        config = AutoConfig.for_model(
-            spec.architecture.model_type,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **hf_config_kwargs(spec.architecture),
+    architecture: ModelArchitecture | None,
+) -> PretrainedConfig:
+    """The config to build: the weights' own config.json for pretrained models, else the
+    architecture the planner resolved (spec, catalog or config.json: `Plan.architecture`)."""
+    weights = weights_dir(spec)
+    if weights is not None:
+        config: PretrainedConfig = AutoConfig.from_pretrained(weights)
+        return config
+    if architecture is None:
+        raise UnsupportedConfigError(
+            "model.source 'inline' needs model.architecture (or a catalog model name)"
         )
-        # Every rank seeds identically before this call, so FSDP shards one shared init. The
-        # init runs in fp32 and a bf16 base is cast afterwards (the same weights, rounded).
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-        return model.to(dtype) if dtype != torch.float32 else model
-    # dtype explicitly: transformers 5 defaults to "auto" (the checkpoint's own dtype, often
-    # bf16), which would silently drop full fine-tuning's fp32 master weights.
-    kwargs: dict[str, Any] = {
-        "revision": spec.revision,
-        "attn_implementation": attn,
-        "dtype": dtype,
-    }
-    if method.type == "qlora":
-        kwargs["quantization_config"] = _qlora_config()
-        kwargs["device_map"] = {"": device}
-    return AutoModelForCausalLM.from_pretrained(spec.name, **kwargs)
+    return AutoConfig.for_model(
+        architecture.model_type,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **hf_config_kwargs(architecture),
+    )
+
+
+def _load_qlora_base(spec: ModelSpec, device: torch.device) -> nn.Module:
+    # bitsandbytes quantises while loading: the one path that still loads whole with
+    # from_pretrained (QLoRA runs replicated, DDP only, so every rank holds the 4-bit base).
+    return AutoModelForCausalLM.from_pretrained(
+        spec.weights_location(),
+        revision=spec.revision,
+        attn_implementation=_attention(spec, device),
+        dtype=torch.bfloat16,
+        quantization_config=_qlora_config(),
+        device_map={"": device},
+    )
 
 
 def _qlora_config() -> Any:
@@ -112,6 +151,50 @@ def _add_lora(model: nn.Module, method: MethodSpec) -> nn.Module:
     return get_peft_model(model, config, autocast_adapter_dtype=True)  # type: ignore[arg-type]
 
 
+def build_meta_model(
+    spec: ModelSpec,
+    method: MethodSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+    *,
+    architecture: ModelArchitecture | None,
+    activation_checkpointing: bool,
+    precision: Precision,
+) -> nn.Module:
+    """The model with LoRA adapters, on the meta device: shapes and dtypes only, no memory.
+    Shard it (parallelize), then `materialize` it; QLoRA is built loaded (see above)."""
+    if method.type == "qlora" and device.type != "cuda":
+        raise UnsupportedConfigError(
+            "method.type qlora needs a CUDA GPU (bitsandbytes 4-bit weights); "
+            "use method.type lora on CPU"
+        )
+    if method.type == "qlora":
+        model = _load_qlora_base(spec, device)
+    else:
+        config = model_config(spec, tokenizer, architecture)
+        attn = _attention(spec, device)
+        # dtype explicitly: transformers 5 defaults to "auto" (the checkpoint's own dtype),
+        # which would silently drop full fine-tuning's fp32 master weights.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, attn_implementation=attn, dtype=base_dtype(method, precision)
+            )
+    if activation_checkpointing:
+        # Non-reentrant: composes with FSDP2 and with frozen (LoRA) base weights.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method.type in ("lora", "qlora"):
+        with torch.device("meta") if method.type == "lora" else contextlib.nullcontext():
+            model = _add_lora(model, method)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("model %s: %d parameters, %d trainable", spec.name, total, trainable)
+    return model
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
 def build_model(
     spec: ModelSpec,
     method: MethodSpec,
@@ -120,25 +203,24 @@ def build_model(
     *,
     activation_checkpointing: bool,
     precision: Precision,
+    architecture: ModelArchitecture | None = None,
+    seed: int | None = None,
 ) -> nn.Module:
-    """Build on the training device in the dtypes `precision` asks for (see the module
-    docstring); wrapping for a strategy happens later (parallelize)."""
-    if method.type == "qlora" and device.type != "cuda":
-        raise UnsupportedConfigError(
-            "method.type qlora needs a CUDA GPU (bitsandbytes 4-bit weights); "
-            "use method.type lora on CPU"
-        )
-    model = _load_base(spec, tokenizer, device, method, base_dtype(method, precision))
-    if method.type != "qlora":
-        model = model.to(device)
-    if activation_checkpointing:
-        # Non-reentrant: composes with FSDP2 and with frozen (LoRA) base weights.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if method.type in ("lora", "qlora"):
-        model = _add_lora(model, method)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %d parameters, %d trainable", spec.name, total, trainable)
+    """A whole, unsharded model on `device` in the dtypes `precision` asks for (see the module
+    docstring): the same weights the trainer gives its shards for this seed (default: the
+    seed last given to torch.manual_seed)."""
+    model = build_meta_model(
+        spec,
+        method,
+        tokenizer,
+        device,
+        architecture=architecture or spec.architecture,
+        activation_checkpointing=activation_checkpointing,
+        precision=precision,
+    )
+    if is_meta(model):
+        seed = torch.initial_seed() if seed is None else seed
+        materialize(model, device, seed=seed, weights=weights_dir(spec))
     return model
 
 

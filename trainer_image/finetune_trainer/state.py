@@ -1,6 +1,11 @@
 """What a checkpoint holds, as a DCP state dict: model, optimizer, scheduler, sampler position,
 step and RNG. Model and optimizer go through `get_state_dict`/`set_state_dict`, so a checkpoint
-written by N ranks loads into M ranks (DCP reshards)."""
+written by N ranks loads into M ranks (DCP reshards).
+
+Only what changes: with frozen parameters (LoRA/QLoRA) the model part holds the trainable ones
+(`ignore_frozen_params`): the adapters, a few MB, instead of the whole base. A resume loads them
+onto a base the trainer has just loaded again from the same source (pretrained weights, or
+the seeded init of an inline model, which does not depend on the world size)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.optim.lr_scheduler import LRScheduler
 
 from finetune_trainer.sampler import StepSampler
@@ -33,8 +42,13 @@ class TrainState:
         # smaller world is reseeded from (seed, rank, step) instead.
         return f"rank{self.rank}"
 
+    def _options(self) -> StateDictOptions:
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        # strict=False on load: the frozen base is absent from the checkpoint by design.
+        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
     def capture(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         rng: dict[str, torch.Tensor] = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -60,7 +74,11 @@ class TrainState:
 
     def restore(self, sd: dict[str, Any]) -> None:
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+            self.model,
+            self.optimizer,
+            model_state_dict=sd["model"],
+            optim_state_dict=sd["optim"],
+            options=self._options(),
         )
         train = json.loads(sd["train"])
         self.step = int(train["step"])

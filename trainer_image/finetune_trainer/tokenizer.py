@@ -51,7 +51,7 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
 def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     if spec.source == "inline":
         return build_byte_tokenizer()
-    tok = AutoTokenizer.from_pretrained(spec.name, revision=spec.revision)
+    tok = AutoTokenizer.from_pretrained(spec.weights_location(), revision=spec.revision)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -19,10 +19,10 @@ from finetune_trainer.data import build_dataset
 from finetune_trainer.distributed import init_distributed, select_device
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.export import build_exporter
+from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.metrics import StepStats, TrainerMetrics
-from finetune_trainer.model import build_model
 from finetune_trainer.optim import build_optimizer, build_scheduler
-from finetune_trainer.parallelize import check_precision, parallelize
+from finetune_trainer.parallelize import check_precision
 from finetune_trainer.report import write_final_report
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
@@ -95,22 +95,7 @@ class Trainer:
 
         tokenizer = build_tokenizer(spec.model)
         self.data = build_dataset(spec.dataset, tokenizer, spec.training.sequence_length)
-        model = build_model(
-            spec.model,
-            spec.method,
-            tokenizer,
-            self.device,
-            activation_checkpointing=job.plan.activation_checkpointing,
-            precision=spec.training.precision,
-        )
-        self.parallel = parallelize(
-            model,
-            job.plan,
-            spec.strategy,
-            self.device,
-            env.local_world_size,
-            precision=spec.training.precision,
-        )
+        self.parallel = load_parallel_model(job, tokenizer, self.device, env.local_world_size)
         self.model = self.parallel.model
         self.total_steps = spec.training.max_steps or math.ceil(
             (spec.training.epochs or 1.0) * len(self.data) / spec.training.global_batch_size

@@ -38,7 +38,8 @@ def trainer_refusals(spec: FineTuneJobSpec, plan: Plan) -> list[str]:
         problems.append(f"spec.method.type: qlora cannot run under {plan.strategy}; use ddp")
     if cpu and spec.model.attention == "flash":
         problems.append("spec.model.attention: flash needs a CUDA GPU; use sdpa")
-    if spec.model.source == "inline" and spec.model.architecture is None:
+    if spec.model.source == "inline" and spec.model.architecture is plan.architecture is None:
+        # The planner resolves catalog names and config.json paths into plan.architecture.
         problems.append("spec.model.architecture: source inline builds the model from it")
     for field, uri in (
         ("spec.checkpoint.uri", spec.checkpoint.uri),

@@ -8,7 +8,12 @@ from typing import Literal
 from pydantic import Field
 
 from finetune_operator.api.base import ApiModel
-from finetune_operator.api.spec import CheckpointingMode, Offload, StrategyName
+from finetune_operator.api.spec import (
+    CheckpointingMode,
+    ModelArchitecture,
+    Offload,
+    StrategyName,
+)
 
 
 class MemoryBreakdown(ApiModel):
@@ -58,3 +63,18 @@ class Plan(ApiModel):
     reason: str = Field(..., description="Why this plan (or why nothing fits).")
     memory: MemoryBreakdown
     candidates_evaluated: int = Field(0, ge=0, description="Configurations the search tried.")
+    load_peak_bytes: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Device bytes per GPU while loading: the rank's parameter shards plus the largest "
+            "module in fp32 (the model is built on meta, sharded, then materialised)."
+        ),
+    )
+    architecture: ModelArchitecture | None = Field(
+        None,
+        description=(
+            "The architecture the planner resolved (spec, catalog or config.json): what the "
+            "trainer builds for an inline model."
+        ),
+    )

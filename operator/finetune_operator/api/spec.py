@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from finetune_operator.api.base import ApiModel
 from finetune_operator.api.constants import DEFAULT_TRAINER_IMAGE
+from finetune_operator.api.storage import StorageSpec
 
 StrategyType = Literal[
     "auto", "ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid"
@@ -64,6 +65,7 @@ class ModelArchitecture(ApiModel):
 
 
 class ModelSpec(ApiModel):
+
     name: str = Field(..., min_length=1, description="HF hub id, catalog name or path.")
     architecture: ModelArchitecture | None = Field(
         None, description="Explicit architecture; looked up in the catalog by name when absent."
@@ -73,7 +75,20 @@ class ModelSpec(ApiModel):
         "hub", description="Where weights come from; inline = random init from architecture."
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    path: str | None = Field(
+        None,
+        description=(
+            "Directory of the Hugging Face model (config.json, *.safetensors) on a mounted "
+            "volume, for source pvc or uri; defaults to name. name stays the catalog/hub id."
+        ),
+    )
     attention: AttentionImpl = Field("sdpa", description="Attention implementation.")
+
+    def weights_location(self) -> str | None:
+        """Where pretrained weights are read from (None: inline, random init)."""
+        if self.source == "inline":
+            return None
+        return self.path or self.name
 
 
 class DatasetSpec(ApiModel):
@@ -260,5 +275,9 @@ class FineTuneJobSpec(ApiModel):
         default_factory=FaultToleranceSpec, description="Restarts, backoff and stragglers."
     )
     output: OutputSpec = Field(default_factory=OutputSpec, description="The trained model.")
+    storage: StorageSpec = Field(
+        default_factory=StorageSpec,
+        description="Volumes mounted into every worker: checkpoints, output, data, weights.",
+    )
     image: str = Field(DEFAULT_TRAINER_IMAGE, description="Trainer image.")
     suspend: bool = Field(False, description="Delete pods, keep checkpoints; false resumes.")

@@ -177,7 +177,7 @@ def resolve_model(model: ModelSpec) -> ModelShape:
     arch = model.architecture
     if arch is None:
         entry = lookup(model.name)
-        arch = entry.architecture if entry else _from_path(model.name)
+        arch = entry.architecture if entry else _from_path(model.path or model.name)
     if arch is None:
         raise PlanningError(
             "spec.model.architecture",

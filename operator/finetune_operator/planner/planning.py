@@ -6,10 +6,12 @@ from dataclasses import replace
 
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.storage import unmounted_paths
 from finetune_operator.planner.architecture import resolve_model
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.planner.explain import explain_choice, explain_refusal
 from finetune_operator.planner.hardware import accelerator_for, host_bytes_per_process
+from finetune_operator.planner.loading import load_peak_bytes
 from finetune_operator.planner.lora import expand_targets
 from finetune_operator.planner.memory import TrainingShape
 from finetune_operator.planner.search import (
@@ -27,6 +29,8 @@ from finetune_operator.planner.search import (
 
 def build_problem(spec: FineTuneJobSpec) -> Problem:
     """Resolve model and device and refuse inputs no configuration could train."""
+    for field, message in unmounted_paths(spec):
+        raise PlanningError(field, message)
     model = resolve_model(spec.model)
     acc = accelerator_for(spec.resources)
     tr, arch = spec.training, model.arch
@@ -159,6 +163,8 @@ def _to_plan(
         reason=reason,
         memory=b,
         candidates_evaluated=evaluated,
+        architecture=p.model.arch,
+        load_peak_bytes=load_peak_bytes(p.model, b.parameters),
     )
 
 

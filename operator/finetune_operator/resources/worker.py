@@ -131,6 +131,9 @@ def _container(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
             tmp_mount,
+            # The job's storage (api/storage.py): where checkpoints, output, data and weights
+            # live, since the root filesystem is read-only.
+            *(mount for _, mount in spec.storage.mounts()),
         ],
     }
     resources = worker_resources(spec, plan)
@@ -168,7 +171,7 @@ def build_worker_pod(
         "subdomain": owner.name,
         "securityContext": pod_security_context(),
         "containers": [_container(owner, spec, plan)],
-        "volumes": _volumes(owner),
+        "volumes": _volumes(owner) + spec.storage.pod_volumes(),
     }
     affinity = merge_node_exclusion(res.affinity, excluded_nodes or [])
     if affinity:

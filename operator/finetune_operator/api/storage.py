@@ -1,0 +1,198 @@
+"""Storage the workers mount: PersistentVolumeClaims by name (the shorthand) and the general
+Kubernetes `volumes`/`volumeMounts` shapes, and the rule that every absolute path the job reads
+or writes lies on one of them.
+
+The root filesystem of a worker is read-only and its /tmp dies with the pod, so checkpoints,
+the exported model, the dataset and pretrained weights live on a declared volume (or, for
+relative paths, under the container's working directory, which only the local cluster shares
+between pods). Checkpoints and output are written by every worker: their claim must be
+ReadWriteMany (NFS, CephFS, Filestore, EFS, Azure Files...)."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, field_validator, model_validator
+
+from finetune_operator.api.base import ApiModel
+
+if TYPE_CHECKING:
+    from finetune_operator.api.spec import FineTuneJobSpec
+
+# Paths the worker pod builder mounts itself (resources/worker.py): a user volume may not
+# shadow them or sit inside them.
+RESERVED_MOUNTS = ("/etc/finetune", "/dev/shm", "/tmp", "/dev/termination-log")
+CLAIM_VOLUME_PREFIX = "claim-"
+
+
+class ClaimMount(ApiModel):
+    """Shorthand: mount a PersistentVolumeClaim of the job's namespace into every worker."""
+
+    claim_name: str = Field(..., min_length=1, description="PersistentVolumeClaim name.")
+    mount_path: str = Field(..., min_length=1, description="Absolute path in the workers.")
+    read_only: bool = Field(False, description="Mount read-only (weights, datasets).")
+    sub_path: str | None = Field(None, description="Mount only this directory of the volume.")
+
+
+class VolumeMount(ApiModel):
+    """A core/v1 VolumeMount of the trainer container."""
+
+    name: str = Field(..., min_length=1, description="A volume of storage.volumes.")
+    mount_path: str = Field(..., min_length=1, description="Absolute path in the workers.")
+    read_only: bool = Field(False, description="Mount read-only.")
+    sub_path: str | None = Field(None, description="Mount only this path of the volume.")
+
+
+class StorageSpec(ApiModel):
+    claims: list[ClaimMount] = Field(
+        default_factory=list,
+        description=(
+            "PersistentVolumeClaims to mount into every worker (ReadWriteMany for checkpoints "
+            "and output, which every worker writes)."
+        ),
+    )
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="core/v1 Volumes of the worker pods (as in a pod spec), each with a name.",
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list,
+        description="core/v1 VolumeMounts of the trainer container, naming storage.volumes.",
+    )
+
+    @field_validator("volumes")
+    @classmethod
+    def _named(cls, volumes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, volume in enumerate(volumes):
+            name = volume.get("name")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"storage.volumes[{i}] needs a name")
+            if name.startswith(CLAIM_VOLUME_PREFIX):
+                raise ValueError(
+                    f"storage.volumes[{i}].name {name!r}: the prefix {CLAIM_VOLUME_PREFIX!r} is "
+                    "reserved for storage.claims"
+                )
+        return volumes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StorageSpec:
+        names = [str(v["name"]) for v in self.volumes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"storage.volumes: duplicate names {dupes}")
+        for i, mount in enumerate(self.volume_mounts):
+            if mount.name not in names:
+                raise ValueError(
+                    f"storage.volumeMounts[{i}].name {mount.name!r} is not in storage.volumes"
+                )
+        paths = [("claims", i, c.mount_path) for i, c in enumerate(self.claims)] + [
+            ("volumeMounts", i, m.mount_path) for i, m in enumerate(self.volume_mounts)
+        ]
+        seen: dict[str, str] = {}
+        for field, i, path in paths:
+            where = f"storage.{field}[{i}].mountPath"
+            problem = mount_path_problem(path)
+            if problem:
+                raise ValueError(f"{where} {path!r}: {problem}")
+            if path.rstrip("/") in seen:
+                raise ValueError(f"{where} {path!r} is also {seen[path.rstrip('/')]}")
+            seen[path.rstrip("/")] = where
+        return self
+
+    def mounts(self) -> list[tuple[str, dict[str, Any]]]:
+        """(mount path, core/v1 VolumeMount) of every declared mount, claims first."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        for i, claim in enumerate(self.claims):
+            mount: dict[str, Any] = {
+                "name": claim_volume_name(i),
+                "mountPath": claim.mount_path,
+                "readOnly": claim.read_only,
+            }
+            if claim.sub_path:
+                mount["subPath"] = claim.sub_path
+            out.append((claim.mount_path, mount))
+        out += [(m.mount_path, m.to_json_dict()) for m in self.volume_mounts]
+        return out
+
+    def pod_volumes(self) -> list[dict[str, Any]]:
+        """The core/v1 Volumes of the worker pod: one per claim, then storage.volumes."""
+        claims = [
+            {
+                "name": claim_volume_name(i),
+                "persistentVolumeClaim": {"claimName": c.claim_name, "readOnly": c.read_only},
+            }
+            for i, c in enumerate(self.claims)
+        ]
+        return claims + [dict(v) for v in self.volumes]
+
+
+def claim_volume_name(index: int) -> str:
+    return f"{CLAIM_VOLUME_PREFIX}{index}"
+
+
+def mount_path_problem(path: str) -> str | None:
+    p = PurePosixPath(path)
+    if not p.is_absolute():
+        return "must be an absolute path"
+    if ".." in p.parts:
+        return "must not contain '..'"
+    if p == PurePosixPath("/"):
+        return "cannot be the root directory"
+    for reserved in RESERVED_MOUNTS:
+        r = PurePosixPath(reserved)
+        if p == r or r in p.parents or p in r.parents:
+            return f"overlaps {reserved}, which the worker pod mounts itself"
+    return None
+
+
+def local_path(uri: str) -> str | None:
+    """The filesystem path a URI names in a worker (file:// or a plain path), else None
+    (object stores, hub ids, builtin://)."""
+    if uri.startswith("file://"):
+        return uri.removeprefix("file://")
+    if "://" in uri:
+        return None
+    return uri
+
+
+def mount_for(path: str, storage: StorageSpec) -> tuple[str, bool] | None:
+    """(mount path, read-only) of the declared mount `path` lies under, the deepest one."""
+    p = PurePosixPath(path)
+    best: tuple[str, bool] | None = None
+    for mount_path, mount in storage.mounts():
+        m = PurePosixPath(mount_path)
+        if (p == m or m in p.parents) and (best is None or len(mount_path) > len(best[0])):
+            best = (mount_path, bool(mount.get("readOnly", False)))
+    return best
+
+
+def unmounted_paths(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
+    """(field, reason) for each absolute path of the job that lies on no declared mount, or
+    that the job writes through a read-only one. Relative paths resolve against the working
+    directory and are not confined here; object-store URIs are not paths."""
+    paths: list[tuple[str, str, bool]] = [
+        ("spec.checkpoint.uri", spec.checkpoint.uri, True),
+        ("spec.output.uri", spec.output.uri or "", True),
+        ("spec.dataset.uri", spec.dataset.uri, False),
+    ]
+    if spec.model.source in ("pvc", "uri"):
+        field = "spec.model.path" if spec.model.path else "spec.model.name"
+        paths.append((field, spec.model.weights_location() or "", False))
+    problems: list[tuple[str, str]] = []
+    for field, uri, written in paths:
+        path = local_path(uri)
+        if path is None or not path.startswith("/"):
+            continue
+        found = mount_for(path, spec.storage)
+        if found is None:
+            declared = [m for m, _ in spec.storage.mounts()] or "none"
+            problems.append((field, (
+                f"{uri!r} is not under a mounted volume (declared mounts: {declared}); the "
+                "worker's root filesystem is read-only and its own disk dies with the pod: add "
+                "spec.storage.claims (a ReadWriteMany PersistentVolumeClaim) or "
+                "spec.storage.volumes and volumeMounts"
+            )))
+        elif written and found[1]:
+            problems.append((field, f"{uri!r} is written but {found[0]} is mounted read-only"))
+    return problems

@@ -1,0 +1,113 @@
+"""Storage in the API (api/storage.py): claims and core volumes mounted into every worker,
+and absolute paths confined to them, refused at plan time naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from pydantic import ValidationError
+
+from finetune_operator.api.manifest import load_manifest
+from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.storage import StorageSpec, unmounted_paths
+from finetune_operator.planner import PlanningError, plan_job
+from finetune_operator.resources import Owner, build_worker_pod, desired_objects
+from tests.operator.factories import REPO, make_plan, quickstart_raw
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+SHARED = {"claims": [{"claimName": "shared", "mountPath": "/shared"}]}
+
+
+def spec_with(**sections: Any) -> FineTuneJobSpec:
+    raw = quickstart_raw()
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return FineTuneJobSpec.model_validate(raw)
+
+
+@pytest.mark.parametrize(
+    ("storage", "message"),
+    [
+        ({"claims": [{"claimName": "c", "mountPath": "data"}]}, "must be an absolute path"),
+        ({"claims": [{"claimName": "c", "mountPath": "/tmp/x"}]}, "overlaps /tmp"),
+        ({"claims": [{"claimName": "c", "mountPath": "/etc"}]}, "overlaps /etc/finetune"),
+        ({"claims": [{"claimName": "c", "mountPath": "/a/../b"}]}, "must not contain '..'"),
+        ({"claims": [{"claimName": "c", "mountPath": "/a"}, {"claimName": "d", "mountPath": "/a/"}]},
+         r"is also storage.claims\[0\].mountPath"),
+        ({"volumes": [{"emptyDir": {}}]}, r"storage.volumes\[0\] needs a name"),
+        ({"volumes": [{"name": "v", "emptyDir": {}}, {"name": "v", "emptyDir": {}}]},
+         "duplicate names"),
+        ({"volumes": [{"name": "claim-0", "emptyDir": {}}]}, "reserved for storage.claims"),
+        ({"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}, "is not in storage.volumes"),
+    ],
+    ids=["relative", "tmp", "etc", "dotdot", "same-path", "unnamed", "duplicate", "prefix",
+         "unknown-volume"],
+)  # fmt: skip
+def test_invalid_storage_is_refused_naming_the_field(storage: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        StorageSpec.model_validate(storage)
+
+
+@pytest.mark.parametrize(
+    ("sections", "fields"),
+    [
+        ({}, []),  # relative paths: the working directory
+        ({"checkpoint": {"uri": "/shared/ckpt"}, "storage": SHARED}, []),
+        ({"checkpoint": {"uri": "s3://bucket/ckpt"}}, []),
+        ({"checkpoint": {"uri": "/ckpt"}}, ["spec.checkpoint.uri"]),
+        ({"checkpoint": {"uri": "/sharedx/ckpt"}, "storage": SHARED}, ["spec.checkpoint.uri"]),
+        ({"output": {"uri": "file:///out"}, "dataset": {"uri": "/d.jsonl"}},
+         ["spec.output.uri", "spec.dataset.uri"]),
+        ({"model": {"source": "pvc", "path": "/models/m"}}, ["spec.model.path"]),
+        ({"model": {"source": "pvc", "name": "/shared/m", "architecture": None},
+          "storage": SHARED}, []),
+        ({"checkpoint": {"uri": "/ro/ckpt"}, "dataset": {"uri": "/ro/d.jsonl"},
+          "storage": {"claims": [{"claimName": "c", "mountPath": "/ro", "readOnly": True}]}},
+         ["spec.checkpoint.uri"]),
+    ],
+    ids=["relative", "under-claim", "object-store", "unmounted", "prefix-is-not-parent",
+         "output-and-dataset", "model-path", "model-name-path", "read-only-written"],
+)  # fmt: skip
+def test_absolute_paths_must_lie_on_a_declared_mount(sections: dict[str, Any],
+                                                     fields: list[str]) -> None:
+    assert [field for field, _ in unmounted_paths(spec_with(**sections))] == fields
+
+
+def test_plan_refuses_an_unmounted_path_naming_the_field() -> None:
+    with pytest.raises(PlanningError) as err:
+        plan_job(spec_with(checkpoint={"uri": "/checkpoints/q"}))
+    assert err.value.field == "spec.checkpoint.uri" and "not under a mounted volume" in str(err.value)
+
+
+def test_worker_mounts_claims_and_volumes_and_stays_valid(owner: Owner) -> None:
+    spec = spec_with(storage={
+        **SHARED,
+        "volumes": [{"name": "weights", "nfs": {"server": "nfs.local", "path": "/exports/m"}}],
+        "volumeMounts": [{"name": "weights", "mountPath": "/weights", "readOnly": True}],
+    })  # fmt: skip
+    pod = build_worker_pod(owner, spec, make_plan(), 0)
+    kubernetes_validate.validate(pod, "1.32", strict=True)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["claim-0"]["persistentVolumeClaim"] == {"claimName": "shared", "readOnly": False}
+    assert volumes["weights"]["nfs"]["server"] == "nfs.local"
+    mounts = {m["mountPath"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["/shared"]["name"] == "claim-0" and mounts["/weights"]["readOnly"] is True
+    assert pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_plans_and_its_pods_validate_with_their_volumes(path: Path,
+                                                                      owner: Owner) -> None:
+    spec = load_manifest(path).spec
+    assert unmounted_paths(spec) == []
+    plan = plan_job(spec)
+    objects = desired_objects(owner, spec, plan, [])
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.32", strict=True)
+    worker = next(o for o in objects if o["metadata"]["name"].endswith("-worker-0"))
+    declared = {p for p, _ in spec.storage.mounts()}
+    mounted = {m["mountPath"] for m in worker["spec"]["containers"][0]["volumeMounts"]}
+    assert declared <= mounted

@@ -1,0 +1,68 @@
+"""Build, shard and materialise the job's model: the order that keeps every rank's load peak
+at its shards plus one module (DESIGN.md §6, loading at scale).
+
+1. build on the meta device (finetune_trainer.model.build_meta_model): shapes only;
+2. sharded strategies: wrap first (`fully_shard` on meta tensors only records the sharding),
+   then materialise, so each rank allocates and fills only its shards;
+3. DDP: materialise first (a full replica per rank is what DDP is), then wrap.
+QLoRA's base is quantised while loading and arrives materialised."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer.materialize import materialize
+from finetune_trainer.model import build_meta_model, is_meta, weights_dir
+from finetune_trainer.parallelize import Parallel, parallelize
+
+
+def shards_parameters(strategy: str) -> bool:
+    """Whether the strategy's wrapper accepts meta tensors and shards them (FSDP2)."""
+    return strategy != "ddp"
+
+
+def load_parallel_model(
+    job: JobConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+    local_world_size: int,
+) -> Parallel:
+    spec = job.spec
+    model = build_meta_model(
+        spec.model,
+        spec.method,
+        tokenizer,
+        device,
+        # One resolution: the planner's (catalog, config.json or spec) travels in the plan.
+        architecture=spec.model.architecture or job.plan.architecture,
+        activation_checkpointing=job.plan.activation_checkpointing,
+        precision=spec.training.precision,
+    )
+    seed = spec.training.seed
+    # FSDP2's CPUOffloadPolicy wants its shards on the host from the start (they move to the
+    # GPU per unit while computing), so they are materialised there.
+    # (the condition of parallelize._offload_policy)
+    offloaded = spec.strategy.offload == "cpu" and device.type == "cuda"
+    init_device = torch.device("cpu") if offloaded else device
+
+    def fill(m: nn.Module) -> None:
+        if is_meta(m):
+            materialize(m, init_device, seed=seed, weights=weights_dir(spec.model))
+
+    sharded = shards_parameters(job.plan.strategy)
+    if not sharded:
+        fill(model)
+    parallel = parallelize(
+        model,
+        job.plan,
+        spec.strategy,
+        device,
+        local_world_size,
+        precision=spec.training.precision,
+    )
+    if sharded:
+        fill(parallel.model)
+    return parallel
