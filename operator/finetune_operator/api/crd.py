@@ -24,6 +24,7 @@ from finetune_operator.api.constants import (
     SINGULAR,
     VERSION,
 )
+from finetune_operator.api.limits import MAX_MICRO_BATCH
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
 
@@ -83,8 +84,8 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
 
 # int | "auto" fields: structural schemas allow exactly this one union.
 INT_OR_AUTO_RULE = {
-    "rule": "type(self) == int ? self >= 1 : self == 'auto'",
-    "message": "must be an integer >= 1 or 'auto'",
+    "rule": f"type(self) == int ? self >= 1 && self <= {MAX_MICRO_BATCH} : self == 'auto'",
+    "message": f"must be an integer from 1 to {MAX_MICRO_BATCH} or 'auto'",
 }
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
@@ -161,7 +162,8 @@ def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
         out["items"] = _convert(node.get("items", {}), defs) if node.get("items") else {}
         if out["items"] == {}:
             out["items"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-    for key in ("minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "pattern"):
+    bounds = ("minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems")
+    for key in (*bounds, "minProperties", "maxProperties", "pattern"):
         if key in node:
             out[key] = node[key]
     # JSON Schema 2020-12 exclusive bounds are numbers; OpenAPI 3.0's are booleans.

@@ -19,6 +19,7 @@ from finetune_operator.api.constants import (
     rendezvous_name,
     worker_name,
 )
+from finetune_operator.api.limits import MAX_NODES
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
@@ -30,8 +31,8 @@ PlanFn = Callable[[FineTuneJobSpec], Plan]
 PLANNER_MODULE = "finetune_operator.planner"
 # DNS-1035 label limit for Services (`<job>`, `<job>-rdzv`) and pod hostnames.
 MAX_LABEL = 63
-# Worker hostnames end in -worker-<i>; two-digit indices (`-worker-63`) budget the suffix.
-MAX_JOB_NAME = MAX_LABEL - len(worker_name("", 63))
+# Worker hostnames end in -worker-<i>: the widest index the API allows budgets the suffix.
+MAX_JOB_NAME = MAX_LABEL - len(worker_name("", MAX_NODES - 1))
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def _check_name(job: JobRef) -> str | None:
     if len(job.name) > MAX_JOB_NAME:
         return (
             f"metadata.name is {len(job.name)} characters; at most {MAX_JOB_NAME} fit in the "
-            f"Service and pod host names ({rendezvous_name('<name>')}, {worker_name('<name>', 63)})"
+            f"Service and pod host names ({rendezvous_name('<name>')}, {worker_name('<name>', MAX_NODES - 1)})"
         )
     return None
 
