@@ -35,14 +35,28 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("field", "value", "expected_path", "expected_reason"),
     [
-        ("spec.method.type", "dpo", "spec.method.type", "'full', 'lora' or 'qlora'"),
-        ("spec.resources.minNodes", 5, "spec.resources", "minNodes (5) must be <= "),
+        # Worded as the API server words them (kubectl apply shows the same).
+        ("spec.method.type", "dpo", "spec.method.type", '"full", "lora", "qlora"'),
+        ("spec.resources.minNodes", 5, "spec.resources.minNodes", "must be <= maxNodes"),
         ("spec.training.sequenceLength", 4, "spec.training.sequenceLength", "greater than or equal"),
         ("spec.training.microBatchSize", "big", "spec.training.microBatchSize", "auto"),
         ("spec.strategy.type", "zero4", "spec.strategy.type", "zero3"),
         ("spec.training.learningRate", -1, "spec.training.learningRate", "greater than 0"),
-        ("spec.resources.gpuz", 1, "spec.resources.gpuz", "Extra inputs are not permitted"),
-        ("spec.model.architecture.numKeyValueHeads", 3, "spec.model.architecture", "must divide"),
+        ("spec.resources.gpuz", 1, "spec.resources.gpuz", "unknown field"),
+        ("spec.training.sequence_length", 64, "spec.training.sequence_length", "unknown field"),
+        ("spec.training.learningRate", float("inf"), "spec.training.learningRate", "NaN or inf"),
+        ("spec.training.maxSteps", 10**9, "spec.training.maxSteps", "less than or equal"),
+        ("metadata", "job", "metadata", "must be an object"),
+        ("metadata", ["job"], "metadata", "must be an object"),
+        ("metadata.name", "job\n", "metadata.name", "RFC 1123"),
+        ("metadata.name", "Job", "metadata.name", "RFC 1123"),
+        ("metadata.namespace", "a.b", "metadata.namespace", "RFC 1123"),
+        (
+            "spec.model.architecture.numKeyValueHeads",
+            3,
+            "spec.model.architecture.numKeyValueHeads",
+            "must divide",
+        ),
     ],
 )
 def test_invalid_manifest_names_field(

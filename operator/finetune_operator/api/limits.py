@@ -65,3 +65,8 @@ MAX_URI_LENGTH: Final = 4096  # PATH_MAX
 MAX_IMAGE_LENGTH: Final = 4096  # distribution's reference limit is 255 per name + tag/digest
 MAX_SHORT_STRING: Final = 256  # quantities, model types, field names, revisions
 MAX_LIST_ITEMS: Final = 256  # tolerations, pull secrets, selector entries
+
+# --- the manifest itself (ftjob plan; etcd stores at most 1.5 MiB per object) ---------------
+MAX_MANIFEST_BYTES: Final = 2**20
+MAX_MANIFEST_VALUES: Final = 100_000  # after YAML aliases are expanded
+MAX_NESTING: Final = 64  # a FineTuneJob's deepest field (affinity terms) is ~10 levels down

@@ -110,7 +110,7 @@ class ObjectService:
         if not name:
             raise invalid(rtype, "", [("metadata.name", "Required value: name or generateName is required")])
         rule = _LABEL if rtype.kind in ("Service", "Namespace") else _NAME
-        if not isinstance(name, str) or len(name) > (63 if rule is _LABEL else 253) or not rule.match(name):
+        if not isinstance(name, str) or len(name) > (63 if rule is _LABEL else 253) or not rule.fullmatch(name):
             raise invalid(rtype, str(name), [("metadata.name", f'Invalid value: "{name}": a lowercase '
                                               "RFC 1123 name must consist of lower case alphanumeric "
                                               "characters, '-' or '.'")])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune_operator.local.apischema import CustomResourceSchema
+from finetune_operator.api.schema_validation import CustomResourceSchema
 
 ALL_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 
