@@ -51,6 +51,9 @@ REASON_RESTARTING: Final = "Restarting"
 REASON_SUSPENDED: Final = "Suspended"
 REASON_COMPLETED: Final = "Completed"
 REASON_BACKOFF_LIMIT_EXCEEDED: Final = "BackoffLimitExceeded"
+# The trainer refused its configuration at start (e.g. a checkpoint or output directory that
+# belongs to another job): restarting would refuse again, so the job fails at once.
+REASON_TRAINER_REFUSED: Final = "TrainerRefused"
 REASON_ALL_WORKERS_READY: Final = "AllWorkersReady"
 REASON_WORKERS_NOT_READY: Final = "WorkersNotReady"
 REASON_NO_STRAGGLER: Final = "NoStraggler"

@@ -9,6 +9,7 @@ object the operator would receive.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -28,13 +29,25 @@ from finetune_operator.api.schema_validation import CustomResourceSchema
 from finetune_operator.api.spec import FineTuneJobSpec
 
 
+def _show_path(path: str) -> str:
+    """A field path for one line of output: quoted and escaped when a key holds spaces,
+    control characters, quotes or colons (a manifest can use any string as a key)."""
+    if not path:
+        return "file"
+    if all(char.isprintable() and not char.isspace() and char not in ':"' for char in path):
+        return path
+    return json.dumps(path)
+
+
 class ManifestError(ValueError):
     """An invalid manifest: `problems` lists (field path, reason) pairs."""
 
     def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
         self.source = source
         self.problems = problems
-        lines = "\n".join(f"  {path or 'file'}: {reason}" for path, reason in problems)
+        lines = "\n".join(
+            f"  {_show_path(path)}: " + reason.replace("\n", "\n    ") for path, reason in problems
+        )
         super().__init__(f"{source} is not a valid {KIND}:\n{lines}")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StringConstraints, model_validator
+from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from finetune_operator.api import limits as lim
 from finetune_operator.api.base import ApiModel
@@ -25,6 +25,19 @@ OptimizerName = Literal["adamw", "adamw8bit", "sgd"]
 # Structural CRD schemas cannot say "boolean or string", so checkpointing is an enum.
 CheckpointingMode = Literal["auto", "none", "full"]
 AttentionImpl = Literal["sdpa", "flash", "eager"]
+
+
+def refuse_parent_segments(uri: str | None, field: str) -> str | None:
+    """A storage URI must not climb out of where it points with `..` segments (checkpoint,
+    output and dataset directories of one job must not reach another's). Absolute paths stay
+    legal: confining them to the job's declared volumes is the volumes feature's job."""
+    if uri is not None and ".." in uri.split("://", 1)[-1].split("/"):
+        raise ValueError(f"{field} {uri!r} must not contain '..' path segments")
+    return uri
+
+
+# The CRD's CEL twin of refuse_parent_segments (api/crd.py), so the API server refuses too.
+NO_PARENT_SEGMENTS_RULE = "!self.matches('(^|/)[.][.](/|$)')"
 
 
 class SpecModel(ApiModel):
@@ -128,6 +141,11 @@ class DatasetSpec(SpecModel):
         None, max_length=lim.MAX_SHORT_STRING, description="Field holding chat messages."
     )
     packing: bool = Field(True, description="Pack samples into full-length sequences.")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_stays_put(cls, uri: str) -> str:
+        return refuse_parent_segments(uri, "dataset.uri") or uri
 
 
 class LoraSpec(SpecModel):
@@ -315,6 +333,11 @@ class CheckpointSpec(SpecModel):
     )
     async_: bool = Field(True, alias="async", description="Save in the background (DCP async).")
 
+    @field_validator("uri")
+    @classmethod
+    def _uri_stays_put(cls, uri: str) -> str:
+        return refuse_parent_segments(uri, "checkpoint.uri") or uri
+
 
 class StragglerSpec(SpecModel):
     enabled: bool = Field(True, description="Detect stragglers.")
@@ -355,6 +378,11 @@ class OutputSpec(SpecModel):
     )
     format: Literal["hf-safetensors"] = Field("hf-safetensors", description="Output format.")
     merge_lora: bool = Field(False, description="Merge adapters into the base weights.")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_stays_put(cls, uri: str | None) -> str | None:
+        return refuse_parent_segments(uri, "output.uri")
 
 
 class FineTuneJobSpec(SpecModel):

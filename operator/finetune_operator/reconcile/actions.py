@@ -9,7 +9,6 @@ from typing import Any
 
 from finetune_operator.api.constants import (
     ANNOTATION_RESTART_ATTEMPT,
-    REASON_BACKOFF_LIMIT_EXCEEDED,
     REASON_COMPLETED,
     REASON_INVALID_SPEC,
     REASON_RESTARTING,
@@ -135,7 +134,7 @@ def decide_actions(
         return Actions(delete=_deletions(leftovers, REASON_COMPLETED))
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
-        Mode.FAILED: REASON_BACKOFF_LIMIT_EXCEEDED,
+        Mode.FAILED: a.failure_reason,
         Mode.INVALID: ev.failure_reason or REASON_INVALID_SPEC,
     }[a.mode]
     return Actions(delete=_deletions(a.live_pods, reason))

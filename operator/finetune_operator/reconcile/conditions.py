@@ -24,6 +24,7 @@ from finetune_operator.api.constants import (
     REASON_RESTARTING,
     REASON_RUNNING,
     REASON_SUSPENDED,
+    REASON_TRAINER_REFUSED,
     REASON_UNSUPPORTED,
 )
 from finetune_operator.api.status import Condition
@@ -36,6 +37,7 @@ WARNING_REASONS = frozenset(
     {
         REASON_RESTARTING,
         REASON_BACKOFF_LIMIT_EXCEEDED,
+        REASON_TRAINER_REFUSED,
         REASON_INVALID_SPEC,
         REASON_PLAN_INFEASIBLE,
         REASON_UNSUPPORTED,
