@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
+from finetune_operator.api.constants import DEFAULT_TRAINER_IMAGE
 from finetune_operator.api.crd import render_crd_yaml
 from finetune_operator.api.manifest import ManifestError, load_manifest
+from finetune_operator.api.policy import JobPolicy
 
 
 def _cmd_crd(_: argparse.Namespace) -> int:
@@ -52,6 +55,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
 
 
+def job_policy(args: argparse.Namespace) -> JobPolicy:
+    """The operator's job policy from its flags: by default only the trainer image and the
+    trainer ServiceAccount (or none: the namespace's default, without its token)."""
+    return JobPolicy(
+        trainer_image=args.trainer_image,
+        allowed_images=tuple(args.allowed_image or ()),
+        trainer_service_account=args.trainer_service_account or None,
+        allowed_service_accounts=tuple(args.allowed_service_account or ()),
+        network_policy=args.network_policy,
+        operator_namespace=os.environ.get("POD_NAMESPACE") or None,
+        monitoring_namespaces=tuple(args.monitoring_namespace or ()),
+    )
+
+
 def _cmd_operator(args: argparse.Namespace) -> int:
     from finetune_operator.handlers import run_operator
 
@@ -61,6 +78,7 @@ def _cmd_operator(args: argparse.Namespace) -> int:
         liveness=args.liveness,
         peering=None if args.standalone else args.peering,
         metrics_port=args.metrics_port,
+        policy=job_policy(args),
     )
     return 0
 
@@ -99,6 +117,37 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--peering", default=None, help="kopf peering name (leader election)")
     op.add_argument("--standalone", action="store_true", help="no peering, no leader election")
     op.add_argument("--metrics-port", type=int, default=9090, help="operator /metrics port")
+    pol = op.add_argument_group("job policy (what FineTuneJobs may ask for)")
+    pol.add_argument(
+        "--trainer-image", default=DEFAULT_TRAINER_IMAGE, help="image of jobs with no spec.image"
+    )
+    pol.add_argument(
+        "--allowed-image",
+        action="append",
+        metavar="GLOB",
+        help="another image jobs may name (repeat; '*' allows any); the trainer image always",
+    )
+    pol.add_argument(
+        "--trainer-service-account", default="", help="ServiceAccount of jobs that name none"
+    )
+    pol.add_argument(
+        "--allowed-service-account",
+        action="append",
+        metavar="GLOB",
+        help="another ServiceAccount jobs may name (repeat; '*' allows any)",
+    )
+    pol.add_argument(
+        "--network-policy",
+        action="store_true",
+        help="create a NetworkPolicy per job: ingress only from its own pods, metrics only "
+        "from the operator's namespace and --monitoring-namespace",
+    )
+    pol.add_argument(
+        "--monitoring-namespace",
+        action="append",
+        metavar="NS",
+        help="namespace whose pods may scrape trainer metrics (repeat)",
+    )
     op.set_defaults(func=_cmd_operator)
     return parser
 

@@ -28,6 +28,7 @@ from finetune_operator.api.constants import (
     PLURAL,
     VERSION,
 )
+from finetune_operator.api.policy import JobPolicy
 from finetune_operator.reconcile import (
     JobRef,
     Outcome,
@@ -195,6 +196,7 @@ async def _reconcile(
                 planner=memo["planner"],
                 deleted_uids=state.deleted_uids,
                 ensured_generation=state.ensured_generation,
+                policy=memo.get("policy"),
             )  # fmt: skip
             cluster: ClusterApi = memo["cluster"]
             result = await cluster.apply(job.namespace, out.actions)
@@ -243,6 +245,7 @@ async def operate(
     peering: str | None = None,
     metrics_port: int | None = None,
     planner: Any = None,
+    policy: JobPolicy | None = None,
     ready_flag: asyncio.Event | threading.Event | None = None,
     stop_flag: asyncio.Event | threading.Event | None = None,
 ) -> None:
@@ -250,8 +253,11 @@ async def operate(
 
     namespaces None watches all namespaces. peering None runs standalone (no leader election);
     a name joins the KopfPeering/ClusterKopfPeering of that name, so only one replica acts.
+    policy None allows every image and ServiceAccount (api.policy.JobPolicy()).
     """
-    memo = kopf.Memo(kubeconfig=kubeconfig, metrics_port=metrics_port, planner=planner)
+    memo = kopf.Memo(
+        kubeconfig=kubeconfig, metrics_port=metrics_port, planner=planner, policy=policy
+    )
     if kubeconfig is not None:
         memo["cluster"] = ClusterApi(load_api_client(kubeconfig))
     await kopf.operator(
@@ -278,6 +284,7 @@ def run_operator(
     peering: str | None = None,
     metrics_port: int | None = None,
     kubeconfig: str | None = None,
+    policy: JobPolicy | None = None,
 ) -> None:
     """Blocking entry point (`ftjob operator`): see `operate` for the arguments."""
     chosen = list(namespaces or ()) + ([namespace] if namespace else [])
@@ -288,5 +295,6 @@ def run_operator(
             liveness=liveness,
             peering=peering,
             metrics_port=metrics_port,
+            policy=policy,
         )
     )

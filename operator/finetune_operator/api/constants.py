@@ -45,6 +45,7 @@ REASON_PLAN_FITS: Final = "PlanFits"
 REASON_PLAN_INFEASIBLE: Final = "PlanInfeasible"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_UNSUPPORTED: Final = "Unsupported"  # valid, but not implemented by this trainer
+REASON_NOT_ALLOWED: Final = "NotAllowed"  # valid, but outside the operator's job policy
 REASON_PENDING: Final = "Pending"
 REASON_RUNNING: Final = "Running"
 REASON_RESTARTING: Final = "Restarting"

@@ -8,7 +8,6 @@ from pydantic import ConfigDict, Field, StringConstraints, field_validator, mode
 
 from finetune_operator.api import limits as lim
 from finetune_operator.api.base import ApiModel
-from finetune_operator.api.constants import DEFAULT_TRAINER_IMAGE
 
 StrategyType = Literal[
     "auto", "ddp", "zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid"
@@ -288,7 +287,15 @@ class ResourcesSpec(SpecModel):
         default_factory=list, max_length=lim.MAX_LIST_ITEMS
     )
     service_account_name: str | None = Field(
-        None, max_length=lim.MAX_NAME_LENGTH, description="ServiceAccount of the pods."
+        None,
+        max_length=lim.MAX_NAME_LENGTH,
+        description="ServiceAccount of the pods; default: the operator's trainer ServiceAccount. "
+        "Must be one the operator allows (chart value policy.allowedServiceAccounts).",
+    )
+    automount_service_account_token: bool = Field(
+        False,
+        description="Mount the ServiceAccount's API token into the pods. Off: trainers never "
+        "talk to the Kubernetes API, so a compromised trainer gets no credentials.",
     )
 
     @model_validator(mode="after")
@@ -403,10 +410,11 @@ class FineTuneJobSpec(SpecModel):
         default_factory=FaultToleranceSpec, description="Restarts, backoff and stragglers."
     )
     output: OutputSpec = Field(default_factory=OutputSpec, description="The trained model.")
-    image: str = Field(
-        DEFAULT_TRAINER_IMAGE,
+    image: str | None = Field(
+        None,
         min_length=1,
         max_length=lim.MAX_IMAGE_LENGTH,
-        description="Trainer image.",
+        description="Trainer image; default: the operator's (chart value trainer.image). "
+        "Must match the operator's allowed images (chart value policy.allowedImages).",
     )
     suspend: bool = Field(False, description="Delete pods, keep checkpoints; false resumes.")

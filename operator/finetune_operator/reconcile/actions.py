@@ -82,7 +82,9 @@ def _active(
     assert ev.spec is not None and ev.plan is not None
     ensure: tuple[dict[str, Any], ...] = ()
     if ensured_generation != ev.job.generation:
-        ensure = tuple(build_shared_objects(ev.job.owner, ev.spec, ev.plan))
+        ensure = tuple(
+            build_shared_objects(ev.job.owner, ev.spec, ev.plan, network_policy=ev.network_policy)
+        )
     surplus = [p for i, p in a.workers.items() if i >= ev.plan.nodes]
     deletes = _deletions(a.replace_now, REASON_RESTARTING) + _deletions(surplus, REASON_COMPLETED)
     # A slot being replaced is still occupied this round; its pod is created on the next pass,
