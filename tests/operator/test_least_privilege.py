@@ -142,3 +142,20 @@ def test_network_policy_is_a_shared_object_only_when_the_policy_asks() -> None:
     )  # fmt: skip
     kinds = [o["kind"] for o in out.actions.ensure]
     assert "NetworkPolicy" in kinds
+
+
+def test_cluster_api_creates_and_updates_the_network_policy(tmp_path: Any) -> None:
+    import asyncio
+
+    from finetune_operator.local.cluster import LocalCluster
+    from finetune_operator.reconcile.apply import ClusterApi, load_api_client
+
+    owner = Owner(name="qs", namespace="default", uid="uid-1")
+    with LocalCluster(tmp_path, kubelet=False) as cluster:
+        api = ClusterApi(load_api_client(str(cluster.kubeconfig_path)))
+        first = build_network_policy(owner, 1, ["ops"])
+        second = build_network_policy(owner, 2, ["ops", "monitoring"])
+        assert asyncio.run(api.ensure(first)) is True
+        assert asyncio.run(api.ensure(second)) is False  # updated in place
+        stored = api.networking.read_namespaced_network_policy("qs-network", "default")
+        assert [p.port for p in stored.spec.ingress[1].ports] == [9400, 9401]
