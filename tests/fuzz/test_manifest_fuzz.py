@@ -79,11 +79,11 @@ def assert_clean_plan(status: int, err: str) -> None:
 
 
 def create(api_url: str, doc: Any) -> tuple[int, dict[str, Any]]:
-    """POST the document as JSON, as kubectl would (NaN/inf written as the invalid JSON
-    literals Python emits: a real API server refuses them with 400)."""
+    """POST the document as JSON, as kubectl would: with fieldValidation=Strict (its default),
+    NaN/inf written as the invalid JSON literals Python emits (a real server refuses them)."""
     body = json.dumps(doc).encode()
     request = urllib.request.Request(
-        f"{api_url}/apis/{API_VERSION}/namespaces/default/{PLURAL}",
+        f"{api_url}/apis/{API_VERSION}/namespaces/default/{PLURAL}?fieldValidation=Strict",
         data=body,
         method="POST",
         headers={"Content-Type": "application/json"},
