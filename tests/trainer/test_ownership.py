@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import Proc, free_port, make_job, standalone_args, tail, trainer_env, write_job
 
+from finetune_operator.reconcile.progress import parse_trainer_error
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.export import FINISHED_MARKER
 from finetune_trainer.ownership import (
@@ -83,3 +85,28 @@ def test_output_holding_anything_else_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StorageRefusedError, match="not a directory"):
         check_output_target(tmp_path / "file", JOB_A, FINISHED_MARKER)
     assert (user / "thesis.tex").read_text() == "years of work"
+
+
+@pytest.mark.slow
+def test_the_trainer_refuses_another_jobs_checkpoints_and_reports_it(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    # A real trainer under torchrun, pointed at a checkpoint root another job owns: it exits
+    # with the refusal in its termination report (which the operator turns into
+    # Failed/TrainerRefused) and leaves the other job's checkpoints alone.
+    root = tmp_path / "checkpoints" / "quickstart"
+    claim_checkpoint_root(root, {"job": "other", "namespace": "default", "uid": "other-uid"})
+    theirs = store.step_dir(root, 10)
+    theirs.mkdir()
+    (theirs / "data").write_text("the other job's")
+    report = tmp_path / "termination-log"
+    report.touch()
+    job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 6}))
+    p = Proc(standalone_args(1, job, free_port()), cwd=tmp_path, log=tmp_path / "t.log",
+             env=trainer_env("127.0.0.1", FT_TERMINATION_LOG=str(report)))  # fmt: skip
+    procs.append(p)
+    assert p.wait(180) != 0, tail(p.log)
+    error = parse_trainer_error(report.read_text())
+    assert error is not None and "belongs to job default/other (uid other-uid)" in error
+    assert (theirs / "data").read_text() == "the other job's"
+    assert read_owner(root)["uid"] == "other-uid"  # type: ignore[index]
