@@ -58,6 +58,7 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         ("metadata", ["job"], "metadata", "must be an object"),
         ("metadata.name", "job\n", "metadata.name", "RFC 1123"),
         ("metadata.name", "Job", "metadata.name", "RFC 1123"),
+        ("metadata.name", "j" * 53, "metadata.name", "at most 52"),
         ("metadata.namespace", "a.b", "metadata.namespace", "RFC 1123"),
         (
             "spec.model.architecture.numKeyValueHeads",

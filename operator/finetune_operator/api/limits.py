@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from typing import Final
 
+from finetune_operator.api.constants import worker_name
+
 # --- cluster shape -------------------------------------------------------------------------
 # Largest GPU servers expose 8-16 accelerators; 64 leaves room for partitioned (MIG) devices.
 MAX_GPUS_PER_NODE: Final = 64
-# Worker pods of one job. Pod host names are `<job>-worker-<index>`: the job-name limit
-# (reconcile.planning.MAX_JOB_NAME) budgets for the widest index below this.
+# Worker pods of one job. Pod host names are `<job>-worker-<index>`: the job-name limit below
+# budgets for the widest index.
 MAX_NODES: Final = 1000
+# DNS-1035 label limit of Services (`<job>`, `<job>-rdzv`) and pod host names (`-worker-999`).
+MAX_JOB_NAME: Final = 63 - len(worker_name("", MAX_NODES - 1))
 # World size: the largest training runs published use ~16-32k GPUs; fine-tuning far fewer.
 MAX_GPUS: Final = 65536
 MAX_GPU_MEMORY_GIB: Final = 1024.0  # today's largest accelerators carry 192-288 GiB

@@ -20,7 +20,7 @@ from finetune_operator.api.constants import (
     rendezvous_name,
     worker_name,
 )
-from finetune_operator.api.limits import MAX_NODES
+from finetune_operator.api.limits import MAX_JOB_NAME, MAX_NODES
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.policy import JobPolicy, policy_refusals, with_policy_defaults
 from finetune_operator.api.spec import FineTuneJobSpec
@@ -31,10 +31,6 @@ from finetune_operator.resources import Owner
 
 PlanFn = Callable[[FineTuneJobSpec], Plan]
 PLANNER_MODULE = "finetune_operator.planner"
-# DNS-1035 label limit for Services (`<job>`, `<job>-rdzv`) and pod hostnames.
-MAX_LABEL = 63
-# Worker hostnames end in -worker-<i>: the widest index the API allows budgets the suffix.
-MAX_JOB_NAME = MAX_LABEL - len(worker_name("", MAX_NODES - 1))
 
 
 @dataclass(frozen=True)
