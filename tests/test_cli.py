@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +66,7 @@ def test_invalid_manifest_exit_2_naming_the_field(
     argv = [command, _write(tmp_path, doc)] + (["--local"] if command == "run" else [])
     assert main(argv) == 2  # refused before any cluster is started
     err = capsys.readouterr().err
-    assert "spec.resources" in err and "minNodes (5) must be <= " in err
+    assert "spec.resources.minNodes" in err and "minNodes must be <= maxNodes" in err
 
 
 def test_planning_error_names_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,3 +94,90 @@ def test_run_local_is_a_plugin_and_says_what_to_install_without_it(
     monkeypatch.setattr(cli, "entry_points", lambda **_: [])
     assert main(["run", "--local", str(EXAMPLES / "quickstart.yaml")]) == 2
     assert "finetune-operator[local]" in capsys.readouterr().err
+
+
+QUICKSTART_TEXT = (EXAMPLES / "quickstart.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("content", "field", "reason"),
+    [
+        (b"\xff\xfeapiVersion: x", "file", "not UTF-8"),
+        (QUICKSTART_TEXT.replace("metadata:\n  name: quickstart", "metadata: quickstart").encode(),
+         "metadata", "must be an object"),
+        (QUICKSTART_TEXT.replace("metadata:\n  name: quickstart", "metadata: [a]").encode(),
+         "metadata", "must be an object"),
+        (QUICKSTART_TEXT.replace("name: quickstart", 'name: "quick\\nstart"').encode(),
+         "metadata.name", "RFC 1123"),
+        (QUICKSTART_TEXT.replace("learningRate: 3.0e-3", "learningRate: .inf").encode(),
+         "spec.training.learningRate", "NaN or infinity"),
+        (QUICKSTART_TEXT.replace("learningRate: 3.0e-3", "learningRate: .nan").encode(),
+         "spec.training.learningRate", "NaN or infinity"),
+        (QUICKSTART_TEXT.replace("maxRestarts: 3", "maxRestarts: 1.0e+55").encode(),
+         "spec.faultTolerance.maxRestarts", "less than or equal to 10000"),
+        (QUICKSTART_TEXT.replace("sequenceLength: 128", "sequence_length: 32768").encode(),
+         "spec.training.sequence_length", "unknown field"),
+        (QUICKSTART_TEXT.replace("maxSteps: 60", "maxSteps: !!binary aGVsbG8=").encode(),
+         "spec.training.maxSteps", "not a JSON value"),
+        ((QUICKSTART_TEXT + "---\n" + QUICKSTART_TEXT).encode(), "file", "holds 2 objects"),
+        (b"# nothing here\n---\n", "file", "holds no object"),
+        (b"- a\n- b\n", "file", "expected a YAML mapping"),
+        (b"a: [\n", "file", "not valid YAML"),
+        (b"a: " + b"[" * 5000 + b"]" * 5000, "file", "nested deeper"),
+        (b"a: &a [1,1,1,1,1,1,1,1,1,1]\n" + b"".join(
+            b"%c: &%c [*%c,*%c,*%c,*%c,*%c,*%c,*%c,*%c,*%c,*%c]\n" % ((98 + i, 98 + i) + (97 + i,) * 10)
+            for i in range(8)
+        ), "file", "expands to more than"),
+    ],
+    ids=[
+        "not-utf8", "metadata-string", "metadata-list", "name-newline", "inf", "nan", "huge",
+        "snake-case", "binary", "two-docs", "empty", "list", "bad-yaml", "deep", "billion-laughs",
+    ],
+)  # fmt: skip
+def test_plan_refuses_malformed_files_with_exit_2_naming_the_place(
+    content: bytes, field: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_bytes(content)
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"  {field}: " in err and reason in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("target", ["missing.yaml", "."], ids=["missing", "directory"])
+def test_plan_refuses_a_missing_file_or_a_directory(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(tmp_path / target)]) == 2
+    assert "file: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        QUICKSTART_TEXT + "---\n",
+        "---\n# leading comments\n" + QUICKSTART_TEXT + "\n---\n---\n",
+        yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [yaml.safe_load(QUICKSTART_TEXT)]}),
+        QUICKSTART_TEXT.replace("revision", "x").replace("uri: builtin://quickstart",
+                                                         "uri: builtin://quickstart\n    # c"),
+    ],
+    ids=["trailing-separator", "separators-and-comments", "single-item-list", "comments"],
+)  # fmt: skip
+def test_plan_accepts_what_kubectl_accepts(
+    content: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(content)
+    assert main(["plan", str(path), "-o", "json"]) == 0, capsys.readouterr().err
+
+
+def test_plan_does_not_import_the_local_cluster() -> None:
+    # The product's plan path validates with api.schema_validation, not the emulator.
+    code = (
+        "import sys; from finetune_operator.cli import main; "
+        f"rc = main(['plan', {str(EXAMPLES / 'quickstart.yaml')!r}, '-o', 'json']); "
+        "bad = [m for m in sys.modules if m.startswith('finetune_local')]; "
+        "sys.exit(rc or (3 if bad else 0))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

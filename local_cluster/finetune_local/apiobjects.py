@@ -52,6 +52,22 @@ def _spec_part(obj: dict[str, Any], rtype: ResourceType) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in skip}
 
 
+def _check_object_meta(obj: dict[str, Any]) -> None:
+    """A real server decodes metadata into the typed ObjectMeta: a wrong type is a 400, not
+    something to store (or to crash on)."""
+    meta = obj.get("metadata", {})
+    if not isinstance(meta, dict):
+        raise bad_request("Object 'metadata' must be an object: cannot unmarshal "
+                          f"{type(meta).__name__} into Go struct field .metadata of type v1.ObjectMeta")
+    for key in ("name", "namespace", "generateName", "resourceVersion", "uid"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise bad_request(f"metadata.{key}: cannot unmarshal {type(meta[key]).__name__} into a string")
+    for key in ("labels", "annotations"):
+        value = meta.get(key)
+        if value is not None and not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+            raise bad_request(f"metadata.{key}: must be a map of strings")
+
+
 def _is_container(rtype: ResourceType) -> bool:
     """Namespaces and CRDs: deleting one first deletes what lives in it."""
     return rtype.key in (("", "v1", "namespaces"), ("apiextensions.k8s.io", "v1", "customresourcedefinitions"))
@@ -69,6 +85,7 @@ class ObjectService:
     def create(self, rtype: ResourceType, namespace: str | None, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
+        _check_object_meta(body)
         obj = copy.deepcopy(body)
         obj["apiVersion"], obj["kind"] = rtype.api_version, rtype.kind
         meta = obj.setdefault("metadata", {})
@@ -110,7 +127,7 @@ class ObjectService:
         if not name:
             raise invalid(rtype, "", [("metadata.name", "Required value: name or generateName is required")])
         rule = _LABEL if rtype.kind in ("Service", "Namespace") else _NAME
-        if not isinstance(name, str) or len(name) > (63 if rule is _LABEL else 253) or not rule.match(name):
+        if not isinstance(name, str) or len(name) > (63 if rule is _LABEL else 253) or not rule.fullmatch(name):
             raise invalid(rtype, str(name), [("metadata.name", f'Invalid value: "{name}": a lowercase '
                                               "RFC 1123 name must consist of lower case alphanumeric "
                                               "characters, '-' or '.'")])
@@ -214,6 +231,9 @@ class ObjectService:
     def _update(self, rtype: ResourceType, current: dict[str, Any], new: dict[str, Any],
                 subresource: str | None) -> dict[str, Any]:
         name = current["metadata"]["name"]
+        if not isinstance(new, dict):
+            raise bad_request("the request body must be a JSON object")
+        _check_object_meta(new)
         new = copy.deepcopy(new)  # patches share unchanged subtrees with `current`
         if new.get("metadata", {}).get("name", name) != name:
             raise bad_request(f'the name of the object ({new["metadata"]["name"]}) does not match '

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune_local.apischema import CustomResourceSchema
+from finetune_operator.api.schema_validation import CustomResourceSchema
 
 ALL_VERBS = ("create", "delete", "deletecollection", "get", "list", "patch", "update", "watch")
 
@@ -82,6 +82,9 @@ BUILTIN_TYPES: tuple[ResourceType, ...] = (
     _core("nodes", "Node", False, short_names=("no",), status_subresource=True),
     ResourceType("events.k8s.io", "v1", "events", "Event", True, short_names=("ev",)),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True),
+    # Stored, not enforced (as on a cluster whose network plugin ignores NetworkPolicy).
+    ResourceType("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True,
+                 short_names=("netpol",)),
     ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions",
                  "CustomResourceDefinition", False, short_names=("crd", "crds"),
                  status_subresource=True),

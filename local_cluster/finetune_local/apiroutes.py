@@ -128,6 +128,7 @@ async def _serve_resource(server: ApiServer, request: kmock.Request, rtype: Reso
         if method == "GET":
             return _list(server, request, rtype, namespace, params)
         if method == "POST":
+            _check_strict_fields(rtype, params, request.data)
             created = service.create(rtype, namespace, request.data)
             return Reply(created, 201)
         if method == "DELETE":
@@ -148,6 +149,7 @@ async def _serve_resource(server: ApiServer, request: kmock.Request, rtype: Reso
             return _table(server, rtype, [obj], params)
         return obj
     if method == "PUT":
+        _check_strict_fields(rtype, params, request.data)
         return service.replace(rtype, namespace, name, request.data, subresource)
     if method == "PATCH":
         content_type = request.headers.get("Content-Type", "application/merge-patch+json")
@@ -157,6 +159,18 @@ async def _serve_resource(server: ApiServer, request: kmock.Request, rtype: Reso
     if method == "DELETE":
         return service.delete(rtype, namespace, name, _delete_options(request))
     raise ApiError(405, "MethodNotAllowed", f"{method} is not supported", {})
+
+
+def _check_strict_fields(rtype: ResourceType, params: dict[str, str], body: Any) -> None:
+    """``fieldValidation=Strict`` (what kubectl sends by default): unknown fields of a custom
+    resource are refused with 400 instead of pruned, in the real server's words."""
+    if params.get("fieldValidation") != "Strict" or rtype.schema is None or not isinstance(body, dict):
+        return
+    unknown = rtype.schema.unknown_fields(body)
+    if unknown:
+        fields = ", ".join(f'unknown field "{path}"' for path in unknown)
+        raise ApiError(400, "BadRequest", f'{rtype.kind} in version "{rtype.version}" cannot be '
+                       f"handled as a {rtype.kind}: strict decoding error: {fields}", {})
 
 
 def _delete_options(request: kmock.Request) -> dict[str, Any]:

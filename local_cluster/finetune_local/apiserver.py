@@ -43,6 +43,11 @@ def _action(method: str, path: ApiPath | None, params: dict[str, str]) -> kmock.
             "DELETE": kmock.action.DELETE}.get(method)
 
 
+def _refuse_constant(name: str) -> Any:
+    """NaN and Infinity are not JSON (Python's json accepts them; Go's does not)."""
+    raise ValueError(f"invalid character in numeric literal: {name}")
+
+
 def status_body(code: int, reason: str, message: str, details: Any) -> dict[str, Any]:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason, "details": details or {}, "code": code}
@@ -82,12 +87,15 @@ class ApiServer(kmock.KubernetesEmulator):
         data: Any = None
         if text.strip():
             try:
-                data = json.loads(text)
+                data = json.loads(text, parse_constant=_refuse_constant)
+            except RecursionError:
+                data = None  # deeper than any object needs: refused as malformed (400)
             except ValueError:
-                try:  # server-side apply sends YAML
-                    data = yaml.safe_load(text)
-                except yaml.YAMLError:
-                    data = None
+                if "yaml" in raw_request.content_type:  # server-side apply sends YAML
+                    try:
+                        data = yaml.safe_load(text)
+                    except (yaml.YAMLError, RecursionError):
+                        data = None
         params = dict(raw_request.query)
         path = parse_api_path(raw_request.path)
         request = kmock.Request(

@@ -98,7 +98,7 @@ def _cmd_stragglers(args: argparse.Namespace) -> int:
 def _cmd_operator(args: argparse.Namespace) -> int:
     from finetune_operator.handlers import run_operator
 
-    run_operator(settings_from_args(args))
+    run_operator(settings_from_args(args, os.environ))
     return 0
 
 
@@ -109,7 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     crd = sub.add_parser("crd", help="print the FineTuneJob CRD (YAML)")
     crd.set_defaults(func=_cmd_crd)
 
-    plan = sub.add_parser("plan", help="plan GPUs, strategy and memory for a FineTuneJob")
+    plan = sub.add_parser(
+        "plan",
+        help="plan GPUs, strategy and memory for a FineTuneJob",
+        epilog="exit status: 0 a plan fits; 1 valid, but no configuration fits; "
+        "2 invalid (refused as the API server would, or by the planner), naming the field",
+    )
     plan.add_argument("manifest", help="FineTuneJob YAML")
     plan.add_argument("-o", "--output", choices=["table", "json"], default="table")
     plan.add_argument("--trace", action="store_true", help="also trace the step with PyTorch")

@@ -28,6 +28,7 @@ from finetune_operator.api.constants import (
     PLURAL,
     VERSION,
 )
+from finetune_operator.api.policy import JobPolicy
 from finetune_operator.reconcile import (
     JobRef,
     Outcome,
@@ -204,6 +205,7 @@ async def _reconcile(
                 planner=memo["planner"],
                 deleted_uids=state.deleted_uids,
                 ensured_generation=state.ensured_generation,
+                policy=memo.get("policy"),
             )  # fmt: skip
             cluster: ClusterApi = memo["cluster"]
             result = await cluster.apply(job.namespace, out.actions)
@@ -251,6 +253,7 @@ async def operate(
     *,
     kubeconfig: str | None = None,
     planner: Any = None,
+    policy: JobPolicy | None = None,
     ready_flag: asyncio.Event | threading.Event | None = None,
     stop_flag: asyncio.Event | threading.Event | None = None,
 ) -> None:
@@ -258,10 +261,15 @@ async def operate(
 
     settings.namespaces None watches all namespaces. settings.peering None runs standalone
     (no leader election); a name joins the KopfPeering/ClusterKopfPeering of that name, so only
-    one replica acts.
+    one replica acts. `policy` (tests, embedding) overrides settings.policy.
     """
     settings = settings or OperatorSettings()
-    memo = kopf.Memo(kubeconfig=kubeconfig, planner=planner, settings=settings)
+    memo = kopf.Memo(
+        kubeconfig=kubeconfig,
+        planner=planner,
+        settings=settings,
+        policy=policy if policy is not None else settings.policy,
+    )
     if kubeconfig is not None:
         memo["cluster"] = ClusterApi(load_api_client(kubeconfig))
     peering = settings.peering

@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from finetune_operator.api.constants import DEFAULT_TRAINER_IMAGE
+from finetune_operator.api.policy import JobPolicy
 
 ENV_PREFIX = "FINETUNE_OPERATOR_"
 
@@ -30,6 +33,9 @@ class OperatorSettings:
     peering: str | None = None  # kopf peering name: leader election among replicas
     liveness: str | None = None  # e.g. http://0.0.0.0:8080/healthz
     metrics_port: int | None = None
+    # What jobs may ask for (images, ServiceAccounts) and the per-job NetworkPolicy. The
+    # library default allows everything; `ftjob operator`'s flags build a restrictive one.
+    policy: JobPolicy = field(default_factory=JobPolicy)
 
 
 def _positive(name: str) -> type[float]:
@@ -79,10 +85,49 @@ def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, st
         default=_env(env, "WATCH_TIMEOUT_SECONDS", str(d.watch_timeout_seconds)),
         help="server-side timeout of kopf's watch requests",
     )
+    pol = parser.add_argument_group("job policy (what FineTuneJobs may ask for)")
+    pol.add_argument("--trainer-image", default=_env(env, "TRAINER_IMAGE", DEFAULT_TRAINER_IMAGE),
+                     help="image of jobs with no spec.image")  # fmt: skip
+    pol.add_argument(
+        "--allowed-image",
+        action="append",
+        metavar="GLOB",
+        help="another image jobs may name (repeat; '*' allows any); the trainer image always",
+    )
+    pol.add_argument("--trainer-service-account", default="",
+                     help="ServiceAccount of jobs that name none")  # fmt: skip
+    pol.add_argument(
+        "--allowed-service-account",
+        action="append",
+        metavar="GLOB",
+        help="another ServiceAccount jobs may name (repeat; '*' allows any)",
+    )
+    pol.add_argument(
+        "--network-policy",
+        action="store_true",
+        help="create a NetworkPolicy per job: ingress only from its own pods, metrics only "
+        "from the operator's namespace and --monitoring-namespace",
+    )
+    pol.add_argument("--monitoring-namespace", action="append", metavar="NS",
+                     help="namespace whose pods may scrape trainer metrics (repeat)")  # fmt: skip
 
 
-def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
+def settings_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> OperatorSettings:
+    """`env` gives the operator's own namespace (POD_NAMESPACE, from the downward API)."""
     namespaces = None if args.all_namespaces else tuple(args.namespace or ["default"])
+    # By default only the trainer image and the trainer ServiceAccount (or none: the
+    # namespace's default, without its token).
+    policy = JobPolicy(
+        trainer_image=args.trainer_image,
+        allowed_images=tuple(args.allowed_image or ()),
+        trainer_service_account=args.trainer_service_account or None,
+        allowed_service_accounts=tuple(args.allowed_service_account or ()),
+        network_policy=args.network_policy,
+        operator_namespace=(env or {}).get("POD_NAMESPACE") or None,
+        monitoring_namespaces=tuple(args.monitoring_namespace or ()),
+    )
     return OperatorSettings(
         namespaces=namespaces,
         # argparse applies `type` to string defaults too, so these are floats here.
@@ -92,6 +137,7 @@ def settings_from_args(args: argparse.Namespace) -> OperatorSettings:
         peering=None if args.standalone else args.peering,
         liveness=args.liveness,
         metrics_port=int(args.metrics_port) if args.metrics_port else None,
+        policy=policy,
     )
 
 
@@ -99,4 +145,4 @@ def parse_operator_args(argv: Sequence[str], env: Mapping[str, str] | None = Non
     """Settings from `ftjob operator` flags, e.g. the args the chart's Deployment renders."""
     parser = argparse.ArgumentParser(prog="ftjob operator", exit_on_error=False)
     add_operator_arguments(parser, env or {})
-    return settings_from_args(parser.parse_args(list(argv)))
+    return settings_from_args(parser.parse_args(list(argv)), env)

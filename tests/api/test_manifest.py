@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 import yaml
 
-from finetune_operator.api.manifest import ManifestError, load_manifest, parse_manifest
+from finetune_operator.api.manifest import (
+    ManifestError,
+    load_manifest,
+    parse_manifest,
+    parse_spec,
+)
 from tests.conftest import EXAMPLES
 
 
@@ -35,14 +40,32 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("field", "value", "expected_path", "expected_reason"),
     [
-        ("spec.method.type", "dpo", "spec.method.type", "'full', 'lora' or 'qlora'"),
-        ("spec.resources.minNodes", 5, "spec.resources", "minNodes (5) must be <= "),
+        # Worded as the API server words them (kubectl apply shows the same).
+        ("spec.method.type", "dpo", "spec.method.type", '"full", "lora", "qlora"'),
+        ("spec.resources.minNodes", 5, "spec.resources.minNodes", "must be <= maxNodes"),
         ("spec.training.sequenceLength", 4, "spec.training.sequenceLength", "greater than or equal"),
         ("spec.training.microBatchSize", "big", "spec.training.microBatchSize", "auto"),
         ("spec.strategy.type", "zero4", "spec.strategy.type", "zero3"),
         ("spec.training.learningRate", -1, "spec.training.learningRate", "greater than 0"),
-        ("spec.resources.gpuz", 1, "spec.resources.gpuz", "Extra inputs are not permitted"),
-        ("spec.model.architecture.numKeyValueHeads", 3, "spec.model.architecture", "must divide"),
+        ("spec.resources.gpuz", 1, "spec.resources.gpuz", "unknown field"),
+        ("spec.training.sequence_length", 64, "spec.training.sequence_length", "unknown field"),
+        ("spec.training.learningRate", float("inf"), "spec.training.learningRate", "NaN or inf"),
+        ("spec.training.maxSteps", 10**9, "spec.training.maxSteps", "less than or equal"),
+        ("spec.checkpoint.uri", "../other-job", "spec.checkpoint.uri", "'..' path segments"),
+        ("spec.output.uri", "out/../../etc", "spec.output.uri", "'..' path segments"),
+        ("spec.dataset.uri", "s3://bucket/../x", "spec.dataset.uri", "'..' path segments"),
+        ("metadata", "job", "metadata", "must be an object"),
+        ("metadata", ["job"], "metadata", "must be an object"),
+        ("metadata.name", "job\n", "metadata.name", "RFC 1123"),
+        ("metadata.name", "Job", "metadata.name", "RFC 1123"),
+        ("metadata.name", "j" * 53, "metadata.name", "at most 52"),
+        ("metadata.namespace", "a.b", "metadata.namespace", "RFC 1123"),
+        (
+            "spec.model.architecture.numKeyValueHeads",
+            3,
+            "spec.model.architecture.numKeyValueHeads",
+            "must divide",
+        ),
     ],
 )
 def test_invalid_manifest_names_field(
@@ -70,3 +93,22 @@ def test_lora_defaults_filled_for_adapter_methods() -> None:
     doc = _set(_quickstart(), "spec.method.type", "lora")
     spec = parse_manifest(doc).spec
     assert spec.method.lora is not None and spec.method.lora.rank == 16
+
+
+@pytest.mark.parametrize(
+    ("field", "uri"),
+    [("checkpoint", "../x"), ("checkpoint", "a/.."), ("output", "s3://b/../c"), ("dataset", "..")],
+)
+def test_parent_segments_refused_by_pydantic_too(field: str, uri: str) -> None:
+    # The operator's own validation (the API server's CEL twin is tested through parse_manifest).
+    spec = _quickstart()["spec"]
+    spec[field]["uri"] = uri
+    with pytest.raises(ManifestError) as err:
+        parse_spec(spec)
+    assert f"{field}.uri" in str(err.value) and "'..'" in str(err.value)
+
+
+@pytest.mark.parametrize("uri", ["/abs/path", "a..b/c", "s3://bucket/x..y", "checkpoints/job"])
+def test_uris_without_parent_segments_are_accepted(uri: str) -> None:
+    doc = _set(_quickstart(), "spec.checkpoint.uri", uri)
+    assert parse_manifest(doc).spec.checkpoint.uri == uri

@@ -112,6 +112,7 @@ def test_defaults_render_only_the_operator(render: Render) -> None:
     assert sorted(kinds(render())) == sorted(
         [
             "ServiceAccount",
+            "ServiceAccount",  # the trainer's, bound to no Role
             "ClusterRole",
             "ClusterRoleBinding",
             "Service",
@@ -323,6 +324,10 @@ def test_deployment_runs_the_operator_hardened(render: Render) -> None:
         "--reconcile-interval=10",
         "--scrape-timeout=2",
         "--watch-timeout=60",
+        # The job policy: the chart's trainer image and ServiceAccount only, NetworkPolicies.
+        "--trainer-image=ghcr.io/finetune-operator/trainer:0.1.0",
+        "--trainer-service-account=rel-finetune-operator-trainer",
+        "--network-policy",
     ]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 9090, "health": 8080}
     for probe in ("livenessProbe", "readinessProbe"):

@@ -233,3 +233,15 @@ def test_events_core_and_events_k8s_io(api_cluster: LocalCluster, core: client.C
                                                "action": "Test", "eventTime": "2025-01-01T00:00:00.000000Z",
                                                "reportingController": "t", "reportingInstance": "t"})
     assert events.read_namespaced_event("new-style", "default").reason == "Tested"
+
+
+def test_strict_field_validation_refuses_unknown_fields(custom: client.CustomObjectsApi) -> None:
+    # kubectl's default (--validate=strict): refused with 400 naming the field, not pruned.
+    name = _name("strict")
+    body = _widget(name, colour="red")
+    with pytest.raises(client.ApiException) as err:
+        custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, body,
+                                               field_validation="Strict")
+    assert err.value.status == 400 and 'unknown field "spec.colour"' in _status_of(err.value)["message"]
+    created = custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, body)
+    assert "colour" not in created["spec"]  # without Strict: pruned, as before

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -207,6 +209,23 @@ def test_max_restarts_zero_fails_on_first_failure() -> None:
     failed = find(out.status.conditions, COND_FAILED)
     assert out.status.phase == "Failed"
     assert failed is not None and "qs-worker-1 failed" in failed.message
+
+
+def test_a_trainer_refusal_fails_the_job_at_once_without_spending_restarts() -> None:
+    # The trainer refused its storage (output.uri of another job): replacing the pod would
+    # refuse again, so the job fails with the trainer's message, and stays failed.
+    refusal = json.dumps({"rank": 0, "error": "output.uri /out holds the export of job x/y"})
+    failed = dataclasses.replace(
+        pod("qs-worker-1", "Failed", exit_code=1), termination_message=refusal
+    )
+    pods = [*running("qs-rdzv", "qs-worker-0"), failed]
+    out = step(FineTuneJobStatus(), pods, T0, ensured=1)
+    assert cond(out.status, COND_FAILED) == ("True", "TrainerRefused")
+    condition = find(out.status.conditions, COND_FAILED)
+    assert condition is not None and "export of job x/y" in condition.message
+    assert out.status.restarts == 0 and created(out) == [] and sorted(deleted(out)) == sorted(ALL)
+    later = step(out.status, [], T0 + timedelta(hours=1), ensured=1)
+    assert cond(later.status, COND_FAILED) == ("True", "TrainerRefused") and later.actions.empty
 
 
 def test_failed_rendezvous_is_replaced_too() -> None:

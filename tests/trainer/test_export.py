@@ -29,8 +29,9 @@ from finetune_trainer.export import (
     resolve_output,
 )
 from finetune_trainer.model import build_model
+from finetune_trainer.ownership import StorageRefusedError
 from finetune_trainer.parallelize import parallelize
-from finetune_trainer.report import write_final_report
+from finetune_trainer.report import write_error_report, write_final_report
 from finetune_trainer.tokenizer import build_byte_tokenizer
 
 INPUT = torch.tensor([[256, *b"The export reloads.", 257]])
@@ -145,6 +146,27 @@ def test_export_replaces_the_previous_one_and_cleans_unfinished(world_one: None,
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out)), logits(model))
 
 
+def test_an_existing_directory_that_is_not_our_export_is_refused_untouched(
+    world_one: None, tmp_path: Path
+) -> None:
+    tok, method = build_byte_tokenizer(), MethodSpec(type="full")
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(StorageRefusedError, match="not an export of this job"):
+        exporter(nn.Linear(1, 1), tok, method, out)  # refused at start, before training
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    # Filled while the job trained: refused at publish, the staged copy removed.
+    fresh = tmp_path / "fresh"
+    exp = exporter(trained(method, tok), tok, method, fresh)
+    fresh.mkdir()
+    (fresh / "notes.txt").write_text("keep me")
+    with pytest.raises(StorageRefusedError):
+        exp.export(3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "results"]
+    assert (fresh / "notes.txt").read_text() == "keep me"
+
+
 def test_no_output_uri_is_a_no_op() -> None:
     exp = build_exporter(OutputSpec(), model=nn.Linear(1, 1), tokenizer=build_byte_tokenizer(),
                          method=MethodSpec(), rank=0, meta={})
@@ -231,3 +253,14 @@ def test_fsdp_two_ranks_export_matches_the_final_checkpoint(
         exported_sd = exported.state_dict()
         assert set(saved) == set(exported_sd)
         assert all(torch.equal(exported_sd[k], v) for k, v in saved.items())
+
+
+def test_error_report_is_json_the_operator_reads(tmp_path: Path) -> None:
+    from finetune_operator.reconcile.progress import parse_trainer_error
+
+    log = tmp_path / "termination-log"
+    log.touch()
+    assert write_error_report("output.uri /x holds ... " + "y" * 10000, rank=3, path=str(log))
+    error = parse_trainer_error(log.read_text())
+    assert error is not None and error.startswith("output.uri /x holds")
+    assert len(log.read_text()) <= 4096

@@ -14,6 +14,7 @@ from finetune_operator.api.constants import CONFIG_PATH
 from finetune_trainer.config import RuntimeEnv, load_job_config
 from finetune_trainer.distributed import destroy_distributed
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.report import write_error_report
 
 EXIT_CONFIG_ERROR = 2
 EXIT_ORPHANED = 137
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         code = trainer.train()
     except UnsupportedConfigError as e:
         log.error("unsupported job configuration: %s", e)
+        write_error_report(str(e), rank=env.rank)
         code = EXIT_CONFIG_ERROR
     except Exception:
         # Typically a peer vanished mid-collective: torchrun restarts the group. Background

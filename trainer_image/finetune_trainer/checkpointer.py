@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.metrics import TrainerMetrics
+from finetune_trainer.ownership import claim_checkpoint_root
 from finetune_trainer.staging import HostStaging, StagedState
 from finetune_trainer.state import TrainState
 
@@ -113,6 +114,8 @@ class DcpCheckpointer:
         cwd: Path | None = None,
     ) -> None:
         self.root = store.resolve_root(spec.uri, cwd)
+        # Before anything is loaded, cleaned or purged there: the root must be this job's.
+        claim_checkpoint_root(self.root, meta)
         self.spec = spec
         self.state = state
         self.group = group

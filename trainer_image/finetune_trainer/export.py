@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from finetune_operator.api.spec import MethodSpec, OutputSpec
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.ownership import StorageRefusedError, check_output_target
 from finetune_trainer.paths import resolve_dir
 
 log = logging.getLogger(__name__)
@@ -167,8 +168,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def remove_stale(root: Path, infix: str) -> list[Path]:
-    """Leftovers of an earlier attempt next to `root` (`<name>.tmp-*` or `<name>.old-*`)."""
-    stale = sorted(root.parent.glob(f"{glob.escape(root.name)}{infix}*"))
+    """Leftovers of an earlier attempt next to `root` (`<name>.tmp-<step>`, `<name>.old-<step>`:
+    only names this exporter makes, so a user's `<name>.tmp-notes` is never touched)."""
+    pattern = f"{glob.escape(root.name)}{infix}*"
+    stale = sorted(p for p in root.parent.glob(pattern) if p.name[len(root.name) + len(infix) :].isdigit())
     for path in stale:
         _remove(path)
     return stale
@@ -207,6 +210,8 @@ class HfExporter:
                 "weights are 4-bit); set mergeLora false to export the adapter"
             )
         self.root = resolve_output(spec.uri, cwd)
+        # Refuse at start, not after hours of training, if the target is not ours to replace.
+        check_output_target(self.root, meta, FINISHED_MARKER)
         self.spec = spec
         self.model = model
         self.tokenizer = tokenizer
@@ -242,6 +247,12 @@ class HfExporter:
         if loss is not None:
             marker["loss"] = loss
         write_marker(staged, marker)
+        # Again at publish time: the directory may have been filled while we trained.
+        try:
+            check_output_target(self.root, self.meta, FINISHED_MARKER)
+        except StorageRefusedError:
+            _remove(staged)
+            raise
         publish(staged, self.root, step)
         log.info(
             "exported the %s at step %d to %s in %.2fs (gather %.2fs)",

@@ -4,7 +4,9 @@ Kubernetes copies `terminationMessagePath` (default /dev/termination-log) into t
 `state.terminated.message` when the container exits; the operator reads the final step, loss
 and checkpoint from there, since the metrics endpoint is gone by then.
 Keys: step, rank, loss?, checkpointStep?, checkpointFailedStep? (a failed save newer than
-checkpointStep), output? (readers ignore keys they do not know)."""
+checkpointStep), output?, error? (readers ignore keys they do not know). `error` is a
+configuration error (`UnsupportedConfigError`): the operator fails the job with it instead of
+restarting pods that would refuse again."""
 
 from __future__ import annotations
 
@@ -46,6 +48,21 @@ def write_final_report(
         report["output"] = output
     try:
         target.write_text(json.dumps(report)[:MAX_BYTES])
+    except OSError as e:
+        log.warning("could not write the termination report to %s: %s", target, e)
+        return False
+    return True
+
+
+def write_error_report(message: str, *, rank: int, path: str | None = None) -> bool:
+    """Leave a configuration error where the operator reads it; never raises."""
+    target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
+    if not target.exists():
+        return False
+    # Truncate the message, not the JSON: the operator must still be able to parse it.
+    report = {"rank": rank, "error": message[: MAX_BYTES - 200]}
+    try:
+        target.write_text(json.dumps(report))
     except OSError as e:
         log.warning("could not write the termination report to %s: %s", target, e)
         return False

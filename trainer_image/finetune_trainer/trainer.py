@@ -125,13 +125,20 @@ class Trainer:
             rank=self.dist.rank,
             seed=spec.training.seed,
         )
+        # Who owns the checkpoint and output directories (finetune_trainer.ownership).
+        storage_meta = {
+            "job": job.name,
+            "namespace": job.namespace,
+            "uid": job.uid,
+            "strategy": self.parallel.strategy,
+        }
         self.checkpointer = build_checkpointer(
             spec.checkpoint,
             self.state,
             group=self.dist.checkpoint_group,
             world_size=world,
             metrics=self.metrics,
-            meta={"job": job.name, "uid": job.uid, "strategy": self.parallel.strategy},
+            meta=storage_meta,
             device=self.device,
         )
         self.exporter = build_exporter(
@@ -140,7 +147,7 @@ class Trainer:
             tokenizer=tokenizer,
             method=spec.method,
             rank=self.dist.rank,
-            meta={"job": job.name, "uid": job.uid, "strategy": self.parallel.strategy},
+            meta=storage_meta,
         )
         self.step_trace = build_step_trace(env, rank=self.dist.rank)
         self.hard_exit = False

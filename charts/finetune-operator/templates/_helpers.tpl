@@ -57,6 +57,35 @@ app.kubernetes.io/part-of: finetune-operator
 {{- end }}
 {{- end }}
 
+{{- define "finetune-operator.trainerImage" -}}
+{{- $repo := .Values.trainer.image.repository }}
+{{- if .Values.trainer.image.digest }}
+{{- printf "%s@%s" $repo .Values.trainer.image.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo (default .Chart.AppVersion .Values.trainer.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The trainer ServiceAccount of jobs that name none ("" = the namespace's default). */}}
+{{- define "finetune-operator.trainerServiceAccountName" -}}
+{{- if .Values.trainer.serviceAccount.create }}
+{{- default (printf "%s-trainer" (include "finetune-operator.fullname" .) | trunc 63 | trimSuffix "-") .Values.trainer.serviceAccount.name }}
+{{- else }}
+{{- .Values.trainer.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Namespaces that get the trainer ServiceAccount, as a JSON list. */}}
+{{- define "finetune-operator.trainerNamespaces" -}}
+{{- if .Values.trainer.serviceAccount.namespaces }}
+{{- .Values.trainer.serviceAccount.namespaces | uniq | toJson }}
+{{- else if .Values.operator.clusterWide }}
+{{- list .Release.Namespace | toJson }}
+{{- else }}
+{{- include "finetune-operator.watchNamespaces" . }}
+{{- end }}
+{{- end }}
+
 {{/* Namespaces watched when not cluster-wide, as a JSON list (use with fromJsonArray). */}}
 {{- define "finetune-operator.watchNamespaces" -}}
 {{- if .Values.operator.watchNamespaces }}
@@ -102,4 +131,9 @@ app.kubernetes.io/part-of: finetune-operator
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "delete", "get", "list", "watch", "patch"]
+{{- end }}
 {{- end }}

@@ -47,12 +47,16 @@ REASON_PLAN_FITS: Final = "PlanFits"
 REASON_PLAN_INFEASIBLE: Final = "PlanInfeasible"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_UNSUPPORTED: Final = "Unsupported"  # valid, but not implemented by this trainer
+REASON_NOT_ALLOWED: Final = "NotAllowed"  # valid, but outside the operator's job policy
 REASON_PENDING: Final = "Pending"
 REASON_RUNNING: Final = "Running"
 REASON_RESTARTING: Final = "Restarting"
 REASON_SUSPENDED: Final = "Suspended"
 REASON_COMPLETED: Final = "Completed"
 REASON_BACKOFF_LIMIT_EXCEEDED: Final = "BackoffLimitExceeded"
+# The trainer refused its configuration at start (e.g. a checkpoint or output directory that
+# belongs to another job): restarting would refuse again, so the job fails at once.
+REASON_TRAINER_REFUSED: Final = "TrainerRefused"
 REASON_ALL_WORKERS_READY: Final = "AllWorkersReady"
 REASON_WORKERS_NOT_READY: Final = "WorkersNotReady"
 REASON_NO_STRAGGLER: Final = "NoStraggler"

@@ -24,7 +24,8 @@ from finetune_operator.api.constants import (
     SINGULAR,
     VERSION,
 )
-from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.limits import MAX_MICRO_BATCH
+from finetune_operator.api.spec import NO_PARENT_SEGMENTS_RULE, FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
 
 Schema = dict[str, Any]
@@ -81,10 +82,26 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
     ],
 }
 
+# Storage URIs: no `..` segments (spec.refuse_parent_segments), on the string itself.
+URI_RULES: dict[str, dict[str, str]] = {
+    "DatasetSpec": {
+        "rule": NO_PARENT_SEGMENTS_RULE,
+        "message": "dataset.uri must not contain '..' path segments",
+    },
+    "CheckpointSpec": {
+        "rule": NO_PARENT_SEGMENTS_RULE,
+        "message": "checkpoint.uri must not contain '..' path segments",
+    },
+    "OutputSpec": {
+        "rule": NO_PARENT_SEGMENTS_RULE,
+        "message": "output.uri must not contain '..' path segments",
+    },
+}
+
 # int | "auto" fields: structural schemas allow exactly this one union.
 INT_OR_AUTO_RULE = {
-    "rule": "type(self) == int ? self >= 1 : self == 'auto'",
-    "message": "must be an integer >= 1 or 'auto'",
+    "rule": f"type(self) == int ? self >= 1 && self <= {MAX_MICRO_BATCH} : self == 'auto'",
+    "message": f"must be an integer from 1 to {MAX_MICRO_BATCH} or 'auto'",
 }
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
@@ -156,12 +173,13 @@ def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
 
     kind = out.get("type")
     if kind == "object":
-        _convert_object(node, defs, out)
+        _convert_object(node, defs, out, def_name)
     elif kind == "array":
         out["items"] = _convert(node.get("items", {}), defs) if node.get("items") else {}
         if out["items"] == {}:
             out["items"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-    for key in ("minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "pattern"):
+    bounds = ("minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems")
+    for key in (*bounds, "minProperties", "maxProperties", "pattern"):
         if key in node:
             out[key] = node[key]
     # JSON Schema 2020-12 exclusive bounds are numbers; OpenAPI 3.0's are booleans.
@@ -176,13 +194,17 @@ def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
     return out
 
 
-def _convert_object(node: Schema, defs: dict[str, Schema], out: Schema) -> None:
+def _convert_object(
+    node: Schema, defs: dict[str, Schema], out: Schema, def_name: str | None = None
+) -> None:
     props = node.get("properties")
     if props:
         out["properties"] = {}
         required = set(node.get("required", []))
         for name, sub in props.items():
             converted = _convert(sub, defs)
+            if name == "uri" and def_name in URI_RULES:
+                converted["x-kubernetes-validations"] = [dict(URI_RULES[def_name])]
             # A nested model with a default_factory: default it to {} so the API server
             # fills in its own defaults too (pydantic emits no default for factories).
             is_model = "$ref" in sub and converted.get("type") == "object"

@@ -1,16 +1,43 @@
-"""Read FineTuneJob manifests from YAML, with errors that name the offending field."""
+"""Read FineTuneJob manifests from YAML, with errors that name the offending field.
+
+A manifest is checked in the order a real cluster checks it: kubectl's YAML-to-JSON
+(manifest_reader), the API server's object metadata and the CRD's structural schema
+(schema_validation: unknown fields, types, bounds, CEL rules, defaults), then the operator's own
+pydantic models. So `ftjob plan` refuses exactly what `kubectl apply` would, and plans the
+object the operator would receive.
+"""
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from finetune_operator.api.constants import API_VERSION, KIND
+from finetune_operator.api.crd import build_crd
+from finetune_operator.api.limits import MAX_JOB_NAME
+from finetune_operator.api.manifest_reader import (
+    json_problems,
+    parse_yaml_document,
+    read_manifest_text,
+)
+from finetune_operator.api.schema_validation import CustomResourceSchema
 from finetune_operator.api.spec import FineTuneJobSpec
+
+
+def _show_path(path: str) -> str:
+    """A field path for one line of output: quoted and escaped when a key holds spaces,
+    control characters, quotes or colons (a manifest can use any string as a key)."""
+    if not path:
+        return "file"
+    if all(char.isprintable() and not char.isspace() and char not in ':"' for char in path):
+        return path
+    return json.dumps(path)
 
 
 class ManifestError(ValueError):
@@ -19,7 +46,9 @@ class ManifestError(ValueError):
     def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
         self.source = source
         self.problems = problems
-        lines = "\n".join(f"  {path}: {reason}" for path, reason in problems)
+        lines = "\n".join(
+            f"  {_show_path(path)}: " + reason.replace("\n", "\n    ") for path, reason in problems
+        )
         super().__init__(f"{source} is not a valid {KIND}:\n{lines}")
 
 
@@ -58,22 +87,84 @@ def parse_spec(spec: Any, source: str = "manifest") -> FineTuneJobSpec:
         raise ManifestError(source, format_validation_error(err)) from None
 
 
-def parse_manifest(doc: Any, source: str = "manifest") -> Manifest:
-    if not isinstance(doc, dict):
-        raise ManifestError(source, [("", "expected a YAML mapping")])
+# metadata.name of a custom resource: a DNS-1123 subdomain; namespace: a DNS-1123 label.
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+@lru_cache(maxsize=1)
+def _crd_schema() -> CustomResourceSchema:
+    version = build_crd()["spec"]["versions"][0]
+    return CustomResourceSchema(version["schema"]["openAPIV3Schema"])
+
+
+def _metadata_problems(metadata: Any) -> list[tuple[str, str]]:
+    if metadata is None:
+        return [("metadata.name", "Required value")]
+    if not isinstance(metadata, dict):
+        return [("metadata", f"must be an object, not a {type(metadata).__name__}")]
+    name, namespace = metadata.get("name"), metadata.get("namespace")
     problems = []
+    if not name:
+        problems.append(("metadata.name", "Required value"))
+    elif not isinstance(name, str) or len(name) > 253 or not _SUBDOMAIN.fullmatch(name):
+        problems.append((
+            "metadata.name",
+            f"Invalid value: {name!r}: a lowercase RFC 1123 subdomain of at most 253 "
+            "characters (a-z, 0-9, '-' and '.', starting and ending alphanumeric)",
+        ))  # fmt: skip
+    elif len(name) > MAX_JOB_NAME:
+        # The API server takes it; the operator refuses it (InvalidSpec): its Services and pod
+        # host names are DNS labels of at most 63 characters.
+        problems.append((
+            "metadata.name",
+            f"{len(name)} characters; the operator accepts at most {MAX_JOB_NAME} (its Services "
+            "and pod host names derive from it)",
+        ))  # fmt: skip
+    if namespace is not None and (
+        not isinstance(namespace, str) or len(namespace) > 63 or not _LABEL.fullmatch(namespace)
+    ):
+        problems.append((
+            "metadata.namespace",
+            f"Invalid value: {namespace!r}: a lowercase RFC 1123 label of at most 63 characters",
+        ))  # fmt: skip
+    return problems
+
+
+def _schema_problems(doc: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The document as the API server stores it (defaulted), or its structural-schema errors.
+
+    Unknown fields (snake_case keys, typos) are refused, as kubectl's default
+    ``--validate=strict`` has the API server do; without it the server would prune them and
+    plan and cluster would disagree.
+    """
+    schema = _crd_schema()
+    unknown = [(path, "unknown field") for path in schema.unknown_fields(doc)]
+    if unknown:
+        return doc, unknown
+    normalised = schema.normalise(doc)
+    return normalised, schema.validate(normalised)
+
+
+def parse_manifest(doc: Any, source: str = "manifest") -> Manifest:
+    """One FineTuneJob, validated as the API server would and then as the operator does."""
+    if not isinstance(doc, dict):
+        raise ManifestError(source, [("", f"expected a YAML mapping, not {type(doc).__name__}")])
+    problems = json_problems(doc)
     if doc.get("apiVersion") != API_VERSION:
         problems.append(("apiVersion", f"must be {API_VERSION}, got {doc.get('apiVersion')!r}"))
     if doc.get("kind") != KIND:
         problems.append(("kind", f"must be {KIND}, got {doc.get('kind')!r}"))
-    metadata = doc.get("metadata") or {}
-    if not metadata.get("name"):
-        problems.append(("metadata.name", "required"))
+    problems += _metadata_problems(doc.get("metadata"))
     if "spec" not in doc:
         problems.append(("spec", "required"))
     if problems:
         raise ManifestError(source, problems)
-    spec = parse_spec(doc["spec"], source)
+    normalised, problems = _schema_problems(doc)
+    if problems:
+        raise ManifestError(source, problems)
+    spec = parse_spec(normalised["spec"], source)
+    metadata = doc["metadata"]
     return Manifest(
         name=str(metadata["name"]),
         namespace=str(metadata.get("namespace") or "default"),
@@ -83,9 +174,11 @@ def parse_manifest(doc: Any, source: str = "manifest") -> Manifest:
 
 
 def load_manifest(path: str | Path) -> Manifest:
-    text = Path(path).read_text()
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ManifestError(str(path), [("", f"not valid YAML: {err}")]) from None
+    """Read, parse and validate one FineTuneJob file; ManifestError for anything invalid."""
+    text, problems = read_manifest_text(path)
+    if text is None:
+        raise ManifestError(str(path), problems)
+    doc, problems = parse_yaml_document(text)
+    if problems:
+        raise ManifestError(str(path), problems)
     return parse_manifest(doc, str(path))

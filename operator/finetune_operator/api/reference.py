@@ -31,6 +31,12 @@ def _bounds(node: dict[str, Any]) -> str:
         parts.append(("< " if node.get("exclusiveMaximum") else "≤ ") + str(node["maximum"]))
     if "minLength" in node:
         parts.append(f"length ≥ {node['minLength']}")
+    if "maxLength" in node:
+        parts.append(f"length ≤ {node['maxLength']}")
+    if "maxItems" in node:
+        parts.append(f"≤ {node['maxItems']} items")
+    if "maxProperties" in node:
+        parts.append(f"≤ {node['maxProperties']} entries")
     return ", ".join(parts)
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from finetune_operator.api import limits as lim
 from finetune_operator.api.base import ApiModel
-from finetune_operator.api.constants import DEFAULT_TRAINER_IMAGE
 from finetune_operator.api.storage import StorageSpec
 
 StrategyType = Literal[
@@ -32,24 +32,69 @@ Objective = Literal["auto", "fewest-gpus", "fastest", "lowest-cost"]
 DEFAULT_CHECKPOINT_INTERVAL_MINUTES = 30.0
 
 
-class ModelArchitecture(ApiModel):
+def refuse_parent_segments(uri: str | None, field: str) -> str | None:
+    """A storage URI must not climb out of where it points with `..` segments (checkpoint,
+    output and dataset directories of one job must not reach another's). Absolute paths stay
+    legal: confining them to the job's declared volumes is the volumes feature's job."""
+    if uri is not None and ".." in uri.split("://", 1)[-1].split("/"):
+        raise ValueError(f"{field} {uri!r} must not contain '..' path segments")
+    return uri
+
+
+# The CRD's CEL twin of refuse_parent_segments (api/crd.py), so the API server refuses too.
+NO_PARENT_SEGMENTS_RULE = "!self.matches('(^|/)[.][.](/|$)')"
+
+
+class SpecModel(ApiModel):
+    """A part of the spec: infinities and NaN are refused (JSON, hence kubectl and the API
+    server, cannot carry them, and a bound such as ``le`` lets NaN through)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class ModelArchitecture(SpecModel):
     """Hugging Face config names, camelCased. Enough to build and plan the model."""
 
-    model_type: str = Field("llama", description="HF model_type (llama, mistral, qwen2, ...).")
-    hidden_size: int = Field(..., ge=1, description="Width of the residual stream.")
-    num_hidden_layers: int = Field(..., ge=1, description="Number of decoder layers.")
-    num_attention_heads: int = Field(..., ge=1, description="Query heads per layer.")
-    num_key_value_heads: int | None = Field(
-        None, ge=1, description="Key/value heads (GQA/MQA); defaults to numAttentionHeads."
+    model_type: str = Field(
+        "llama",
+        max_length=lim.MAX_SHORT_STRING,
+        description="HF model_type (llama, mistral, qwen2, ...).",
     )
-    head_dim: int | None = Field(None, ge=1, description="Per-head width; hiddenSize/heads if unset.")
-    intermediate_size: int = Field(..., ge=1, description="MLP (SwiGLU) inner width.")
-    vocab_size: int = Field(..., ge=1, description="Vocabulary size.")
+    hidden_size: int = Field(
+        ..., ge=1, le=lim.MAX_HIDDEN_SIZE, description="Width of the residual stream."
+    )
+    num_hidden_layers: int = Field(
+        ..., ge=1, le=lim.MAX_LAYERS, description="Number of decoder layers."
+    )
+    num_attention_heads: int = Field(
+        ..., ge=1, le=lim.MAX_HEADS, description="Query heads per layer."
+    )
+    num_key_value_heads: int | None = Field(
+        None,
+        ge=1,
+        le=lim.MAX_HEADS,
+        description="Key/value heads (GQA/MQA); defaults to numAttentionHeads.",
+    )
+    head_dim: int | None = Field(
+        None, ge=1, le=lim.MAX_HEAD_DIM, description="Per-head width; hiddenSize/heads if unset."
+    )
+    intermediate_size: int = Field(
+        ..., ge=1, le=lim.MAX_INTERMEDIATE_SIZE, description="MLP (SwiGLU) inner width."
+    )
+    vocab_size: int = Field(..., ge=1, le=lim.MAX_VOCAB_SIZE, description="Vocabulary size.")
     tie_word_embeddings: bool = Field(False, description="Output head shares the input embedding.")
-    max_position_embeddings: int | None = Field(None, ge=1, description="Longest sequence.")
-    num_local_experts: int | None = Field(None, ge=1, description="MoE: experts per layer.")
-    num_experts_per_tok: int | None = Field(None, ge=1, description="MoE: experts routed per token.")
-    moe_intermediate_size: int | None = Field(None, ge=1, description="MoE: expert MLP width.")
+    max_position_embeddings: int | None = Field(
+        None, ge=1, le=lim.MAX_POSITIONS, description="Longest sequence."
+    )
+    num_local_experts: int | None = Field(
+        None, ge=1, le=lim.MAX_EXPERTS, description="MoE: experts per layer."
+    )
+    num_experts_per_tok: int | None = Field(
+        None, ge=1, le=lim.MAX_EXPERTS, description="MoE: experts routed per token."
+    )
+    moe_intermediate_size: int | None = Field(
+        None, ge=1, le=lim.MAX_INTERMEDIATE_SIZE, description="MoE: expert MLP width."
+    )
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelArchitecture:
@@ -64,19 +109,28 @@ class ModelArchitecture(ApiModel):
         return self
 
 
-class ModelSpec(ApiModel):
-
-    name: str = Field(..., min_length=1, description="HF hub id, catalog name or path.")
+class ModelSpec(SpecModel):
+    name: str = Field(
+        ...,
+        min_length=1,
+        max_length=lim.MAX_MODEL_NAME_LENGTH,
+        description="HF hub id, catalog name or path.",
+    )
     architecture: ModelArchitecture | None = Field(
         None, description="Explicit architecture; looked up in the catalog by name when absent."
     )
-    parameters: int | None = Field(None, ge=1, description="Parameter count; derived if absent.")
+    parameters: int | None = Field(
+        None, ge=1, le=lim.MAX_PARAMETERS, description="Parameter count; derived if absent."
+    )
     source: Literal["hub", "pvc", "uri", "inline"] = Field(
         "hub", description="Where weights come from; inline = random init from architecture."
     )
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    revision: str | None = Field(
+        None, max_length=lim.MAX_SHORT_STRING, description="Hub revision (branch, tag or commit)."
+    )
     path: str | None = Field(
         None,
+        max_length=lim.MAX_URI_LENGTH,
         description=(
             "Directory of the Hugging Face model (config.json, *.safetensors) on a mounted "
             "volume, for source pvc or uri; defaults to name. name stays the catalog/hub id."
@@ -91,26 +145,45 @@ class ModelSpec(ApiModel):
         return self.path or self.name
 
 
-class DatasetSpec(ApiModel):
-    uri: str = Field(..., min_length=1, description="Path, s3:// URI or HF dataset id.")
+class DatasetSpec(SpecModel):
+    uri: str = Field(
+        ...,
+        min_length=1,
+        max_length=lim.MAX_URI_LENGTH,
+        description="Path, s3:// URI or HF dataset id.",
+    )
     format: Literal["jsonl", "parquet", "hf"] = Field("jsonl", description="Dataset format.")
-    text_field: str | None = Field("text", description="Field holding raw text.")
-    messages_field: str | None = Field(None, description="Field holding chat messages.")
+    text_field: str | None = Field(
+        "text", max_length=lim.MAX_SHORT_STRING, description="Field holding raw text."
+    )
+    messages_field: str | None = Field(
+        None, max_length=lim.MAX_SHORT_STRING, description="Field holding chat messages."
+    )
     packing: bool = Field(True, description="Pack samples into full-length sequences.")
 
+    @field_validator("uri")
+    @classmethod
+    def _uri_stays_put(cls, uri: str) -> str:
+        return refuse_parent_segments(uri, "dataset.uri") or uri
 
-class LoraSpec(ApiModel):
-    rank: int = Field(16, ge=1, le=4096, description="LoRA rank r.")
-    alpha: int = Field(32, ge=1, description="LoRA alpha (scale = alpha / rank).")
+
+class LoraSpec(SpecModel):
+    rank: int = Field(16, ge=1, le=lim.MAX_LORA_RANK, description="LoRA rank r.")
+    alpha: int = Field(
+        32, ge=1, le=lim.MAX_LORA_ALPHA, description="LoRA alpha (scale = alpha / rank)."
+    )
     dropout: float = Field(0.05, ge=0.0, lt=1.0, description="LoRA dropout.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        min_length=1,
-        description="Module names that get adapters.",
+    target_modules: list[Annotated[str, StringConstraints(max_length=lim.MAX_SHORT_STRING)]] = (
+        Field(
+            default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+            min_length=1,
+            max_length=lim.MAX_LORA_TARGETS,
+            description="Module names that get adapters.",
+        )
     )
 
 
-class MethodSpec(ApiModel):
+class MethodSpec(SpecModel):
     type: MethodType = Field("full", description="full | lora | qlora.")
     lora: LoraSpec | None = Field(None, description="Adapter settings for lora/qlora.")
 
@@ -123,30 +196,45 @@ class MethodSpec(ApiModel):
         return self
 
 
-class TrainingSpec(ApiModel):
-    sequence_length: int = Field(2048, ge=8, le=1_048_576, description="Tokens per sample.")
-    global_batch_size: int = Field(8, ge=1, description="Samples per optimizer step, all ranks.")
+class TrainingSpec(SpecModel):
+    sequence_length: int = Field(
+        2048, ge=8, le=lim.MAX_SEQUENCE_LENGTH, description="Tokens per sample."
+    )
+    global_batch_size: int = Field(
+        8, ge=1, le=lim.MAX_GLOBAL_BATCH, description="Samples per optimizer step, all ranks."
+    )
     micro_batch_size: int | Literal["auto"] = Field(
         "auto", description="Samples per rank per forward; auto lets the planner pick."
     )
-    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run.")
-    epochs: float | None = Field(None, gt=0, description="Epochs, when maxSteps is unset.")
-    learning_rate: float = Field(2e-5, gt=0, description="Peak learning rate.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    max_steps: int | None = Field(
+        None, ge=1, le=lim.MAX_STEPS, description="Optimizer steps to run."
+    )
+    epochs: float | None = Field(
+        None, gt=0, le=lim.MAX_EPOCHS, description="Epochs, when maxSteps is unset."
+    )
+    learning_rate: float = Field(
+        2e-5, gt=0, le=lim.MAX_LEARNING_RATE, description="Peak learning rate."
+    )
+    warmup_steps: int = Field(0, ge=0, le=lim.MAX_STEPS, description="Linear warm-up steps.")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm (0 = off).")
+    weight_decay: float = Field(
+        0.0, ge=0, le=lim.MAX_WEIGHT_DECAY, description="AdamW weight decay."
+    )
+    max_grad_norm: float = Field(
+        1.0, ge=0, le=lim.MAX_GRAD_NORM, description="Gradient clipping norm (0 = off)."
+    )
     precision: Precision = Field("bf16", description="Compute precision.")
     optimizer: OptimizerName = Field("adamw", description="Optimizer.")
     gradient_checkpointing: CheckpointingMode = Field(
         "auto", description="Activation checkpointing: auto (planner decides), none or full."
     )
-    seed: int = Field(42, ge=0, description="Random seed.")
+    seed: int = Field(42, ge=0, le=lim.MAX_SEED, description="Random seed.")
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSpec:
-        if isinstance(self.micro_batch_size, int) and self.micro_batch_size < 1:
-            raise ValueError("training.microBatchSize must be >= 1 or 'auto'")
+        mb = self.micro_batch_size
+        if isinstance(mb, int) and not 1 <= mb <= lim.MAX_MICRO_BATCH:
+            raise ValueError(f"training.microBatchSize must be 1..{lim.MAX_MICRO_BATCH} or 'auto'")
         if self.max_steps is None and self.epochs is None:
             raise ValueError("set training.maxSteps or training.epochs")
         if self.warmup_steps and self.max_steps and self.warmup_steps > self.max_steps:
@@ -154,26 +242,62 @@ class TrainingSpec(ApiModel):
         return self
 
 
-class GpuSpec(ApiModel):
-    resource_name: str = Field("nvidia.com/gpu", description="Extended resource to request.")
-    product: str | None = Field(None, description="GPU product, e.g. H100-80GB, A100-40GB, L4.")
+class GpuSpec(SpecModel):
+    resource_name: str = Field(
+        "nvidia.com/gpu",
+        max_length=lim.MAX_NAME_LENGTH,
+        description="Extended resource to request.",
+    )
+    product: str | None = Field(
+        None,
+        max_length=lim.MAX_SHORT_STRING,
+        description="GPU product, e.g. H100-80GB, A100-40GB, L4.",
+    )
     memory_gib: float | None = Field(
-        None, gt=0, alias="memoryGiB", description="GPU memory; from product if unset."
+        None,
+        gt=0,
+        le=lim.MAX_GPU_MEMORY_GIB,
+        alias="memoryGiB",
+        description="GPU memory; from product if unset.",
     )
 
 
-class LocalObjectReference(ApiModel):
-    name: str = Field(..., min_length=1)
+class LocalObjectReference(SpecModel):
+    name: str = Field(..., min_length=1, max_length=lim.MAX_NAME_LENGTH)
 
 
-class ResourcesSpec(ApiModel):
+class ResourcesSpec(SpecModel):
     device: Literal["gpu", "cpu"] = Field(
         "gpu", description="gpu, or cpu for CPU-only (gloo) runs such as the local quickstart."
     )
     gpu: GpuSpec = Field(default_factory=GpuSpec, description="Accelerator per process.")
-    gpus_per_node: int = Field(1, ge=1, le=64, description="Processes (GPUs) per worker pod.")
+    gpus_per_node: int = Field(
+        1, ge=1, le=lim.MAX_GPUS_PER_NODE, description="Processes (GPUs) per worker pod."
+    )
     max_gpus: int | None = Field(
-        None, ge=1, alias="maxGPUs", description="Upper bound on the world size."
+        None, ge=1, le=lim.MAX_GPUS, alias="maxGPUs", description="Upper bound on the world size."
+    )
+    min_nodes: int | None = Field(
+        None, ge=1, le=lim.MAX_NODES, description="Elastic minimum of worker pods."
+    )
+    max_nodes: int | None = Field(
+        None, ge=1, le=lim.MAX_NODES, description="Elastic maximum of worker pods."
+    )
+    cpu: str | None = Field(
+        None,
+        max_length=lim.MAX_SHORT_STRING,
+        description="CPU request/limit per worker pod, e.g. '8'.",
+    )
+    memory: str | None = Field(
+        None,
+        max_length=lim.MAX_SHORT_STRING,
+        description="Memory request/limit per worker pod, e.g. 64Gi.",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=lim.MAX_LIST_ITEMS, description="Worker nodeSelector."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=lim.MAX_LIST_ITEMS, description="Tolerations."
     )
     objective: Objective = Field(
         "auto",
@@ -183,16 +307,24 @@ class ResourcesSpec(ApiModel):
             "maxGPUs is set (you said what you will spend), else fewest-gpus."
         ),
     )
-    min_nodes: int | None = Field(None, ge=1, description="Elastic minimum of worker pods.")
-    max_nodes: int | None = Field(None, ge=1, description="Elastic maximum of worker pods.")
-    cpu: str | None = Field(None, description="CPU request/limit per worker pod, e.g. '8'.")
-    memory: str | None = Field(None, description="Memory request/limit per worker pod, e.g. 64Gi.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Worker nodeSelector.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations.")
     affinity: dict[str, Any] | None = Field(None, description="Extra pod affinity.")
-    priority_class_name: str | None = Field(None, description="PriorityClass of worker pods.")
-    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
-    service_account_name: str | None = Field(None, description="ServiceAccount of the pods.")
+    priority_class_name: str | None = Field(
+        None, max_length=lim.MAX_NAME_LENGTH, description="PriorityClass of worker pods."
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=lim.MAX_LIST_ITEMS
+    )
+    service_account_name: str | None = Field(
+        None,
+        max_length=lim.MAX_NAME_LENGTH,
+        description="ServiceAccount of the pods; default: the operator's trainer ServiceAccount. "
+        "Must be one the operator allows (chart value policy.allowedServiceAccounts).",
+    )
+    automount_service_account_token: bool = Field(
+        False,
+        description="Mount the ServiceAccount's API token into the pods. Off: trainers never "
+        "talk to the Kubernetes API, so a compromised trainer gets no credentials.",
+    )
 
     @model_validator(mode="after")
     def _check_nodes(self) -> ResourcesSpec:
@@ -204,7 +336,7 @@ class ResourcesSpec(ApiModel):
         return self
 
 
-class StrategySpec(ApiModel):
+class StrategySpec(SpecModel):
     type: StrategyType = Field("auto", description="auto (planner decides) or a pinned strategy.")
     offload: Offload = Field("none", description="Offload of optimizer states/parameters.")
     backend: Backend = Field("auto", description="auto | fsdp | deepspeed.")
@@ -218,46 +350,83 @@ class StrategySpec(ApiModel):
         return self
 
 
-class CheckpointSpec(ApiModel):
+class CheckpointSpec(SpecModel):
     uri: str = Field(
-        "checkpoints", min_length=1, description="Directory (or s3:// URI) for checkpoints."
+        "checkpoints",
+        min_length=1,
+        max_length=lim.MAX_URI_LENGTH,
+        description="Directory (or s3:// URI) for checkpoints.",
+    )
+    interval_steps: int | None = Field(
+        None, ge=1, le=lim.MAX_STEPS, description="Save every N steps."
+    )
+    interval_minutes: float | None = Field(
+        DEFAULT_CHECKPOINT_INTERVAL_MINUTES,
+        gt=0,
+        le=lim.MAX_INTERVAL_MINUTES,
+        description="Save every N minutes (also when intervalSteps is set: whichever comes first).",
+    )
+    keep: int = Field(
+        3, ge=1, le=lim.MAX_CHECKPOINTS_KEPT, description="Committed checkpoints to keep."
     )
     enabled: bool = Field(
         True, description="false: never checkpoint (no resume, no final save on SIGTERM)."
     )
-    interval_steps: int | None = Field(None, ge=1, description="Save every N steps.")
-    interval_minutes: float | None = Field(
-        DEFAULT_CHECKPOINT_INTERVAL_MINUTES,
-        gt=0,
-        description="Save every N minutes (also when intervalSteps is set: whichever comes first).",
-    )
-    keep: int = Field(3, ge=1, le=1000, description="Committed checkpoints to keep.")
     async_: bool = Field(True, alias="async", description="Save in the background (DCP async).")
 
+    @field_validator("uri")
+    @classmethod
+    def _uri_stays_put(cls, uri: str) -> str:
+        return refuse_parent_segments(uri, "checkpoint.uri") or uri
 
-class StragglerSpec(ApiModel):
+
+class StragglerSpec(SpecModel):
     enabled: bool = Field(True, description="Detect stragglers.")
     action: Literal["evict", "alert"] = Field("evict", description="evict or only alert.")
-    threshold: float = Field(1.2, gt=1.0, description="Compute-time ratio over the median.")
-    window_steps: int = Field(20, ge=1, description="Steps per detection window.")
-    consecutive_windows: int = Field(3, ge=1, description="Windows in a row before acting.")
-    cooldown_seconds: int = Field(600, ge=0, description="Minimum time between evictions.")
-    max_evictions_per_hour: int = Field(2, ge=0, description="Eviction rate limit.")
+    threshold: float = Field(
+        1.2,
+        gt=1.0,
+        le=lim.MAX_STRAGGLER_THRESHOLD,
+        description="Compute-time ratio over the median.",
+    )
+    window_steps: int = Field(
+        20, ge=1, le=lim.MAX_WINDOW_STEPS, description="Steps per detection window."
+    )
+    consecutive_windows: int = Field(
+        3, ge=1, le=lim.MAX_CONSECUTIVE_WINDOWS, description="Windows in a row before acting."
+    )
+    cooldown_seconds: int = Field(
+        600, ge=0, le=lim.MAX_COOLDOWN_SECONDS, description="Minimum time between evictions."
+    )
+    max_evictions_per_hour: int = Field(
+        2, ge=0, le=lim.MAX_EVICTIONS_PER_HOUR, description="Eviction rate limit."
+    )
 
 
-class FaultToleranceSpec(ApiModel):
-    max_restarts: int = Field(3, ge=0, description="Worker replacements before Failed.")
-    backoff_seconds: float = Field(10, ge=0, description="Base delay before a replacement.")
+class FaultToleranceSpec(SpecModel):
+    max_restarts: int = Field(
+        3, ge=0, le=lim.MAX_RESTARTS, description="Worker replacements before Failed."
+    )
+    backoff_seconds: float = Field(
+        10, ge=0, le=lim.MAX_BACKOFF_SECONDS, description="Base delay before a replacement."
+    )
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
 
 
-class OutputSpec(ApiModel):
-    uri: str | None = Field(None, description="Where the final model is written.")
+class OutputSpec(SpecModel):
+    uri: str | None = Field(
+        None, max_length=lim.MAX_URI_LENGTH, description="Where the final model is written."
+    )
     format: Literal["hf-safetensors"] = Field("hf-safetensors", description="Output format.")
     merge_lora: bool = Field(False, description="Merge adapters into the base weights.")
 
+    @field_validator("uri")
+    @classmethod
+    def _uri_stays_put(cls, uri: str | None) -> str | None:
+        return refuse_parent_segments(uri, "output.uri")
 
-class FineTuneJobSpec(ApiModel):
+
+class FineTuneJobSpec(SpecModel):
     model: ModelSpec = Field(..., description="The model to fine-tune.")
     dataset: DatasetSpec = Field(..., description="The training data.")
     method: MethodSpec = Field(default_factory=MethodSpec, description="full, lora or qlora.")
@@ -279,5 +448,11 @@ class FineTuneJobSpec(ApiModel):
         default_factory=StorageSpec,
         description="Volumes mounted into every worker: checkpoints, output, data, weights.",
     )
-    image: str = Field(DEFAULT_TRAINER_IMAGE, description="Trainer image.")
+    image: str | None = Field(
+        None,
+        min_length=1,
+        max_length=lim.MAX_IMAGE_LENGTH,
+        description="Trainer image; default: the operator's (chart value trainer.image). "
+        "Must match the operator's allowed images (chart value policy.allowedImages).",
+    )
     suspend: bool = Field(False, description="Delete pods, keep checkpoints; false resumes.")

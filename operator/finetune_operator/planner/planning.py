@@ -202,6 +202,11 @@ def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
     """The first fitting configuration when the spec is changed as `changes` say
     (method, offload, unbounded GPU count), for the refusal's suggestions."""
     spec = p.spec
+    # Resources first: the spec is re-validated below, and the hint drops the GPU bounds.
+    res = spec.resources.model_copy(update={"min_nodes": None, "max_nodes": None})
+    if changes.get("unbounded", True):
+        res = res.model_copy(update={"max_gpus": None})
+    spec = spec.model_copy(update={"resources": res})
     method = changes.get("method")
     if method is not None:
         spec = spec.model_copy(
@@ -216,10 +221,6 @@ def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
         spec = spec.model_copy(
             update={"strategy": spec.strategy.model_copy(update={"offload": "cpu", "type": "auto"})}
         )
-    res = spec.resources.model_copy(update={"min_nodes": None, "max_nodes": None})
-    if changes.get("unbounded", True):
-        res = res.model_copy(update={"max_gpus": None})
-    spec = spec.model_copy(update={"resources": res})
     if spec.training.gradient_checkpointing == "none":
         spec = spec.model_copy(
             update={"training": spec.training.model_copy(update={"gradient_checkpointing": "auto"})}

@@ -8,8 +8,10 @@ that does not fit ends that row), checkpointing off before on. Pure: no clocks, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
+from finetune_operator.api.limits import MAX_NODES
 from finetune_operator.api.spec import FineTuneJobSpec, Objective, StrategyName
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.hardware import Accelerator
@@ -101,7 +103,9 @@ def memory_strategy(p: Problem, s: StrategyName) -> StrategyName:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of n, ascending, in O(sqrt n): batches are bounded (api.limits) but large."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def evaluate(
@@ -173,15 +177,24 @@ def search_at(
 
 
 def world_sizes(p: Problem) -> list[int]:
-    """1..gpusPerNode, then whole nodes, up to maxGPUs/maxNodes; each must divide the batch."""
+    """1..gpusPerNode, then whole nodes, up to maxGPUs/maxNodes; each must divide the batch.
+
+    The candidates are the divisors of the global batch, not a range up to maxGPUs: the cost
+    of a plan depends on the batch's divisor count (at most 240 within api.limits), never on
+    how many GPUs the spec allows, so no manifest can make the operator's reconcile loop
+    build a list of 10^8 world sizes. Only the refusal hint (strict_batch False) ignores the
+    batch, and it is bounded by DEFAULT_MAX_NODES whole nodes.
+    """
     res = p.spec.resources
     gpn = res.gpus_per_node
-    max_gpus = res.max_gpus or DEFAULT_MAX_NODES * gpn
-    if res.max_nodes:
-        max_gpus = min(max_gpus, res.max_nodes * gpn)
-    sizes = list(range(1, gpn + 1)) + [k * gpn for k in range(2, max_gpus // gpn + 1)]
-    batch = p.spec.training.global_batch_size
-    return [n for n in sizes if n <= max_gpus and (batch % n == 0 or not p.strict_batch)]
+    # A plan never launches more worker pods than the API allows (the CRD bounds maxNodes).
+    max_gpus = min(res.max_gpus or DEFAULT_MAX_NODES * gpn, (res.max_nodes or MAX_NODES) * gpn)
+    if p.strict_batch:
+        candidates = divisors(p.spec.training.global_batch_size)
+    else:
+        top = min(max_gpus, DEFAULT_MAX_NODES * gpn)
+        candidates = list(range(1, gpn + 1)) + list(range(2 * gpn, top + 1, gpn))
+    return [n for n in candidates if n <= max_gpus and (n <= gpn or n % gpn == 0)]
 
 
 def fastest(fitting: list[Evaluated]) -> Evaluated:

@@ -9,7 +9,6 @@ from typing import Any
 
 from finetune_operator.api.constants import (
     ANNOTATION_RESTART_ATTEMPT,
-    REASON_BACKOFF_LIMIT_EXCEEDED,
     REASON_COMPLETED,
     REASON_INVALID_SPEC,
     REASON_RESTARTING,
@@ -83,7 +82,9 @@ def _active(
     assert ev.spec is not None and ev.plan is not None
     ensure: tuple[dict[str, Any], ...] = ()
     if ensured_generation != ev.job.generation:
-        ensure = tuple(build_shared_objects(ev.job.owner, ev.spec, ev.plan))
+        ensure = tuple(
+            build_shared_objects(ev.job.owner, ev.spec, ev.plan, network_policy=ev.network_policy)
+        )
     surplus = [p for i, p in a.workers.items() if i >= ev.plan.nodes]
     deletes = _deletions(a.replace_now, REASON_RESTARTING) + _deletions(surplus, REASON_COMPLETED)
     # A slot being replaced is still occupied this round; its pod is created on the next pass,
@@ -135,7 +136,7 @@ def decide_actions(
         return Actions(delete=_deletions(leftovers, REASON_COMPLETED))
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
-        Mode.FAILED: REASON_BACKOFF_LIMIT_EXCEEDED,
+        Mode.FAILED: a.failure_reason,
         Mode.INVALID: ev.failure_reason or REASON_INVALID_SPEC,
     }[a.mode]
     return Actions(delete=_deletions(a.live_pods, reason))

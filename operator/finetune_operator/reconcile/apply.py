@@ -53,6 +53,7 @@ class ClusterApi:
 
     def __init__(self, api_client: k8s.ApiClient) -> None:
         self.core = k8s.CoreV1Api(api_client)
+        self.networking = k8s.NetworkingV1Api(api_client)
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
@@ -67,6 +68,10 @@ class ClusterApi:
                 self.core.patch_namespaced_config_map,
             ),
             "Service": (self.core.create_namespaced_service, self.core.patch_namespaced_service),
+            "NetworkPolicy": (
+                self.networking.create_namespaced_network_policy,
+                self.networking.patch_namespaced_network_policy,
+            ),
         }
         create, patch = ops[kind]
         try:

@@ -12,11 +12,13 @@ from finetune_operator.api.constants import (
     COND_FAILED,
     COND_SUCCEEDED,
     REASON_BACKOFF_LIMIT_EXCEEDED,
+    REASON_TRAINER_REFUSED,
 )
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.observed import FAILED, RUNNING, SUCCEEDED, PodView
 from finetune_operator.reconcile.planning import Evaluation
+from finetune_operator.reconcile.progress import parse_trainer_error
 from finetune_operator.resources import node_range
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -44,6 +46,7 @@ class Assessment:
     min_nodes: int = 0
     any_worker_succeeded: bool = False
     message: str | None = None  # for terminal transitions: what happened
+    failure_reason: str = REASON_BACKOFF_LIMIT_EXCEEDED  # the Failed condition's, in FAILED
 
     @property
     def live_pods(self) -> list[PodView]:
@@ -78,15 +81,16 @@ def _walk_failures(
     return replace_now, waiting, k, None
 
 
-def _sticky_mode(status: FineTuneJobStatus) -> Mode | None:
+def _sticky_mode(status: FineTuneJobStatus) -> tuple[Mode, str] | None:
     if is_true(status.conditions, COND_SUCCEEDED):
-        return Mode.SUCCEEDED
+        return Mode.SUCCEEDED, ""
     failed = find(status.conditions, COND_FAILED)
-    if failed is not None and (failed.status, failed.reason) == (
-        "True",
-        REASON_BACKOFF_LIMIT_EXCEEDED,
+    if (
+        failed is not None
+        and failed.status == "True"
+        and failed.reason in (REASON_BACKOFF_LIMIT_EXCEEDED, REASON_TRAINER_REFUSED)
     ):
-        return Mode.FAILED
+        return Mode.FAILED, failed.reason
     return None
 
 
@@ -110,7 +114,8 @@ def assess(
     seen = replace(seen, desired=ev.plan.nodes, min_nodes=node_range(ev.spec, ev.plan)[0])
     sticky = _sticky_mode(status)
     if sticky is not None:
-        return replace(seen, mode=sticky)
+        mode, reason = sticky
+        return replace(seen, mode=mode, failure_reason=reason or seen.failure_reason)
     if ev.spec.suspend:
         return replace(seen, mode=Mode.SUSPENDED)
     # torchrun agents exit 0 only once the whole worker group finished, so one success with
@@ -119,6 +124,11 @@ def assess(
         msg = "training finished: worker pods exited 0"
         return replace(seen, mode=Mode.SUCCEEDED, message=msg)
     failed = [p for p in live if p.phase == FAILED]
+    # A trainer that refused its configuration would refuse again: fail now, spend nothing.
+    refusal = next((e for p in failed if (e := parse_trainer_error(p.termination_message))), None)
+    if refusal is not None:
+        msg = f"the trainer refused the job: {refusal}"
+        return replace(seen, mode=Mode.FAILED, failure_reason=REASON_TRAINER_REFUSED, message=msg)
     replace_now, waiting, restarts, exhausted = _walk_failures(ev, status, failed, now)
     if exhausted is not None:
         used = ev.spec.fault_tolerance.max_restarts

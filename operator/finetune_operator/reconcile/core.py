@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from finetune_operator.api.policy import JobPolicy
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.actions import Actions, decide_actions
 from finetune_operator.reconcile.conditions import EventSpec, condition_events
@@ -47,10 +48,11 @@ def reconcile_job(
     planner: PlanFn,
     deleted_uids: Iterable[str] = (),
     ensured_generation: int | None = None,
+    policy: JobPolicy | None = None,
 ) -> Outcome:
     """Everything one pass decides, with no I/O: the caller applies actions, then the status."""
     seen = mark_terminating(pods, deleted_uids)
-    ev = evaluate_job(job, raw_spec, status, planner)
+    ev = evaluate_job(job, raw_spec, status, planner, policy)
     new_status = compute_status(ev, status, seen, now)
     actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation)
     events = (*condition_events(status.conditions, new_status.conditions), *actions.events)

@@ -14,12 +14,15 @@ from finetune_operator.api.constants import (
     COND_FAILED,
     COND_PLANNED,
     REASON_INVALID_SPEC,
+    REASON_NOT_ALLOWED,
     REASON_PLAN_INFEASIBLE,
     REASON_UNSUPPORTED,
     rendezvous_name,
     worker_name,
 )
+from finetune_operator.api.limits import MAX_JOB_NAME, MAX_NODES
 from finetune_operator.api.plan import Plan
+from finetune_operator.api.policy import JobPolicy, policy_refusals, with_policy_defaults
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.planner.errors import PlanningError
@@ -28,10 +31,6 @@ from finetune_operator.resources import Owner
 
 PlanFn = Callable[[FineTuneJobSpec], Plan]
 PLANNER_MODULE = "finetune_operator.planner"
-# DNS-1035 label limit for Services (`<job>`, `<job>-rdzv`) and pod hostnames.
-MAX_LABEL = 63
-# Worker hostnames end in -worker-<i>; two-digit indices (`-worker-63`) budget the suffix.
-MAX_JOB_NAME = MAX_LABEL - len(worker_name("", 63))
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,9 @@ class Evaluation:
     plan: Plan | None = None
     failure_reason: str | None = None
     failure_message: str = ""
+    # Namespaces that may scrape trainer metrics when the policy builds a NetworkPolicy;
+    # None: no NetworkPolicy.
+    network_policy: tuple[str, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -83,7 +85,7 @@ def _check_name(job: JobRef) -> str | None:
     if len(job.name) > MAX_JOB_NAME:
         return (
             f"metadata.name is {len(job.name)} characters; at most {MAX_JOB_NAME} fit in the "
-            f"Service and pod host names ({rendezvous_name('<name>')}, {worker_name('<name>', 63)})"
+            f"Service and pod host names ({rendezvous_name('<name>')}, {worker_name('<name>', MAX_NODES - 1)})"
         )
     return None
 
@@ -94,7 +96,8 @@ def _sticky_failure(job: JobRef, status: FineTuneJobStatus) -> Evaluation | None
     if (
         failed is not None
         and failed.status == "True"
-        and failed.reason in (REASON_INVALID_SPEC, REASON_PLAN_INFEASIBLE, REASON_UNSUPPORTED)
+        and failed.reason
+        in (REASON_INVALID_SPEC, REASON_PLAN_INFEASIBLE, REASON_UNSUPPORTED, REASON_NOT_ALLOWED)
         and status.observed_generation == job.generation
     ):
         return Evaluation(job, failure_reason=failed.reason, failure_message=failed.message)
@@ -114,10 +117,23 @@ def _cached_plan(job: JobRef, status: FineTuneJobStatus) -> Plan | None:
     return None
 
 
+def _network_policy(policy: JobPolicy) -> tuple[str, ...] | None:
+    if not policy.network_policy:
+        return None
+    scrapers = [policy.operator_namespace, *policy.monitoring_namespaces]
+    return tuple(sorted({ns for ns in scrapers if ns}))
+
+
 def evaluate_job(
-    job: JobRef, raw_spec: Mapping[str, Any], status: FineTuneJobStatus, planner: PlanFn
+    job: JobRef,
+    raw_spec: Mapping[str, Any],
+    status: FineTuneJobStatus,
+    planner: PlanFn,
+    policy: JobPolicy | None = None,
 ) -> Evaluation:
-    """Validate the spec and plan it; the plan is reused while the generation is unchanged."""
+    """Validate the spec, check it against the job policy and plan it; the plan is reused
+    while the generation is unchanged."""
+    policy = policy or JobPolicy()
     sticky = _sticky_failure(job, status)
     if sticky is not None:
         return sticky
@@ -129,6 +145,11 @@ def evaluate_job(
     except ValidationError as err:
         message = describe_validation_error(err)
         return Evaluation(job, failure_reason=REASON_INVALID_SPEC, failure_message=message)
+    forbidden = policy_refusals(spec, policy)
+    if forbidden:
+        message = "the operator's job policy refuses " + "; ".join(forbidden)
+        return Evaluation(job, failure_reason=REASON_NOT_ALLOWED, failure_message=message)
+    spec = with_policy_defaults(spec, policy)
     plan = _cached_plan(job, status)
     if plan is None:
         try:
@@ -147,4 +168,4 @@ def evaluate_job(
     if refusals:
         message = "the trainer cannot run this job: " + "; ".join(refusals)
         return Evaluation(job, spec, plan, REASON_UNSUPPORTED, message)
-    return Evaluation(job, spec, plan)
+    return Evaluation(job, spec, plan, network_policy=_network_policy(policy))

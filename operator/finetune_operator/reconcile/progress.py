@@ -132,6 +132,16 @@ def parse_termination_message(text: str | None) -> TrainerProgress:
     )
 
 
+def parse_trainer_error(text: str | None) -> str | None:
+    """The configuration error a trainer left in its termination report (`error`), if any."""
+    try:
+        data = json.loads(text or "")
+    except ValueError:
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    return error if isinstance(error, str) and error else None
+
+
 def combine_progress(parts: Iterable[TrainerProgress]) -> TrainerProgress:
     """All ranks together: the furthest step and checkpoint, the lowest rank's loss."""
     out = TrainerProgress()

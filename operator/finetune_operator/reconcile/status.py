@@ -15,7 +15,6 @@ from finetune_operator.api.constants import (
     PHASE_FAILED,
     PHASE_SUCCEEDED,
     REASON_ALL_WORKERS_READY,
-    REASON_BACKOFF_LIMIT_EXCEEDED,
     REASON_CHECKPOINT_SAVE_FAILED,
     REASON_CHECKPOINTS_COMMITTING,
     REASON_COMPLETED,
@@ -74,12 +73,12 @@ def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
             COND_FAILED: done,
         }
     if a.mode is Mode.FAILED:
-        failed = Want("False", REASON_BACKOFF_LIMIT_EXCEEDED, a.message)
+        failed = Want("False", a.failure_reason, a.message)
         return {
             COND_PLANNED: planned,
             COND_WORKERS_READY: failed,
             COND_SUCCEEDED: failed,
-            COND_FAILED: Want("True", REASON_BACKOFF_LIMIT_EXCEEDED, a.message),
+            COND_FAILED: Want("True", a.failure_reason, a.message),
         }
     if a.mode is Mode.SUSPENDED:
         held = Want("False", REASON_SUSPENDED, "spec.suspend is true: pods deleted")

@@ -9,6 +9,7 @@ from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.resources.affinity import merge_node_exclusion
 from finetune_operator.resources.common import Owner, owner_reference
 from finetune_operator.resources.configmap import build_config_map, render_job_config
+from finetune_operator.resources.network import build_network_policy, network_policy_name
 from finetune_operator.resources.rendezvous import build_rendezvous_pod
 from finetune_operator.resources.services import build_rendezvous_service, build_worker_service
 from finetune_operator.resources.worker import (
@@ -20,13 +21,23 @@ from finetune_operator.resources.worker import (
 )
 
 
-def build_shared_objects(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> list[dict[str, Any]]:
-    """The objects that live as long as the job (kept while suspended): ConfigMap, Services."""
-    return [
+def build_shared_objects(
+    owner: Owner,
+    spec: FineTuneJobSpec,
+    plan: Plan,
+    *,
+    network_policy: tuple[str, ...] | None = None,
+) -> list[dict[str, Any]]:
+    """The objects that live as long as the job (kept while suspended): ConfigMap, Services,
+    and the NetworkPolicy when `network_policy` names the namespaces that scrape metrics."""
+    shared = [
         build_config_map(owner, spec, plan),
         build_worker_service(owner, plan.gpus_per_node),
         build_rendezvous_service(owner),
     ]
+    if network_policy is not None:
+        shared.append(build_network_policy(owner, plan.gpus_per_node, list(network_policy)))
+    return shared
 
 
 def desired_objects(
@@ -47,6 +58,7 @@ __all__ = [
     "TORCHRUN_EXTRA_FLAGS",
     "Owner",
     "build_config_map",
+    "build_network_policy",
     "build_rendezvous_pod",
     "build_rendezvous_service",
     "build_shared_objects",
@@ -54,6 +66,7 @@ __all__ = [
     "build_worker_service",
     "desired_objects",
     "merge_node_exclusion",
+    "network_policy_name",
     "node_range",
     "owner_reference",
     "render_job_config",

@@ -119,8 +119,10 @@ def pull_secrets(names: list[str]) -> list[dict[str, str]]:
 
 
 def set_common_pod_fields(pod_spec: dict[str, Any], spec: FineTuneJobSpec) -> None:
-    """Fields every pod of the job shares: priority, pull secrets, service account."""
+    """Fields every pod of the job shares: priority, pull secrets, service account, token."""
     res = spec.resources
+    # Trainers and the store never call the Kubernetes API: no token unless the job asks.
+    pod_spec["automountServiceAccountToken"] = res.automount_service_account_token
     if res.priority_class_name:
         pod_spec["priorityClassName"] = res.priority_class_name
     if res.image_pull_secrets:

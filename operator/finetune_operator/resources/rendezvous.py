@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune_operator.api.constants import RDZV_PORT, ROLE_RENDEZVOUS, rendezvous_name
+from finetune_operator.api.constants import (
+    DEFAULT_TRAINER_IMAGE,
+    RDZV_PORT,
+    ROLE_RENDEZVOUS,
+    rendezvous_name,
+)
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.resources.common import (
     Owner,
@@ -43,7 +48,7 @@ def build_rendezvous_pod(
         "containers": [
             {
                 "name": RDZV_CONTAINER,
-                "image": spec.image,
+                "image": spec.image or DEFAULT_TRAINER_IMAGE,
                 "command": rendezvous_command(),
                 "env": [{"name": "HOME", "value": "/tmp"}, *downward_env()],
                 "ports": [{"name": RDZV_PORT_NAME, "containerPort": RDZV_PORT, "protocol": "TCP"}],

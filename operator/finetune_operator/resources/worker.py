@@ -7,6 +7,7 @@ from typing import Any
 from finetune_operator.api.constants import (
     CONFIG_MOUNT_DIR,
     CONFIG_PATH,
+    DEFAULT_TRAINER_IMAGE,
     LABEL_WORKER_INDEX,
     METRICS_BASE_PORT,
     RDZV_PORT,
@@ -110,7 +111,7 @@ def _container(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any
     _, tmp_mount = tmp_volume()
     container: dict[str, Any] = {
         "name": WORKER_CONTAINER,
-        "image": spec.image,
+        "image": spec.image or DEFAULT_TRAINER_IMAGE,
         "command": worker_command(owner, spec, plan),
         "env": [{"name": k, "value": v} for k, v in WORKER_ENV.items()] + downward_env(),
         "ports": [

@@ -1,5 +1,8 @@
 """Structural-schema handling of custom resources, in the order a real API server applies it.
 
+Shared by `ftjob plan` (which must refuse exactly what the API server refuses) and the local
+cluster's API server, so that the two can never disagree.
+
 1. **Prune** fields the CRD's ``openAPIV3Schema`` does not declare (unless the node says
    ``x-kubernetes-preserve-unknown-fields``): the operator's status fields that are not in the
    schema silently vanish here, exactly as they would on a real cluster.
@@ -57,6 +60,31 @@ def prune(value: Any, schema: Schema, *, root: bool = False) -> Any:
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         return [prune(item, schema["items"]) for item in value]
     return value
+
+
+def unknown_fields(value: Any, schema: Schema, path: str = "", *, root: bool = False) -> list[str]:
+    """Paths of the fields `prune` would drop: what ``kubectl --validate=strict`` (its default)
+    refuses as ``unknown field``, and what the API server prunes without it."""
+    found: list[str] = []
+    if isinstance(value, dict) and schema.get("type", "object") == "object":
+        if schema.get("x-kubernetes-preserve-unknown-fields") and "properties" not in schema:
+            return found
+        props: dict[str, Schema] = schema.get("properties", {})
+        additional = schema.get("additionalProperties")
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if root and key in ("apiVersion", "kind", "metadata"):
+                continue
+            if key in props:
+                found += unknown_fields(item, props[key], where)
+            elif isinstance(additional, dict):
+                found += unknown_fields(item, additional, f"{path}[{key}]")
+            elif not (additional is True or schema.get("x-kubernetes-preserve-unknown-fields")):
+                found.append(where)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            found += unknown_fields(item, schema["items"], f"{path}[{index}]")
+    return found
 
 
 def apply_defaults(value: Any, schema: Schema) -> Any:
@@ -138,6 +166,12 @@ def _describe(error: jsonschema.ValidationError) -> FieldError:
         "maxItems": "must have at most",
         "pattern": "should match",
     }
+    if error.validator in ("minimum", "maximum") and error.schema.get(
+        "exclusiveMinimum" if error.validator == "minimum" else "exclusiveMaximum"
+    ):
+        above = "greater" if error.validator == "minimum" else "less"
+        bound = error.validator_value
+        return (path, f"Invalid value: {_show(value)}: {path} in body should be {above} than {bound}")
     if error.validator in words:
         bound = error.validator_value
         return (path, f"Invalid value: {_show(value)}: {path} in body {words[str(error.validator)]} {bound}")
@@ -192,6 +226,9 @@ class CustomResourceSchema:
         # metadata is validated by the server itself (name rules), not by the CRD's schema.
         json_schema.get("properties", {}).pop("metadata", None)
         self._validator = jsonschema.Draft4Validator(json_schema)
+
+    def unknown_fields(self, obj: dict[str, Any]) -> list[str]:
+        return unknown_fields(obj, self.schema, root=True)
 
     def normalise(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Prune unknown fields and apply defaults; returns a new object."""

@@ -1,0 +1,120 @@
+"""Bytes of a manifest file to one JSON-compatible document, refusing what kubectl refuses.
+
+kubectl turns YAML into JSON before anything reaches the API server, so a manifest is valid
+only if it is UTF-8, parses as YAML, and its values are JSON values: no NaN or infinity, no
+binary, sets or non-string keys. Like kubectl, empty documents (a trailing ``---``, a file of
+comments) are skipped and a ``kind: List`` is unwrapped; a file must then hold exactly one
+object, since `ftjob plan` plans one job.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune_operator.api import limits
+
+Problem = tuple[str, str]
+
+
+# libyaml when PyYAML has it: the pure-Python scanner is ~10x slower on large input.
+_BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_BaseLoader):  # type: ignore[valid-type,misc]
+    """YAML as kubectl reads it: timestamps stay strings (sigs.k8s.io/yaml goes through JSON,
+    which has no date type), so `revision: 2024-01-01` is the string it looks like."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_BRACKETS = str.maketrans("", "", "".join(chr(c) for c in range(128) if chr(c) not in "[]{}"))
+
+
+def _flow_depth(text: str) -> int:
+    """An upper bound of the flow-collection nesting ([ and {), quotes ignored: YAML scanners
+    slow down with the square of it, so a file of brackets must be refused before parsing."""
+    depth = deepest = 0
+    for char in text.translate(_BRACKETS):
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1  # below zero only in strings: harmless for an upper bound
+    return deepest
+
+
+def read_manifest_text(path: str | Path) -> tuple[str | None, list[Problem]]:
+    """The file's text, or why it cannot be read (missing, a directory, not UTF-8, too big)."""
+    target = Path(path)
+    try:
+        if target.is_dir():
+            return None, [("", "is a directory, not a manifest file")]
+        with target.open("rb") as handle:
+            raw = handle.read(limits.MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        return None, [("", "no such file")]
+    except OSError as err:
+        return None, [("", f"cannot be read: {err.strerror or err}")]
+    if len(raw) > limits.MAX_MANIFEST_BYTES:
+        return None, [("", f"is larger than {limits.MAX_MANIFEST_BYTES} bytes")]
+    try:
+        return raw.decode("utf-8"), []
+    except UnicodeDecodeError as err:
+        return None, [("", f"is not UTF-8 text (byte {err.start}: {raw[err.start]:#04x})")]
+
+
+def parse_yaml_document(text: str) -> tuple[Any, list[Problem]]:
+    """The single object in the text (empty documents skipped, a List unwrapped)."""
+    if _flow_depth(text) > limits.MAX_NESTING:
+        return None, [("", f"nested deeper than {limits.MAX_NESTING} levels")]
+    try:
+        docs = [doc for doc in yaml.load_all(text, Loader=_Loader) if doc is not None]
+    except yaml.YAMLError as err:
+        return None, [("", f"not valid YAML: {err}")]
+    except RecursionError:
+        return None, [("", f"nested deeper than {limits.MAX_NESTING} levels")]
+    if len(docs) == 1 and isinstance(docs[0], dict) and docs[0].get("kind") == "List":
+        items = docs[0].get("items")
+        docs = items if isinstance(items, list) else [docs[0]]
+    if not docs:
+        return None, [("", "holds no object (empty, or only comments and '---')")]
+    if len(docs) > 1:
+        return None, [("", f"holds {len(docs)} objects; plan one FineTuneJob per file")]
+    return docs[0], json_problems(docs[0])
+
+
+def json_problems(doc: Any) -> list[Problem]:
+    """Where the document is not a JSON value kubectl could send (the first few places).
+
+    Iterative, with a budget of values: YAML aliases can make a small file expand into a
+    huge tree ("billion laughs"), which kubectl refuses and which must not hang the caller.
+    """
+    found: list[Problem] = []
+    stack: list[tuple[Any, str, int]] = [(doc, "", 0)]
+    visited = 0
+    while stack and len(found) < 10:
+        value, path, depth = stack.pop()
+        visited += 1
+        if visited > limits.MAX_MANIFEST_VALUES:
+            return [("", f"expands to more than {limits.MAX_MANIFEST_VALUES} values")]
+        if depth > limits.MAX_NESTING:
+            found.append((path, f"nested deeper than {limits.MAX_NESTING} levels"))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+                else:
+                    found.append((path, f"key {key!r} is not a string"))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            found.append((path, f"{value} is not a number JSON can carry (no NaN or infinity)"))
+        elif not (value is None or isinstance(value, str | int | float | bool)):
+            found.append((path, f"a YAML {type(value).__name__} is not a JSON value"))
+    return sorted(found)
