@@ -32,12 +32,14 @@ COND_WORKERS_READY: Final = "WorkersReady"
 COND_SUCCEEDED: Final = "Succeeded"
 COND_FAILED: Final = "Failed"
 COND_STRAGGLER_DETECTED: Final = "StragglerDetected"
+COND_HANG_DETECTED: Final = "HangDetected"
 CONDITION_TYPES: Final = (
     COND_PLANNED,
     COND_WORKERS_READY,
     COND_SUCCEEDED,
     COND_FAILED,
     COND_STRAGGLER_DETECTED,
+    COND_HANG_DETECTED,
 )
 
 # Condition reasons: one CamelCase word each.
@@ -54,8 +56,12 @@ REASON_BACKOFF_LIMIT_EXCEEDED: Final = "BackoffLimitExceeded"
 REASON_ALL_WORKERS_READY: Final = "AllWorkersReady"
 REASON_WORKERS_NOT_READY: Final = "WorkersNotReady"
 REASON_NO_STRAGGLER: Final = "NoStraggler"
+REASON_STRAGGLER_FOUND: Final = "StragglerFound"  # confirmed; the action waits (budget, cooldown)
 REASON_STRAGGLER_EVICTED: Final = "StragglerEvicted"
 REASON_STRAGGLER_ALERTED: Final = "StragglerAlerted"
+REASON_NO_HANG: Final = "Progressing"
+REASON_RANK_HUNG: Final = "RankHung"  # a rank's heartbeat went stale
+REASON_NO_PROGRESS: Final = "NoProgress"  # no rank's step advanced
 
 # Phases, derived from conditions for `kubectl get` only.
 PHASE_PENDING: Final = "Pending"

@@ -213,6 +213,16 @@ class StragglerSpec(ApiModel):
 class FaultToleranceSpec(ApiModel):
     max_restarts: int = Field(3, ge=0, description="Worker replacements before Failed.")
     backoff_seconds: float = Field(10, ge=0, description="Base delay before a replacement.")
+    hang_timeout_seconds: int = Field(
+        600,
+        ge=10,
+        le=86400,
+        description=(
+            "No step progress on any rank, or a rank whose heartbeat is older than this, for "
+            "this long is a hang: the workers restart from the last committed checkpoint "
+            "(counted against maxRestarts)."
+        ),
+    )
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
 
 

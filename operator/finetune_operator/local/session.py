@@ -89,10 +89,11 @@ class LocalSession:
         namespaces: Collection[str] = ("default",),
         keep_data: bool = True,
         extra_env: dict[str, str] | None = None,
+        node_env: dict[str, dict[str, str]] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
         self.cluster = LocalCluster(
-            self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env
+            self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env, node_env=node_env
         )
         self._namespaces = list(namespaces)
         self._operator: OperatorThread | None = None
