@@ -62,6 +62,7 @@ REASON_STRAGGLER_ALERTED: Final = "StragglerAlerted"
 REASON_NO_HANG: Final = "Progressing"
 REASON_RANK_HUNG: Final = "RankHung"  # a rank's heartbeat went stale
 REASON_NO_PROGRESS: Final = "NoProgress"  # no rank's step advanced
+REASON_HANG_DETECTED: Final = "HangDetected"  # the Event of a hang restart
 
 # Phases, derived from conditions for `kubectl get` only.
 PHASE_PENDING: Final = "Pending"

@@ -34,8 +34,11 @@ def default_data_dir() -> Path:
 class OperatorThread:
     """The kopf operator (finetune_operator.handlers.operate) on a thread of its own."""
 
-    def __init__(self, kubeconfig: Path, namespaces: Collection[str] | None) -> None:
+    def __init__(
+        self, kubeconfig: Path, namespaces: Collection[str] | None, metrics_port: int | None = None
+    ) -> None:
         self._kubeconfig = str(kubeconfig)
+        self._metrics_port = metrics_port
         self._namespaces = list(namespaces) if namespaces else None
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -53,6 +56,7 @@ class OperatorThread:
                 operate(
                     self._namespaces,
                     kubeconfig=self._kubeconfig,
+                    metrics_port=self._metrics_port,
                     ready_flag=self._ready,
                     stop_flag=self._stop,
                 )
@@ -61,7 +65,8 @@ class OperatorThread:
             self._error = exc
             self._ready.set()
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 180.0) -> None:
+        # Generous: importing kopf, kubernetes and the planner takes long on a loaded machine.
         self._thread.start()
         if not self._ready.wait(timeout):
             raise RuntimeError("the operator did not become ready")
@@ -90,12 +95,14 @@ class LocalSession:
         keep_data: bool = True,
         extra_env: dict[str, str] | None = None,
         node_env: dict[str, dict[str, str]] | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
         self.cluster = LocalCluster(
             self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env, node_env=node_env
         )
         self._namespaces = list(namespaces)
+        self._metrics_port = metrics_port  # the operator's /metrics (None: not served)
         self._operator: OperatorThread | None = None
         self._custom: client.CustomObjectsApi | None = None
         self.core: client.CoreV1Api | None = None
@@ -108,7 +115,9 @@ class LocalSession:
             )
             self._custom = client.CustomObjectsApi(api_client)
             self.core = client.CoreV1Api(api_client)
-            self._operator = OperatorThread(self.cluster.kubeconfig_path, self._namespaces)
+            self._operator = OperatorThread(
+                self.cluster.kubeconfig_path, self._namespaces, self._metrics_port
+            )
             self._operator.start()
         except BaseException:
             self.cluster.stop()

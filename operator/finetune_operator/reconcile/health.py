@@ -18,6 +18,7 @@ from finetune_operator.api.constants import (
     COND_HANG_DETECTED,
     COND_STRAGGLER_DETECTED,
     REASON_BACKOFF_LIMIT_EXCEEDED,
+    REASON_HANG_DETECTED,
     REASON_STRAGGLER_EVICTED,
 )
 from finetune_operator.api.status import FineTuneJobStatus
@@ -37,7 +38,9 @@ from finetune_operator.reconcile.samples import RankSample, RecordBuffer, advanc
 from finetune_operator.reconcile.stragglers import decide_stragglers
 from finetune_operator.stragglers import find_stragglers, policy_from_spec
 
-REASON_HANG = "HangDetected"
+# A hung group cannot save a checkpoint (its collectives never return), so waiting the workers'
+# long grace period (meant for the final save) gains nothing: they restart from the last one.
+HANG_GRACE_SECONDS = 5
 
 
 @dataclass(frozen=True)
@@ -128,14 +131,14 @@ def assess_health(
     if hang.hung:
         budget = spec.fault_tolerance.max_restarts
         message = hang.condition.message or "hang detected"
-        events.append(EventSpec("Warning", REASON_HANG, message))
+        events.append(EventSpec("Warning", REASON_HANG_DETECTED, message))
         update["hangs"] = status.hangs + 1
         if status.restarts >= budget:
             failed = Want("True", REASON_BACKOFF_LIMIT_EXCEEDED, f"{message}; all {budget} restarts allowed are used")
             conds = set_condition(conds, COND_FAILED, failed, now, gen)
         else:
             update["restarts"] = status.restarts + 1
-        deletes += [PodDeletion(p.name, p.uid, REASON_HANG) for p in workers]
+        deletes += [PodDeletion(p.name, p.uid, REASON_HANG_DETECTED, HANG_GRACE_SECONDS) for p in workers]
         buffer = RecordBuffer()
     update["conditions"] = conds
     update["phase"] = derive_phase(conds)
