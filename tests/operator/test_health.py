@@ -392,3 +392,21 @@ def test_hung_rank_restarts_the_workers_counted_as_a_restart() -> None:
     assert cond(out.status, COND_HANG_DETECTED) == ("True", "RankHung")
     (event,) = [e for e in out.events if e.reason == "HangDetected"]
     assert event.type == "Warning" and "rank 1" in event.message
+
+
+def test_samples_read_the_page_the_trainer_really_serves() -> None:
+    """The operator parses what TrainerMetrics exports (names from the one contract module)."""
+    torch = pytest.importorskip("torch")
+    from prometheus_client import generate_latest
+
+    from finetune_trainer.metrics import StepStats, TrainerMetrics
+
+    m = TrainerMetrics(job="qs", rank=2, device=torch.device("cpu"), restarts=1, total_steps=9)
+    m.serve(None, None)
+    for n in range(1, 4):
+        m.observe_step(StepStats(n, 1.0, 1e-3, 64, 0.5, 0.3, 0.2), world_size=3)
+    m.observe_checkpoint_committed(3, 0.1)
+    (s,) = parse_rank_samples(generate_latest(m.registry).decode(), "qs-worker-2", "n")
+    assert (s.rank, s.step, s.restarts, s.checkpoint_step, s.compute_count) == (2, 3, 1, 3, 3)
+    assert s.compute_sum == pytest.approx(0.9) and s.wait_sum == pytest.approx(0.6)
+    assert s.heartbeat is not None and s.heartbeat > 1.7e9
