@@ -41,6 +41,7 @@ from finetune_operator.stragglers import find_stragglers, policy_from_spec
 # A hung group cannot save a checkpoint (its collectives never return), so waiting the workers'
 # long grace period (meant for the final save) gains nothing: they restart from the last one.
 HANG_GRACE_SECONDS = 5
+KEEP_WINDOWS = 50  # detection windows of records kept per job
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,12 @@ class Health:
 
 def _keep_steps(ev: Evaluation) -> int:
     assert ev.spec is not None
-    s = ev.spec.fault_tolerance.stragglers
-    policy = policy_from_spec(s)
-    # Enough for the warm-up the detector skips at the buffer's start plus a few windows past
-    # confirmation; older records can no longer change a decision.
-    return policy.warmup_steps + (policy.consecutive_windows + 2) * policy.window_steps
+    policy = policy_from_spec(ev.spec.fault_tolerance.stragglers)
+    # The detector reads the buffer's first records as the start of the run (it skips a
+    # warm-up there and aligns its windows from it), so the buffer keeps many windows: trimming
+    # then rarely moves that start. Bounded all the same, whatever the run's length.
+    windows = max(KEEP_WINDOWS, policy.consecutive_windows + 2)
+    return policy.warmup_steps + windows * policy.window_steps
 
 
 def assess_health(
