@@ -410,3 +410,18 @@ def test_samples_read_the_page_the_trainer_really_serves() -> None:
     assert (s.rank, s.step, s.restarts, s.checkpoint_step, s.compute_count) == (2, 3, 1, 3, 3)
     assert s.compute_sum == pytest.approx(0.9) and s.wait_sum == pytest.approx(0.6)
     assert s.heartbeat is not None and s.heartbeat > 1.7e9
+
+
+def test_a_hang_with_no_restart_left_fails_the_job() -> None:
+    st = run_pass(FineTuneJobStatus(), PODS, [], None, T0).status
+    now = T0 + timedelta(seconds=2)
+    st = run_pass(st, PODS, [hb(r, 9, now.timestamp()) for r in range(3)], None, now).status
+    st = st.model_copy(update={"step": 9, "restarts": 3})  # maxRestarts 3: all spent
+    later = now + timedelta(seconds=90)
+    out = run_pass(st, PODS, [hb(r, 9, now.timestamp()) for r in range(3)], None, later)
+    assert cond(out.status, "Failed") == ("True", "BackoffLimitExceeded")
+    assert out.status.phase == "Failed" and out.status.restarts == 3 and out.status.hangs == 1
+    assert sorted(d.name for d in out.actions.delete) == [f"qs-worker-{i}" for i in range(3)]
+    # The next pass sees a terminal job: the rendezvous pod goes too, nothing is re-created.
+    again = run_pass(out.status, PODS, [], None, later + timedelta(seconds=2))
+    assert not again.actions.create and again.status.phase == "Failed"
