@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup helm lint test test-fast quickstart crd clean
+.PHONY: setup helm promtool lint test test-fast quickstart crd clean
 
 setup: $(VENV)/.installed
 
@@ -20,13 +20,20 @@ $(VENV)/.installed: pyproject.toml
 helm:
 	bash scripts/fetch-helm.sh
 
+# promtool (Debian's prometheus package) unit-tests the chart's alerts (tests/chart/test_alert_rules.py).
+promtool:
+	@command -v promtool >/dev/null || { command -v apt-get >/dev/null && \
+		{ apt-get install -y -q prometheus >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; }; }; } || \
+		echo "WARNING: promtool could not be installed (apt-get missing or failed): alert unit tests skip"
+
 lint: setup
 	$(BIN)/ruff check operator trainer_image local_cluster tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile trainer_image/Dockerfile
 
-test: setup helm lint
+test: setup helm promtool lint
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 test-fast: setup

@@ -53,6 +53,9 @@ class LocalCluster:
     :param node_capacity: capacity/allocatable of every node (e.g. ``{"nvidia.com/gpu": "1"}``
         added to the default cpu/memory/pods).
     :param extra_env: environment added to every pod's processes.
+    :param node_env: per node name, environment added to the processes of the pods it runs: a
+        stand-in for that node's hardware (e.g. a slow GPU), so a pod rescheduled elsewhere
+        behaves normally.
     :param kubelet: False runs the API server alone (no nodes, pods stay Pending).
     """
 
@@ -60,13 +63,14 @@ class LocalCluster:
                  crds_dir: str | pathlib.Path | None = REPO_CRDS,
                  node_labels: dict[str, str] | None = None, node_capacity: dict[str, str] | None = None,
                  extra_env: dict[str, str] | None = None, kubelet: bool = True,
-                 keep_data: bool = False) -> None:
+                 keep_data: bool = False, node_env: dict[str, dict[str, str]] | None = None) -> None:
         self._own_dir = data_dir is None
         self.data_dir = pathlib.Path(data_dir or tempfile.mkdtemp(prefix="ftjob-local-")).resolve()
         self.kubeconfig_path = self.data_dir / "kubeconfig"
         self.node_names = [f"local-node-{i}" for i in range(nodes)]
         self._crds_dir = pathlib.Path(crds_dir) if crds_dir else None
         self._node_labels, self._extra_env = dict(node_labels or {}), dict(extra_env or {})
+        self._node_env = {node: dict(env) for node, env in (node_env or {}).items()}
         self._capacity = {"cpu": "8", "memory": "32Gi", "pods": "110", **(node_capacity or {})}
         self._with_kubelet, self._keep_data = kubelet, keep_data
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,7 +169,7 @@ class LocalCluster:
                     self._kubelet = Kubelet(client, KubeletConfig(
                         data_dir=self.data_dir, api_url=self.api_url, node_names=self.node_names,
                         node_labels=self._node_labels, node_capacity=self._capacity,
-                        extra_env=self._extra_env))
+                        extra_env=self._extra_env, node_env=self._node_env))
                     await self._kubelet.start()
                 started.set_result(None)
                 try:

@@ -65,6 +65,9 @@ class KubeletConfig:
     node_labels: dict[str, str] = field(default_factory=dict)
     node_capacity: dict[str, str] = field(default_factory=lambda: {"cpu": "8", "memory": "32Gi", "pods": "110"})
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Per node name: environment its pods' processes get, standing for what that node's hardware
+    # does to them (a slow GPU: FT_STEP_DELAY_SECONDS). A pod moved elsewhere runs normally.
+    node_env: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -294,6 +297,7 @@ class Kubelet:
         host, _, port = self.config.api_url.removeprefix("http://").partition(":")
         env.update(KUBERNETES_SERVICE_HOST=host, KUBERNETES_SERVICE_PORT=port.rstrip("/"))
         env.update(self.config.extra_env)
+        env.update(self.config.node_env.get(pod.get("spec", {}).get("nodeName") or "", {}))
         return env
 
     async def _fetch_config(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:

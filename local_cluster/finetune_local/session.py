@@ -35,7 +35,7 @@ def default_data_dir() -> Path:
 # The operator flags of the local cluster, on top of the chart's defaults: a pass every 2 s
 # keeps `ftjob run --local`'s progress display and the end-to-end tests responsive.
 LOCAL_OPERATOR_ARGS: tuple[str, ...] = ("--standalone", "--reconcile-interval=2",
-                                        "--scrape-timeout=1")  # fmt: skip
+                                        "--scrape-timeout=1", "--metrics-port=0")  # fmt: skip
 
 
 class OperatorThread:
@@ -71,7 +71,8 @@ class OperatorThread:
             self._error = exc
             self._ready.set()
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 180.0) -> None:
+        # Generous: importing kopf, kubernetes and the planner takes long on a loaded machine.
         self._thread.start()
         if not self._ready.wait(timeout):
             raise RuntimeError("the operator did not become ready")
@@ -100,13 +101,19 @@ class LocalSession:
         keep_data: bool = True,
         extra_env: dict[str, str] | None = None,
         operator_args: Sequence[str] = (),
+        node_env: dict[str, dict[str, str]] | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
         self.cluster = LocalCluster(
-            self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env
+            self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env, node_env=node_env
         )
         self._namespaces = list(namespaces)
-        self._operator_args = list(operator_args)  # `ftjob operator` flags, as the chart renders
+        # `ftjob operator` flags, as the chart renders them; metrics_port opens the operator's
+        # /metrics (0, the local default, serves none: sessions side by side never collide).
+        self._operator_args = [*operator_args] + (
+            [f"--metrics-port={metrics_port}"] if metrics_port else []
+        )
         self._operator: OperatorThread | None = None
         self._custom: client.CustomObjectsApi | None = None
         self.core: client.CoreV1Api | None = None

@@ -30,15 +30,19 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.policy import JobPolicy
 from finetune_operator.reconcile import (
+    HealthInput,
     JobRef,
     Outcome,
     PodView,
+    RecordBuffer,
+    ScrapeTarget,
     combine_progress,
     default_planner,
     merge_progress,
     note_apply_errors,
     note_checkpoint_health,
     observe_pod,
+    parse_rank_samples,
     parse_termination_message,
     parse_trainer_metrics,
     read_status,
@@ -64,6 +68,9 @@ class JobState:
     deleted_uids: set[str] = field(default_factory=set)  # deletions the watch may not show yet
     ensured_generation: int | None = None  # ConfigMap/Services applied for this generation
     last_pass: float = float("-inf")  # monotonic time of the last timer pass (scrape)
+    # The straggler detector's rolling input. Losing it is safe too: status.stragglers
+    # carries the streaks, and the records refill within a few windows.
+    records: RecordBuffer | None = None
 
 
 def _job_state(memo: kopf.Memo) -> JobState:
@@ -161,7 +168,7 @@ async def observe(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: kopf.Lo
 def deleted(namespace: str | None, name: str, **_: Any) -> None:
     # optional: no finalizer; children go by ownerReference garbage collection.
     metrics.set_job_phase(f"{namespace}/{name}", None)
-    metrics.forget_job_series(name)
+    metrics.forget_job_series(namespace or "", name)
 
 
 @kopf.on.probe(id="jobs")
@@ -199,6 +206,9 @@ async def _reconcile(
         with metrics.timed_reconcile():
             old = read_status(body.get("status"))
             pods = list(index.get((job.namespace, job.name), []))
+            timeout = _settings(memo).scrape_timeout_seconds
+            pages = await _scrape(old, pods, state.deleted_uids, timeout) if scrape else {}
+            health = _health_input(pages, state.records) if scrape else None
             now = datetime.now(UTC)
             out = reconcile_job(
                 job, body.get("spec", {}), old, pods, now,
@@ -206,7 +216,10 @@ async def _reconcile(
                 deleted_uids=state.deleted_uids,
                 ensured_generation=state.ensured_generation,
                 policy=memo.get("policy"),
+                health=health,
             )  # fmt: skip
+            if health is not None:
+                state.records = out.buffer
             cluster: ClusterApi = memo["cluster"]
             result = await cluster.apply(job.namespace, out.actions)
             state.deleted_uids = {u for u in state.deleted_uids if u in {p.uid for p in pods}}
@@ -215,37 +228,55 @@ async def _reconcile(
                 state.ensured_generation = job.generation
             new = note_apply_errors(out.status, result.errors, now, job.generation)
             if scrape and out.evaluation.ok and out.evaluation.spec and out.evaluation.plan:
-                new = await _with_progress(new, out, pods, _settings(memo).scrape_timeout_seconds)
-            _publish(body, patch, job, old, new, out)
+                new = _with_progress(new, out, pods, pages)
+            _publish(body, patch, job, old, new, out, scraped=scrape)
             if result.errors:
                 logger.warning("apply failed: %s", "; ".join(result.errors))
                 delay = _settings(memo).reconcile_interval_seconds
                 raise kopf.TemporaryError("; ".join(result.errors), delay=delay)
 
 
-async def _with_progress(status: Any, out: Outcome, pods: list[PodView], timeout: float) -> Any:
+async def _scrape(
+    status: Any, pods: list[PodView], deleted_uids: set[str], timeout: float
+) -> dict[ScrapeTarget, str]:
+    """Every running worker rank's metrics page (the plan in status says how many per pod)."""
+    if status.plan is None or status.phase in (PHASE_SUCCEEDED, PHASE_FAILED):
+        return {}
+    live = [p for p in pods if p.uid not in deleted_uids]
+    targets = scrape_targets(live, status.plan.gpus_per_node)
+    return await scrape_all(targets, timeout) if targets else {}
+
+
+def _health_input(pages: dict[ScrapeTarget, str], records: RecordBuffer | None) -> HealthInput:
+    samples = [s for t, text in pages.items() for s in parse_rank_samples(text, t.pod, t.node)]
+    return HealthInput(samples=tuple(samples), buffer=records)
+
+
+def _with_progress(status: Any, out: Outcome, pods: list[PodView], pages: dict[ScrapeTarget, str]) -> Any:  # fmt: skip
     """Merge what the trainers report: live metrics of running workers, and the final
     report (termination message) of workers that have exited."""
-    assert out.evaluation.spec is not None and out.evaluation.plan is not None
+    assert out.evaluation.spec is not None
     finals = [parse_termination_message(p.termination_message) for p in pods if p.is_worker]
-    targets = scrape_targets(pods, out.evaluation.plan.gpus_per_node)
-    finished = status.phase in (PHASE_SUCCEEDED, PHASE_FAILED)
-    pages = await scrape_all(targets, timeout) if targets and not finished else {}
     progress = combine_progress([*(parse_trainer_metrics(p) for p in pages.values()), *finals])
     merged = merge_progress(status, progress, out.evaluation.spec.checkpoint.uri)
     return note_checkpoint_health(merged, progress, datetime.now(UTC), out.evaluation.job.generation)
 
 
-def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any, out: Outcome) -> None:  # fmt: skip
+def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any, out: Outcome, *, scraped: bool) -> None:  # fmt: skip
     """Status (only what changed, to the status subresource), Events, operator metrics."""
     for key, value in status_patch(body.get("status"), new).items():
         patch.status[key] = value
     for event in out.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-    metrics.set_job_phase(f"{job.namespace}/{job.name}", new.phase)
-    metrics.record_replacements(job.name, new.restarts - old.restarts)
+    ns, name = job.namespace, job.name
+    metrics.set_job_phase(f"{ns}/{name}", new.phase)
+    metrics.record_replacements(ns, name, new.restarts - old.restarts)
+    metrics.record_evictions(ns, name, len(new.evictions) - len(old.evictions))
+    metrics.record_hangs(ns, name, new.hangs - old.hangs)
+    if scraped:
+        metrics.set_straggler_ratios(ns, name, out.ratios)
     if new.phase in (PHASE_SUCCEEDED, PHASE_FAILED) and old.phase != new.phase:
-        metrics.forget_job_series(job.name)
+        metrics.forget_job_series(ns, name)
 
 
 async def operate(

@@ -6,7 +6,7 @@ of the operator's endpoint, and lets tests read exact values without global stat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from time import perf_counter
 
@@ -19,6 +19,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from finetune_operator.api import metricnames as mn
 from finetune_operator.api.constants import PHASES
 
 # No `<name>_created` gauges next to each counter/histogram: they double the series count and
@@ -27,55 +28,58 @@ from finetune_operator.api.constants import PHASES
 disable_created_metrics()  # type: ignore[no-untyped-call]
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-JOBS = Gauge(
-    "finetune_operator_jobs",
-    "FineTuneJobs known to this operator, by phase.",
-    ["state"],
-    registry=REGISTRY,
-)
+
+
+def _labels(m: mn.Metric) -> list[str]:
+    return list(m.labels)
+
+
+JOBS = Gauge(mn.OPERATOR_JOBS.family, mn.OPERATOR_JOBS.help, _labels(mn.OPERATOR_JOBS), registry=REGISTRY)
 RECONCILE_DURATION = Histogram(
-    "finetune_operator_reconcile_duration_seconds",
-    "Wall time of one reconcile pass of one FineTuneJob (decide, apply, patch).",
+    mn.OPERATOR_RECONCILE_DURATION.family,
+    mn.OPERATOR_RECONCILE_DURATION.help,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
     registry=REGISTRY,
 )
 RECONCILE_ERRORS = Counter(
-    "finetune_operator_reconcile_errors",
-    "Reconcile passes that failed (API errors, planner errors) and will be retried.",
-    registry=REGISTRY,
+    mn.OPERATOR_RECONCILE_ERRORS.family, mn.OPERATOR_RECONCILE_ERRORS.help, registry=REGISTRY
 )
 EVICTIONS = Counter(
-    "finetune_operator_evictions",
-    "Straggler pods evicted, per FineTuneJob.",
-    ["finetunejob"],
+    mn.OPERATOR_EVICTIONS.family,
+    mn.OPERATOR_EVICTIONS.help,
+    _labels(mn.OPERATOR_EVICTIONS),
     registry=REGISTRY,
 )
+HANGS = Counter(
+    mn.OPERATOR_HANGS.family, mn.OPERATOR_HANGS.help, _labels(mn.OPERATOR_HANGS), registry=REGISTRY
+)
 STRAGGLER_RATIO = Gauge(
-    "finetune_operator_straggler_ratio",
-    "Per-rank compute time over the cross-rank median in the last detection window.",
-    ["finetunejob", "rank"],
+    mn.OPERATOR_STRAGGLER_RATIO.family,
+    mn.OPERATOR_STRAGGLER_RATIO.help,
+    _labels(mn.OPERATOR_STRAGGLER_RATIO),
     registry=REGISTRY,
 )
 POD_REPLACEMENTS = Counter(
-    "finetune_operator_pod_replacements",
-    "Failed pods replaced (job-level restarts), per FineTuneJob.",
-    ["finetunejob"],
+    mn.OPERATOR_POD_REPLACEMENTS.family,
+    mn.OPERATOR_POD_REPLACEMENTS.help,
+    _labels(mn.OPERATOR_POD_REPLACEMENTS),
     registry=REGISTRY,
 )
 
-# Per-job series are labelled `finetunejob=<name>`, the same value the trainer's own metrics
-# carry, so dashboards can join them; namespaces are not in it (see docs).
-# Which phase each job (by namespace/name) was counted in, so the per-phase gauge is exact without listing jobs.
+# Per-job series carry `namespace` and `finetunejob` (the job key): two jobs named alike in two
+# namespaces keep apart. `finetunejob` is the value the trainer's own series carry, so
+# dashboards join them on (namespace, finetunejob).
+# Which phase each job (namespace/name) was counted in, so the per-phase gauge is exact.
 _phases: dict[str, str] = {}
-# Ranks with a straggler-ratio series, per job: needed to delete exactly those series.
-_ranks: dict[str, set[str]] = {}
+# Ranks with a straggler-ratio series, per job key: needed to delete exactly those series.
+_ranks: dict[tuple[str, str], set[str]] = {}
 
 for _phase in PHASES:
     JOBS.labels(state=_phase).set(0)  # every state present from the start: alerts see zeros
 
 
 def set_job_phase(job: str, phase: str | None) -> None:
-    """Count `job` in `phase` (None: forget it, e.g. once the job is deleted)."""
+    """Count `job` (namespace/name) in `phase` (None: forget it, e.g. once it is deleted)."""
     before = _phases.pop(job, None)
     if before is not None:
         JOBS.labels(state=before).dec()
@@ -84,28 +88,41 @@ def set_job_phase(job: str, phase: str | None) -> None:
         JOBS.labels(state=phase).inc()
 
 
-def record_replacements(job: str, count: int) -> None:
+def record_replacements(namespace: str, name: str, count: int) -> None:
     if count > 0:
-        POD_REPLACEMENTS.labels(finetunejob=job).inc(count)
+        POD_REPLACEMENTS.labels(namespace=namespace, finetunejob=name).inc(count)
 
 
-def record_eviction(job: str) -> None:
-    EVICTIONS.labels(finetunejob=job).inc()
+def record_evictions(namespace: str, name: str, count: int) -> None:
+    if count > 0:
+        EVICTIONS.labels(namespace=namespace, finetunejob=name).inc(count)
 
 
-def set_straggler_ratio(job: str, rank: int, ratio: float) -> None:
-    _ranks.setdefault(job, set()).add(str(rank))
-    STRAGGLER_RATIO.labels(finetunejob=job, rank=str(rank)).set(ratio)
+def record_hangs(namespace: str, name: str, count: int) -> None:
+    if count > 0:
+        HANGS.labels(namespace=namespace, finetunejob=name).inc(count)
 
 
-def forget_job_series(job: str) -> None:
+def set_straggler_ratios(namespace: str, name: str, ratios: Mapping[int, float]) -> None:
+    """The latest window's ratio per rank; ranks no longer reported lose their series."""
+    key = (namespace, name)
+    now = {str(r) for r in ratios}
+    for gone in _ranks.get(key, set()) - now:
+        with suppress(KeyError):
+            STRAGGLER_RATIO.remove(namespace, name, gone)
+    _ranks[key] = now
+    for rank, ratio in ratios.items():
+        STRAGGLER_RATIO.labels(namespace=namespace, finetunejob=name, rank=str(rank)).set(ratio)
+
+
+def forget_job_series(namespace: str, name: str) -> None:
     """Delete a finished job's per-job series: bounded cardinality over many jobs."""
-    for metric in (EVICTIONS, POD_REPLACEMENTS):
+    for metric in (EVICTIONS, POD_REPLACEMENTS, HANGS):
         with suppress(KeyError):
-            metric.remove(job)
-    for rank in _ranks.pop(job, set()):
+            metric.remove(namespace, name)
+    for rank in _ranks.pop((namespace, name), set()):
         with suppress(KeyError):
-            STRAGGLER_RATIO.remove(job, rank)
+            STRAGGLER_RATIO.remove(namespace, name, rank)
 
 
 @contextmanager

@@ -66,7 +66,7 @@ def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, st
                         help="kopf peering name (leader election)")  # fmt: skip
     parser.add_argument("--standalone", action="store_true", help="no peering, no leader election")
     parser.add_argument("--metrics-port", type=int, default=_env(env, "METRICS_PORT", "9090"),
-                        help="operator /metrics port")  # fmt: skip
+                        help="operator /metrics port (0: none)")  # fmt: skip
     parser.add_argument(
         "--reconcile-interval",
         type=_positive("--reconcile-interval"),

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from finetune_operator.cli import build_parser, job_policy
+from finetune_operator.settings import parse_operator_args
 from tests.chart.conftest import ALL_OPTIONAL, CHART, Render, only, template
 from tests.chart.test_chart import CRD_KINDS, _grants, check_crd_object
 
@@ -95,13 +95,13 @@ def test_policy_values_reach_the_operator_as_the_policy_they_describe(render: Re
         "policy.allowedServiceAccounts={s3-reader}",
         "networkPolicy.monitoringNamespaces={monitoring}",
     )
-    policy = job_policy(build_parser().parse_args(["operator", *_operator_args(docs)]))
+    policy = parse_operator_args(_operator_args(docs)).policy
     assert policy.trainer_image == "registry.example/trainer@sha256:" + "b" * 64
     assert policy.allowed_images == ("registry.example/trainer:*",)
     assert policy.trainer_service_account == "rel-finetune-operator-trainer"
     assert policy.allowed_service_accounts == ("s3-reader",)
     assert policy.network_policy and policy.monitoring_namespaces == ("monitoring",)
-    defaults = job_policy(build_parser().parse_args(["operator", *_operator_args(render())]))
+    defaults = parse_operator_args(_operator_args(render())).policy
     assert defaults.allowed_images == () and defaults.allowed_service_accounts == ()
 
 

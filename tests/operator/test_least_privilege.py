@@ -12,7 +12,6 @@ from finetune_operator.api.constants import COND_FAILED, DEFAULT_TRAINER_IMAGE, 
 from finetune_operator.api.policy import JobPolicy, policy_refusals, with_policy_defaults
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
-from finetune_operator.cli import build_parser, job_policy
 from finetune_operator.reconcile import JobRef, reconcile_job
 from finetune_operator.reconcile.conditions import find
 from finetune_operator.resources import (
@@ -22,6 +21,7 @@ from finetune_operator.resources import (
     build_shared_objects,
     build_worker_pod,
 )
+from finetune_operator.settings import parse_operator_args
 from tests.operator.factories import make_plan, quickstart_raw
 
 CHART_POLICY = JobPolicy(
@@ -68,8 +68,7 @@ def test_defaults_fill_the_trainer_image_and_account_and_the_library_default_all
 
 
 def test_the_cli_policy_allows_only_the_trainer_image_and_account_by_default() -> None:
-    args = build_parser().parse_args(["operator", "--trainer-service-account", "trainer"])
-    policy = job_policy(args)
+    policy = parse_operator_args(["--trainer-service-account", "trainer"]).policy
     assert policy.allowed_images == () and policy.allowed_service_accounts == ()
     assert not policy.network_policy
     spec = _spec(serviceAccountName="default").model_copy(update={"image": "other:1"})

@@ -17,6 +17,7 @@ CONTRACT = {
     "finetune_operator_evictions": "counter",
     "finetune_operator_straggler_ratio": "gauge",
     "finetune_operator_pod_replacements": "counter",
+    "finetune_operator_hangs": "counter",
 }
 
 
@@ -25,15 +26,16 @@ def _value(name: str, **labels: str) -> float | None:
 
 
 def test_exported_names_and_types() -> None:
-    metrics.record_eviction("probe")
-    metrics.set_straggler_ratio("probe", 0, 1.0)
-    metrics.record_replacements("probe", 1)
+    metrics.record_evictions("ns", "probe", 1)
+    metrics.record_hangs("ns", "probe", 1)
+    metrics.set_straggler_ratios("ns", "probe", {0: 1.0})
+    metrics.record_replacements("ns", "probe", 1)
     text = generate_latest(metrics.REGISTRY).decode()
     families = {f.name: f.type for f in text_string_to_metric_families(text)}
     assert families == CONTRACT
     assert "finetune_operator_pod_replacements_total{" in text
     assert "job=" not in text.replace("finetunejob=", "")  # never a label called job
-    metrics.forget_job_series("probe")
+    metrics.forget_job_series("ns", "probe")
 
 
 def test_jobs_by_state_follows_each_job() -> None:
@@ -51,16 +53,33 @@ def test_jobs_by_state_follows_each_job() -> None:
 
 
 def test_finished_job_series_are_deleted() -> None:
-    metrics.record_replacements("done", 2)
-    metrics.record_eviction("done")
-    metrics.set_straggler_ratio("done", 3, 1.4)
-    assert _value("finetune_operator_pod_replacements_total", finetunejob="done") == 2
-    assert _value("finetune_operator_straggler_ratio", finetunejob="done", rank="3") == 1.4
-    metrics.forget_job_series("done")
-    metrics.forget_job_series("done")  # twice is harmless
-    assert _value("finetune_operator_pod_replacements_total", finetunejob="done") is None
-    assert _value("finetune_operator_evictions_total", finetunejob="done") is None
-    assert _value("finetune_operator_straggler_ratio", finetunejob="done", rank="3") is None
+    done = {"namespace": "a", "finetunejob": "done"}
+    metrics.record_replacements("a", "done", 2)
+    metrics.record_evictions("a", "done", 1)
+    metrics.record_hangs("a", "done", 1)
+    metrics.set_straggler_ratios("a", "done", {3: 1.4})
+    assert _value("finetune_operator_pod_replacements_total", **done) == 2
+    assert _value("finetune_operator_straggler_ratio", **done, rank="3") == 1.4
+    metrics.forget_job_series("a", "done")
+    metrics.forget_job_series("a", "done")  # twice is harmless
+    for name in ("pod_replacements", "evictions", "hangs"):
+        assert _value(f"finetune_operator_{name}_total", **done) is None
+    assert _value("finetune_operator_straggler_ratio", **done, rank="3") is None
+
+
+def test_jobs_named_alike_in_two_namespaces_keep_apart() -> None:
+    metrics.set_straggler_ratios("a", "same", {0: 1.0, 1: 1.5})
+    metrics.set_straggler_ratios("b", "same", {0: 1.1})
+    metrics.record_evictions("a", "same", 1)
+    assert _value("finetune_operator_straggler_ratio", namespace="a", finetunejob="same", rank="1") == 1.5
+    assert _value("finetune_operator_straggler_ratio", namespace="b", finetunejob="same", rank="0") == 1.1
+    # A rank no longer reported loses its series; the other job's series stay.
+    metrics.set_straggler_ratios("a", "same", {0: 1.0})
+    assert _value("finetune_operator_straggler_ratio", namespace="a", finetunejob="same", rank="1") is None
+    metrics.forget_job_series("a", "same")
+    assert _value("finetune_operator_evictions_total", namespace="a", finetunejob="same") is None
+    assert _value("finetune_operator_straggler_ratio", namespace="b", finetunejob="same", rank="0") == 1.1
+    metrics.forget_job_series("b", "same")
 
 
 def test_reconcile_timing_counts_errors() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from finetune_operator.api.constants import (
     COND_FAILED,
+    COND_HANG_DETECTED,
     COND_PLANNED,
     COND_STRAGGLER_DETECTED,
     COND_SUCCEEDED,
@@ -116,6 +117,7 @@ def test_first_visit_sets_every_condition_and_creates_everything() -> None:
         COND_SUCCEEDED,
         COND_FAILED,
         COND_STRAGGLER_DETECTED,
+        COND_HANG_DETECTED,
     ]
     assert cond(s, COND_PLANNED) == ("True", "PlanFits")
     assert cond(s, COND_SUCCEEDED) == ("Unknown", "Pending")

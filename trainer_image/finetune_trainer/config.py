@@ -10,6 +10,7 @@ from pathlib import Path
 
 from finetune_operator.api.constants import METRICS_BASE_PORT
 from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer.faults import FaultConfig
 
 
 def load_job_config(path: str | os.PathLike[str]) -> JobConfig:
@@ -35,9 +36,8 @@ class RuntimeEnv:
     """Per-process facts from the environment, read once at start.
 
     Test/operations knobs (all optional):
-    - `FT_STEP_DELAY_SECONDS` (float, default 0): every step sleeps this long as part of this
-      rank's compute. End-to-end tests use it to slow a run down (time to kill a pod mid-run) or
-      to make one rank a straggler.
+    - `FT_STEP_DELAY_SECONDS`, `FT_HANG_AT_STEP`, `FT_HANG_MARKER`: fault injection (a slow or
+      hung rank), see `finetune_trainer.faults`.
     - `FT_GRACE_SECONDS` (float, default 25): after SIGTERM, how long the final checkpoint may
       take; torchrun SIGKILLs workers 30 s after it forwards SIGTERM.
     - `FT_METRICS_BASE_PORT` (int, default 9400): metrics port of local rank 0; `0` disables
@@ -53,7 +53,7 @@ class RuntimeEnv:
     restart_count: int
     pod_ip: str | None
     pod_name: str | None
-    step_delay_seconds: float
+    faults: FaultConfig
     grace_seconds: float
     metrics_base_port: int
     node_name: str | None = None  # NODE_NAME from the downward API
@@ -71,7 +71,7 @@ class RuntimeEnv:
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
             pod_ip=env.get("POD_IP") or None,
             pod_name=env.get("POD_NAME") or None,
-            step_delay_seconds=_float(env, "FT_STEP_DELAY_SECONDS", 0.0),
+            faults=FaultConfig.from_environ(env),
             grace_seconds=_float(env, "FT_GRACE_SECONDS", 25.0),
             metrics_base_port=int(env.get("FT_METRICS_BASE_PORT", str(METRICS_BASE_PORT))),
             node_name=env.get("NODE_NAME") or None,

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from finetune_operator.api import metricnames as mn
 from finetune_trainer.stall import Stall, StallEstimator
 
 log = logging.getLogger(__name__)
 
-PREFIX = "finetune_trainer"
-LABELS = ("finetunejob", "rank")
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 _CKPT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
 
@@ -51,63 +50,37 @@ class TrainerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.device = device
         self.rank = rank
-        labels = {"finetunejob": job, "rank": str(rank)}
+        labels = {mn.LABEL_FINETUNEJOB: job, mn.LABEL_RANK: str(rank)}
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"{PREFIX}_{name}", doc, LABELS, registry=self.registry).labels(**labels)
+        def gauge(m: mn.Metric) -> Gauge:
+            return Gauge(m.family, m.help, m.labels, registry=self.registry).labels(**labels)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        def hist(m: mn.Metric, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(
-                f"{PREFIX}_{name}", doc, LABELS, registry=self.registry, buckets=buckets
+                m.family, m.help, m.labels, registry=self.registry, buckets=buckets
             ).labels(**labels)
 
-        self.step = gauge("step", "Last completed optimizer step.")
-        self.total_steps = gauge("total_steps", "Optimizer steps the job runs in all.")
-        self.loss = gauge("loss", "Training loss of the last step (mean over ranks).")
-        self.peak_memory = gauge(
-            "peak_memory_bytes", "Peak memory: CUDA max allocated, or process peak RSS on CPU."
+        self.step = gauge(mn.TRAINER_STEP)
+        self.total_steps = gauge(mn.TRAINER_TOTAL_STEPS)
+        self.loss = gauge(mn.TRAINER_LOSS)
+        self.peak_memory = gauge(mn.TRAINER_PEAK_MEMORY)
+        self.restarts = gauge(mn.TRAINER_ELASTIC_RESTARTS)
+        self.last_ckpt_step = gauge(mn.TRAINER_LAST_CHECKPOINT_STEP)
+        self.last_ckpt_time = gauge(mn.TRAINER_LAST_CHECKPOINT_TIME)
+        self.heartbeat = gauge(mn.TRAINER_HEARTBEAT)
+        t = mn.TRAINER_TOKENS
+        self.tokens = Counter(t.family, t.help, t.labels, registry=self.registry).labels(**labels)
+        self.step_seconds = hist(mn.TRAINER_STEP_DURATION, _STEP_BUCKETS)
+        self.compute_seconds = hist(mn.TRAINER_COMPUTE_DURATION, _STEP_BUCKETS)
+        self.wait_seconds = hist(mn.TRAINER_WAIT_DURATION, _STEP_BUCKETS)
+        self.ckpt_blocking = hist(mn.TRAINER_CHECKPOINT_BLOCKING, _CKPT_BUCKETS)
+        self.ckpt_duration = hist(mn.TRAINER_CHECKPOINT_SAVE_DURATION, _CKPT_BUCKETS)
+        self.ckpt_stall = hist(mn.TRAINER_CHECKPOINT_STALL, _CKPT_BUCKETS)
+        f = mn.TRAINER_CHECKPOINT_FAILURES
+        self.ckpt_failures = Counter(f.family, f.help, f.labels, registry=self.registry).labels(
+            **labels
         )
-        self.restarts = gauge("elastic_restarts", "torchelastic restarts of this worker group.")
-        self.last_ckpt_step = gauge(
-            "last_checkpoint_step", "Step of the last committed checkpoint."
-        )
-        self.last_ckpt_time = gauge(
-            "last_checkpoint_timestamp_seconds", "Unix time of the last committed checkpoint."
-        )
-        self.tokens = Counter(
-            f"{PREFIX}_tokens", "Tokens trained on by this rank.", LABELS, registry=self.registry
-        ).labels(**labels)
-        self.step_seconds = hist("step_duration_seconds", "Wall time per step.", _STEP_BUCKETS)
-        self.compute_seconds = hist(
-            "compute_duration_seconds",
-            "This rank's own work per step (forward, backward, optimizer), without waiting.",
-            _STEP_BUCKETS,
-        )
-        self.wait_seconds = hist(
-            "wait_duration_seconds", "Time per step blocked at the sync point.", _STEP_BUCKETS
-        )
-        self.ckpt_blocking = hist(
-            "checkpoint_blocking_seconds",
-            "Per save, time the loop was blocked in the save call and waiting for staging.",
-            _CKPT_BUCKETS,
-        )
-        self.ckpt_stall = hist(
-            "checkpoint_stall_seconds",
-            "Per save, training time it cost: save call + excess step time while in flight.",
-            _CKPT_BUCKETS,
-        )
-        self.ckpt_failures = Counter(
-            f"{PREFIX}_checkpoint_failures",
-            "Checkpoint saves that failed (not committed).",
-            LABELS,
-            registry=self.registry,
-        ).labels(**labels)
-        self.last_failed_ckpt_step = gauge(
-            "last_failed_checkpoint_step", "Step of the last checkpoint save that failed; 0: none."
-        )
-        self.ckpt_duration = hist(
-            "checkpoint_save_duration_seconds", "Start of a save to its commit.", _CKPT_BUCKETS
-        )
+        self.last_failed_ckpt_step = gauge(mn.TRAINER_LAST_FAILED_CHECKPOINT_STEP)
         self.restarts.set(restarts)
         self.total_steps.set(total_steps)
         self._last_log = time.monotonic()
@@ -119,6 +92,7 @@ class TrainerMetrics:
 
     def serve(self, port: int | None, addr: str | None) -> None:
         """Start the HTTP endpoint; a taken port is logged, never fatal to training."""
+        self.beat()  # alive from the first scrape on, before the first step ends
         if port is None:
             return
         try:
@@ -178,6 +152,11 @@ class TrainerMetrics:
     def checkpoint_window_closed(self) -> None:
         """No more steps will run under the last save (end of run): report it now."""
         self._record_stalls([self.stall.close()])
+
+    def beat(self) -> None:
+        """The loop is alive: called at each micro-batch, so a slow step still beats and only a
+        rank stuck (a hung kernel or collective) goes stale."""
+        self.heartbeat.set(time.time())
 
     def observe_checkpoint_committed(self, step: int, seconds: float) -> None:
         self.ckpt_duration.observe(seconds)

@@ -19,6 +19,7 @@ from finetune_trainer.data import build_dataset
 from finetune_trainer.distributed import init_distributed, select_device
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.export import build_exporter
+from finetune_trainer.faults import build_faults
 from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.optim import build_optimizer, build_scheduler
@@ -86,6 +87,7 @@ class Trainer:
         check_torch(torch.__version__)  # before anything that would fail less clearly
         self.job, self.env, spec = job, env, job.spec
         self.stop_signal = StopSignal()
+        self.faults = build_faults(env.faults)
         self.device = select_device(spec.resources.device, env)
         self.dist = init_distributed(self.device, env)
         world, micro = self.dist.world_size, job.plan.micro_batch_size
@@ -197,8 +199,6 @@ class Trainer:
     def train_step(self) -> tuple[StepStats, bool, bool]:
         t0 = time.perf_counter()
         loss, tokens = self._forward_backward(self.sampler.next_step())
-        if self.env.step_delay_seconds:
-            time.sleep(self.env.step_delay_seconds)
         self._device_sync()
         t1 = time.perf_counter()
         stop, loss, tokens, time_due = self._sync_point(loss, tokens)
@@ -233,6 +233,8 @@ class Trainer:
                 loss.backward()
             loss_sum += float(loss.detach())
             tokens += float(batch["attention_mask"].sum())
+            self.faults.after_micro_batch(self.state.step + 1, len(micro_batches))
+            self.metrics.beat()
         return loss_sum, tokens
 
     def _sync_point(self, loss: float, tokens: float) -> tuple[bool, float, float, bool]:

@@ -33,6 +33,7 @@ COND_SUCCEEDED: Final = "Succeeded"
 COND_FAILED: Final = "Failed"
 COND_STRAGGLER_DETECTED: Final = "StragglerDetected"
 COND_CHECKPOINT_FAILING: Final = "CheckpointFailing"
+COND_HANG_DETECTED: Final = "HangDetected"
 CONDITION_TYPES: Final = (
     COND_PLANNED,
     COND_WORKERS_READY,
@@ -40,6 +41,7 @@ CONDITION_TYPES: Final = (
     COND_FAILED,
     COND_STRAGGLER_DETECTED,
     COND_CHECKPOINT_FAILING,
+    COND_HANG_DETECTED,
 )
 
 # Condition reasons: one CamelCase word each.
@@ -60,10 +62,15 @@ REASON_TRAINER_REFUSED: Final = "TrainerRefused"
 REASON_ALL_WORKERS_READY: Final = "AllWorkersReady"
 REASON_WORKERS_NOT_READY: Final = "WorkersNotReady"
 REASON_NO_STRAGGLER: Final = "NoStraggler"
+REASON_STRAGGLER_FOUND: Final = "StragglerFound"  # confirmed; the action waits (budget, cooldown)
 REASON_STRAGGLER_EVICTED: Final = "StragglerEvicted"
 REASON_STRAGGLER_ALERTED: Final = "StragglerAlerted"
 REASON_CHECKPOINT_SAVE_FAILED: Final = "CheckpointSaveFailed"
 REASON_CHECKPOINTS_COMMITTING: Final = "CheckpointsCommitting"
+REASON_NO_HANG: Final = "Progressing"
+REASON_RANK_HUNG: Final = "RankHung"  # a rank's heartbeat went stale
+REASON_NO_PROGRESS: Final = "NoProgress"  # no rank's step advanced
+REASON_HANG_DETECTED: Final = "HangDetected"  # the Event of a hang restart
 
 # Phases, derived from conditions for `kubectl get` only.
 PHASE_PENDING: Final = "Pending"

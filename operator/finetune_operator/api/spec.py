@@ -410,6 +410,16 @@ class FaultToleranceSpec(SpecModel):
     backoff_seconds: float = Field(
         10, ge=0, le=lim.MAX_BACKOFF_SECONDS, description="Base delay before a replacement."
     )
+    hang_timeout_seconds: int = Field(
+        600,
+        ge=10,
+        le=86400,
+        description=(
+            "No step progress on any rank, or a rank whose heartbeat is older than this, for "
+            "this long is a hang: the workers restart from the last committed checkpoint "
+            "(counted against maxRestarts)."
+        ),
+    )
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
 
 

@@ -33,6 +33,19 @@ class Eviction(ApiModel):
     time: str
 
 
+class StragglerState(ApiModel):
+    """A rank the detector found slow in the latest window(s): the detection state a restarted
+    operator picks up again."""
+
+    rank: int = Field(..., ge=0)
+    pod: str | None = None
+    node: str | None = None
+    ratio: float = Field(..., description="Compute time over the cross-rank median, last window.")
+    streak: int = Field(..., ge=0, description="Consecutive slow windows.")
+    step: int = Field(0, ge=0, description="Last step of the latest window.")
+    confirmed: bool = Field(False, description="streak reached consecutiveWindows.")
+
+
 class FineTuneJobStatus(ApiModel):
     conditions: list[Condition] = Field(default_factory=list)
     phase: str | None = Field(None, description="Derived from conditions, for kubectl get.")
@@ -47,6 +60,13 @@ class FineTuneJobStatus(ApiModel):
     restarts: int = Field(0, ge=0, description="Worker replacements so far.")
     evictions: list[Eviction] = Field(default_factory=list)
     excluded_nodes: list[str] = Field(default_factory=list)
+    stragglers: list[StragglerState] = Field(
+        default_factory=list, description="Ranks found slow in the latest detection windows."
+    )
+    last_progress_time: str | None = Field(
+        None, description="When the step last advanced (or the workers last (re)started)."
+    )
+    hangs: int = Field(0, ge=0, description="Hangs detected (each restarted the workers).")
     start_time: str | None = None
     completion_time: str | None = None
     observed_generation: int | None = Field(None, ge=0)

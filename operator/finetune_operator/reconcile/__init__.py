@@ -3,6 +3,7 @@
 from finetune_operator.reconcile.actions import Actions, PodDeletion, decide_actions
 from finetune_operator.reconcile.conditions import EventSpec, derive_phase, set_condition
 from finetune_operator.reconcile.core import Outcome, read_status, reconcile_job, status_patch
+from finetune_operator.reconcile.health import HealthInput
 from finetune_operator.reconcile.observed import PodView, format_time, observe_pod
 from finetune_operator.reconcile.planning import (
     Evaluation,
@@ -20,6 +21,7 @@ from finetune_operator.reconcile.progress import (
     parse_trainer_metrics,
     scrape_targets,
 )
+from finetune_operator.reconcile.samples import RankSample, RecordBuffer, parse_rank_samples
 from finetune_operator.reconcile.status import (
     compute_status,
     note_apply_errors,
@@ -30,11 +32,14 @@ __all__ = [
     "Actions",
     "Evaluation",
     "EventSpec",
+    "HealthInput",
     "JobRef",
     "Outcome",
     "PlanFn",
     "PodDeletion",
     "PodView",
+    "RankSample",
+    "RecordBuffer",
     "ScrapeTarget",
     "TrainerProgress",
     "combine_progress",
@@ -48,6 +53,7 @@ __all__ = [
     "note_apply_errors",
     "note_checkpoint_health",
     "observe_pod",
+    "parse_rank_samples",
     "parse_termination_message",
     "parse_trainer_metrics",
     "read_status",

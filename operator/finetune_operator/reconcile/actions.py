@@ -31,6 +31,7 @@ class PodDeletion:
     name: str
     uid: str  # a precondition: never delete a replacement that reused the name
     reason: str
+    grace_seconds: int | None = None  # None: the pod's own terminationGracePeriodSeconds
 
 
 @dataclass(frozen=True)

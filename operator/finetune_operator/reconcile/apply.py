@@ -95,7 +95,10 @@ class ClusterApi:
 
     async def delete_pod(self, namespace: str, victim: PodDeletion) -> bool:
         """Delete that very pod (uid precondition); False when it is already gone or replaced."""
-        options = k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=victim.uid or None))
+        options = k8s.V1DeleteOptions(
+            preconditions=k8s.V1Preconditions(uid=victim.uid or None),
+            grace_period_seconds=victim.grace_seconds,
+        )
         try:
             await self._call(self.core.delete_namespaced_pod, victim.name, namespace, body=options)
             return True

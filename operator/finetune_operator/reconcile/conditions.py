@@ -9,6 +9,7 @@ from typing import Literal
 
 from finetune_operator.api.constants import (
     COND_FAILED,
+    COND_HANG_DETECTED,
     COND_STRAGGLER_DETECTED,
     COND_SUCCEEDED,
     COND_WORKERS_READY,
@@ -122,8 +123,8 @@ def condition_events(old: Sequence[Condition], new: Sequence[Condition]) -> list
     """One Event per condition whose status or reason changed."""
     events: list[EventSpec] = []
     for cond in new:
-        if cond.type == COND_STRAGGLER_DETECTED:
-            continue  # the straggler detector posts its own, richer events
+        if cond.type in (COND_STRAGGLER_DETECTED, COND_HANG_DETECTED):
+            continue  # reconcile/health.py posts its own, richer events
         before = find(old, cond.type)
         if before is not None and (before.status, before.reason) == (cond.status, cond.reason):
             continue

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -13,8 +13,10 @@ from finetune_operator.api.policy import JobPolicy
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.actions import Actions, decide_actions
 from finetune_operator.reconcile.conditions import EventSpec, condition_events
+from finetune_operator.reconcile.health import HealthInput, assess_health
 from finetune_operator.reconcile.observed import PodView, mark_terminating
 from finetune_operator.reconcile.planning import Evaluation, JobRef, PlanFn, evaluate_job
+from finetune_operator.reconcile.samples import RecordBuffer
 from finetune_operator.reconcile.status import compute_status
 
 
@@ -24,6 +26,8 @@ class Outcome:
     status: FineTuneJobStatus
     actions: Actions
     events: tuple[EventSpec, ...]
+    buffer: RecordBuffer | None = None  # the straggler detector's input, for the next pass
+    ratios: dict[int, float] = field(default_factory=dict)  # latest window's ratio per rank
 
 
 def read_status(raw: Mapping[str, Any] | None) -> FineTuneJobStatus:
@@ -49,14 +53,27 @@ def reconcile_job(
     deleted_uids: Iterable[str] = (),
     ensured_generation: int | None = None,
     policy: JobPolicy | None = None,
+    health: HealthInput | None = None,
 ) -> Outcome:
-    """Everything one pass decides, with no I/O: the caller applies actions, then the status."""
+    """Everything one pass decides, with no I/O: the caller applies actions, then the status.
+
+    `health` (what a scraping pass saw of the trainers) adds the straggler and hang decisions;
+    None (a pass that did not scrape) leaves them as they were."""
     seen = mark_terminating(pods, deleted_uids)
     ev = evaluate_job(job, raw_spec, status, planner, policy)
     new_status = compute_status(ev, status, seen, now)
     actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation)
-    events = (*condition_events(status.conditions, new_status.conditions), *actions.events)
-    return Outcome(ev, new_status, actions, tuple(events))
+    extra: tuple[EventSpec, ...] = ()
+    buffer, ratios = None, {}
+    if health is not None:
+        h = assess_health(ev, status, new_status, actions, seen, health, now)
+        new_status, actions, extra, buffer, ratios = h.status, h.actions, h.events, h.buffer, h.ratios
+    events = (
+        *condition_events(status.conditions, new_status.conditions),
+        *actions.events,
+        *extra,
+    )
+    return Outcome(ev, new_status, actions, tuple(events), buffer, ratios)
 
 
 def status_patch(old: Mapping[str, Any] | None, new: FineTuneJobStatus) -> dict[str, Any]:

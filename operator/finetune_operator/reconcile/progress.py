@@ -11,16 +11,17 @@ from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from finetune_operator.api import metricnames as mn
 from finetune_operator.api.constants import METRICS_BASE_PORT, checkpoint_dir_name
 from finetune_operator.api.status import CheckpointRef, FineTuneJobStatus
 from finetune_operator.reconcile.observed import RUNNING, PodView, format_time
 
-STEP = "finetune_trainer_step"
-LOSS = "finetune_trainer_loss"
-CKPT_STEP = "finetune_trainer_last_checkpoint_step"
-CKPT_TIME = "finetune_trainer_last_checkpoint_timestamp_seconds"
-CKPT_FAILURES = "finetune_trainer_checkpoint_failures_total"
-CKPT_FAILED_STEP = "finetune_trainer_last_failed_checkpoint_step"
+STEP = mn.TRAINER_STEP.name
+LOSS = mn.TRAINER_LOSS.name
+CKPT_STEP = mn.TRAINER_LAST_CHECKPOINT_STEP.name
+CKPT_TIME = mn.TRAINER_LAST_CHECKPOINT_TIME.name
+CKPT_FAILURES = mn.TRAINER_CHECKPOINT_FAILURES.name
+CKPT_FAILED_STEP = mn.TRAINER_LAST_FAILED_CHECKPOINT_STEP.name
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ScrapeTarget:
     pod: str
     url: str
     local_rank: int
+    node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class TrainerProgress:
 def scrape_targets(pods: Sequence[PodView], processes_per_pod: int) -> list[ScrapeTarget]:
     """Every local rank's endpoint (port 9400 + local rank) of each running worker pod."""
     return [
-        ScrapeTarget(p.name, f"http://{p.ip}:{METRICS_BASE_PORT + r}/metrics", r)
+        ScrapeTarget(p.name, f"http://{p.ip}:{METRICS_BASE_PORT + r}/metrics", r, p.node)
         for p in pods
         if p.is_worker and p.phase == RUNNING and p.ip and not p.terminating
         for r in range(processes_per_pod)

@@ -8,6 +8,7 @@ from datetime import datetime
 from finetune_operator.api.constants import (
     COND_CHECKPOINT_FAILING,
     COND_FAILED,
+    COND_HANG_DETECTED,
     COND_PLANNED,
     COND_STRAGGLER_DETECTED,
     COND_SUCCEEDED,
@@ -18,6 +19,7 @@ from finetune_operator.api.constants import (
     REASON_CHECKPOINT_SAVE_FAILED,
     REASON_CHECKPOINTS_COMMITTING,
     REASON_COMPLETED,
+    REASON_NO_HANG,
     REASON_NO_STRAGGLER,
     REASON_PENDING,
     REASON_PLAN_FITS,
@@ -109,11 +111,14 @@ def _conditions(
     conds = list(old)
     for ctype in ORDER:
         conds = set_condition(conds, ctype, wants[ctype], now, generation)
-    if find(conds, COND_STRAGGLER_DETECTED) is None:
-        # Set on the first visit (API conventions); the straggler detector owns it afterwards.
-        want = Want("False", REASON_NO_STRAGGLER, "no straggler detected")
-        conds = set_condition(conds, COND_STRAGGLER_DETECTED, want, now, generation)
-    rank = {t: i for i, t in enumerate((*ORDER, COND_STRAGGLER_DETECTED))}
+    # Set on the first visit (API conventions); reconcile/health.py owns them afterwards.
+    for ctype, want in (
+        (COND_STRAGGLER_DETECTED, Want("False", REASON_NO_STRAGGLER, "no straggler detected")),
+        (COND_HANG_DETECTED, Want("False", REASON_NO_HANG, "training progresses")),
+    ):
+        if find(conds, ctype) is None:
+            conds = set_condition(conds, ctype, want, now, generation)
+    rank = {t: i for i, t in enumerate((*ORDER, COND_STRAGGLER_DETECTED, COND_HANG_DETECTED))}
     return sorted(conds, key=lambda c: rank.get(c.type, len(rank)))
 
 

@@ -1,0 +1,165 @@
+"""Every Prometheus series the trainer and the operator export: the one contract that the
+trainer, the operator (which scrapes the trainer), the chart's alerts and dashboards, the docs
+(docs/metrics.md) and the tests read. A name spelled anywhere else is a defect.
+
+Names are the exposed family names: a counter's samples are `<name>` (ending in `_total`), a
+histogram's are `<name>_bucket`, `_sum` and `_count`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+MetricType = Literal["counter", "gauge", "histogram"]
+COUNTER: Final = "counter"
+GAUGE: Final = "gauge"
+HISTOGRAM: Final = "histogram"
+
+# Label keys. Never `job` (Prometheus owns it): the FineTuneJob is `finetunejob`.
+LABEL_FINETUNEJOB: Final = "finetunejob"
+LABEL_NAMESPACE: Final = "namespace"
+LABEL_RANK: Final = "rank"
+LABEL_STATE: Final = "state"
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    type: MetricType
+    labels: tuple[str, ...]
+    help: str
+
+    @property
+    def family(self) -> str:
+        """The name prometheus_client is given (it appends `_total` to counters itself)."""
+        return self.name.removesuffix("_total") if self.type == COUNTER else self.name
+
+
+TRAINER_LABELS: Final = (LABEL_FINETUNEJOB, LABEL_RANK)
+JOB_LABELS: Final = (LABEL_NAMESPACE, LABEL_FINETUNEJOB)
+
+
+def _trainer(name: str, kind: MetricType, help_text: str) -> Metric:
+    return Metric(f"finetune_trainer_{name}", kind, TRAINER_LABELS, help_text)
+
+
+# --- trainer (one endpoint per local rank; namespace/pod come from the scrape target) ---
+TRAINER_STEP: Final = _trainer("step", GAUGE, "Last completed optimizer step.")
+TRAINER_TOTAL_STEPS: Final = _trainer("total_steps", GAUGE, "Optimizer steps the job runs in all.")
+TRAINER_LOSS: Final = _trainer("loss", GAUGE, "Training loss of the last step (mean over ranks).")
+TRAINER_PEAK_MEMORY: Final = _trainer(
+    "peak_memory_bytes", GAUGE, "Peak memory: CUDA max allocated, or process peak RSS on CPU."
+)
+TRAINER_ELASTIC_RESTARTS: Final = _trainer(
+    "elastic_restarts", GAUGE, "torchelastic restarts of this worker group."
+)
+TRAINER_LAST_CHECKPOINT_STEP: Final = _trainer(
+    "last_checkpoint_step", GAUGE, "Step of the last committed checkpoint."
+)
+TRAINER_LAST_CHECKPOINT_TIME: Final = _trainer(
+    "last_checkpoint_timestamp_seconds", GAUGE, "Unix time of the last committed checkpoint."
+)
+TRAINER_HEARTBEAT: Final = _trainer(
+    "heartbeat_timestamp_seconds",
+    GAUGE,
+    "Unix time at which this rank's loop last made progress (each micro-batch): a slow step "
+    "still beats, a hung rank does not.",
+)
+TRAINER_TOKENS: Final = _trainer("tokens_total", COUNTER, "Tokens trained on by this rank.")
+TRAINER_STEP_DURATION: Final = _trainer("step_duration_seconds", HISTOGRAM, "Wall time per step.")
+TRAINER_COMPUTE_DURATION: Final = _trainer(
+    "compute_duration_seconds",
+    HISTOGRAM,
+    "This rank's own work per step (forward, backward, optimizer), without waiting.",
+)
+TRAINER_WAIT_DURATION: Final = _trainer(
+    "wait_duration_seconds", HISTOGRAM, "Time per step blocked at the sync point."
+)
+TRAINER_CHECKPOINT_BLOCKING: Final = _trainer(
+    "checkpoint_blocking_seconds",
+    HISTOGRAM,
+    "Per save, time the loop was blocked in the save call and waiting for staging.",
+)
+TRAINER_CHECKPOINT_STALL: Final = _trainer(
+    "checkpoint_stall_seconds",
+    HISTOGRAM,
+    "Per save, training time it cost: save call + excess step time while in flight.",
+)
+TRAINER_CHECKPOINT_FAILURES: Final = _trainer(
+    "checkpoint_failures_total", COUNTER, "Checkpoint saves that failed (not committed)."
+)
+TRAINER_LAST_FAILED_CHECKPOINT_STEP: Final = _trainer(
+    "last_failed_checkpoint_step", GAUGE, "Step of the last checkpoint save that failed; 0: none."
+)
+TRAINER_CHECKPOINT_SAVE_DURATION: Final = _trainer(
+    "checkpoint_save_duration_seconds", HISTOGRAM, "Start of a save to its commit."
+)
+
+# --- operator (one endpoint; per-job series keyed by namespace and finetunejob) ---
+OPERATOR_JOBS: Final = Metric(
+    "finetune_operator_jobs", GAUGE, (LABEL_STATE,), "FineTuneJobs known to this operator, by phase."
+)
+OPERATOR_RECONCILE_DURATION: Final = Metric(
+    "finetune_operator_reconcile_duration_seconds",
+    HISTOGRAM,
+    (),
+    "Wall time of one reconcile pass of one FineTuneJob (decide, apply, patch).",
+)
+OPERATOR_RECONCILE_ERRORS: Final = Metric(
+    "finetune_operator_reconcile_errors_total",
+    COUNTER,
+    (),
+    "Reconcile passes that failed (API errors, planner errors) and will be retried.",
+)
+OPERATOR_EVICTIONS: Final = Metric(
+    "finetune_operator_evictions_total", COUNTER, JOB_LABELS, "Straggler pods evicted."
+)
+OPERATOR_STRAGGLER_RATIO: Final = Metric(
+    "finetune_operator_straggler_ratio",
+    GAUGE,
+    (*JOB_LABELS, LABEL_RANK),
+    "Per-rank compute time over the cross-rank median in the latest detection window.",
+)
+OPERATOR_POD_REPLACEMENTS: Final = Metric(
+    "finetune_operator_pod_replacements_total",
+    COUNTER,
+    JOB_LABELS,
+    "Failed worker pods replaced (job-level restarts).",
+)
+OPERATOR_HANGS: Final = Metric(
+    "finetune_operator_hangs_total",
+    COUNTER,
+    JOB_LABELS,
+    "Hangs detected (no progress for faultTolerance.hangTimeoutSeconds); each restarts the workers.",
+)
+
+TRAINER_METRICS: Final = (
+    TRAINER_STEP,
+    TRAINER_TOTAL_STEPS,
+    TRAINER_STEP_DURATION,
+    TRAINER_COMPUTE_DURATION,
+    TRAINER_WAIT_DURATION,
+    TRAINER_LOSS,
+    TRAINER_TOKENS,
+    TRAINER_CHECKPOINT_BLOCKING,
+    TRAINER_CHECKPOINT_STALL,
+    TRAINER_CHECKPOINT_FAILURES,
+    TRAINER_LAST_FAILED_CHECKPOINT_STEP,
+    TRAINER_CHECKPOINT_SAVE_DURATION,
+    TRAINER_LAST_CHECKPOINT_STEP,
+    TRAINER_LAST_CHECKPOINT_TIME,
+    TRAINER_ELASTIC_RESTARTS,
+    TRAINER_PEAK_MEMORY,
+    TRAINER_HEARTBEAT,
+)
+OPERATOR_METRICS: Final = (
+    OPERATOR_JOBS,
+    OPERATOR_RECONCILE_DURATION,
+    OPERATOR_RECONCILE_ERRORS,
+    OPERATOR_EVICTIONS,
+    OPERATOR_STRAGGLER_RATIO,
+    OPERATOR_POD_REPLACEMENTS,
+    OPERATOR_HANGS,
+)
+ALL_METRICS: Final = (*TRAINER_METRICS, *OPERATOR_METRICS)

@@ -1,0 +1,162 @@
+"""Per-rank step records from successive scrapes of the trainers' metrics (pure).
+
+Each pass scrapes every rank's cumulative compute/wait histograms; the difference between two
+scrapes of the same process is one `StepRecord` averaging the steps in between. A record is only
+made between two scrapes of the same trainer process: a changed pod, a changed torchelastic
+restart count (the group re-formed) or a counter that went down (a new process) starts afresh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from finetune_operator.api import metricnames as mn
+from finetune_operator.api.status import StragglerState
+from finetune_operator.stragglers.types import StepRecord
+
+# Samples read from a page, by exposed sample name.
+_COMPUTE_SUM = f"{mn.TRAINER_COMPUTE_DURATION.name}_sum"
+_COMPUTE_COUNT = f"{mn.TRAINER_COMPUTE_DURATION.name}_count"
+_WAIT_SUM = f"{mn.TRAINER_WAIT_DURATION.name}_sum"
+_WAIT_COUNT = f"{mn.TRAINER_WAIT_DURATION.name}_count"
+_FIELDS = {
+    mn.TRAINER_STEP.name: "step",
+    mn.TRAINER_ELASTIC_RESTARTS.name: "restarts",
+    mn.TRAINER_LAST_CHECKPOINT_STEP.name: "checkpoint_step",
+    mn.TRAINER_HEARTBEAT.name: "heartbeat",
+    _COMPUTE_SUM: "compute_sum",
+    _COMPUTE_COUNT: "compute_count",
+    _WAIT_SUM: "wait_sum",
+    _WAIT_COUNT: "wait_count",
+}
+
+
+@dataclass(frozen=True)
+class RankSample:
+    """One rank's cumulative counters at one scrape, and where it runs."""
+
+    rank: int
+    pod: str
+    node: str | None
+    step: int = 0
+    restarts: int = 0
+    checkpoint_step: int = 0
+    heartbeat: float | None = None  # unix time of the loop's last beat
+    compute_sum: float = 0.0
+    compute_count: float = 0.0
+    wait_sum: float = 0.0
+    wait_count: float = 0.0
+
+    @property
+    def process(self) -> tuple[str, int, int]:
+        """Same value on two scrapes → same trainer process of the same group."""
+        return (self.pod, self.rank, self.restarts)
+
+
+def parse_rank_samples(text: str, pod: str, node: str | None) -> list[RankSample]:
+    """The ranks one metrics page reports (by their `rank` label); nothing if unparsable."""
+    values: dict[int, dict[str, float]] = {}
+    try:
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except (ValueError, TypeError, IndexError):
+        return []
+    for s in samples:
+        key = _FIELDS.get(s.name)
+        if key is None or not math.isfinite(s.value):
+            continue
+        try:
+            rank = int(s.labels.get(mn.LABEL_RANK, ""))
+        except ValueError:
+            continue
+        values.setdefault(rank, {})[key] = s.value
+    out = []
+    for rank, v in sorted(values.items()):
+        if "compute_count" not in v:
+            continue  # not a trainer page
+        out.append(
+            RankSample(
+                rank=rank,
+                pod=pod,
+                node=node,
+                step=int(v.get("step", 0)),
+                restarts=int(v.get("restarts", 0)),
+                checkpoint_step=max(0, int(v.get("checkpoint_step", 0))),
+                heartbeat=v.get("heartbeat") or None,
+                compute_sum=v.get("compute_sum", 0.0),
+                compute_count=v["compute_count"],
+                wait_sum=v.get("wait_sum", 0.0),
+                wait_count=v.get("wait_count", 0.0),
+            )
+        )
+    return out
+
+
+def record_between(before: RankSample, after: RankSample) -> StepRecord | None:
+    """The mean step of `after`'s process since `before` (None: nothing new, or not the same
+    process — a counter reset, a re-form, another pod)."""
+    if before.process != after.process:
+        return None
+    steps = after.compute_count - before.compute_count
+    if steps <= 0 or after.compute_sum < before.compute_sum:
+        return None
+    waits = after.wait_count - before.wait_count
+    wait = (after.wait_sum - before.wait_sum) / waits if waits > 0 else 0.0
+    return StepRecord(
+        step=after.step,
+        rank=after.rank,
+        compute_seconds=(after.compute_sum - before.compute_sum) / steps,
+        wait_seconds=max(0.0, wait),
+        pod=after.pod,
+        node=after.node,
+        restart=after.restarts,
+        checkpoint=after.checkpoint_step > before.checkpoint_step,
+        steps=int(steps),
+    )
+
+
+@dataclass(frozen=True)
+class RecordBuffer:
+    """A job's rolling detection input: the last sample of each rank, and recent records."""
+
+    last: Mapping[int, RankSample] = field(default_factory=dict)
+    records: tuple[StepRecord, ...] = ()
+    # Straggler streaks read from status when this operator started (see carry_streaks).
+    carried: Mapping[int, StragglerState] = field(default_factory=dict)
+
+
+def _restarted(before: RankSample | None, after: RankSample) -> bool:
+    return before is not None and (
+        before.process != after.process or after.compute_count < before.compute_count
+    )
+
+
+def advance(
+    buffer: RecordBuffer,
+    samples: Sequence[RankSample],
+    live_pods: Collection[str],
+    keep_steps: int,
+) -> RecordBuffer:
+    """The buffer after one more scrape. A rank whose process changed (the group re-formed,
+    or the rank moved to another pod) clears the records: timings of two groups don't compare.
+    Pods that went away take their samples and records with them. Records older than
+    `keep_steps` steps before the newest are dropped (bounded memory whatever the run's length).
+    A rank missing from this scrape (a timeout) keeps its last sample."""
+    last = {r: s for r, s in buffer.last.items() if s.pod in live_pods}
+    records = tuple(r for r in buffer.records if r.pod in live_pods)
+    carried = {r: c for r, c in buffer.carried.items() if c.pod in live_pods}
+    if any(_restarted(last.get(s.rank), s) for s in samples):
+        return RecordBuffer(last={s.rank: s for s in samples})
+    new = [r for s in samples if s.rank in last for r in _one(last[s.rank], s)]
+    records = (*records, *new)
+    newest = max((r.step for r in records), default=0)
+    kept = tuple(r for r in records if r.step > newest - keep_steps)
+    return RecordBuffer({**last, **{s.rank: s for s in samples}}, kept, carried)
+
+
+def _one(before: RankSample, after: RankSample) -> Iterable[StepRecord]:
+    record = record_between(before, after)
+    return (record,) if record is not None else ()

@@ -1,0 +1,89 @@
+"""Fault injection for tests and drills: make this rank slow or hung, the way a slow GPU or a
+stuck NCCL kernel would. A no-op object unless its environment variables are set, so the loop
+calls it unconditionally (no `if` in the hot path).
+
+- `FT_STEP_DELAY_SECONDS` (float, default 0): each step takes this much longer, spread over its
+  micro-batches and counted as this rank's compute (a slow device). On the local cluster a
+  virtual node can carry it for every pod it runs (a slow node).
+- `FT_HANG_AT_STEP` (int): at this step the rank stops making progress, forever (no heartbeat,
+  no step), until it is killed. Once per marker file: the hang first creates
+  `FT_HANG_MARKER` (default `.ft-hang-marker` in the working directory), and a rank that finds
+  it runs normally, so a restarted job recovers (a transient fault).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+DEFAULT_HANG_MARKER = ".ft-hang-marker"
+
+
+def _number(env: Mapping[str, str], name: str, kind: type[float] | type[int]) -> float | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = kind(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from e
+    if value < 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    step_delay_seconds: float = 0.0
+    hang_at_step: int | None = None
+    hang_marker: Path = Path(DEFAULT_HANG_MARKER)
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> FaultConfig:
+        delay = _number(env, "FT_STEP_DELAY_SECONDS", float)
+        hang = _number(env, "FT_HANG_AT_STEP", int)
+        return cls(
+            step_delay_seconds=float(delay or 0.0),
+            hang_at_step=int(hang) if hang is not None else None,
+            hang_marker=Path(env.get("FT_HANG_MARKER") or DEFAULT_HANG_MARKER),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.step_delay_seconds > 0 or self.hang_at_step is not None
+
+
+class Faults(Protocol):
+    def after_micro_batch(self, step: int, micro_batches: int) -> None:
+        """Called after each micro-batch's backward of optimizer step `step` (1-based)."""
+
+
+class NoFaults:
+    def after_micro_batch(self, step: int, micro_batches: int) -> None:
+        return None
+
+
+class InjectedFaults:
+    def __init__(self, config: FaultConfig) -> None:
+        self.config = config
+
+    def after_micro_batch(self, step: int, micro_batches: int) -> None:
+        if self.config.step_delay_seconds:
+            time.sleep(self.config.step_delay_seconds / max(micro_batches, 1))
+        if step == self.config.hang_at_step and self._claim_hang():
+            while True:  # SIGTERM only sets the stop flag: like a stuck kernel, only SIGKILL ends it
+                time.sleep(3600)
+
+    def _claim_hang(self) -> bool:
+        try:
+            self.config.hang_marker.touch(exist_ok=False)
+        except FileExistsError:
+            return False
+        return True
+
+
+def build_faults(config: FaultConfig) -> Faults:
+    return InjectedFaults(config) if config.enabled else NoFaults()
