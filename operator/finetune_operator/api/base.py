@@ -19,3 +19,10 @@ class ApiModel(BaseModel):
     def to_json_dict(self) -> dict[str, Any]:
         """The object as the API server stores it: camelCase, no unset optionals."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class SpecModel(ApiModel):
+    """A part of the spec: infinities and NaN are refused (JSON, hence kubectl and the API
+    server, cannot carry them, and a bound such as ``le`` lets NaN through)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from finetune_operator.api import limits as lim
-from finetune_operator.api.base import ApiModel
+from finetune_operator.api.base import SpecModel
 from finetune_operator.api.storage import StorageSpec
 
 StrategyType = Literal[
@@ -43,13 +43,6 @@ def refuse_parent_segments(uri: str | None, field: str) -> str | None:
 
 # The CRD's CEL twin of refuse_parent_segments (api/crd.py), so the API server refuses too.
 NO_PARENT_SEGMENTS_RULE = "!self.matches('(^|/)[.][.](/|$)')"
-
-
-class SpecModel(ApiModel):
-    """A part of the spec: infinities and NaN are refused (JSON, hence kubectl and the API
-    server, cannot carry them, and a bound such as ``le`` lets NaN through)."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
 
 
 class ModelArchitecture(SpecModel):

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator, model_validator
 
-from finetune_operator.api.base import ApiModel
+from finetune_operator.api import limits as lim
+from finetune_operator.api.base import SpecModel
 
 if TYPE_CHECKING:
     from finetune_operator.api.spec import FineTuneJobSpec
@@ -26,27 +27,40 @@ RESERVED_MOUNTS = ("/etc/finetune", "/dev/shm", "/tmp", "/dev/termination-log")
 CLAIM_VOLUME_PREFIX = "claim-"
 
 
-class ClaimMount(ApiModel):
+class ClaimMount(SpecModel):
     """Shorthand: mount a PersistentVolumeClaim of the job's namespace into every worker."""
 
-    claim_name: str = Field(..., min_length=1, description="PersistentVolumeClaim name.")
-    mount_path: str = Field(..., min_length=1, description="Absolute path in the workers.")
+    claim_name: str = Field(
+        ..., min_length=1, max_length=lim.MAX_NAME_LENGTH, description="PersistentVolumeClaim name."
+    )
+    mount_path: str = Field(
+        ..., min_length=1, max_length=lim.MAX_URI_LENGTH, description="Absolute path in the workers."
+    )
     read_only: bool = Field(False, description="Mount read-only (weights, datasets).")
-    sub_path: str | None = Field(None, description="Mount only this directory of the volume.")
+    sub_path: str | None = Field(
+        None, max_length=lim.MAX_URI_LENGTH, description="Mount only this directory of the volume."
+    )
 
 
-class VolumeMount(ApiModel):
+class VolumeMount(SpecModel):
     """A core/v1 VolumeMount of the trainer container."""
 
-    name: str = Field(..., min_length=1, description="A volume of storage.volumes.")
-    mount_path: str = Field(..., min_length=1, description="Absolute path in the workers.")
+    name: str = Field(
+        ..., min_length=1, max_length=lim.MAX_SHORT_STRING, description="A volume of storage.volumes."
+    )
+    mount_path: str = Field(
+        ..., min_length=1, max_length=lim.MAX_URI_LENGTH, description="Absolute path in the workers."
+    )
     read_only: bool = Field(False, description="Mount read-only.")
-    sub_path: str | None = Field(None, description="Mount only this path of the volume.")
+    sub_path: str | None = Field(
+        None, max_length=lim.MAX_URI_LENGTH, description="Mount only this path of the volume."
+    )
 
 
-class StorageSpec(ApiModel):
+class StorageSpec(SpecModel):
     claims: list[ClaimMount] = Field(
         default_factory=list,
+        max_length=lim.MAX_LIST_ITEMS,
         description=(
             "PersistentVolumeClaims to mount into every worker (ReadWriteMany for checkpoints "
             "and output, which every worker writes)."
@@ -54,10 +68,12 @@ class StorageSpec(ApiModel):
     )
     volumes: list[dict[str, Any]] = Field(
         default_factory=list,
+        max_length=lim.MAX_LIST_ITEMS,
         description="core/v1 Volumes of the worker pods (as in a pod spec), each with a name.",
     )
     volume_mounts: list[VolumeMount] = Field(
         default_factory=list,
+        max_length=lim.MAX_LIST_ITEMS,
         description="core/v1 VolumeMounts of the trainer container, naming storage.volumes.",
     )
 
