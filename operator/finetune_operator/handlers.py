@@ -29,6 +29,7 @@ from finetune_operator.api.constants import (
     VERSION,
 )
 from finetune_operator.reconcile import (
+    EventSpec,
     JobRef,
     Outcome,
     PodView,
@@ -39,6 +40,7 @@ from finetune_operator.reconcile import (
     observe_pod,
     parse_termination_message,
     parse_trainer_metrics,
+    progress_events,
     read_status,
     reconcile_job,
     scrape_targets,
@@ -205,7 +207,7 @@ async def _reconcile(
             new = note_apply_errors(out.status, result.errors, now, job.generation)
             if scrape and out.evaluation.ok and out.evaluation.spec and out.evaluation.plan:
                 new = await _with_progress(new, out, pods)
-            _publish(body, patch, job, old, new, out)
+            _publish(body, patch, job, old, new, out, progress_events(old, new))
             if result.errors:
                 logger.warning("apply failed: %s", "; ".join(result.errors))
                 raise kopf.TemporaryError("; ".join(result.errors), delay=INTERVAL)
@@ -223,11 +225,12 @@ async def _with_progress(status: Any, out: Outcome, pods: list[PodView]) -> Any:
     return merge_progress(status, progress, out.evaluation.spec.checkpoint.uri)
 
 
-def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any, out: Outcome) -> None:  # fmt: skip
+def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any, out: Outcome,
+             extra_events: list[EventSpec]) -> None:  # fmt: skip
     """Status (only what changed, to the status subresource), Events, operator metrics."""
     for key, value in status_patch(body.get("status"), new).items():
         patch.status[key] = value
-    for event in out.events:
+    for event in (*out.events, *extra_events):
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     metrics.set_job_phase(f"{job.namespace}/{job.name}", new.phase)
     metrics.record_replacements(job.name, new.restarts - old.restarts)

@@ -21,6 +21,8 @@ TRAINER_METRICS: Final = {
     "finetune_trainer_checkpoint_save_duration_seconds": HISTOGRAM,
     "finetune_trainer_last_checkpoint_step": GAUGE,
     "finetune_trainer_last_checkpoint_timestamp_seconds": GAUGE,
+    "finetune_trainer_resumed_from_step": GAUGE,
+    "finetune_trainer_skipped_checkpoint_step": GAUGE,
     "finetune_trainer_elastic_restarts": GAUGE,
     "finetune_trainer_peak_memory_bytes": GAUGE,
 }

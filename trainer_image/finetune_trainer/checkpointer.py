@@ -6,8 +6,14 @@ Save path (main thread): wait for the previous save to be committed (at most one
 capture the state dict, hand it to DCP, which stages it (copies it off the live tensors) in a
 background thread and then writes it from another one. The loop calls `wait_for_staging()`
 before the optimizer step, the first moment the live tensors change. A commit thread waits
-for the write, agrees with every rank that it succeeded (all-reduce on the checkpoint group)
-and then rank 0 writes the `COMMITTED` marker and purges old checkpoints, off the hot path.
+for the write, has each rank hash the files it wrote, gathers the hashes and the verdicts
+on the checkpoint group, and then rank 0 writes the `COMMITTED` marker (with the manifest)
+and purges old checkpoints, off the hot path.
+
+Load path: the committed steps, newest first; a step is used only if every rank verified its
+share of the manifest and loaded it. Any failure (DCP raises `CheckpointException`, which
+derives from BaseException, not Exception) falls back to the previous step; rank 0 moves the
+damaged one aside. `resumed_from_step` and `skipped` say what happened.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from finetune_operator.api.spec import CheckpointSpec
@@ -31,6 +38,10 @@ from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.state import TrainState
 
 log = logging.getLogger(__name__)
+
+# Everything a failed load can raise, but not the interpreter's own exits (KeyboardInterrupt,
+# SystemExit): DCP wraps every rank's failure in CheckpointException, a BaseException.
+LOAD_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 
 
 class AsyncMode(enum.Enum):
@@ -48,6 +59,8 @@ def save_due(step: int, *, interval_steps: int | None, time_due: bool, last_save
 
 class Checkpointer(Protocol):
     last_committed_step: int
+    resumed_from_step: int
+    skipped: list[int]
 
     def load(self) -> int: ...
     def time_due(self) -> bool: ...
@@ -61,6 +74,10 @@ class NoOpCheckpointer:
     """Checkpointing disabled: nothing is loaded or saved."""
 
     last_committed_step = 0
+    resumed_from_step = 0
+
+    def __init__(self) -> None:
+        self.skipped: list[int] = []
 
     def load(self) -> int:
         return 0
@@ -103,6 +120,8 @@ class DcpCheckpointer:
         self.meta = meta
         self.mode = AsyncMode.ASYNC if spec.async_ else AsyncMode.SYNC
         self.last_committed_step = 0
+        self.resumed_from_step = 0  # the step load() really resumed from (0: fresh start)
+        self.skipped: list[int] = []  # committed steps load() found unusable, newest first
         self._last_saved = 0
         self._last_save_time = time.monotonic()
         self._staging: Future[Any] | None = None
@@ -132,32 +151,54 @@ class DcpCheckpointer:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return list(box[0])
 
+    def _verify(self, path: Path) -> None:
+        """Structure, then this rank's share of the manifest (sizes, then hashes)."""
+        store.validate(path)
+        manifest = store.manifest_of(store.read_marker(path))
+        if manifest is None:
+            log.warning("checkpoint %s has no manifest (older format): structure checked only", path)
+            return
+        world = dist.get_world_size(self.group)
+        store.verify_files(path, manifest, store.share_of(manifest, self.rank, world))
+
     def _try_load(self, step: int) -> bool:
         path = store.step_dir(self.root, step)
         ok = 1.0
         try:
-            store.validate(path)
+            self._verify(path)
             saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
             sd = self.state.template(saved)
             dcp.load(sd, checkpoint_id=path, process_group=self.group)
             self.state.restore(sd)
-        except Exception as e:
-            log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, e)
+        except LOAD_ERRORS as e:
+            log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
             ok = 0.0
         # Every rank must agree, or ranks would resume from different steps.
         flag = torch.tensor([ok])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item() == 1.0)
+        usable = bool(flag.item() == 1.0)
+        if not usable and self.rank == 0:
+            # Out of the way of the save that will reach this step again, kept for a look.
+            try:
+                log.warning("moved damaged checkpoint to %s", store.quarantine(path))
+            except OSError as e:
+                log.warning("could not move damaged checkpoint %s aside: %s", path, e)
+        return usable
 
     def load(self) -> int:
         """Resume from the newest committed checkpoint that loads; skip corrupt ones. Returns
-        the step to continue from (0: nothing usable, start fresh)."""
+        the step to continue from (0: nothing usable, start fresh). A checkpoint that failed
+        on one rank leaves the others' state half-restored; the next one loaded overwrites
+        all of it, and a fresh start (0) is only reached by a rank that loaded nothing."""
         for step in self._candidates():
             if self._try_load(step):
-                self.last_committed_step = self._last_saved = step
+                self.last_committed_step = self._last_saved = self.resumed_from_step = step
                 self.metrics.last_ckpt_step.set(step)
+                self.metrics.observe_resume(step, self.skipped)
                 log.info("resumed from checkpoint step %d (%s)", step, self.root)
                 return step
+            self.skipped.append(step)
+        self.metrics.observe_resume(0, self.skipped)
         log.info("no usable checkpoint under %s: starting at step 0", self.root)
         return 0
 
@@ -182,6 +223,9 @@ class DcpCheckpointer:
         self.finish()  # at most one save in flight
         path = store.step_dir(self.root, step)
         path.parent.mkdir(parents=True, exist_ok=True)
+        # Saving a step again (after resuming from an older one): never look committed mid-write.
+        if self.rank == 0:
+            (path / store.CHECKPOINT_COMMITTED_MARKER).unlink(missing_ok=True)
         sd = self.state.capture()
         if self.mode is AsyncMode.ASYNC:
             resp = dcp.async_save(
@@ -199,7 +243,7 @@ class DcpCheckpointer:
             try:
                 dcp.save(sd, checkpoint_id=path, process_group=self.group)
                 done.set_result(None)
-            except Exception as e:
+            except LOAD_ERRORS as e:
                 done.set_exception(e)
             self._commit(done, step, t0)
         self._last_saved = step
@@ -207,21 +251,24 @@ class DcpCheckpointer:
         self.metrics.observe_checkpoint_blocking(time.monotonic() - t0)
 
     def _commit(self, upload: Future[Any], step: int, t0: float) -> bool:
-        ok = 1.0
+        path = store.step_dir(self.root, step)
+        files: dict[str, dict[str, Any]] | None = None
         try:
             upload.result()
-        except Exception as e:
-            log.error("checkpoint step %d failed: %s", step, e)
-            ok = 0.0
-        flag = torch.tensor([ok])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        if flag.item() != 1.0:
+            # Each rank hashes what it wrote (in parallel, from the page cache just filled).
+            files = store.describe_files(path, store.files_written_by(path, self.rank))
+        except LOAD_ERRORS as e:
+            log.error("checkpoint step %d failed: %s", step, _short(e))
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, files, group=self.group)
+        if any(part is None for part in gathered):
             return False
-        path = store.step_dir(self.root, step)
         if self.rank == 0:
-            store.write_marker(
-                path, {**self.meta, "step": step, "worldSize": self.world_size, "time": time.time()}
-            )
+            manifest = {name: entry for part in gathered for name, entry in part.items()}
+            meta = {**self.meta, "step": step, "worldSize": self.world_size, "time": time.time()}
+            meta[store.HASH_KEY] = store.HASH_ALGORITHM
+            meta[store.MANIFEST_KEY] = manifest
+            store.write_marker(path, meta)
             for old in store.purge(self.root, self.spec.keep, below_step=step):
                 log.info("purged checkpoint %s", old)
         self.last_committed_step = step
@@ -249,6 +296,12 @@ class DcpCheckpointer:
     def close(self) -> None:
         self._committer.shutdown(wait=True)
         self._stager.close()
+
+
+def _short(e: BaseException) -> str:
+    """DCP's CheckpointException message embeds every rank's traceback: keep the first line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def build_checkpointer(

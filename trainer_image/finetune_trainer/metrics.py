@@ -72,6 +72,14 @@ class TrainerMetrics:
         self.last_ckpt_time = gauge(
             "last_checkpoint_timestamp_seconds", "Unix time of the last committed checkpoint."
         )
+        self.resumed_from_step = gauge(
+            "resumed_from_step",
+            "Checkpoint step this run resumed from at start (0: started fresh).",
+        )
+        self.skipped_ckpt_step = gauge(
+            "skipped_checkpoint_step",
+            "Newest committed checkpoint found unusable and skipped at start (0: none).",
+        )
         self.tokens = Counter(
             f"{PREFIX}_tokens", "Tokens trained on by this rank.", LABELS, registry=self.registry
         ).labels(**labels)
@@ -132,6 +140,10 @@ class TrainerMetrics:
 
     def observe_checkpoint_blocking(self, seconds: float) -> None:
         self.ckpt_blocking.observe(seconds)
+
+    def observe_resume(self, step: int, skipped: list[int]) -> None:
+        self.resumed_from_step.set(step)
+        self.skipped_ckpt_step.set(max(skipped, default=0))
 
     def observe_checkpoint_committed(self, step: int, seconds: float) -> None:
         self.ckpt_duration.observe(seconds)

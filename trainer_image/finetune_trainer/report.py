@@ -3,7 +3,10 @@
 Kubernetes copies `terminationMessagePath` (default /dev/termination-log) into the pod's
 `state.terminated.message` when the container exits; the operator reads the final step, loss
 and checkpoint from there, since the metrics endpoint is gone by then.
-Keys: step, rank, loss?, checkpointStep?, output? (readers ignore keys they do not know)."""
+Keys: step, rank, loss?, checkpointStep?, output?, resumedFromStep?, skippedCheckpoints?
+(committed steps found unusable at start), stopReason? ("Signal": the trainer stopped because
+it was told to, e.g. its pod is being preempted; the operator does not count that as a failure)
+(readers ignore keys they do not know)."""
 
 from __future__ import annotations
 
@@ -27,19 +30,28 @@ def write_final_report(
     rank: int,
     path: str | None = None,
     output: str | None = None,
+    resumed_from_step: int = 0,
+    skipped: list[int] | None = None,
+    stop_reason: str | None = None,
 ) -> bool:
     """Write the report if the termination log exists (it does in a pod); never raises.
     `output`: where the trained model was exported (only the rank that wrote it says so)."""
     target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
     if not target.exists():
         return False
-    report: dict[str, float | int | str] = {"step": step, "rank": rank}
+    report: dict[str, float | int | str | list[int]] = {"step": step, "rank": rank}
     if loss is not None:
         report["loss"] = loss
     if checkpoint_step > 0:
         report["checkpointStep"] = checkpoint_step
     if output:
         report["output"] = output
+    if resumed_from_step > 0:
+        report["resumedFromStep"] = resumed_from_step
+    if skipped:
+        report["skippedCheckpoints"] = skipped[:32]
+    if stop_reason:
+        report["stopReason"] = stop_reason
     try:
         target.write_text(json.dumps(report)[:MAX_BYTES])
     except OSError as e:

@@ -33,6 +33,12 @@ log = logging.getLogger(__name__)
 # Exit code of a rank that stopped because a *peer* was told to stop (eviction of another
 # pod): non-zero so torchrun restarts this worker group, which re-forms without the peer.
 EXIT_PEER_STOPPED = 75
+# Exit code of a rank stopped by its own SIGTERM/SIGINT before training completed: non-zero,
+# so its torchrun agent restarts the group (or, if the agent itself is being stopped, fails
+# the pod, which the termination report marks as stopped, not failed). Exit 0 would make the
+# agent treat the group as finished and wait out its exit barrier for peers that never come.
+EXIT_STOPPED = 143  # 128 + SIGTERM, what an uncaught SIGTERM would have given
+STOP_REASON_SIGNAL = "Signal"
 PEER_SIGNAL_WAIT_SECONDS = 5.0
 
 
@@ -184,6 +190,9 @@ class Trainer:
                 checkpoint_step=self.checkpointer.last_committed_step,
                 rank=self.dist.rank,
                 output=str(output) if output else None,
+                resumed_from_step=self.checkpointer.resumed_from_step,
+                skipped=self.checkpointer.skipped,
+                stop_reason=STOP_REASON_SIGNAL if stop and self.stop_signal.requested else None,
             )
         return code
 
@@ -283,7 +292,7 @@ class Trainer:
             self.state.step,
             self.checkpointer.last_committed_step,
         )
-        return 0 if self.stop_signal.requested else EXIT_PEER_STOPPED
+        return EXIT_STOPPED if self.stop_signal.requested else EXIT_PEER_STOPPED
 
     def close(self) -> None:
         if not self.hard_exit:

@@ -54,6 +54,9 @@ REASON_BACKOFF_LIMIT_EXCEEDED: Final = "BackoffLimitExceeded"
 REASON_ALL_WORKERS_READY: Final = "AllWorkersReady"
 REASON_WORKERS_NOT_READY: Final = "WorkersNotReady"
 REASON_NO_STRAGGLER: Final = "NoStraggler"
+REASON_CHECKPOINT_SKIPPED: Final = "CheckpointSkipped"
+REASON_PREEMPTED: Final = "Preempted"  # a pod stopped by a signal, eviction or node shutdown
+REASON_RENDEZVOUS_LOST: Final = "RendezvousLost"
 REASON_STRAGGLER_EVICTED: Final = "StragglerEvicted"
 REASON_STRAGGLER_ALERTED: Final = "StragglerAlerted"
 

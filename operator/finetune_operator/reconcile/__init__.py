@@ -18,6 +18,7 @@ from finetune_operator.reconcile.progress import (
     merge_progress,
     parse_termination_message,
     parse_trainer_metrics,
+    progress_events,
     scrape_targets,
 )
 from finetune_operator.reconcile.status import compute_status, note_apply_errors
@@ -45,6 +46,7 @@ __all__ = [
     "observe_pod",
     "parse_termination_message",
     "parse_trainer_metrics",
+    "progress_events",
     "read_status",
     "reconcile_job",
     "scrape_targets",

@@ -11,14 +11,22 @@ from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from finetune_operator.api.constants import METRICS_BASE_PORT, checkpoint_dir_name
+from finetune_operator.api.constants import (
+    METRICS_BASE_PORT,
+    REASON_CHECKPOINT_SKIPPED,
+    checkpoint_dir_name,
+)
 from finetune_operator.api.status import CheckpointRef, FineTuneJobStatus
+from finetune_operator.reconcile.conditions import EventSpec
 from finetune_operator.reconcile.observed import RUNNING, PodView, format_time
 
 STEP = "finetune_trainer_step"
 LOSS = "finetune_trainer_loss"
 CKPT_STEP = "finetune_trainer_last_checkpoint_step"
 CKPT_TIME = "finetune_trainer_last_checkpoint_timestamp_seconds"
+RESUMED = "finetune_trainer_resumed_from_step"
+MAX_SKIPPED = 10  # status keeps the newest few
+SKIPPED = "finetune_trainer_skipped_checkpoint_step"
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ class TrainerProgress:
     loss_rank: int | None = None  # the rank whose loss we report: the lowest one seen
     checkpoint_step: int | None = None
     checkpoint_time: float | None = None
+    resumed_from_step: int | None = None  # where the running trainers started (0: fresh)
+    skipped_checkpoint: int | None = None  # newest checkpoint they found unusable
 
 
 def scrape_targets(pods: Sequence[PodView], processes_per_pod: int) -> list[ScrapeTarget]:
@@ -63,7 +73,7 @@ def _max(a: Num | None, b: Num | None) -> Num | None:
 
 def parse_trainer_metrics(text: str) -> TrainerProgress:
     """The progress one metrics page reports; an unparsable page reports nothing."""
-    step = ckpt_step = ckpt_time = loss = None
+    step = ckpt_step = ckpt_time = loss = resumed = skipped = None
     loss_rank: int | None = None
     try:
         samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
@@ -78,6 +88,10 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
             ckpt_step = _max(ckpt_step, s.value)
         elif s.name == CKPT_TIME:
             ckpt_time = _max(ckpt_time, s.value)
+        elif s.name == RESUMED:
+            resumed = _max(resumed, s.value)
+        elif s.name == SKIPPED:
+            skipped = _max(skipped, s.value)
         elif s.name == LOSS and (loss_rank is None or _rank(s.labels) < loss_rank):
             loss, loss_rank = s.value, _rank(s.labels)
     return TrainerProgress(
@@ -87,6 +101,8 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         # Until its first save the trainer's gauge reads -1 (or 0): no checkpoint yet.
         checkpoint_step=int(ckpt_step) if ckpt_step is not None and ckpt_step > 0 else None,
         checkpoint_time=ckpt_time if ckpt_time else None,
+        resumed_from_step=int(resumed) if resumed is not None and resumed >= 0 else None,
+        skipped_checkpoint=int(skipped) if skipped else None,
     )
 
 
@@ -107,13 +123,20 @@ def parse_termination_message(text: str | None) -> TrainerProgress:
             return None
         return float(value) if math.isfinite(value) else None
 
-    step, ckpt, loss, when = (number(k) for k in ("step", "checkpointStep", "loss", "checkpointTime"))
+    step, ckpt, loss, when, resumed = (
+        number(k) for k in ("step", "checkpointStep", "loss", "checkpointTime", "resumedFromStep")
+    )
+    skipped_list = data.get("skippedCheckpoints")
+    skipped = [int(v) for v in skipped_list if isinstance(v, int) and not isinstance(v, bool)] if isinstance(skipped_list, list) else []
     return TrainerProgress(
         step=int(step) if step is not None else None,
         loss=loss,
         loss_rank=int(number("rank") or 0) if loss is not None else None,
         checkpoint_step=int(ckpt) if ckpt is not None and ckpt > 0 else None,
         checkpoint_time=when or None,
+        # A final report only says what the trainer that wrote it resumed from; absent: fresh.
+        resumed_from_step=int(resumed) if resumed is not None else (0 if step is not None else None),
+        skipped_checkpoint=max(skipped) if skipped else None,
     )
 
 
@@ -130,6 +153,8 @@ def combine_progress(parts: Iterable[TrainerProgress]) -> TrainerProgress:
             loss_rank=p.loss_rank if better_loss else out.loss_rank,
             checkpoint_step=_max(out.checkpoint_step, p.checkpoint_step),
             checkpoint_time=_max(out.checkpoint_time, p.checkpoint_time),
+            resumed_from_step=_max(out.resumed_from_step, p.resumed_from_step),
+            skipped_checkpoint=_max(out.skipped_checkpoint, p.skipped_checkpoint),
         )
     return out
 
@@ -151,4 +176,23 @@ def merge_progress(
         )
         uri = f"{checkpoint_uri.rstrip('/')}/{checkpoint_dir_name(progress.checkpoint_step)}"
         update["last_checkpoint"] = CheckpointRef(step=progress.checkpoint_step, uri=uri, time=when)
+    if progress.resumed_from_step is not None:
+        update["resumed_from_step"] = progress.resumed_from_step
+    skipped = progress.skipped_checkpoint
+    if skipped is not None and skipped not in status.skipped_checkpoints:
+        update["skipped_checkpoints"] = [*status.skipped_checkpoints, skipped][-MAX_SKIPPED:]
     return status.model_copy(update=update) if update else status
+
+
+def progress_events(old: FineTuneJobStatus, new: FineTuneJobStatus) -> list[EventSpec]:
+    """A Warning for each checkpoint the trainers newly skipped as unusable."""
+    fresh = [s for s in new.skipped_checkpoints if s not in old.skipped_checkpoints]
+    return [
+        EventSpec(
+            "Warning",
+            REASON_CHECKPOINT_SKIPPED,
+            f"checkpoint step {s} failed verification or would not load; resumed from step "
+            f"{new.resumed_from_step or 0} instead",
+        )
+        for s in fresh
+    ]
