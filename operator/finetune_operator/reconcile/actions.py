@@ -12,6 +12,7 @@ from finetune_operator.api.constants import (
     REASON_BACKOFF_LIMIT_EXCEEDED,
     REASON_COMPLETED,
     REASON_INVALID_SPEC,
+    REASON_PREEMPTED,
     REASON_RESTARTING,
     REASON_SUSPENDED,
 )
@@ -85,14 +86,20 @@ def _active(
     if ensured_generation != ev.job.generation:
         ensure = tuple(build_shared_objects(ev.job.owner, ev.spec, ev.plan))
     surplus = [p for i, p in a.workers.items() if i >= ev.plan.nodes]
-    deletes = _deletions(a.replace_now, REASON_RESTARTING) + _deletions(surplus, REASON_COMPLETED)
+    preempted = [p for p, _ in a.preempted_now]
+    deletes = (
+        _deletions(a.replace_now, REASON_RESTARTING)
+        + _deletions(preempted, REASON_PREEMPTED)
+        + _deletions(surplus, REASON_COMPLETED)
+    )
     # A slot being replaced is still occupied this round; its pod is created on the next pass,
     # once the old one is gone (same name).
+    going = {p.name for p in (*a.replace_now, *preempted)}
     remaining = replace(
         a,
-        workers={i: p for i, p in a.workers.items() if p not in a.replace_now},
-        rendezvous=None if a.rendezvous in a.replace_now else a.rendezvous,
-        terminating=a.terminating | {p.name for p in a.replace_now},
+        workers={i: p for i, p in a.workers.items() if p.name not in going},
+        rendezvous=None if a.rendezvous and a.rendezvous.name in going else a.rendezvous,
+        terminating=a.terminating | going,
     )
     budget = ev.spec.fault_tolerance.max_restarts
     events = tuple(
@@ -102,6 +109,13 @@ def _active(
             f"{p.describe_failure()}; replacement {status.restarts + n} of {budget}",
         )
         for n, p in enumerate(a.replace_now, start=1)
+    ) + tuple(
+        EventSpec(
+            "Normal",
+            v.disposition.value,
+            f"pod {p.name} ended: {v.why}; replacing it (not counted against maxRestarts)",
+        )
+        for p, v in a.preempted_now
     )
     return Actions(
         ensure=ensure,
