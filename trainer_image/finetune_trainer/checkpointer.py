@@ -161,29 +161,41 @@ class DcpCheckpointer:
         world = dist.get_world_size(self.group)
         store.verify_files(path, manifest, store.share_of(manifest, self.rank, world))
 
+    def _agree(self, ok: bool) -> bool:
+        """True only if every rank says ok (so ranks never resume from different steps)."""
+        flag = torch.tensor([1.0 if ok else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item() == 1.0)
+
     def _try_load(self, step: int) -> bool:
         path = store.step_dir(self.root, step)
-        ok = 1.0
+        ok = True
         try:
             self._verify(path)
-            saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-            sd = self.state.template(saved)
-            dcp.load(sd, checkpoint_id=path, process_group=self.group)
-            self.state.restore(sd)
         except LOAD_ERRORS as e:
             log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
-            ok = 0.0
-        # Every rank must agree, or ranks would resume from different steps.
-        flag = torch.tensor([ok])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        usable = bool(flag.item() == 1.0)
-        if not usable and self.rank == 0:
+            ok = False
+        # Agree on the verification before DCP's load, which runs collectives of its own: a
+        # rank that skipped it would leave the others waiting in them.
+        if self._agree(ok):
+            try:
+                saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+                sd = self.state.template(saved)
+                dcp.load(sd, checkpoint_id=path, process_group=self.group)
+                self.state.restore(sd)
+            except LOAD_ERRORS as e:
+                log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
+                ok = False
+            ok = self._agree(ok)
+        else:
+            ok = False
+        if not ok and self.rank == 0:
             # Out of the way of the save that will reach this step again, kept for a look.
             try:
                 log.warning("moved damaged checkpoint to %s", store.quarantine(path))
             except OSError as e:
                 log.warning("could not move damaged checkpoint %s aside: %s", path, e)
-        return usable
+        return ok
 
     def load(self) -> int:
         """Resume from the newest committed checkpoint that loads; skip corrupt ones. Returns
