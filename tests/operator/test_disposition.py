@@ -32,9 +32,7 @@ def ended(
     labels = {LABEL_JOB: "qs", LABEL_ROLE: role}
     if role == "worker":
         labels[LABEL_WORKER_INDEX] = name.rsplit("-", 1)[1]
-    term: dict[str, Any] = {
-        "exitCode": exit_code, "startedAt": iso(started), "finishedAt": iso(T0 + timedelta(seconds=60)),
-    }  # fmt: skip
+    term: dict[str, Any] = {"exitCode": exit_code, "finishedAt": iso(T0 + timedelta(seconds=60))}
     if report is not None:
         term["message"] = json.dumps(report)
     status: dict[str, Any] = {
@@ -46,7 +44,7 @@ def ended(
         status["reason"] = reason
     if disruption:
         status["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
-    meta = {"name": name, "uid": f"uid-{name}", "labels": labels}
+    meta = {"name": name, "uid": f"uid-{name}", "labels": labels, "creationTimestamp": iso(started)}
     return observe_pod({"metadata": meta, "spec": {"nodeName": "n"}, "status": status})
 
 
@@ -66,9 +64,11 @@ def ended(
                      id="eviction-api"),
         pytest.param(ended(), None, Disposition.RENDEZVOUS_LOST, id="store-gone"),
         pytest.param(ended(), T0 + timedelta(seconds=30), Disposition.RENDEZVOUS_LOST,
-                     id="store-replaced-after-worker-start"),
+                     id="store-replaced-after-worker-creation"),
         pytest.param(ended(started=T0 + timedelta(seconds=40)), T0 + timedelta(seconds=30),
-                     Disposition.FAILURE, id="worker-started-on-current-store"),
+                     Disposition.FAILURE, id="worker-created-after-current-store"),
+        pytest.param(ended(started=T0 + timedelta(seconds=30)), T0 + timedelta(seconds=30),
+                     Disposition.FAILURE, id="created-in-the-same-pass-as-the-store"),
         pytest.param(ended("qs-rdzv", phase="Succeeded", exit_code=0), None, Disposition.PREEMPTED,
                      id="store-stopped"),
         pytest.param(ended("qs-rdzv"), None, Disposition.FAILURE, id="store-crashed"),
@@ -119,3 +119,13 @@ def test_real_failure_is_still_counted_and_fails_the_job_at_the_limit() -> None:
     out = step(status, [_store(), *running("qs-worker-0"), ended()], T0 + timedelta(seconds=61),
                ensured=1)  # fmt: skip
     assert out.status.phase == "Failed" and out.status.preemptions == 0
+
+
+def test_no_worker_is_created_while_the_store_goes_away() -> None:
+    status = _status()
+    store_going = ended("qs-rdzv", phase="Running", exit_code=0)
+    store_going = store_going.__class__(**{**store_going.__dict__, "terminating": True})
+    out = step(status, [store_going], T0 + timedelta(seconds=61), ensured=1)
+    assert created(out) == []
+    out = step(status, [], T0 + timedelta(seconds=62), ensured=1)
+    assert created(out) == ["qs-rdzv", "qs-worker-0", "qs-worker-1"]

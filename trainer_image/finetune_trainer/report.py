@@ -58,3 +58,15 @@ def write_final_report(
         log.warning("could not write the termination report to %s: %s", target, e)
         return False
     return True
+
+
+def clear_final_report(path: str | None = None) -> None:
+    """Empty the termination log at start: torchrun restarts trainers inside one container,
+    and a report left by an earlier trainer (say, one stopped by a signal) must never speak
+    for a later one that crashed."""
+    target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
+    if target.exists():
+        try:
+            target.write_text("")
+        except OSError as e:
+            log.warning("could not clear the termination report %s: %s", target, e)

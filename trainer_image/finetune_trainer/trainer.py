@@ -23,7 +23,7 @@ from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model
 from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import check_precision, parallelize
-from finetune_trainer.report import write_final_report
+from finetune_trainer.report import clear_final_report, write_final_report
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from finetune_trainer.tokenizer import build_tokenizer
@@ -167,6 +167,8 @@ class Trainer:
 
     def train(self) -> int:
         """Run to `total_steps` or until stopped; returns the process exit code."""
+        if self.env.local_rank == 0:
+            clear_final_report()
         self.state.step = self.checkpointer.load()
         # Report the resumed step from the first scrape on: a restarted rank must not look
         # as if the job went back to step 0.

@@ -143,12 +143,19 @@ class Kubelet:
         if self.addresses is not None:
             self.addresses.release()
 
-    def kill_processes(self, namespace: str, name: str) -> bool:
-        """SIGKILL the pod's process group; the pod then fails with exit code 137."""
+    def kill_processes(self, namespace: str, name: str, sig: signal.Signals = signal.SIGKILL) -> bool:
+        """Signal the pod's process group without deleting the pod (SIGKILL: it fails with exit
+        code 137; SIGTERM: what a node shutdown or spot reclaim does to its containers)."""
         run = self.runs.get((namespace, name))
         if run is None or run.process is None or run.process.returncode is not None:
             return False
-        return podrunner.signal_group(run.process.pid, signal.SIGKILL)
+        return podrunner.signal_group(run.process.pid, sig)
+
+    def main_pid(self, namespace: str, name: str) -> int | None:
+        """The pid of the pod's container process (its command), while it runs."""
+        run = self.runs.get((namespace, name))
+        alive = run is not None and run.process is not None and run.process.returncode is None
+        return run.pid if alive and run is not None else None
 
     def log_path(self, namespace: str, name: str, container: str | None = None) -> pathlib.Path | None:
         run = self.runs.get((namespace, name))

@@ -64,6 +64,10 @@ def _create_pods(ev: Evaluation, status: FineTuneJobStatus, a: Assessment) -> li
         out.append(build_rendezvous_pod(owner, ev.spec, annotations=notes))
     if a.any_worker_succeeded:
         return out  # training finished: never start a new worker into a completed group
+    if rdzv_name in a.terminating:
+        # Store first: a worker created now would start against the store that is going away
+        # (and its end could not be told from a failure: disposition.py).
+        return out
     for index in range(ev.plan.nodes):
         pod = build_worker_pod(
             owner,

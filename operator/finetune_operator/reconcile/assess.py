@@ -125,10 +125,8 @@ def assess(
         return replace(seen, mode=Mode.SUCCEEDED, message=msg)
     ended = [p for p in live if p.phase == FAILED or (p.is_rendezvous and p.phase == SUCCEEDED)]
     store = seen.rendezvous
-    store_started = (
-        (store.started_at or EPOCH) if store is not None and store.active else None
-    )
-    verdicts = [(p, classify_exit(p, store_started)) for p in ended]
+    store_created = (store.created_at or EPOCH) if store is not None and store.active else None
+    verdicts = [(p, classify_exit(p, store_created)) for p in ended]
     preempted = tuple((p, v) for p, v in verdicts if not v.disposition.counted)
     seen = replace(
         seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted)

@@ -12,8 +12,9 @@ The evidence, strongest first:
 1. the pod's `DisruptionTarget` condition / an eviction's `status.reason` (Kubernetes says);
 2. the trainer's final report `stopReason: "Signal"` (it stopped because it was told to);
 3. exit code 143 (128 + SIGTERM): the process died of SIGTERM;
-4. a worker that started before the current rendezvous store did (or while there is none):
-   it was talking to a store that is gone.
+4. a worker created before the current rendezvous pod (or ended while there is none): it
+   was started against a store that is gone. Workers are never created while the store's pod
+   is going away (actions.py), so one created after the current store joined that store.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def _report_stop_reason(message: str | None) -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-def classify_exit(pod: PodView, rendezvous_started: datetime | None) -> Verdict:
-    """Why `pod` (finished, not being deleted) ended. `rendezvous_started`: when the current
-    live rendezvous pod started, None when there is none (lost, or being replaced)."""
+def classify_exit(pod: PodView, rendezvous_created: datetime | None) -> Verdict:
+    """Why `pod` (finished, not being deleted) ended. `rendezvous_created`: when the current
+    live rendezvous pod was created, None when there is none (lost, or being replaced)."""
     if pod.disruption:
         return Verdict(Disposition.PREEMPTED, f"disrupted ({pod.disruption})")
     if pod.is_rendezvous and pod.phase == SUCCEEDED:
@@ -66,8 +67,8 @@ def classify_exit(pod: PodView, rendezvous_started: datetime | None) -> Verdict:
     if pod.exit_code == EXIT_SIGTERM:
         return Verdict(Disposition.PREEMPTED, "terminated by SIGTERM")
     if pod.is_worker:
-        if rendezvous_started is None:
+        if rendezvous_created is None:
             return Verdict(Disposition.RENDEZVOUS_LOST, "the rendezvous store is gone")
-        if pod.started_at is not None and pod.started_at < rendezvous_started:
+        if pod.created_at is not None and pod.created_at < rendezvous_created:
             return Verdict(Disposition.RENDEZVOUS_LOST, "its rendezvous store was replaced")
     return Verdict(Disposition.FAILURE, "failed")

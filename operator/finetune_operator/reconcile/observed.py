@@ -38,7 +38,7 @@ class PodView:
     restart_attempt: int = 0
     termination_message: str | None = None  # what the container left in its termination log
     disruption: str | None = None  # DisruptionTarget condition reason, or an eviction's status.reason
-    started_at: datetime | None = None  # container start (else pod creation)
+    created_at: datetime | None = None  # metadata.creationTimestamp
 
     @property
     def is_worker(self) -> bool:
@@ -106,15 +106,6 @@ def _disruption(status: Mapping[str, Any]) -> str | None:
     return str(reason) if reason in DISRUPTION_REASONS else None
 
 
-def _started(status: Mapping[str, Any], meta: Mapping[str, Any]) -> datetime | None:
-    for cs in status.get("containerStatuses") or []:
-        state = cs.get("state") or {}
-        when = (state.get("running") or state.get("terminated") or {}).get("startedAt")
-        if when:
-            return parse_time(when)
-    return parse_time(meta.get("creationTimestamp"))
-
-
 def observe_pod(pod: Mapping[str, Any]) -> PodView:
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
@@ -143,7 +134,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
         restart_attempt=_int(annotations.get(ANNOTATION_RESTART_ATTEMPT), 0) or 0,
         termination_message=term.get("message") or None,
         disruption=_disruption(status),
-        started_at=_started(status, meta),
+        created_at=parse_time(meta.get("creationTimestamp")),
     )
 
 
