@@ -8,15 +8,18 @@ Faults: one long job on the local cluster goes through the fault sequence of the
 suite (`tests/e2e/faults.py`); for each, the time from the fault to training going past the
 step it had reached (redone steps included), the steps redone, and what was counted.
 
-Stall: the quickstart trainer under real torchrun (2 ranks, gloo, CPU), the same number of
-steps with and without async checkpoints in the same run of this script. The extra wall time
-per save, over the median step time of the run without checkpoints, is the steps a save costs:
-what it blocks, and what it slows the steps around it (the background write shares the CPU).
+Stall: the quickstart trainer under real torchrun (2 ranks, gloo, CPU) with async checkpoints,
+timed by when each step's line appears. Within the run, the step interval far from any save
+(the second half of each save period) is the baseline; the time the first half of each period
+takes beyond it is what one save costs: its blocking, plus the steps it slows while its
+background write shares the CPU (an in-run ratio: immune to the load drifting between runs on
+a shared machine). Shown as steps lost per save. A run without checkpoints is timed beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -52,8 +55,8 @@ def _job_json(path: Path, steps: int, interval: int | None) -> Path:
     return path
 
 
-def _train(work: Path, steps: int, interval: int | None) -> tuple[float, list[float]]:
-    """Wall seconds from the first to the last step line, and the step times."""
+def _train(work: Path, steps: int, interval: int | None) -> list[float]:
+    """Monotonic time at which each step line appeared (a step's line comes before its save)."""
     work.mkdir(parents=True)
     config = _job_json(work / "job.json", steps, interval)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FT_METRICS_BASE_PORT": "0",
@@ -61,38 +64,44 @@ def _train(work: Path, steps: int, interval: int | None) -> tuple[float, list[fl
     args = [TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "finetune_trainer",
             "--config", str(config)]  # fmt: skip
     stamps: list[float] = []
-    step_times: list[float] = []
     with subprocess.Popen(args, cwd=work, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True) as proc:  # fmt: skip
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith('{"step"'):
                 stamps.append(time.monotonic())
-                step_times.append(float(json.loads(line)["step_seconds"]))
     if proc.returncode != 0 or len(stamps) != steps:
         raise RuntimeError(f"trainer run failed (exit {proc.returncode}, {len(stamps)} steps)")
-    return stamps[-1] - stamps[0], step_times
+    return stamps
+
+
+def steps_lost_per_save(stamps: list[float], interval: int) -> tuple[float, float, list[float]]:
+    """Within one run: the step interval far from saves (the second half of each save period)
+    is the baseline; what the first half of each period takes beyond it (the save's blocking,
+    then the steps it slows while its background write runs) is the stall of that save.
+    Returns (baseline seconds, median stall seconds, stall per save)."""
+    gaps = {i + 1: stamps[i] - stamps[i - 1] for i in range(1, len(stamps))}  # gap ending at step i+1
+    saves = [s for s in range(interval, len(stamps) - interval + 1, interval)]
+    half = interval // 2
+    quiet = [gaps[s + j] for s in saves for j in range(half + 1, interval + 1) if s + j in gaps]
+    base = statistics.median(quiet)
+    stalls = [sum(gaps[s + j] - base for j in range(1, half + 1)) for s in saves]
+    return base, statistics.median(stalls), stalls
 
 
 def stall(steps: int, interval: int, rounds: int) -> str:
-    rows = []
+    rows = ["| run | steps | save every | saves measured | step far from saves | stall per save (median) | steps lost per save | median step, no checkpoints (same script) |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-stall-") as tmp:
-        base_wall, with_wall, base_steps = [], [], []
-        for r in range(rounds):  # interleaved, so machine load drifts hit both alike
-            wall, times = _train(Path(tmp) / f"base-{r}", steps, None)
-            base_wall.append(wall)
-            base_steps.extend(times)
-            with_wall.append(_train(Path(tmp) / f"ckpt-{r}", steps, interval)[0])
-    saves = (steps - 1) // interval  # saves between the first and the last step line
-    step_s = statistics.median(base_steps)
-    extra = statistics.median(with_wall) - statistics.median(base_wall)
-    per_save = extra / saves
-    rows.append("| steps | save every | saves | median step (no ckpt) | wall no ckpt | wall with ckpt | stall per save | steps lost per save |")
-    rows.append("|---|---|---|---|---|---|---|---|")
-    rows.append(
-        f"| {steps} | {interval} | {saves} | {step_s * 1e3:.1f} ms | {statistics.median(base_wall):.2f} s "
-        f"| {statistics.median(with_wall):.2f} s | {per_save * 1e3:.1f} ms | {per_save / step_s:.2f} |"
-    )
+        for r in range(rounds):
+            with_ckpt = _train(Path(tmp) / f"ckpt-{r}", steps, interval)
+            base_run = _train(Path(tmp) / f"base-{r}", steps, None)
+            base, stall_s, stalls = steps_lost_per_save(with_ckpt, interval)
+            plain = statistics.median(b - a for a, b in itertools.pairwise(base_run))
+            rows.append(
+                f"| {r + 1} | {steps} | {interval} | {len(stalls)} | {base * 1e3:.1f} ms "
+                f"| {stall_s * 1e3:.1f} ms | {stall_s / base:.2f} | {plain * 1e3:.1f} ms |"
+            )
     return "\n".join(rows)
 
 
@@ -110,7 +119,7 @@ def faults() -> str:
     rows = ["| fault | step at fault | resumed from | steps redone | recovery (fault -> past that step) | restarts | preemptions |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
-        redone = "" if r.resumed_from is None else str(r.step_at_fault - r.resumed_from)
+        redone = "" if r.resumed_from is None else str(max(0, r.step_at_fault - r.resumed_from))
         rows.append(f"| {r.fault} | {r.step_at_fault} | {r.resumed_from} | {redone} | {r.seconds:.1f} s "
                     f"| +{r.restarts} | +{r.preemptions} |")  # fmt: skip
     return "\n".join(rows)
