@@ -59,6 +59,7 @@ def test_every_trainer_series_is_set_by_the_loop() -> None:
     m.checkpoint_window_closed()
     m.observe_checkpoint_committed(3, 1.5)
     m.observe_checkpoint_failed(4)
+    m.observe_resume(3, [5])
     values: dict[str, float] = {}
     for family in m.registry.collect():
         for s in family.samples:

@@ -23,6 +23,7 @@ import asyncio
 import concurrent.futures
 import pathlib
 import shutil
+import signal
 import tempfile
 import threading
 from collections.abc import Callable, Coroutine
@@ -105,9 +106,14 @@ class LocalCluster:
         if self._own_dir and not self._keep_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def kill_pod_processes(self, namespace: str, name: str) -> bool:
-        """SIGKILL a pod's processes without deleting the pod (it goes Failed, exit code 137)."""
-        return self.call(lambda: self._kubelet.kill_processes(namespace, name) if self._kubelet else False)
+    def kill_pod_processes(self, namespace: str, name: str, sig: signal.Signals = signal.SIGKILL) -> bool:
+        """Signal a pod's processes without deleting the pod (SIGKILL: it goes Failed, exit code
+        137; SIGTERM: a node shutting down or a spot instance reclaimed)."""
+        return self.call(lambda: self._kubelet.kill_processes(namespace, name, sig) if self._kubelet else False)
+
+    def pod_main_pid(self, namespace: str, name: str) -> int | None:
+        """The pid of a running pod's container process (None when it is not running)."""
+        return self.call(lambda: self._kubelet.main_pid(namespace, name) if self._kubelet else None)
 
     def pod_log_path(self, namespace: str, name: str, container: str | None = None) -> pathlib.Path | None:
         """The file holding the pod container's stdout+stderr (None if it never started)."""

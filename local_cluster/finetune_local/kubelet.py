@@ -8,8 +8,10 @@ SIGTERM to the process group, SIGKILL after the grace period, then the final del
 
 Deviations from a real kubelet: only the first container runs (init and sidecar containers are
 ignored); images are ignored (the command runs with this Python environment); there is no
-network namespace (pods share the host's ports: bind to ``$POD_IP``); resource limits and
-probes are not enforced (a running pod is Ready).
+network namespace (pods share the host's ports: each binds its own loopback ``$POD_IP`` from
+the cluster's claimed /16, see :mod:`.addresses`); resource limits and probes are not
+enforced (a running pod is Ready). Pod processes die with the process that runs the cluster
+(a parent-death signal, see :mod:`.podinit`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from finetune_local import podrunner
+from finetune_local.addresses import AddressPool
 from finetune_local.podspec import (
     ConfigMissingError,
     container_env,
@@ -41,6 +44,7 @@ from finetune_local.termination import read_message, termination_mount
 
 logger = logging.getLogger(__name__)
 PodKey = tuple[str, str]
+CLUSTER_ENV = "FTJOB_LOCAL_CLUSTER"
 # What of the host environment stands for the pod's image: the Python environment includes
 # PYTHONPATH (a source checkout run without installing it, e.g. a git worktree).
 _PASS_ENV = (
@@ -68,6 +72,7 @@ class KubeletConfig:
     # Per node name: environment its pods' processes get, standing for what that node's hardware
     # does to them (a slow GPU: FT_STEP_DELAY_SECONDS). A pod moved elsewhere runs normally.
     node_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    address_lock_dir: pathlib.Path | None = None  # where clusters claim their /16 (addresses.py)
 
 
 @dataclass
@@ -109,7 +114,7 @@ class Kubelet:
         self.nodes: dict[PodKey, dict[str, Any]] = {}
         self.runs: dict[PodKey, PodRun] = {}
         self.mountpoints = podrunner.MountPoints()
-        self._next_ip = 2
+        self.addresses: AddressPool | None = None
         self._busy: set[PodKey] = set()  # pods with a start/stop step in flight
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -119,6 +124,7 @@ class Kubelet:
 
     async def start(self) -> None:
         await podrunner.probe_isolation(self.config.data_dir / "kubelet")
+        self.addresses = AddressPool.claim(self.config.address_lock_dir)
         for name in self.config.node_names:
             await self._register_node(name)
         for path, cache in ((resource_path("v1", "pods"), self.pods),
@@ -137,13 +143,22 @@ class Kubelet:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(run.process.wait(), 5)
         self.mountpoints.remove_created()
+        if self.addresses is not None:
+            self.addresses.release()
 
-    def kill_processes(self, namespace: str, name: str) -> bool:
-        """SIGKILL the pod's process group; the pod then fails with exit code 137."""
+    def kill_processes(self, namespace: str, name: str, sig: signal.Signals = signal.SIGKILL) -> bool:
+        """Signal the pod's process group without deleting the pod (SIGKILL: it fails with exit
+        code 137; SIGTERM: what a node shutdown or spot reclaim does to its containers)."""
         run = self.runs.get((namespace, name))
         if run is None or run.process is None or run.process.returncode is not None:
             return False
-        return podrunner.signal_group(run.process.pid, signal.SIGKILL)
+        return podrunner.signal_group(run.process.pid, sig)
+
+    def main_pid(self, namespace: str, name: str) -> int | None:
+        """The pid of the pod's container process (its command), while it runs."""
+        run = self.runs.get((namespace, name))
+        alive = run is not None and run.process is not None and run.process.returncode is None
+        return run.pid if alive and run is not None else None
 
     def log_path(self, namespace: str, name: str, container: str | None = None) -> pathlib.Path | None:
         run = self.runs.get((namespace, name))
@@ -284,10 +299,8 @@ class Kubelet:
     # ------------------------------------------------------------------ pods
 
     def _allocate_ip(self) -> str:
-        # Monotonic, never reused: a stale address in a peer's cache never reaches a new pod.
-        n = self._next_ip
-        self._next_ip += 1
-        return f"127.0.{n // 250}.{n % 250 + 2}"
+        assert self.addresses is not None, "the kubelet is not started"
+        return self.addresses.allocate()
 
     def _base_env(self, pod: Mapping[str, Any]) -> dict[str, str]:
         venv_bin = os.path.dirname(sys.executable)
@@ -296,6 +309,8 @@ class Kubelet:
         env["HOSTNAME"] = pod.get("spec", {}).get("hostname") or pod["metadata"]["name"]
         host, _, port = self.config.api_url.removeprefix("http://").partition(":")
         env.update(KUBERNETES_SERVICE_HOST=host, KUBERNETES_SERVICE_PORT=port.rstrip("/"))
+        # Which local cluster a process belongs to (finding leftovers; never read by pods).
+        env[CLUSTER_ENV] = str(self.config.data_dir)
         env.update(self.config.extra_env)
         env.update(self.config.node_env.get(pod.get("spec", {}).get("nodeName") or "", {}))
         return env

@@ -4,6 +4,10 @@ Run as ``python -I -S podinit.py <spec.json>`` (standard library only, no packag
 starts fast). In a fresh single-threaded process it is safe to call ``unshare(2)``, which a
 ``preexec_fn`` in the multi-threaded operator process would not be. Steps:
 
+0. ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the pod dies with the local cluster's process (the
+   kubelet thread that started it), however that process ends (``kill -9`` of ``ftjob run``
+   included), as a real pod dies with its node. It survives ``execve``; the container's own
+   children (torchrun's workers) watch for being orphaned themselves;
 1. ``unshare(CLONE_NEWNS | CLONE_NEWUTS)``: a mount and a UTS namespace of its own;
 2. make ``/`` a private mount tree, so the pod's mounts never propagate back to the host;
 3. ``sethostname(<pod hostname>)``;
@@ -25,6 +29,8 @@ import os
 import socket
 import sys
 
+PR_SET_PDEATHSIG = 1
+SIGKILL = 9
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 MS_RDONLY = 1
@@ -44,6 +50,12 @@ def _check(result: int, what: str) -> None:
 
 def _mount(source: str, target: str, flags: int) -> None:
     _check(_libc.mount(source.encode(), target.encode(), None, flags, None), f"mount {source} on {target}")
+
+
+def die_with_parent(parent_pid: int) -> None:
+    _check(_libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    if parent_pid and os.getppid() != parent_pid:  # the parent died before the prctl took hold
+        os._exit(137)
 
 
 def enter_namespaces(hostname: str) -> None:
@@ -84,6 +96,7 @@ def main() -> int:
     with open(sys.argv[1]) as handle:
         spec = json.load(handle)
     try:
+        die_with_parent(int(spec.get("parentPid") or 0))
         enter_namespaces(spec["hostname"])
         for mount in spec["mounts"]:
             mount_volume(mount, spec.get("keepVisible", []))

@@ -134,7 +134,7 @@ def image_paths(data_dir: pathlib.Path) -> list[str]:
 
 async def spawn(spec: dict[str, Any], spec_path: pathlib.Path, env: Mapping[str, str],
                 log_path: pathlib.Path) -> asyncio.subprocess.Process:
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(json.dumps({**spec, "parentPid": os.getpid()}))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return await asyncio.create_subprocess_exec(

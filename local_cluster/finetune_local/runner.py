@@ -1,13 +1,21 @@
 """`ftjob run --local job.yaml`: the job on the embedded cluster, with a progress display.
 
-Exit codes: 0 Succeeded, 1 Failed, 2 refused (invalid manifest), 3 timed out."""
+Exit codes: 0 Succeeded, 1 Failed, 2 refused (invalid manifest), 3 timed out, 128 + N stopped
+by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129). On any of those signals the local cluster
+is taken down (every pod process killed) before exiting; on the runner's own death (SIGKILL)
+the pods die with it (podinit's parent-death signal)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any, TextIO
 
 import yaml
@@ -29,6 +37,37 @@ def _refusal(err: ApiException) -> str:
     return str(body.get("message") or err.reason)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(BaseException):
+    """A stop signal arrived: unwind (tearing the cluster down), then exit 128 + signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    for sig in STOP_SIGNALS:  # a second Ctrl-C must not interrupt the teardown
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """SIGINT/SIGTERM/SIGHUP raise `Stopped` in the main thread while the block runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are the main thread's; an embedding caller handles them
+        return
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_local(
     manifest_path: str | Path,
     *,
@@ -44,7 +83,20 @@ def run_local(
         print(f"error: {err}", file=sys.stderr)
         return EXIT_REFUSED
     doc: dict[str, Any] = yaml.safe_load(Path(manifest_path).read_text())
-    with LocalSession(data_dir, nodes=nodes, namespaces=[manifest.namespace]) as session:
+    try:
+        with stop_signals_raise():
+            return _run(doc, manifest_path, manifest.name, manifest.namespace, data_dir,
+                        timeout_seconds, nodes, keep, out)
+    except Stopped as stop:
+        name = signal.Signals(stop.signum).name
+        print(f"{name}: the local cluster and its pods were stopped", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: str,
+         data_dir: str | Path | None, timeout_seconds: float, nodes: int, keep: bool,
+         out: TextIO) -> int:
+    with LocalSession(data_dir, nodes=nodes, namespaces=[namespace]) as session:
         print(f"local cluster: {session.data_dir} (kubeconfig: "
               f"{session.cluster.kubeconfig_path})", file=out)
         try:
@@ -61,7 +113,7 @@ def run_local(
 
         try:
             job = session.wait_for(
-                manifest.name, is_finished, namespace=manifest.namespace,
+                name, is_finished, namespace=namespace,
                 timeout=timeout_seconds, on_poll=show,
             )
         except TimeoutError as err:

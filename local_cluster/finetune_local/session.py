@@ -142,11 +142,16 @@ class LocalSession:
             self._operator.stop()
         self.cluster.stop()
 
+    def stop_operator(self) -> None:
+        """Stop the operator (the cluster and its pods go on), as a crashed operator pod."""
+        if self._operator is not None:
+            self._operator.stop()
+            self._operator = None
+
     def restart_operator(self) -> None:
         """Stop the operator and start a fresh one (nothing carried over in memory), as a
         rolling upgrade or a crashed operator pod would."""
-        if self._operator is not None:
-            self._operator.stop()
+        self.stop_operator()
         self._operator = OperatorThread(
             self.cluster.kubeconfig_path, self._namespaces, self._operator_args
         )

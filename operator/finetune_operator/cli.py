@@ -152,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ManifestError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: no traceback (`run --local` cleans up on its own)
+        print("interrupted", file=sys.stderr)
+        return 130
     return result
 
 

@@ -30,6 +30,7 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.policy import JobPolicy
 from finetune_operator.reconcile import (
+    EventSpec,
     HealthInput,
     JobRef,
     Outcome,
@@ -45,6 +46,7 @@ from finetune_operator.reconcile import (
     parse_rank_samples,
     parse_termination_message,
     parse_trainer_metrics,
+    progress_events,
     read_status,
     reconcile_job,
     scrape_targets,
@@ -229,7 +231,7 @@ async def _reconcile(
             new = note_apply_errors(out.status, result.errors, now, job.generation)
             if scrape and out.evaluation.ok and out.evaluation.spec and out.evaluation.plan:
                 new = _with_progress(new, out, pods, pages)
-            _publish(body, patch, job, old, new, out, scraped=scrape)
+            _publish(body, patch, job, old, new, out, progress_events(old, new), scraped=scrape)
             if result.errors:
                 logger.warning("apply failed: %s", "; ".join(result.errors))
                 delay = _settings(memo).reconcile_interval_seconds
@@ -262,11 +264,12 @@ def _with_progress(status: Any, out: Outcome, pods: list[PodView], pages: dict[S
     return note_checkpoint_health(merged, progress, datetime.now(UTC), out.evaluation.job.generation)
 
 
-def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any, out: Outcome, *, scraped: bool) -> None:  # fmt: skip
+def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any, out: Outcome,
+             extra_events: list[EventSpec], *, scraped: bool) -> None:  # fmt: skip
     """Status (only what changed, to the status subresource), Events, operator metrics."""
     for key, value in status_patch(body.get("status"), new).items():
         patch.status[key] = value
-    for event in out.events:
+    for event in (*out.events, *extra_events):
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     ns, name = job.namespace, job.name
     metrics.set_job_phase(f"{ns}/{name}", new.phase)

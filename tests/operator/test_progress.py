@@ -119,3 +119,44 @@ def test_parse_termination_message(
 
     report = parse_termination_message(text)
     assert (report.step, report.checkpoint_step, report.loss) == (step, checkpoint, loss)
+
+
+RESUMED_PAGE = """\
+# TYPE finetune_trainer_step gauge
+finetune_trainer_step{finetunejob="qs",rank="0"} 23.0
+# TYPE finetune_trainer_resumed_from_step gauge
+finetune_trainer_resumed_from_step{finetunejob="qs",rank="0"} 20.0
+# TYPE finetune_trainer_skipped_checkpoint_step gauge
+finetune_trainer_skipped_checkpoint_step{finetunejob="qs",rank="0"} 30.0
+"""
+
+
+def test_resume_and_skipped_checkpoint_reach_status_with_one_event() -> None:
+    from finetune_operator.reconcile import progress_events
+
+    progress = parse_trainer_metrics(RESUMED_PAGE)
+    assert (progress.resumed_from_step, progress.skipped_checkpoint) == (20, 30)
+    old = FineTuneJobStatus()
+    new = merge_progress(old, progress, "checkpoints/qs")
+    assert new.resumed_from_step == 20 and new.skipped_checkpoints == [30]
+    events = progress_events(old, new)
+    assert [(e.type, e.reason) for e in events] == [("Warning", "CheckpointSkipped")]
+    assert "step 30" in events[0].message and "step 20" in events[0].message
+    again = merge_progress(new, progress, "checkpoints/qs")
+    assert again == new and progress_events(new, again) == []
+
+
+@pytest.mark.parametrize(
+    ("report", "resumed", "skipped"),
+    [
+        pytest.param('{"step": 9, "rank": 0, "resumedFromStep": 5, "skippedCheckpoints": [8, 7]}', 5, 8, id="resumed"),
+        pytest.param('{"step": 9, "rank": 0}', 0, None, id="fresh"),
+        pytest.param('{"step": 9, "skippedCheckpoints": "x"}', 0, None, id="garbled-list"),
+        pytest.param("Traceback ...", None, None, id="log-tail"),
+    ],
+)
+def test_final_report_resume_fields(report: str, resumed: int | None, skipped: int | None) -> None:
+    from finetune_operator.reconcile import parse_termination_message
+
+    p = parse_termination_message(report)
+    assert (p.resumed_from_step, p.skipped_checkpoint) == (resumed, skipped)

@@ -3,12 +3,14 @@ corrupt checkpoints skipped, retention, the no-op stand-in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from conftest import free_port, make_job
 from torch import nn
 
@@ -116,6 +118,147 @@ def test_corrupt_newest_is_skipped_and_partial_cleaned(
     assert fresh.sampler.consumed == 32
     assert not partial.exists()
     resumed.close()
+
+
+def _flip_in_place(file: Path) -> None:
+    """Damage without changing the size: what a structural check can never see."""
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(b ^ 0xFF for b in data[middle : middle + 16])
+    file.write_bytes(bytes(data))
+
+
+def _saved_six(root: Path, group: dist.ProcessGroup) -> None:
+    state = new_state()
+    ckpt = checkpointer(state, root, group, keep=3)
+    train_steps(state, 6, ckpt)
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+
+
+def test_commit_writes_a_manifest_of_every_file(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:
+    _saved_six(tmp_path, ckpt_group)
+    path = tmp_path / "step-00000006"
+    marker = store.read_marker(path)
+    manifest = store.manifest_of(marker)
+    assert marker is not None and marker["hash"] == "xxh3_128"
+    on_disk = {f.name for f in path.iterdir() if f.name != "COMMITTED"}
+    assert manifest is not None and set(manifest) == on_disk
+    for name, entry in manifest.items():
+        assert entry["size"] == (path / name).stat().st_size
+        assert entry["xxh3_128"] == store.hash_file(path / name)
+
+
+def test_corrupt_in_place_newest_falls_back_and_is_moved_aside(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup
+) -> None:
+    _saved_six(tmp_path, ckpt_group)
+    newest = tmp_path / "step-00000006"
+    _flip_in_place(next(newest.glob("*.distcp")))
+    store.validate(newest)  # the structural check alone is fooled
+    fresh = new_state()
+    resumed = checkpointer(fresh, tmp_path, ckpt_group)
+    assert resumed.load() == 4
+    assert resumed.resumed_from_step == 4 and resumed.skipped == [6]
+    assert fresh.step == 4 and fresh.sampler.consumed == 32
+    assert resumed.metrics.resumed_from_step._value.get() == 4
+    assert resumed.metrics.skipped_ckpt_step._value.get() == 6
+    assert not newest.exists() and (tmp_path / "step-00000006.corrupt").is_dir()
+    assert [c.step for c in store.list_checkpoints(tmp_path)] == [2, 4]
+    resumed.close()
+
+
+def test_any_load_exception_falls_back(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP reports failures as CheckpointException, a BaseException: still a fallback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _saved_six(tmp_path, ckpt_group)
+    real_load = dcp.load
+
+    def failing_load(sd: dict[str, object], *, checkpoint_id: Path, **kw: object) -> None:
+        if Path(checkpoint_id).name == "step-00000006":
+            raise CheckpointException("load", {0: (RuntimeError("bad"), None)})
+        real_load(sd, checkpoint_id=checkpoint_id, **kw)
+
+    monkeypatch.setattr(dcp, "load", failing_load)
+    fresh = new_state()
+    resumed = checkpointer(fresh, tmp_path, ckpt_group)
+    assert resumed.load() == 4 and resumed.skipped == [6]
+    resumed.close()
+
+
+def test_interrupt_during_load_is_not_swallowed(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _saved_six(tmp_path, ckpt_group)
+
+    def interrupted(*args: object, **kw: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dcp, "load", interrupted)
+    resumed = checkpointer(new_state(), tmp_path, ckpt_group)
+    with pytest.raises(KeyboardInterrupt):
+        resumed.load()
+    resumed.close()
+
+
+def test_complete_but_uncommitted_save_is_never_loaded(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup
+) -> None:
+    """A crash during an async save, after every byte was written but before the commit:
+    the data is all there, the marker is not, so it is not a checkpoint."""
+    _saved_six(tmp_path, ckpt_group)
+    shutil.copytree(tmp_path / "step-00000006", tmp_path / "step-00000008")
+    (tmp_path / "step-00000008" / "COMMITTED").unlink()
+    fresh = new_state()
+    resumed = checkpointer(fresh, tmp_path, ckpt_group)
+    assert resumed.load() == 6 and resumed.skipped == []
+    assert not (tmp_path / "step-00000008").exists()
+    resumed.close()
+
+
+def test_marker_without_manifest_still_loads(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:
+    """Checkpoints committed before manifests existed: structure checked, then loaded."""
+    _saved_six(tmp_path, ckpt_group)
+    path = tmp_path / "step-00000006"
+    marker = store.read_marker(path)
+    assert marker is not None
+    marker.pop("files")
+    store.write_marker(path, marker)
+    resumed = checkpointer(new_state(), tmp_path, ckpt_group)
+    assert resumed.load() == 6
+    resumed.close()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        pytest.param(lambda f: f.write_bytes(f.read_bytes() + b"x"), "bytes", id="grown"),
+        pytest.param(lambda f: f.unlink(), "-1 bytes", id="missing"),
+        pytest.param(_flip_in_place, "hash", id="flipped"),
+    ],
+)
+def test_verify_files_names_the_damage(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, damage: Callable[[Path], object], message: str
+) -> None:
+    _saved_six(tmp_path, ckpt_group)
+    path = tmp_path / "step-00000006"
+    manifest = store.manifest_of(store.read_marker(path))
+    assert manifest is not None
+    store.verify_files(path, manifest, manifest)
+    data = next(path.glob("*.distcp"))
+    damage(data)
+    with pytest.raises(store.CorruptCheckpointError, match=message) as err:
+        store.verify_files(path, manifest, manifest)
+    assert data.name in str(err.value)
+
+
+def test_share_of_covers_every_file_once() -> None:
+    names = [f"__{i}_0.distcp" for i in range(5)] + [".metadata"]
+    shares = [store.share_of(names, r, 4) for r in range(4)]
+    assert sorted(n for s in shares for n in s) == sorted(names)
 
 
 def test_nothing_usable_starts_at_zero(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:

@@ -11,11 +11,18 @@ writes the staged state with `dcp.save` on the checkpoint group, agrees with eve
 succeeded (all-reduce) and then rank 0 writes the `COMMITTED` marker and purges old
 checkpoints, off the hot path. A failed save is logged with its traceback, counted
 (`finetune_trainer_checkpoint_failures_total`) and remembered in `last_failed_step`; training
-goes on and the next save tries again.
+goes on and the next save tries again. Before the marker, each rank hashes the files it wrote
+and rank 0 writes the gathered manifest (size + hash per file) into `COMMITTED`.
+
+Load path: the committed steps, newest first; a step is used only if every rank verified its
+share of the manifest and loaded it. Any failure (DCP raises `CheckpointException`, which
+derives from BaseException, not Exception) falls back to the previous step; rank 0 moves the
+damaged one aside. `resumed_from_step` and `skipped` say what happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -38,6 +45,10 @@ from finetune_trainer.staging import HostStaging, StagedState
 from finetune_trainer.state import TrainState
 
 log = logging.getLogger(__name__)
+
+# Everything a failed load can raise, but not the interpreter's own exits (KeyboardInterrupt,
+# SystemExit): DCP wraps every rank's failure in CheckpointException, a BaseException.
+LOAD_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
 
 
 class AsyncMode(enum.Enum):
@@ -62,6 +73,8 @@ SAVE_ERRORS = (Exception, CheckpointException)
 class Checkpointer(Protocol):
     last_committed_step: int
     last_failed_step: int  # newest save that failed (0: none)
+    resumed_from_step: int
+    skipped: list[int]
 
     def load(self) -> int: ...
     def prepare(self) -> None: ...
@@ -77,6 +90,11 @@ class NoOpCheckpointer:
 
     last_committed_step = 0
     last_failed_step = 0
+
+    resumed_from_step = 0
+
+    def __init__(self) -> None:
+        self.skipped: list[int] = []
 
     def load(self) -> int:
         return 0
@@ -126,6 +144,8 @@ class DcpCheckpointer:
         self.mode = AsyncMode.ASYNC if spec.async_ else AsyncMode.SYNC
         self.last_committed_step = 0
         self.last_failed_step = 0
+        self.resumed_from_step = 0  # the step load() really resumed from (0: fresh start)
+        self.skipped: list[int] = []  # committed steps load() found unusable, newest first
         self._last_saved = 0
         self._last_save_time = time.monotonic()
         self._pending: tuple[StagedState | None, Future[None]] | None = None
@@ -153,32 +173,66 @@ class DcpCheckpointer:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return list(box[0])
 
-    def _try_load(self, step: int) -> bool:
-        path = store.step_dir(self.root, step)
-        ok = 1.0
-        try:
-            store.validate(path)
-            saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-            sd = self.state.template(saved)
-            dcp.load(sd, checkpoint_id=path, process_group=self.group)
-            self.state.restore(sd)
-        except Exception as e:
-            log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, e)
-            ok = 0.0
-        # Every rank must agree, or ranks would resume from different steps.
-        flag = torch.tensor([ok])
+    def _verify(self, path: Path) -> None:
+        """Structure, then this rank's share of the manifest (sizes, then hashes)."""
+        store.validate(path)
+        manifest = store.manifest_of(store.read_marker(path))
+        if manifest is None:
+            log.warning("checkpoint %s has no manifest (older format): structure checked only", path)
+            return
+        world = dist.get_world_size(self.group)
+        store.verify_files(path, manifest, store.share_of(manifest, self.rank, world))
+
+    def _agree(self, ok: bool) -> bool:
+        """True only if every rank says ok (so ranks never resume from different steps)."""
+        flag = torch.tensor([1.0 if ok else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item() == 1.0)
 
+    def _try_load(self, step: int) -> bool:
+        path = store.step_dir(self.root, step)
+        ok = True
+        try:
+            self._verify(path)
+        except LOAD_ERRORS as e:
+            log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
+            ok = False
+        # Agree on the verification before DCP's load, which runs collectives of its own: a
+        # rank that skipped it would leave the others waiting in them.
+        if self._agree(ok):
+            try:
+                saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+                sd = self.state.template(saved)
+                dcp.load(sd, checkpoint_id=path, process_group=self.group)
+                self.state.restore(sd)
+            except LOAD_ERRORS as e:
+                log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
+                ok = False
+            ok = self._agree(ok)
+        else:
+            ok = False
+        if not ok and self.rank == 0:
+            # Out of the way of the save that will reach this step again, kept for a look.
+            try:
+                log.warning("moved damaged checkpoint to %s", store.quarantine(path))
+            except OSError as e:
+                log.warning("could not move damaged checkpoint %s aside: %s", path, e)
+        return ok
+
     def load(self) -> int:
         """Resume from the newest committed checkpoint that loads; skip corrupt ones. Returns
-        the step to continue from (0: nothing usable, start fresh)."""
+        the step to continue from (0: nothing usable, start fresh). A checkpoint that failed
+        on one rank leaves the others' state half-restored; the next one loaded overwrites
+        all of it, and a fresh start (0) is only reached by a rank that loaded nothing."""
         for step in self._candidates():
             if self._try_load(step):
-                self.last_committed_step = self._last_saved = step
+                self.last_committed_step = self._last_saved = self.resumed_from_step = step
                 self.metrics.last_ckpt_step.set(step)
+                self.metrics.observe_resume(step, self.skipped)
                 log.info("resumed from checkpoint step %d (%s)", step, self.root)
                 return step
+            self.skipped.append(step)
+        self.metrics.observe_resume(0, self.skipped)
         log.info("no usable checkpoint under %s: starting at step 0", self.root)
         return 0
 
@@ -220,6 +274,11 @@ class DcpCheckpointer:
         self.finish()  # at most one save in flight: the staging buffers are free again
         self.metrics.checkpoint_save_started()
         path = store.step_dir(self.root, step)
+        # Saving a step again (after resuming from an older one): never look committed mid-write.
+        if self.rank == 0:
+            # A path that is not a directory fails the save below, counted like any failure.
+            with contextlib.suppress(OSError):
+                (path / store.CHECKPOINT_COMMITTED_MARKER).unlink(missing_ok=True)
         if self.staging is not None:
             staging = self.staging
             launched: list[StagedState] = []
@@ -282,8 +341,20 @@ class DcpCheckpointer:
         return self._conclude(ok, step, t0)
 
     def _conclude(self, ok: bool, step: int, t0: float) -> bool:
+        """Every rank: hash what it wrote, gather the manifest; rank 0 commits it."""
+        path = store.step_dir(self.root, step)
+        described: list[dict[str, dict[str, Any]]] = []
+        if ok:
+            # Each rank hashes its own files (in parallel, from the page cache just filled).
+            ok = self._attempt(step, "hash", lambda: described.append(
+                store.describe_files(path, store.files_written_by(path, self.rank))
+            ))  # fmt: skip
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, described[0] if described else None, group=self.group)
+        ok = ok and all(part is not None for part in gathered)
         if ok and self.rank == 0:
-            ok = self._attempt(step, "commit", lambda: self._mark_committed(step))
+            manifest = {name: entry for part in gathered for name, entry in part.items()}
+            ok = self._attempt(step, "commit", lambda: self._mark_committed(step, manifest))
         if not ok:
             self.last_failed_step = max(self.last_failed_step, step)
             self.metrics.observe_checkpoint_failed(step)
@@ -298,11 +369,12 @@ class DcpCheckpointer:
         log.info("checkpoint step %d committed in %.2fs", step, time.monotonic() - t0)
         return True
 
-    def _mark_committed(self, step: int) -> None:
+    def _mark_committed(self, step: int, manifest: dict[str, dict[str, Any]]) -> None:
         path = store.step_dir(self.root, step)
-        store.write_marker(
-            path, {**self.meta, "step": step, "worldSize": self.world_size, "time": time.time()}
-        )
+        meta = {**self.meta, "step": step, "worldSize": self.world_size, "time": time.time()}
+        meta[store.HASH_KEY] = store.HASH_ALGORITHM
+        meta[store.MANIFEST_KEY] = manifest
+        store.write_marker(path, meta)
         for old in store.purge(self.root, self.spec.keep, below_step=step):
             log.info("purged checkpoint %s", old)
 
@@ -338,6 +410,12 @@ class DcpCheckpointer:
         self._committer.shutdown(wait=True)
         if self.staging is not None:
             self.staging.close()
+
+
+def _short(e: BaseException) -> str:
+    """DCP's CheckpointException message embeds every rank's traceback: keep the first line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def build_checkpointer(

@@ -68,6 +68,8 @@ class TrainerMetrics:
         self.last_ckpt_step = gauge(mn.TRAINER_LAST_CHECKPOINT_STEP)
         self.last_ckpt_time = gauge(mn.TRAINER_LAST_CHECKPOINT_TIME)
         self.heartbeat = gauge(mn.TRAINER_HEARTBEAT)
+        self.resumed_from_step = gauge(mn.TRAINER_RESUMED_FROM_STEP)
+        self.skipped_ckpt_step = gauge(mn.TRAINER_SKIPPED_CHECKPOINT_STEP)
         t = mn.TRAINER_TOKENS
         self.tokens = Counter(t.family, t.help, t.labels, registry=self.registry).labels(**labels)
         self.step_seconds = hist(mn.TRAINER_STEP_DURATION, _STEP_BUCKETS)
@@ -157,6 +159,10 @@ class TrainerMetrics:
         """The loop is alive: called at each micro-batch, so a slow step still beats and only a
         rank stuck (a hung kernel or collective) goes stale."""
         self.heartbeat.set(time.time())
+
+    def observe_resume(self, step: int, skipped: list[int]) -> None:
+        self.resumed_from_step.set(step)
+        self.skipped_ckpt_step.set(max(skipped, default=0))
 
     def observe_checkpoint_committed(self, step: int, seconds: float) -> None:
         self.ckpt_duration.observe(seconds)

@@ -4,9 +4,11 @@ Kubernetes copies `terminationMessagePath` (default /dev/termination-log) into t
 `state.terminated.message` when the container exits; the operator reads the final step, loss
 and checkpoint from there, since the metrics endpoint is gone by then.
 Keys: step, rank, loss?, checkpointStep?, checkpointFailedStep? (a failed save newer than
-checkpointStep), output?, error? (readers ignore keys they do not know). `error` is a
-configuration error (`UnsupportedConfigError`): the operator fails the job with it instead of
-restarting pods that would refuse again."""
+checkpointStep), output?, resumedFromStep?, skippedCheckpoints? (committed steps found unusable
+at start), stopReason? ("Signal": the trainer stopped because it was told to, e.g. its pod is
+being preempted; the operator does not count that as a failure), error? (a configuration error,
+`UnsupportedConfigError`: the operator fails the job with it instead of restarting pods that
+would refuse again). Readers ignore keys they do not know."""
 
 from __future__ import annotations
 
@@ -31,13 +33,16 @@ def write_final_report(
     checkpoint_failed_step: int = 0,
     path: str | None = None,
     output: str | None = None,
+    resumed_from_step: int = 0,
+    skipped: list[int] | None = None,
+    stop_reason: str | None = None,
 ) -> bool:
     """Write the report if the termination log exists (it does in a pod); never raises.
     `output`: where the trained model was exported (only the rank that wrote it says so)."""
     target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
     if not target.exists():
         return False
-    report: dict[str, float | int | str] = {"step": step, "rank": rank}
+    report: dict[str, float | int | str | list[int]] = {"step": step, "rank": rank}
     if loss is not None:
         report["loss"] = loss
     if checkpoint_step > 0:
@@ -46,6 +51,12 @@ def write_final_report(
         report["checkpointFailedStep"] = checkpoint_failed_step
     if output:
         report["output"] = output
+    if resumed_from_step > 0:
+        report["resumedFromStep"] = resumed_from_step
+    if skipped:
+        report["skippedCheckpoints"] = skipped[:32]
+    if stop_reason:
+        report["stopReason"] = stop_reason
     try:
         target.write_text(json.dumps(report)[:MAX_BYTES])
     except OSError as e:
@@ -67,3 +78,15 @@ def write_error_report(message: str, *, rank: int, path: str | None = None) -> b
         log.warning("could not write the termination report to %s: %s", target, e)
         return False
     return True
+
+
+def clear_final_report(path: str | None = None) -> None:
+    """Empty the termination log at start: torchrun restarts trainers inside one container,
+    and a report left by an earlier trainer (say, one stopped by a signal) must never speak
+    for a later one that crashed."""
+    target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
+    if target.exists():
+        try:
+            target.write_text("")
+        except OSError as e:
+            log.warning("could not clear the termination report %s: %s", target, e)

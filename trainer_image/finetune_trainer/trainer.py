@@ -24,7 +24,7 @@ from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import check_precision
-from finetune_trainer.report import write_final_report
+from finetune_trainer.report import clear_final_report, write_final_report
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from finetune_trainer.steptrace import build_step_trace
@@ -40,6 +40,12 @@ EXIT_PEER_STOPPED = 75
 # restarts the group, which resumes from the newest committed checkpoint and saves again;
 # with the restart budget spent the job ends Failed (docs/checkpoints.md, "Failed saves").
 EXIT_FINAL_CHECKPOINT_FAILED = 3
+# Exit code of a rank stopped by its own SIGTERM/SIGINT before training completed: non-zero,
+# so its torchrun agent restarts the group (or, if the agent itself is being stopped, fails
+# the pod, which the termination report marks as stopped, not failed). Exit 0 would make the
+# agent treat the group as finished and wait out its exit barrier for peers that never come.
+EXIT_STOPPED = 143  # 128 + SIGTERM, what an uncaught SIGTERM would have given
+STOP_REASON_SIGNAL = "Signal"
 PEER_SIGNAL_WAIT_SECONDS = 5.0
 
 
@@ -164,6 +170,8 @@ class Trainer:
 
     def train(self) -> int:
         """Run to `total_steps` or until stopped; returns the process exit code."""
+        if self.env.local_rank == 0:
+            clear_final_report()
         self.state.step = self.checkpointer.load()
         self.checkpointer.prepare()
         # Report the resumed step from the first scrape on: a restarted rank must not look
@@ -193,6 +201,9 @@ class Trainer:
                 checkpoint_failed_step=self._unrecovered_failure(),
                 rank=self.dist.rank,
                 output=str(output) if output else None,
+                resumed_from_step=self.checkpointer.resumed_from_step,
+                skipped=self.checkpointer.skipped,
+                stop_reason=STOP_REASON_SIGNAL if stop and self.stop_signal.requested else None,
             )
         return code
 
@@ -299,7 +310,7 @@ class Trainer:
             self.state.step,
             self.checkpointer.last_committed_step,
         )
-        return 0 if self.stop_signal.requested else EXIT_PEER_STOPPED
+        return EXIT_STOPPED if self.stop_signal.requested else EXIT_PEER_STOPPED
 
     def _unrecovered_failure(self) -> int:
         """The newest failed save not followed by a committed one (0: none)."""

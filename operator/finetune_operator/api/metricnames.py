@@ -60,6 +60,14 @@ TRAINER_LAST_CHECKPOINT_STEP: Final = _trainer(
 TRAINER_LAST_CHECKPOINT_TIME: Final = _trainer(
     "last_checkpoint_timestamp_seconds", GAUGE, "Unix time of the last committed checkpoint."
 )
+TRAINER_RESUMED_FROM_STEP: Final = _trainer(
+    "resumed_from_step", GAUGE, "Checkpoint step this run resumed from at start (0: started fresh)."
+)
+TRAINER_SKIPPED_CHECKPOINT_STEP: Final = _trainer(
+    "skipped_checkpoint_step",
+    GAUGE,
+    "Newest committed checkpoint found unusable and skipped at start (0: none).",
+)
 TRAINER_HEARTBEAT: Final = _trainer(
     "heartbeat_timestamp_seconds",
     GAUGE,
@@ -149,6 +157,8 @@ TRAINER_METRICS: Final = (
     TRAINER_CHECKPOINT_SAVE_DURATION,
     TRAINER_LAST_CHECKPOINT_STEP,
     TRAINER_LAST_CHECKPOINT_TIME,
+    TRAINER_RESUMED_FROM_STEP,
+    TRAINER_SKIPPED_CHECKPOINT_STEP,
     TRAINER_ELASTIC_RESTARTS,
     TRAINER_PEAK_MEMORY,
     TRAINER_HEARTBEAT,

@@ -57,7 +57,23 @@ class FineTuneJobStatus(ApiModel):
     total_steps: int | None = Field(None, ge=0)
     loss: float | None = Field(None, description="Last reported loss.")
     last_checkpoint: CheckpointRef | None = None
-    restarts: int = Field(0, ge=0, description="Worker replacements so far.")
+    resumed_from_step: int | None = Field(
+        None, ge=0, description="Checkpoint step the running trainers resumed from (0: fresh)."
+    )
+    skipped_checkpoints: list[int] = Field(
+        default_factory=list,
+        description="Committed checkpoint steps the trainers found unusable and skipped "
+        "(newest 10).",
+    )
+    restarts: int = Field(
+        0, ge=0, description="Pod failures counted against faultTolerance.maxRestarts."
+    )
+    preemptions: int = Field(
+        0,
+        ge=0,
+        description="Pods replaced after a preemption (a graceful SIGTERM stop, eviction, node "
+        "shutdown) or the loss of the rendezvous store: not counted against maxRestarts.",
+    )
     evictions: list[Eviction] = Field(default_factory=list)
     excluded_nodes: list[str] = Field(default_factory=list)
     stragglers: list[StragglerState] = Field(

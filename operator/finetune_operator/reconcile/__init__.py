@@ -19,6 +19,7 @@ from finetune_operator.reconcile.progress import (
     merge_progress,
     parse_termination_message,
     parse_trainer_metrics,
+    progress_events,
     scrape_targets,
 )
 from finetune_operator.reconcile.samples import RankSample, RecordBuffer, parse_rank_samples
@@ -56,6 +57,7 @@ __all__ = [
     "parse_rank_samples",
     "parse_termination_message",
     "parse_trainer_metrics",
+    "progress_events",
     "read_status",
     "reconcile_job",
     "scrape_targets",

@@ -11,6 +11,7 @@ from finetune_operator.api.constants import (
     ANNOTATION_RESTART_ATTEMPT,
     REASON_COMPLETED,
     REASON_INVALID_SPEC,
+    REASON_PREEMPTED,
     REASON_RESTARTING,
     REASON_SUSPENDED,
 )
@@ -63,6 +64,10 @@ def _create_pods(ev: Evaluation, status: FineTuneJobStatus, a: Assessment) -> li
         out.append(build_rendezvous_pod(owner, ev.spec, annotations=notes))
     if a.any_worker_succeeded:
         return out  # training finished: never start a new worker into a completed group
+    if rdzv_name in a.terminating:
+        # Store first: a worker created now would start against the store that is going away
+        # (and its end could not be told from a failure: disposition.py).
+        return out
     for index in range(ev.plan.nodes):
         pod = build_worker_pod(
             owner,
@@ -87,14 +92,20 @@ def _active(
             build_shared_objects(ev.job.owner, ev.spec, ev.plan, network_policy=ev.network_policy)
         )
     surplus = [p for i, p in a.workers.items() if i >= ev.plan.nodes]
-    deletes = _deletions(a.replace_now, REASON_RESTARTING) + _deletions(surplus, REASON_COMPLETED)
+    preempted = [p for p, _ in a.preempted_now]
+    deletes = (
+        _deletions(a.replace_now, REASON_RESTARTING)
+        + _deletions(preempted, REASON_PREEMPTED)
+        + _deletions(surplus, REASON_COMPLETED)
+    )
     # A slot being replaced is still occupied this round; its pod is created on the next pass,
     # once the old one is gone (same name).
+    going = {p.name for p in (*a.replace_now, *preempted)}
     remaining = replace(
         a,
-        workers={i: p for i, p in a.workers.items() if p not in a.replace_now},
-        rendezvous=None if a.rendezvous in a.replace_now else a.rendezvous,
-        terminating=a.terminating | {p.name for p in a.replace_now},
+        workers={i: p for i, p in a.workers.items() if p.name not in going},
+        rendezvous=None if a.rendezvous and a.rendezvous.name in going else a.rendezvous,
+        terminating=a.terminating | going,
     )
     budget = ev.spec.fault_tolerance.max_restarts
     events = tuple(
@@ -104,6 +115,13 @@ def _active(
             f"{p.describe_failure()}; replacement {status.restarts + n} of {budget}",
         )
         for n, p in enumerate(a.replace_now, start=1)
+    ) + tuple(
+        EventSpec(
+            "Normal",
+            v.disposition.value,
+            f"pod {p.name} ended: {v.why}; replacing it (not counted against maxRestarts)",
+        )
+        for p, v in a.preempted_now
     )
     return Actions(
         ensure=ensure,

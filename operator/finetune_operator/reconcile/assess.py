@@ -16,6 +16,7 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.conditions import find, is_true
+from finetune_operator.reconcile.disposition import Verdict, classify_exit
 from finetune_operator.reconcile.observed import FAILED, RUNNING, SUCCEEDED, PodView
 from finetune_operator.reconcile.planning import Evaluation
 from finetune_operator.reconcile.progress import parse_trainer_error
@@ -40,7 +41,10 @@ class Assessment:
     terminating: frozenset[str] = frozenset()  # pod names still going away
     replace_now: tuple[PodView, ...] = ()  # failed pods whose backoff has elapsed
     waiting: tuple[tuple[PodView, datetime], ...] = ()  # failed pods and when they are due
-    restarts: int = 0  # job-level replacements, including replace_now
+    restarts: int = 0  # failures counted against maxRestarts, including replace_now
+    # Pods that ended without being at fault (disposition.py): replaced at once, not counted.
+    preempted_now: tuple[tuple[PodView, Verdict], ...] = ()
+    preemptions: int = 0  # including preempted_now
     ready: int = 0
     desired: int = 0
     min_nodes: int = 0
@@ -105,6 +109,7 @@ def assess(
         rendezvous=next((p for p in live if p.is_rendezvous), None),
         terminating=frozenset(p.name for p in pods if p.terminating),
         restarts=status.restarts,
+        preemptions=status.preemptions,
         ready=sum(1 for p in workers.values() if p.ready and p.phase == RUNNING),
         any_worker_succeeded=any(p.phase == SUCCEEDED for p in workers.values()),
     )
@@ -123,12 +128,21 @@ def assess(
     if seen.any_worker_succeeded and not any(p.active for p in workers.values()):
         msg = "training finished: worker pods exited 0"
         return replace(seen, mode=Mode.SUCCEEDED, message=msg)
-    failed = [p for p in live if p.phase == FAILED]
+    failed_pods = [p for p in live if p.phase == FAILED]
     # A trainer that refused its configuration would refuse again: fail now, spend nothing.
-    refusal = next((e for p in failed if (e := parse_trainer_error(p.termination_message))), None)
+    refusal = next((e for p in failed_pods if (e := parse_trainer_error(p.termination_message))), None)
     if refusal is not None:
         msg = f"the trainer refused the job: {refusal}"
         return replace(seen, mode=Mode.FAILED, failure_reason=REASON_TRAINER_REFUSED, message=msg)
+    ended = [p for p in live if p.phase == FAILED or (p.is_rendezvous and p.phase == SUCCEEDED)]
+    store = seen.rendezvous
+    store_created = (store.created_at or EPOCH) if store is not None and store.active else None
+    verdicts = [(p, classify_exit(p, store_created)) for p in ended]
+    preempted = tuple((p, v) for p, v in verdicts if not v.disposition.counted)
+    seen = replace(
+        seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted)
+    )
+    failed = [p for p, v in verdicts if v.disposition.counted]
     replace_now, waiting, restarts, exhausted = _walk_failures(ev, status, failed, now)
     if exhausted is not None:
         used = ev.spec.fault_tolerance.max_restarts

@@ -37,6 +37,8 @@ class PodView:
     reason: str | None = None
     restart_attempt: int = 0
     termination_message: str | None = None  # what the container left in its termination log
+    disruption: str | None = None  # DisruptionTarget condition reason, or an eviction's status.reason
+    created_at: datetime | None = None  # metadata.creationTimestamp
 
     @property
     def is_worker(self) -> bool:
@@ -89,6 +91,21 @@ def _terminated(status: Mapping[str, Any]) -> Mapping[str, Any]:
     return {}
 
 
+# Pod status reasons Kubernetes sets when a pod was stopped from outside, not by its own fault
+# (kubelet eviction, node shutdown, scheduler preemption).
+DISRUPTION_REASONS = frozenset(
+    {"Evicted", "Shutdown", "NodeShutdown", "Terminated", "Preempting", "NodeLost"}
+)
+
+
+def _disruption(status: Mapping[str, Any]) -> str | None:
+    for c in status.get("conditions") or []:
+        if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
+            return str(c.get("reason") or "DisruptionTarget")
+    reason = status.get("reason")
+    return str(reason) if reason in DISRUPTION_REASONS else None
+
+
 def observe_pod(pod: Mapping[str, Any]) -> PodView:
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
@@ -116,6 +133,8 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
         reason=term.get("reason") or status.get("reason"),
         restart_attempt=_int(annotations.get(ANNOTATION_RESTART_ATTEMPT), 0) or 0,
         termination_message=term.get("message") or None,
+        disruption=_disruption(status),
+        created_at=parse_time(meta.get("creationTimestamp")),
     )
 
 

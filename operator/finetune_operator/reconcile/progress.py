@@ -12,8 +12,13 @@ from typing import TypeVar
 from prometheus_client.parser import text_string_to_metric_families
 
 from finetune_operator.api import metricnames as mn
-from finetune_operator.api.constants import METRICS_BASE_PORT, checkpoint_dir_name
+from finetune_operator.api.constants import (
+    METRICS_BASE_PORT,
+    REASON_CHECKPOINT_SKIPPED,
+    checkpoint_dir_name,
+)
 from finetune_operator.api.status import CheckpointRef, FineTuneJobStatus
+from finetune_operator.reconcile.conditions import EventSpec
 from finetune_operator.reconcile.observed import RUNNING, PodView, format_time
 
 STEP = mn.TRAINER_STEP.name
@@ -22,6 +27,9 @@ CKPT_STEP = mn.TRAINER_LAST_CHECKPOINT_STEP.name
 CKPT_TIME = mn.TRAINER_LAST_CHECKPOINT_TIME.name
 CKPT_FAILURES = mn.TRAINER_CHECKPOINT_FAILURES.name
 CKPT_FAILED_STEP = mn.TRAINER_LAST_FAILED_CHECKPOINT_STEP.name
+RESUMED = mn.TRAINER_RESUMED_FROM_STEP.name
+MAX_SKIPPED = 10  # status keeps the newest few
+SKIPPED = mn.TRAINER_SKIPPED_CHECKPOINT_STEP.name
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,8 @@ class TrainerProgress:
     # Failed saves: the most any rank counted, and the newest failed step (None: none seen).
     checkpoint_failures: int | None = None
     checkpoint_failed_step: int | None = None
+    resumed_from_step: int | None = None  # where the running trainers started (0: fresh)
+    skipped_checkpoint: int | None = None  # newest checkpoint they found unusable
 
 
 def scrape_targets(pods: Sequence[PodView], processes_per_pod: int) -> list[ScrapeTarget]:
@@ -70,7 +80,7 @@ def _max(a: Num | None, b: Num | None) -> Num | None:
 
 def parse_trainer_metrics(text: str) -> TrainerProgress:
     """The progress one metrics page reports; an unparsable page reports nothing."""
-    step = ckpt_step = ckpt_time = loss = failures = failed_step = None
+    step = ckpt_step = ckpt_time = loss = failures = failed_step = resumed = skipped = None
     loss_rank: int | None = None
     try:
         samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
@@ -89,6 +99,10 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
             failures = _max(failures, s.value)
         elif s.name == CKPT_FAILED_STEP:
             failed_step = _max(failed_step, s.value)
+        elif s.name == RESUMED:
+            resumed = _max(resumed, s.value)
+        elif s.name == SKIPPED:
+            skipped = _max(skipped, s.value)
         elif s.name == LOSS and (loss_rank is None or _rank(s.labels) < loss_rank):
             loss, loss_rank = s.value, _rank(s.labels)
     return TrainerProgress(
@@ -100,6 +114,8 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         checkpoint_time=ckpt_time if ckpt_time else None,
         checkpoint_failures=int(failures) if failures is not None else None,
         checkpoint_failed_step=int(failed_step) if failed_step else None,
+        resumed_from_step=int(resumed) if resumed is not None and resumed >= 0 else None,
+        skipped_checkpoint=int(skipped) if skipped else None,
     )
 
 
@@ -120,10 +136,12 @@ def parse_termination_message(text: str | None) -> TrainerProgress:
             return None
         return float(value) if math.isfinite(value) else None
 
-    step, ckpt, loss, when = (
-        number(k) for k in ("step", "checkpointStep", "loss", "checkpointTime")
+    step, ckpt, loss, when, resumed = (
+        number(k) for k in ("step", "checkpointStep", "loss", "checkpointTime", "resumedFromStep")
     )
     failed = number("checkpointFailedStep")
+    skipped_list = data.get("skippedCheckpoints")
+    skipped = [int(v) for v in skipped_list if isinstance(v, int) and not isinstance(v, bool)] if isinstance(skipped_list, list) else []
     return TrainerProgress(
         step=int(step) if step is not None else None,
         loss=loss,
@@ -131,6 +149,9 @@ def parse_termination_message(text: str | None) -> TrainerProgress:
         checkpoint_step=int(ckpt) if ckpt is not None and ckpt > 0 else None,
         checkpoint_time=when or None,
         checkpoint_failed_step=int(failed) if failed else None,
+        # A final report only says what the trainer that wrote it resumed from; absent: fresh.
+        resumed_from_step=int(resumed) if resumed is not None else (0 if step is not None else None),
+        skipped_checkpoint=max(skipped) if skipped else None,
     )
 
 
@@ -159,6 +180,8 @@ def combine_progress(parts: Iterable[TrainerProgress]) -> TrainerProgress:
             checkpoint_time=_max(out.checkpoint_time, p.checkpoint_time),
             checkpoint_failures=_max(out.checkpoint_failures, p.checkpoint_failures),
             checkpoint_failed_step=_max(out.checkpoint_failed_step, p.checkpoint_failed_step),
+            resumed_from_step=_max(out.resumed_from_step, p.resumed_from_step),
+            skipped_checkpoint=_max(out.skipped_checkpoint, p.skipped_checkpoint),
         )
     return out
 
@@ -180,4 +203,23 @@ def merge_progress(
         )
         uri = f"{checkpoint_uri.rstrip('/')}/{checkpoint_dir_name(progress.checkpoint_step)}"
         update["last_checkpoint"] = CheckpointRef(step=progress.checkpoint_step, uri=uri, time=when)
+    if progress.resumed_from_step is not None:
+        update["resumed_from_step"] = progress.resumed_from_step
+    skipped = progress.skipped_checkpoint
+    if skipped is not None and skipped not in status.skipped_checkpoints:
+        update["skipped_checkpoints"] = [*status.skipped_checkpoints, skipped][-MAX_SKIPPED:]
     return status.model_copy(update=update) if update else status
+
+
+def progress_events(old: FineTuneJobStatus, new: FineTuneJobStatus) -> list[EventSpec]:
+    """A Warning for each checkpoint the trainers newly skipped as unusable."""
+    fresh = [s for s in new.skipped_checkpoints if s not in old.skipped_checkpoints]
+    return [
+        EventSpec(
+            "Warning",
+            REASON_CHECKPOINT_SKIPPED,
+            f"checkpoint step {s} failed verification or would not load; resumed from step "
+            f"{new.resumed_from_step or 0} instead",
+        )
+        for s in fresh
+    ]

@@ -49,6 +49,9 @@ def _progress(a: Assessment) -> Want:
     if a.replace_now:
         names = ", ".join(p.name for p in a.replace_now)
         return Want("Unknown", REASON_RESTARTING, f"replacing failed pods: {names}")
+    if a.preempted_now:
+        names = ", ".join(f"{p.name} ({v.why})" for p, v in a.preempted_now)
+        return Want("Unknown", REASON_RESTARTING, f"replacing pods: {names}")
     if a.ready >= max(a.min_nodes, 1):
         return Want("Unknown", REASON_RUNNING, f"training on {a.ready} worker pods")
     if a.restarts:
@@ -132,6 +135,7 @@ def compute_status(
         "conditions": conds,
         "phase": derive_phase(conds),
         "restarts": a.restarts,
+        "preemptions": a.preemptions,
         "ready_workers": a.ready,
         "observed_generation": ev.job.generation,
     }
