@@ -35,6 +35,11 @@ class StepStats:
     wait_seconds: float
 
 
+def peak_reserved_bytes(device: torch.device) -> int:
+    """CUDA caching allocator's peak of reserved segments (what an OOM is decided on); 0 on CPU."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else 0
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -94,6 +99,9 @@ class TrainerMetrics:
         )
         self.restarts.set(restarts)
         self.total_steps.set(total_steps)
+        # Totals for the run's final summary line (bench/gpu.py reads it).
+        self._blocking_seconds: list[float] = []
+        self._commit_seconds: list[float] = []
         self._last_log = time.monotonic()
 
     def serve(self, port: int | None, addr: str | None) -> None:
@@ -132,8 +140,22 @@ class TrainerMetrics:
 
     def observe_checkpoint_blocking(self, seconds: float) -> None:
         self.ckpt_blocking.observe(seconds)
+        self._blocking_seconds.append(seconds)
 
     def observe_checkpoint_committed(self, step: int, seconds: float) -> None:
         self.ckpt_duration.observe(seconds)
+        self._commit_seconds.append(seconds)
         self.last_ckpt_step.set(step)
         self.last_ckpt_time.set(time.time())
+
+    def log_summary(self) -> None:
+        """Rank 0's last JSON line: the run's memory peaks and checkpoint times."""
+        if self.rank != 0:
+            return
+        summary = {
+            "peak_allocated_bytes": peak_memory_bytes(self.device),
+            "peak_reserved_bytes": peak_reserved_bytes(self.device),
+            "checkpoint_blocking_seconds": [round(s, 4) for s in self._blocking_seconds],
+            "checkpoint_commit_seconds": [round(s, 4) for s in self._commit_seconds],
+        }
+        print(json.dumps({"summary": summary}), flush=True)

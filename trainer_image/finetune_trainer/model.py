@@ -8,6 +8,7 @@ stacks load it, and peft keeps the adapters in fp32 (`autocast_adapter_dtype=Tru
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -128,7 +129,11 @@ def build_model(
             "method.type qlora needs a CUDA GPU (bitsandbytes 4-bit weights); "
             "use method.type lora on CPU"
         )
-    model = _load_base(spec, tokenizer, device, method, base_dtype(method, precision))
+    # A random init (inline) runs on the GPU itself: an 8B model's CPU init takes minutes.
+    # Its fp32 transient is released and the peaks reset before training (Trainer).
+    on_device = spec.source == "inline" and device.type == "cuda"
+    with torch.device(device) if on_device else contextlib.nullcontext():
+        model = _load_base(spec, tokenizer, device, method, base_dtype(method, precision))
     if method.type != "qlora":
         model = model.to(device)
     if activation_checkpointing:

@@ -15,6 +15,7 @@ Precision is what the planner (finetune_operator.planner.memory) assumes and its
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -92,10 +93,18 @@ def apply_ddp(model: nn.Module, device: torch.device, precision: Precision) -> P
     # all-reduce with backward. The last micro-batch's backward still runs DDP's reducer (it
     # fills the buckets, the parameters' grads become views into them) but its comm hook
     # only records the buckets; `sync_gradients` all-reduces them in place.
+    # No collective hidden in forward (`forward_sync_buffers` exists from torch 2.12 on;
+    # before it, broadcast_buffers=False below already stops the forward's buffer broadcast).
+    sync_buffers = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        else {}
+    )
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        forward_sync_buffers=False,  # no collective hidden in forward
+        broadcast_buffers=False,
+        **sync_buffers,
         bucket_cap_mb=BUCKET_BYTES / 2**20,
         # Grads live in the reducer's buckets (allocated once): no second gradient-sized
         # block, which is what the planner counts (memory.DDP_BUCKET_BYTES).

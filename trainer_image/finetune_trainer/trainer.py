@@ -150,6 +150,11 @@ class Trainer:
             meta={"job": job.name, "uid": job.uid, "strategy": self.parallel.strategy},
         )
         self.hard_exit = False
+        if self.device.type == "cuda":
+            # Memory peaks are the training step's (what the planner predicts), not the
+            # model build's transients (an fp32 random init cast to a bf16 base).
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
         log.info(
             "world %d, micro-batch %d, grad accumulation %d, %d steps, strategy %s",
             world,
@@ -175,6 +180,7 @@ class Trainer:
             last = self.state.step == self.total_steps
             self.checkpointer.maybe_save(self.state.step, force=stop or last, time_due=time_due)
         code = self._finish(stopped=stop)
+        self.metrics.log_summary()
         # Only a completed run exports (collective); a stopped one resumes and exports later.
         output = None if stop else self.exporter.export(self.state.step, loss=loss)
         if self.env.local_rank == 0:  # one report per pod
