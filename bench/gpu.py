@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,20 @@ MATRIX = [
         1,
         4,
         layers=10,
+        ckpt=False,
+    ),
+    # The same 8B-class layers without activation checkpointing (8 layers to fit): the MFU
+    # goal's configuration, no recomputation.
+    Case(
+        "llama8b-l8-full-fsdp-4k",
+        "meta-llama/Llama-3.1-8B",
+        "full",
+        "fsdp-full-shard",
+        4096,
+        False,
+        1,
+        4,
+        layers=8,
         ckpt=False,
     ),
 ]
@@ -345,7 +359,7 @@ def hf_worker(path: Path) -> None:
         dataloader_num_workers=2,
         max_grad_norm=1.0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Blocks())
+    trainer = Trainer(model=model, args=args, train_dataset=Blocks(), callbacks=[Clock()])
     trainer.train()
     dts = [b - a for a, b in itertools.pairwise(times)][1:]  # drop warm-up
     step = statistics.median(dts)
@@ -480,19 +494,16 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings of config names")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--no-hf", action="store_true", help="skip the HF Trainer baseline")
+    ap.add_argument("--hf-only", action="store_true", help="only the HF Trainer baseline")
     ap.add_argument("--sync-save", action="store_true", help="also run with async checkpoints off")
     ap.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF for the trainer")
-    ap.add_argument(
-        "--extra-alloc",
-        default=None,
-        help="then, time allowing, a memory-only run of each config with this "
-        "PYTORCH_CUDA_ALLOC_CONF",
-    )
-    ap.add_argument(
-        "--deadline", type=float, default=1e9, help="start no run after this many seconds"
-    )
+    ap.add_argument("--env", action="append", default=[], help="K=V for the trainer runs")
+    ap.add_argument("--pythonpath", default=None, help="PYTHONPATH of the trainer runs")
+    ap.add_argument("--no-ckpt", action="store_true", help="no checkpoints (faster)")
+    ap.add_argument("--stop-at", type=float, default=1e12, help="start no run after this Unix time")
+    ap.add_argument("--tag", default="", help="suffix of the result file")
     ap.add_argument("--work", default="/tmp/ftbench")
-    ap.add_argument("--out", default=None, help="write results.json here")
+    ap.add_argument("--out", default=None, help="write gpu-results[-TAG].json here")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.hf_worker:
@@ -500,23 +511,37 @@ def main() -> None:
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    env = {} if args.alloc_conf is None else {"PYTORCH_CUDA_ALLOC_CONF": args.alloc_conf}
+    env = dict(kv.split("=", 1) for kv in args.env)
+    if args.alloc_conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
+    if args.pythonpath:
+        env["PYTHONPATH"] = args.pythonpath
     wanted = [w for w in args.only.split(",") if w]
     cases = [c for c in MATRIX if not wanted or any(w in c.name for w in wanted)]
+    if args.no_ckpt:
+        cases = [replace(c, ckpt=False) for c in cases]
     rows: list[dict[str, Any]] = []
     raw: dict[str, Any] = {}
-    out_path = Path(args.out) / "gpu-results.json" if args.out else None
-    info = environment()
+    name = f"gpu-results-{args.tag}.json" if args.tag else "gpu-results.json"
+    out_path = Path(args.out) / name if args.out else None
+    info = {**environment(), "tag": args.tag, "trainer_env": json.dumps(env)}
     print(json.dumps(info), flush=True)
-    start = time.monotonic()
     for case in cases:
-        if time.monotonic() - start > args.deadline:
-            print(f"deadline: skipped {case.name}", flush=True)
+        if time.time() > args.stop_at:
+            print(f"out of time: skipped {case.name}", flush=True)
             continue
         t0 = time.monotonic()
+        if args.hf_only:
+            hf = run_hf(case, work, args.steps)
+            rows.append({"case": case.name, "hf": hf})
+            raw[case.name] = {"hf": hf}
+            print(json.dumps(rows[-1]), flush=True)
+            if out_path:
+                out_path.write_text(json.dumps({"env": info, "rows": rows, "raw": raw}, indent=1))
+            continue
         res = run_trainer(case, work, args.steps, sync=False, env=env)
         sync = run_trainer(case, work, args.steps, sync=True, env=env) if args.sync_save else None
-        hf = None if args.no_hf or "error" in res else run_hf(case, work, min(args.steps, 6))
+        hf = None if args.no_hf or "error" in res else run_hf(case, work, args.steps)
         row = summarise(case, res, hf, sync)
         row["bench_seconds"] = time.monotonic() - t0
         rows.append(row)
@@ -524,30 +549,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         if out_path:
             out_path.write_text(json.dumps({"env": info, "rows": rows, "raw": raw}, indent=1))
-    print_table(rows)
-    if args.extra_alloc is None:
-        return
-    extra = []
-    for case in cases:
-        if time.monotonic() - start > args.deadline:
-            break
-        quick = Case(**{**asdict(case), "ckpt": False})
-        res = run_trainer(
-            quick, work, 4, sync=False, env={"PYTORCH_CUDA_ALLOC_CONF": args.extra_alloc}
-        )
-        s = res.get("summary") or {}
-        row = {
-            "case": case.name,
-            "alloc_conf": args.extra_alloc,
-            "plan_reserved_gib": res["plan"]["memory"]["reserved"] / GIB,
-            "meas_peak_gib": s.get("peak_allocated_bytes", 0) / GIB,
-            "meas_reserved_gib": s.get("peak_reserved_bytes", 0) / GIB,
-            "error": res.get("error", "")[-300:],
-        }
-        extra.append(row)
-        print(json.dumps(row), flush=True)
-        if out_path:
-            out_path.with_name("gpu-extra.json").write_text(json.dumps(extra, indent=1))
+    print_table([r for r in rows if "hf" not in r])
 
 
 if __name__ == "__main__":

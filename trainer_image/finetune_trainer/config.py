@@ -42,6 +42,8 @@ class RuntimeEnv:
       take; torchrun SIGKILLs workers 30 s after it forwards SIGTERM.
     - `FT_METRICS_BASE_PORT` (int, default 9400): metrics port of local rank 0; `0` disables
       the metrics HTTP server.
+    - `FT_COMPILE` (`1`/`0`, default 1): torch.compile the decoder blocks on CUDA devices
+      (never on CPU); `0` runs eager, e.g. to rule compilation out when debugging.
     """
 
     rank: int
@@ -54,6 +56,7 @@ class RuntimeEnv:
     step_delay_seconds: float
     grace_seconds: float
     metrics_base_port: int
+    compile: bool = True
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -70,6 +73,7 @@ class RuntimeEnv:
             step_delay_seconds=_float(env, "FT_STEP_DELAY_SECONDS", 0.0),
             grace_seconds=_float(env, "FT_GRACE_SECONDS", 25.0),
             metrics_base_port=int(env.get("FT_METRICS_BASE_PORT", str(METRICS_BASE_PORT))),
+            compile=env.get("FT_COMPILE", "1").strip() != "0",
         )
 
     @property

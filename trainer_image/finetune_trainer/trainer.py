@@ -103,6 +103,7 @@ class Trainer:
             self.device,
             env.local_world_size,
             precision=spec.training.precision,
+            compile_model=env.compile and self.device.type == "cuda",
         )
         self.model = self.parallel.model
         self.total_steps = spec.training.max_steps or math.ceil(
@@ -202,28 +203,34 @@ class Trainer:
         t1 = time.perf_counter()
         stop, loss, tokens, time_due = self._sync_point(loss, tokens)
         t2 = time.perf_counter()
-        self.parallel.sync_gradients()
-        t3 = time.perf_counter()
         self.checkpointer.wait_for_staging()  # the optimizer is about to change live tensors
-        t4 = time.perf_counter()
-        self.metrics.observe_checkpoint_blocking(t4 - t3) if t4 - t3 > 1e-3 else None
+        t3 = time.perf_counter()
+        self.metrics.observe_checkpoint_blocking(t3 - t2) if t3 - t2 > 1e-3 else None
         lr = self._optimizer_step()
-        t5 = time.perf_counter()
+        t4 = time.perf_counter()
         self.state.step += 1
+        # Waiting: blocked at the sync point, and (DDP) in the overlapped gradient all-reduce
+        # after this rank's own backward was done. Compute is the rest of forward, backward and
+        # the optimizer: this rank's own work, what straggler detection compares.
+        reduction_wait = min(self.parallel.reduction_wait(), t1 - t0)
         stats = StepStats(
             step=self.state.step,
             loss=loss,
             lr=lr,
             tokens=int(tokens),
-            step_seconds=t5 - t0,
-            compute_seconds=(t1 - t0) + (t5 - t4),
-            wait_seconds=t2 - t1,
+            step_seconds=t4 - t0,
+            compute_seconds=(t1 - t0 - reduction_wait) + (t4 - t3),
+            wait_seconds=(t2 - t1) + reduction_wait,
         )
         return stats, stop, time_due
 
-    def _forward_backward(self, micro_batches: list[list[int]]) -> tuple[float, float]:
+    def _forward_backward(self, micro_batches: list[list[int]]) -> tuple[torch.Tensor, float]:
+        """Forward and backward of every micro-batch; returns the loss summed on the device
+        (read once, at the step's sync point: no host synchronisation per micro-batch) and the
+        tokens counted on the host."""
         self.model.train()
-        loss_sum, tokens = 0.0, 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0.0
         precision = self.job.spec.training.precision
         autocast = self.parallel.autocast
         for i, indices in enumerate(micro_batches):
@@ -232,11 +239,11 @@ class Trainer:
                 with precision_context(precision, self.device, autocast=autocast):
                     loss = self.model(**batch).loss / len(micro_batches)
                 loss.backward()
-            loss_sum += float(loss.detach())
-            tokens += float(batch["attention_mask"].sum())
+            loss_sum += loss.detach()
+            tokens += self.data.count_tokens(indices)
         return loss_sum, tokens
 
-    def _sync_point(self, loss: float, tokens: float) -> tuple[bool, float, float, bool]:
+    def _sync_point(self, loss: torch.Tensor, tokens: float) -> tuple[bool, float, float, bool]:
         """The step's one deliberate rendezvous of all ranks: agree on stopping and on a
         time-based save, and sum loss and tokens. Time blocked here is wait, not compute."""
         stop_s, loss_s, tokens_s, due_s = self.dist.all_reduce_sum(
