@@ -131,7 +131,6 @@ def test_ddp_accumulated_bucket_grads_match_a_plain_model(world_one: None) -> No
             (plain(input_ids=ids, labels=ids).loss / 2).backward()
             with par.accumulate(i == 1):
                 (par.model(input_ids=ids, labels=ids).loss / 2).backward()
-        par.sync_gradients()
         for m, opt, none in zip((plain, par.model), opts, (True, False), strict=True):
             torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
             opt.step()
@@ -157,7 +156,6 @@ def test_base_and_adapter_dtypes(method: str, precision: Precision, base: torch.
 def test_ddp_bf16_lora_trains_adapters_in_fp32(world_one: None) -> None:
     par = wrap(model("lora"), "ddp", "bf16")
     step(par, "bf16")
-    par.sync_gradients()
     adapters = [p for p in par.model.parameters() if p.requires_grad]
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters)
 

@@ -40,6 +40,19 @@ def peak_reserved_bytes(device: torch.device) -> int:
     return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else 0
 
 
+def _segments_by_stream() -> dict[str, list[int]]:
+    """The caching allocator's segments now, per stream: [count, reserved, allocated] bytes
+    (what the planner's reserved-memory model is checked against)."""
+    out: dict[str, list[int]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = f"{seg['stream']}:{seg['segment_type']}"
+        row = out.setdefault(key, [0, 0, 0])
+        row[0] += 1
+        row[1] += int(seg["total_size"])
+        row[2] += int(seg["allocated_size"])
+    return out
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -152,10 +165,12 @@ class TrainerMetrics:
         """Rank 0's last JSON line: the run's memory peaks and checkpoint times."""
         if self.rank != 0:
             return
-        summary = {
+        summary: dict[str, object] = {
             "peak_allocated_bytes": peak_memory_bytes(self.device),
             "peak_reserved_bytes": peak_reserved_bytes(self.device),
             "checkpoint_blocking_seconds": [round(s, 4) for s in self._blocking_seconds],
             "checkpoint_commit_seconds": [round(s, 4) for s in self._commit_seconds],
         }
+        if self.device.type == "cuda":
+            summary["segments_by_stream"] = _segments_by_stream()
         print(json.dumps({"summary": summary}), flush=True)
