@@ -36,6 +36,7 @@ from finetune_operator.reconcile import (
     default_planner,
     merge_progress,
     note_apply_errors,
+    note_checkpoint_health,
     observe_pod,
     parse_termination_message,
     parse_trainer_metrics,
@@ -220,7 +221,8 @@ async def _with_progress(status: Any, out: Outcome, pods: list[PodView]) -> Any:
     finished = status.phase in (PHASE_SUCCEEDED, PHASE_FAILED)
     pages = await scrape_all(targets, SCRAPE_TIMEOUT) if targets and not finished else {}
     progress = combine_progress([*(parse_trainer_metrics(p) for p in pages.values()), *finals])
-    return merge_progress(status, progress, out.evaluation.spec.checkpoint.uri)
+    merged = merge_progress(status, progress, out.evaluation.spec.checkpoint.uri)
+    return note_checkpoint_health(merged, progress, datetime.now(UTC), out.evaluation.job.generation)
 
 
 def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any, out: Outcome) -> None:  # fmt: skip

@@ -108,6 +108,8 @@ METRIC_NAMES = [
     "finetune_trainer_wait_duration_seconds_count", "finetune_trainer_tokens_total",
     "finetune_trainer_checkpoint_blocking_seconds_count",
     "finetune_trainer_checkpoint_save_duration_seconds_count",
+    "finetune_trainer_checkpoint_stall_seconds_count", "finetune_trainer_checkpoint_failures_total",
+    "finetune_trainer_last_failed_checkpoint_step",
     "finetune_trainer_last_checkpoint_step", "finetune_trainer_last_checkpoint_timestamp_seconds",
     "finetune_trainer_elastic_restarts", "finetune_trainer_peak_memory_bytes",
 ]

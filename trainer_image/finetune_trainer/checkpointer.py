@@ -2,18 +2,23 @@
 `finish`, `close`. `DcpCheckpointer` saves with `torch.distributed.checkpoint.async_save` on a
 dedicated gloo group; `NoOpCheckpointer` stands in when checkpointing is disabled.
 
-Save path (main thread): wait for the previous save to be committed (at most one in flight),
-capture the state dict, hand it to DCP, which stages it (copies it off the live tensors) in a
-background thread and then writes it from another one. The loop calls `wait_for_staging()`
-before the optimizer step, the first moment the live tensors change. A commit thread waits
-for the write, agrees with every rank that it succeeded (all-reduce on the checkpoint group)
-and then rank 0 writes the `COMMITTED` marker and purges old checkpoints, off the hot path.
+Save path (main thread): wait for the previous save to be committed (at most one in flight,
+so the staging buffers are free), capture the state dict and stage it into host buffers the
+checkpointer owns (`staging.HostStaging`: allocated once, device copies enqueued on a side
+stream). The loop calls `wait_for_staging()` before the optimizer step, the first moment the
+live tensors change. A commit thread finishes the host copies, waits for the device copies,
+writes the staged state with `dcp.save` on the checkpoint group, agrees with every rank that it
+succeeded (all-reduce) and then rank 0 writes the `COMMITTED` marker and purges old
+checkpoints, off the hot path. A failed save is logged with its traceback, counted
+(`finetune_trainer_checkpoint_failures_total`) and remembered in `last_failed_step`; training
+goes on and the next save tries again.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -23,11 +28,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.metrics import TrainerMetrics
+from finetune_trainer.staging import HostStaging, StagedState
 from finetune_trainer.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -46,10 +52,18 @@ def save_due(step: int, *, interval_steps: int | None, time_due: bool, last_save
     return time_due or bool(interval_steps and step % interval_steps == 0)
 
 
+# Opt-in: stage through a snapshot in GPU memory (staging.py); costs a copy of the state there.
+DEVICE_SNAPSHOT_ENV = "FT_CHECKPOINT_DEVICE_SNAPSHOT"
+# DCP raises CheckpointException, a BaseException, when any rank fails a save.
+SAVE_ERRORS = (Exception, CheckpointException)
+
+
 class Checkpointer(Protocol):
     last_committed_step: int
+    last_failed_step: int  # newest save that failed (0: none)
 
     def load(self) -> int: ...
+    def prepare(self) -> None: ...
     def time_due(self) -> bool: ...
     def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> None: ...
     def wait_for_staging(self) -> None: ...
@@ -61,9 +75,13 @@ class NoOpCheckpointer:
     """Checkpointing disabled: nothing is loaded or saved."""
 
     last_committed_step = 0
+    last_failed_step = 0
 
     def load(self) -> int:
         return 0
+
+    def prepare(self) -> None:
+        return None
 
     def time_due(self) -> bool:
         return False
@@ -91,6 +109,7 @@ class DcpCheckpointer:
         world_size: int,
         metrics: TrainerMetrics,
         meta: dict[str, Any],
+        device: torch.device | None = None,
         cwd: Path | None = None,
     ) -> None:
         self.root = store.resolve_root(spec.uri, cwd)
@@ -103,20 +122,19 @@ class DcpCheckpointer:
         self.meta = meta
         self.mode = AsyncMode.ASYNC if spec.async_ else AsyncMode.SYNC
         self.last_committed_step = 0
+        self.last_failed_step = 0
         self._last_saved = 0
         self._last_save_time = time.monotonic()
-        self._staging: Future[Any] | None = None
+        self._pending: tuple[StagedState, Future[None]] | None = None
         self._inflight: Future[bool] | None = None
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
-        cuda = torch.cuda.is_available()
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=False,
-                use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            )
+        if device is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        snapshot = os.environ.get(DEVICE_SNAPSHOT_ENV) == "1"
+        self.staging = (
+            HostStaging(device, device_snapshot=snapshot) if self.mode is AsyncMode.ASYNC else None
         )
+        self._prepared = False
 
     # ---- load -------------------------------------------------------------------------------
 
@@ -168,6 +186,7 @@ class DcpCheckpointer:
         return bool(minutes) and time.monotonic() - self._last_save_time >= 60 * float(minutes)
 
     def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> None:
+        self.prepare()  # once, after the first step of a fresh run
         due = save_due(
             step,
             interval_steps=self.spec.interval_steps,
@@ -177,78 +196,129 @@ class DcpCheckpointer:
         if due or (force and step > self._last_saved):
             self._save(step)
 
+    def prepare(self) -> None:
+        """Allocate the staging buffers ahead of the first save, so that save does not pay
+        for pinning gigabytes of host memory (~3 GB/s) in the middle of training. Needs the
+        optimizer state: before the first step (a fresh run) capturing the state would
+        initialise it with a zero-gradient step (Adam's step count off by one), so then it is
+        done by `maybe_save` after the first step. Idempotent."""
+        if self.staging is None or self._prepared or not self.state.optimizer.state:
+            return
+        t = time.monotonic()
+        self.staging.reserve(self.state.capture())
+        self._prepared = True
+        log.info("checkpoint staging buffers ready in %.2fs", time.monotonic() - t)
+
     def _save(self, step: int) -> None:
         t0 = time.monotonic()
-        self.finish()  # at most one save in flight
+        self.finish()  # at most one save in flight: the staging buffers are free again
+        self.metrics.checkpoint_save_started()
         path = store.step_dir(self.root, step)
         path.parent.mkdir(parents=True, exist_ok=True)
         sd = self.state.capture()
-        if self.mode is AsyncMode.ASYNC:
-            resp = dcp.async_save(
-                sd, checkpoint_id=path, process_group=self.group, async_stager=self._stager
-            )
-            staging, upload = (
-                (resp.staging_completion, resp.upload_completion)
-                if hasattr(resp, "upload_completion")
-                else (None, resp)
-            )
-            self._staging = staging
-            self._inflight = self._committer.submit(self._commit, upload, step, t0)
+        if self.staging is not None:
+            staged = self.staging.launch(sd)
+            ready: Future[None] = Future()
+            self._pending = (staged, ready)
+            self._inflight = self._committer.submit(self._write_staged, staged, ready, step, t0)
         else:
-            done: Future[Any] = Future()
-            try:
-                dcp.save(sd, checkpoint_id=path, process_group=self.group)
-                done.set_result(None)
-            except Exception as e:
-                done.set_exception(e)
-            self._commit(done, step, t0)
+            ok = self._attempt(
+                step, "save", lambda: dcp.save(sd, checkpoint_id=path, process_group=self.group)
+            )
+            self._conclude(self._agree(ok), step, t0)
         self._last_saved = step
         self._last_save_time = time.monotonic()
-        self.metrics.observe_checkpoint_blocking(time.monotonic() - t0)
+        self.metrics.checkpoint_save_returned(step, time.monotonic() - t0)
 
-    def _commit(self, upload: Future[Any], step: int, t0: float) -> bool:
-        ok = 1.0
+    def _attempt(self, step: int, what: str, action: Any) -> bool:
         try:
-            upload.result()
-        except Exception as e:
-            log.error("checkpoint step %d failed: %s", step, e)
-            ok = 0.0
-        flag = torch.tensor([ok])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        if flag.item() != 1.0:
+            action()
+        except SAVE_ERRORS:
+            log.exception("checkpoint step %d: %s failed", step, what)
             return False
-        path = store.step_dir(self.root, step)
-        if self.rank == 0:
-            store.write_marker(
-                path, {**self.meta, "step": step, "worldSize": self.world_size, "time": time.time()}
+        return True
+
+    def _agree(self, ok: bool) -> bool:
+        """True when every rank succeeded: ranks must never diverge on what is committed."""
+        flag = torch.tensor([1.0 if ok else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item() == 1.0)
+
+    def _write_staged(self, staged: StagedState, ready: Future[None], step: int, t0: float) -> bool:
+        """Commit thread: finish staging, write, commit. Every rank runs the same collectives
+        whatever fails, so a failure on one rank never leaves another waiting."""
+        try:
+            ok = self._attempt(step, "staging", staged.copy_host)
+        finally:
+            ready.set_result(None)  # the loop may go on; a failure is reported below
+        ok = self._attempt(step, "staging", staged.wait_device) and ok
+        if self._agree(ok):
+            path = store.step_dir(self.root, step)
+            ok = self._attempt(
+                step,
+                "write",
+                lambda: dcp.save(staged.state_dict, checkpoint_id=path, process_group=self.group),
             )
-            for old in store.purge(self.root, self.spec.keep, below_step=step):
-                log.info("purged checkpoint %s", old)
+            ok = self._agree(ok)
+        else:
+            ok = False
+        return self._conclude(ok, step, t0)
+
+    def _conclude(self, ok: bool, step: int, t0: float) -> bool:
+        if ok and self.rank == 0:
+            ok = self._attempt(step, "commit", lambda: self._mark_committed(step))
+        if not ok:
+            self.last_failed_step = max(self.last_failed_step, step)
+            self.metrics.observe_checkpoint_failed(step)
+            log.error(
+                "checkpoint step %d NOT committed; newest committed checkpoint: step %d",
+                step,
+                self.last_committed_step,
+            )
+            return False
         self.last_committed_step = step
         self.metrics.observe_checkpoint_committed(step, time.monotonic() - t0)
         log.info("checkpoint step %d committed in %.2fs", step, time.monotonic() - t0)
         return True
 
+    def _mark_committed(self, step: int) -> None:
+        path = store.step_dir(self.root, step)
+        store.write_marker(
+            path, {**self.meta, "step": step, "worldSize": self.world_size, "time": time.time()}
+        )
+        for old in store.purge(self.root, self.spec.keep, below_step=step):
+            log.info("purged checkpoint %s", old)
+
     def wait_for_staging(self) -> None:
-        if self._staging is not None:
-            self._staging.result()
-            self._staging = None
+        """Before the optimizer step: the host copies are done and the GPU will run the
+        optimizer after the device copies (the host does not wait for those)."""
+        if self._pending is None:
+            return
+        t = time.monotonic()
+        staged, ready = self._pending
+        self._pending = None
+        ready.result()
+        staged.release()
+        self.metrics.checkpoint_staging_waited(time.monotonic() - t)
 
     def finish(self, timeout: float | None = None) -> bool:
         """Wait for the in-flight save to be committed (or fail). False on timeout."""
-        if self._inflight is None:
-            return True
-        try:
-            self._inflight.result(timeout=timeout)
-        except FutureTimeout:
-            return False
-        self._inflight = None
-        self._staging = None
+        if self._inflight is not None:
+            try:
+                self._inflight.result(timeout=timeout)
+            except FutureTimeout:
+                return False
+            self._inflight = None
+        if self._pending is not None:
+            self._pending[0].release()  # staging is over: nothing may run before the copies
+            self._pending = None
+        self.metrics.checkpoint_window_closed()
         return True
 
     def close(self) -> None:
         self._committer.shutdown(wait=True)
-        self._stager.close()
+        if self.staging is not None:
+            self.staging.close()
 
 
 def build_checkpointer(
@@ -259,9 +329,16 @@ def build_checkpointer(
     world_size: int,
     metrics: TrainerMetrics,
     meta: dict[str, Any],
+    device: torch.device | None = None,
 ) -> Checkpointer:
     if spec is None or (spec.interval_steps is None and spec.interval_minutes is None):
         return NoOpCheckpointer()
     return DcpCheckpointer(
-        spec, state, group=group, world_size=world_size, metrics=metrics, meta=meta
+        spec,
+        state,
+        group=group,
+        world_size=world_size,
+        metrics=metrics,
+        meta=meta,
+        device=device,
     )

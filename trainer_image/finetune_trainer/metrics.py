@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from finetune_trainer.stall import Stall, StallEstimator
+
 log = logging.getLogger(__name__)
 
 PREFIX = "finetune_trainer"
@@ -104,18 +106,36 @@ class TrainerMetrics:
         )
         self.ckpt_blocking = hist(
             "checkpoint_blocking_seconds",
-            "Training time blocked by a checkpoint save.",
+            "Per save, time the loop was blocked in the save call and waiting for staging.",
             _CKPT_BUCKETS,
+        )
+        self.ckpt_stall = hist(
+            "checkpoint_stall_seconds",
+            "Per save, training time it cost: save call + excess step time while in flight.",
+            _CKPT_BUCKETS,
+        )
+        self.ckpt_failures = Counter(
+            f"{PREFIX}_checkpoint_failures",
+            "Checkpoint saves that failed (not committed).",
+            LABELS,
+            registry=self.registry,
+        ).labels(**labels)
+        self.last_failed_ckpt_step = gauge(
+            "last_failed_checkpoint_step", "Step of the last checkpoint save that failed; 0: none."
         )
         self.ckpt_duration = hist(
             "checkpoint_save_duration_seconds", "Start of a save to its commit.", _CKPT_BUCKETS
         )
         self.restarts.set(restarts)
         self.total_steps.set(total_steps)
-        # Totals for the run's final summary line (bench/gpu.py reads it).
-        self._blocking_seconds: list[float] = []
+        # Save durations for the run's final summary line (bench/gpu.py reads it).
         self._commit_seconds: list[float] = []
         self._last_log = time.monotonic()
+        self.stall = StallEstimator()
+        # Set by the checkpoint commit thread, read by the loop: has the save in flight
+        # finished writing? (A bool assignment is atomic under the GIL.)
+        self._write_done = True
+        self.stalls: list[Stall] = []  # every save's estimate, for benchmarks and tests
 
     def serve(self, port: int | None, addr: str | None) -> None:
         """Start the HTTP endpoint; a taken port is logged, never fatal to training."""
@@ -135,6 +155,7 @@ class TrainerMetrics:
         self.compute_seconds.observe(s.compute_seconds)
         self.wait_seconds.observe(s.wait_seconds)
         self.peak_memory.set(peak_memory_bytes(self.device))
+        self.observe_step_time(s.step_seconds)
         if self.rank == 0:
             print(
                 json.dumps(
@@ -151,15 +172,44 @@ class TrainerMetrics:
                 flush=True,
             )
 
-    def observe_checkpoint_blocking(self, seconds: float) -> None:
-        self.ckpt_blocking.observe(seconds)
-        self._blocking_seconds.append(seconds)
+    def _record_stalls(self, stalls: list[Stall | None]) -> None:
+        for st in stalls:
+            if st is not None:
+                self.ckpt_blocking.observe(st.blocking)
+                self.ckpt_stall.observe(st.stall)
+                self.stalls.append(st)
+
+    def observe_step_time(self, seconds: float) -> None:
+        """Feed the checkpoint stall estimator (a step ran, maybe under a save in flight)."""
+        self._record_stalls([self.stall.step(seconds, write_done=self._write_done)])
+
+    def checkpoint_save_started(self) -> None:
+        """Before a save hands anything to a background thread (so no completion is lost)."""
+        self._record_stalls([self.stall.close()])
+        self._write_done = False
+
+    def checkpoint_save_returned(self, step: int, call_seconds: float) -> None:
+        """The save call returned to the loop after `call_seconds`."""
+        self._record_stalls(self.stall.save(step, call_seconds, write_done=self._write_done))
+
+    def checkpoint_staging_waited(self, seconds: float) -> None:
+        self.stall.staging_wait(seconds)
+
+    def checkpoint_window_closed(self) -> None:
+        """No more steps will run under the last save (end of run): report it now."""
+        self._record_stalls([self.stall.close()])
 
     def observe_checkpoint_committed(self, step: int, seconds: float) -> None:
         self.ckpt_duration.observe(seconds)
         self._commit_seconds.append(seconds)
         self.last_ckpt_step.set(step)
         self.last_ckpt_time.set(time.time())
+        self._write_done = True
+
+    def observe_checkpoint_failed(self, step: int) -> None:
+        self.ckpt_failures.inc()
+        self.last_failed_ckpt_step.set(step)
+        self._write_done = True
 
     def log_summary(self) -> None:
         """Rank 0's last JSON line: the run's memory peaks and checkpoint times."""
@@ -168,7 +218,8 @@ class TrainerMetrics:
         summary: dict[str, object] = {
             "peak_allocated_bytes": peak_memory_bytes(self.device),
             "peak_reserved_bytes": peak_reserved_bytes(self.device),
-            "checkpoint_blocking_seconds": [round(s, 4) for s in self._blocking_seconds],
+            "checkpoint_blocking_seconds": [round(s.blocking, 4) for s in self.stalls],
+            "checkpoint_stall_seconds": [round(s.stall, 4) for s in self.stalls],
             "checkpoint_commit_seconds": [round(s, 4) for s in self._commit_seconds],
         }
         if self.device.type == "cuda":

@@ -64,6 +64,17 @@ class Parallel:
     zero_grad_set_to_none: bool = True
 
 
+def _no_buffer_sync_in_forward() -> dict[str, bool]:
+    """No collective hidden in forward. Recent torch releases have `forward_sync_buffers` for
+    exactly that; older ones (2.11, the GPU machine's) lack it and raise a TypeError, and there
+    `broadcast_buffers=False` stops the same per-forward sync (module states are still
+    broadcast once at construction either way)."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def apply_ddp(model: nn.Module, device: torch.device, precision: Precision) -> Parallel:
     # DDP as designed: each gradient bucket is all-reduced as soon as backward fills it,
     # overlapped with the rest of backward. The straggler signal (compute vs wait) survives
@@ -72,17 +83,10 @@ def apply_ddp(model: nn.Module, device: torch.device, precision: Precision) -> P
     # time between is waiting (ReductionClock), added to the step's wait, not its compute.
     # bench/ddp_overlap.py measures this against plain DDP and the former design (reduce
     # after the sync point, no overlap).
-    # No collective hidden in forward (`forward_sync_buffers` exists from torch 2.12 on;
-    # before it, broadcast_buffers=False stops the forward's buffer broadcast).
-    sync_buffers = (
-        {"forward_sync_buffers": False}
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        else {"broadcast_buffers": False}
-    )
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        **sync_buffers,
+        **_no_buffer_sync_in_forward(),
         bucket_cap_mb=BUCKET_BYTES / 2**20,
         # Grads live in the reducer's buckets (allocated once): no second gradient-sized
         # block, which is what the planner counts (memory.DDP_BUCKET_BYTES).

@@ -3,7 +3,8 @@
 Kubernetes copies `terminationMessagePath` (default /dev/termination-log) into the pod's
 `state.terminated.message` when the container exits; the operator reads the final step, loss
 and checkpoint from there, since the metrics endpoint is gone by then.
-Keys: step, rank, loss?, checkpointStep?, output? (readers ignore keys they do not know)."""
+Keys: step, rank, loss?, checkpointStep?, checkpointFailedStep? (a failed save newer than
+checkpointStep), output? (readers ignore keys they do not know)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def write_final_report(
     loss: float | None,
     checkpoint_step: int,
     rank: int,
+    checkpoint_failed_step: int = 0,
     path: str | None = None,
     output: str | None = None,
 ) -> bool:
@@ -38,6 +40,8 @@ def write_final_report(
         report["loss"] = loss
     if checkpoint_step > 0:
         report["checkpointStep"] = checkpoint_step
+    if checkpoint_failed_step > checkpoint_step:
+        report["checkpointFailedStep"] = checkpoint_failed_step
     if output:
         report["output"] = output
     try:

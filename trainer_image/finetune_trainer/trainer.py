@@ -27,12 +27,17 @@ from finetune_trainer.report import write_final_report
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from finetune_trainer.tokenizer import build_tokenizer
+from finetune_trainer.torch_floor import check_torch
 
 log = logging.getLogger(__name__)
 
 # Exit code of a rank that stopped because a *peer* was told to stop (eviction of another
 # pod): non-zero so torchrun restarts this worker group, which re-forms without the peer.
 EXIT_PEER_STOPPED = 75
+# Exit code of a run whose final checkpoint was not committed: never a clean finish. torchrun
+# restarts the group, which resumes from the newest committed checkpoint and saves again;
+# with the restart budget spent the job ends Failed (docs/checkpoints.md, "Failed saves").
+EXIT_FINAL_CHECKPOINT_FAILED = 3
 PEER_SIGNAL_WAIT_SECONDS = 5.0
 
 
@@ -77,6 +82,7 @@ def precision_context(
 
 class Trainer:
     def __init__(self, job: JobConfig, env: RuntimeEnv) -> None:
+        check_torch(torch.__version__)  # before anything that would fail less clearly
         self.job, self.env, spec = job, env, job.spec
         self.stop_signal = StopSignal()
         self.device = select_device(spec.resources.device, env)
@@ -141,6 +147,7 @@ class Trainer:
             world_size=world,
             metrics=self.metrics,
             meta={"job": job.name, "uid": job.uid, "strategy": self.parallel.strategy},
+            device=self.device,
         )
         self.exporter = build_exporter(
             spec.output,
@@ -168,6 +175,7 @@ class Trainer:
     def train(self) -> int:
         """Run to `total_steps` or until stopped; returns the process exit code."""
         self.state.step = self.checkpointer.load()
+        self.checkpointer.prepare()
         # Report the resumed step from the first scrape on: a restarted rank must not look
         # as if the job went back to step 0.
         self.metrics.step.set(self.state.step)
@@ -182,13 +190,15 @@ class Trainer:
             self.checkpointer.maybe_save(self.state.step, force=stop or last, time_due=time_due)
         code = self._finish(stopped=stop)
         self.metrics.log_summary()
-        # Only a completed run exports (collective); a stopped one resumes and exports later.
-        output = None if stop else self.exporter.export(self.state.step, loss=loss)
+        # Only a completed run exports (collective); a stopped one resumes and exports later,
+        # and so does one whose final checkpoint failed (it exits non-zero and is restarted).
+        output = None if stop or code else self.exporter.export(self.state.step, loss=loss)
         if self.env.local_rank == 0:  # one report per pod
             write_final_report(
                 step=self.state.step,
                 loss=loss,
                 checkpoint_step=self.checkpointer.last_committed_step,
+                checkpoint_failed_step=self._unrecovered_failure(),
                 rank=self.dist.rank,
                 output=str(output) if output else None,
             )
@@ -205,7 +215,6 @@ class Trainer:
         t2 = time.perf_counter()
         self.checkpointer.wait_for_staging()  # the optimizer is about to change live tensors
         t3 = time.perf_counter()
-        self.metrics.observe_checkpoint_blocking(t3 - t2) if t3 - t2 > 1e-3 else None
         lr = self._optimizer_step()
         t4 = time.perf_counter()
         self.state.step += 1
@@ -275,6 +284,15 @@ class Trainer:
     def _finish(self, *, stopped: bool) -> int:
         if not stopped:
             self.checkpointer.finish()
+            if self._unrecovered_failure() >= self.state.step:
+                log.error(
+                    "final checkpoint (step %d) failed; newest committed: step %d. Exiting "
+                    "with code %d so the run is restarted from it, not reported complete",
+                    self.state.step,
+                    self.checkpointer.last_committed_step,
+                    EXIT_FINAL_CHECKPOINT_FAILED,
+                )
+                return EXIT_FINAL_CHECKPOINT_FAILED
             log.info("training complete at step %d", self.state.step)
             return 0
         if not self.stop_signal.requested:
@@ -297,6 +315,11 @@ class Trainer:
             self.checkpointer.last_committed_step,
         )
         return 0 if self.stop_signal.requested else EXIT_PEER_STOPPED
+
+    def _unrecovered_failure(self) -> int:
+        """The newest failed save not followed by a committed one (0: none)."""
+        failed = self.checkpointer.last_failed_step
+        return failed if failed > self.checkpointer.last_committed_step else 0
 
     def close(self) -> None:
         if not self.hard_exit:

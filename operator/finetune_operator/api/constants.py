@@ -32,12 +32,14 @@ COND_WORKERS_READY: Final = "WorkersReady"
 COND_SUCCEEDED: Final = "Succeeded"
 COND_FAILED: Final = "Failed"
 COND_STRAGGLER_DETECTED: Final = "StragglerDetected"
+COND_CHECKPOINT_FAILING: Final = "CheckpointFailing"
 CONDITION_TYPES: Final = (
     COND_PLANNED,
     COND_WORKERS_READY,
     COND_SUCCEEDED,
     COND_FAILED,
     COND_STRAGGLER_DETECTED,
+    COND_CHECKPOINT_FAILING,
 )
 
 # Condition reasons: one CamelCase word each.
@@ -56,6 +58,8 @@ REASON_WORKERS_NOT_READY: Final = "WorkersNotReady"
 REASON_NO_STRAGGLER: Final = "NoStraggler"
 REASON_STRAGGLER_EVICTED: Final = "StragglerEvicted"
 REASON_STRAGGLER_ALERTED: Final = "StragglerAlerted"
+REASON_CHECKPOINT_SAVE_FAILED: Final = "CheckpointSaveFailed"
+REASON_CHECKPOINTS_COMMITTING: Final = "CheckpointsCommitting"
 
 # Phases, derived from conditions for `kubectl get` only.
 PHASE_PENDING: Final = "Pending"

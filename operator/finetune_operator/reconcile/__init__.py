@@ -20,7 +20,11 @@ from finetune_operator.reconcile.progress import (
     parse_trainer_metrics,
     scrape_targets,
 )
-from finetune_operator.reconcile.status import compute_status, note_apply_errors
+from finetune_operator.reconcile.status import (
+    compute_status,
+    note_apply_errors,
+    note_checkpoint_health,
+)
 
 __all__ = [
     "Actions",
@@ -42,6 +46,7 @@ __all__ = [
     "format_time",
     "merge_progress",
     "note_apply_errors",
+    "note_checkpoint_health",
     "observe_pod",
     "parse_termination_message",
     "parse_trainer_metrics",

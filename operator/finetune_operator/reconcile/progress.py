@@ -19,6 +19,8 @@ STEP = "finetune_trainer_step"
 LOSS = "finetune_trainer_loss"
 CKPT_STEP = "finetune_trainer_last_checkpoint_step"
 CKPT_TIME = "finetune_trainer_last_checkpoint_timestamp_seconds"
+CKPT_FAILURES = "finetune_trainer_checkpoint_failures_total"
+CKPT_FAILED_STEP = "finetune_trainer_last_failed_checkpoint_step"
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class TrainerProgress:
     loss_rank: int | None = None  # the rank whose loss we report: the lowest one seen
     checkpoint_step: int | None = None
     checkpoint_time: float | None = None
+    # Failed saves: the most any rank counted, and the newest failed step (None: none seen).
+    checkpoint_failures: int | None = None
+    checkpoint_failed_step: int | None = None
 
 
 def scrape_targets(pods: Sequence[PodView], processes_per_pod: int) -> list[ScrapeTarget]:
@@ -63,7 +68,7 @@ def _max(a: Num | None, b: Num | None) -> Num | None:
 
 def parse_trainer_metrics(text: str) -> TrainerProgress:
     """The progress one metrics page reports; an unparsable page reports nothing."""
-    step = ckpt_step = ckpt_time = loss = None
+    step = ckpt_step = ckpt_time = loss = failures = failed_step = None
     loss_rank: int | None = None
     try:
         samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
@@ -78,6 +83,10 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
             ckpt_step = _max(ckpt_step, s.value)
         elif s.name == CKPT_TIME:
             ckpt_time = _max(ckpt_time, s.value)
+        elif s.name == CKPT_FAILURES:
+            failures = _max(failures, s.value)
+        elif s.name == CKPT_FAILED_STEP:
+            failed_step = _max(failed_step, s.value)
         elif s.name == LOSS and (loss_rank is None or _rank(s.labels) < loss_rank):
             loss, loss_rank = s.value, _rank(s.labels)
     return TrainerProgress(
@@ -87,6 +96,8 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         # Until its first save the trainer's gauge reads -1 (or 0): no checkpoint yet.
         checkpoint_step=int(ckpt_step) if ckpt_step is not None and ckpt_step > 0 else None,
         checkpoint_time=ckpt_time if ckpt_time else None,
+        checkpoint_failures=int(failures) if failures is not None else None,
+        checkpoint_failed_step=int(failed_step) if failed_step else None,
     )
 
 
@@ -107,13 +118,17 @@ def parse_termination_message(text: str | None) -> TrainerProgress:
             return None
         return float(value) if math.isfinite(value) else None
 
-    step, ckpt, loss, when = (number(k) for k in ("step", "checkpointStep", "loss", "checkpointTime"))
+    step, ckpt, loss, when = (
+        number(k) for k in ("step", "checkpointStep", "loss", "checkpointTime")
+    )
+    failed = number("checkpointFailedStep")
     return TrainerProgress(
         step=int(step) if step is not None else None,
         loss=loss,
         loss_rank=int(number("rank") or 0) if loss is not None else None,
         checkpoint_step=int(ckpt) if ckpt is not None and ckpt > 0 else None,
         checkpoint_time=when or None,
+        checkpoint_failed_step=int(failed) if failed else None,
     )
 
 
@@ -130,6 +145,8 @@ def combine_progress(parts: Iterable[TrainerProgress]) -> TrainerProgress:
             loss_rank=p.loss_rank if better_loss else out.loss_rank,
             checkpoint_step=_max(out.checkpoint_step, p.checkpoint_step),
             checkpoint_time=_max(out.checkpoint_time, p.checkpoint_time),
+            checkpoint_failures=_max(out.checkpoint_failures, p.checkpoint_failures),
+            checkpoint_failed_step=_max(out.checkpoint_failed_step, p.checkpoint_failed_step),
         )
     return out
 

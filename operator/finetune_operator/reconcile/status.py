@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from finetune_operator.api.constants import (
+    COND_CHECKPOINT_FAILING,
     COND_FAILED,
     COND_PLANNED,
     COND_STRAGGLER_DETECTED,
@@ -15,6 +16,8 @@ from finetune_operator.api.constants import (
     PHASE_SUCCEEDED,
     REASON_ALL_WORKERS_READY,
     REASON_BACKOFF_LIMIT_EXCEEDED,
+    REASON_CHECKPOINT_SAVE_FAILED,
+    REASON_CHECKPOINTS_COMMITTING,
     REASON_COMPLETED,
     REASON_NO_STRAGGLER,
     REASON_PENDING,
@@ -29,6 +32,7 @@ from finetune_operator.reconcile.assess import Assessment, Mode, assess
 from finetune_operator.reconcile.conditions import Want, derive_phase, find, set_condition
 from finetune_operator.reconcile.observed import PodView, format_time
 from finetune_operator.reconcile.planning import Evaluation
+from finetune_operator.reconcile.progress import TrainerProgress
 
 TERMINAL = (PHASE_FAILED, PHASE_SUCCEEDED)
 # Condition order in status: stable, so an unchanged status compares (and patches) as equal.
@@ -156,4 +160,38 @@ def note_apply_errors(
         return status
     want = Want("False", REASON_WORKERS_NOT_READY, "could not apply: " + "; ".join(errors))
     conds = set_condition(status.conditions, COND_WORKERS_READY, want, now, generation)
+    return status.model_copy(update={"conditions": conds})
+
+
+def note_checkpoint_health(
+    status: FineTuneJobStatus, progress: TrainerProgress, now: datetime, generation: int
+) -> FineTuneJobStatus:
+    """CheckpointFailing: True while the newest save the trainers report failed and no save
+    has committed since (training goes on, but a restart would redo everything after the
+    last commit); False once a later save commits. Call after `merge_progress`, so the last
+    checkpoint is up to date. A pass where the trainers reported nothing keeps the condition.
+    """
+    failed = progress.checkpoint_failed_step
+    committed = status.last_checkpoint.step if status.last_checkpoint else 0
+    newest = f"step {committed}" if committed else "none"
+    if failed is not None and failed > committed:
+        n = progress.checkpoint_failures
+        so_far = f", {n} failed saves so far" if n else ""
+        want = Want(
+            "True",
+            REASON_CHECKPOINT_SAVE_FAILED,
+            f"checkpoint save at step {failed} failed{so_far}; newest committed checkpoint: "
+            f"{newest} (the trainer log has the traceback)",
+        )
+    elif (
+        failed is None
+        and progress.checkpoint_failures is None
+        and (find(status.conditions, COND_CHECKPOINT_FAILING) is not None)
+    ):
+        return status
+    else:
+        want = Want(
+            "False", REASON_CHECKPOINTS_COMMITTING, f"newest committed checkpoint: {newest}"
+        )
+    conds = set_condition(status.conditions, COND_CHECKPOINT_FAILING, want, now, generation)
     return status.model_copy(update={"conditions": conds})
