@@ -8,11 +8,12 @@ gradients, in one run, on 2 CPU ranks over gloo (same model, same batches, inter
            plus a comm hook that marks the last bucket handed over (ReductionClock), so the
            time blocked in the reduction afterwards counts as wait.
 
-Then the signal itself: with rank 1 slowed by a fixed delay per step (counted in its compute, as
-the trainer's FT_STEP_DELAY_SECONDS does), the trainer design must report rank 1's compute
-higher by about the delay and rank 0's wait higher by about the delay.
+Then the signal itself: with rank 1 slowed by a fixed delay per step (half a step by default,
+counted in its compute, as the trainer's FT_STEP_DELAY_SECONDS does), the trainer design must
+report rank 1's compute higher by about the delay and rank 0's wait higher by about the delay;
+and the clock's own cost (a mark per bucket) against a step.
 
-    python bench/ddp_overlap.py [--rounds 5] [--steps 6] [--delay 0.05]
+    python bench/ddp_overlap.py [--rounds 5] [--steps 6] [--delay 0.5]
 
 Needs only CPU; PYTHONPATH=operator:trainer_image. On a GPU machine with 2+ GPUs the same
 comparison would run on NCCL; with one GPU there is no reduction to overlap.
@@ -47,11 +48,11 @@ def tiny_llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        hidden_size=384,
+        hidden_size=256,
         num_hidden_layers=4,
-        num_attention_heads=6,
+        num_attention_heads=4,
         num_key_value_heads=2,
-        intermediate_size=1024,
+        intermediate_size=688,
         vocab_size=2048,
         max_position_embeddings=512,
     )
@@ -140,7 +141,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     base = tiny_llama()
     g = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, 2048, (2, 256), generator=g) for _ in range(2)]
+    batches = [torch.randint(0, 2048, (2, 128), generator=g) for _ in range(2)]
     kinds = ["plain", "former", "trainer"]
     variants = {k: build(k, base) for k in kinds}
     opts = {k: torch.optim.AdamW(variants[k][0].parameters(), lr=1e-4) for k in kinds}
@@ -151,13 +152,29 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         for k in kinds[r % 3 :] + kinds[: r % 3]:  # rotate the order: no variant always first
             for _ in range(args.steps):
                 times[k].append(step(variants[k], opts[k], batches, 0.0)["step"])
-    # The signal: rank 1 slowed by `delay` per step, trainer design.
+    # The signal: rank 1 slowed by `delay` x the median step, trainer design.
+    delay = args.delay * statistics.median(times["plain"])
     slowed = [
-        step(variants["trainer"], opts["trainer"], batches, args.delay if rank == 1 else 0.0)
+        step(variants["trainer"], opts["trainer"], batches, delay if rank == 1 else 0.0)
         for _ in range(args.steps * 2)
     ]
+    # What the trainer design adds to plain DDP: one clock mark per bucket per step.
+    from finetune_trainer.reduction_clock import ReductionClock
+
+    clock, n = ReductionClock(torch.device("cpu")), 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        clock.bucket_ready()
+    mark = (time.perf_counter() - t0) / n
+    from finetune_trainer.parallelize import BUCKET_BYTES
+
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    buckets = -(-grad_bytes // BUCKET_BYTES) + 1  # at most: DDP's first bucket is 1 MiB
     result = {
         "rank": rank,
+        "delay": delay,
+        "mark_seconds": mark,
+        "buckets": buckets,
         "median_step": {k: statistics.median(v) for k, v in times.items()},
         "slowed_compute": statistics.median(s["compute"] for s in slowed),
         "slowed_wait": statistics.median(s["wait"] for s in slowed),
@@ -170,7 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--delay", type=float, default=0.05)
+    ap.add_argument("--delay", type=float, default=0.5, help="rank 1's delay, x the step")
     args = ap.parse_args()
     import tempfile
 
@@ -181,13 +198,18 @@ def main() -> None:
         mp.spawn(worker, args=(port, args, out), nprocs=2)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in (0, 1)]
     med = {k: statistics.mean(r["median_step"][k] for r in ranks) for k in ranks[0]["median_step"]}
-    print("DDP, 2 ranks gloo, tiny Llama (4 layers, h=384), 2 micro-batches of 2x256 per step")
+    print("DDP, 2 ranks gloo, tiny Llama (4 layers, h=256), 2 micro-batches of 2x128 per step")
     print(f"{'design':10} {'step s':>8} {'vs plain':>9}")
     for k, v in med.items():
         print(f"{k:10} {v:8.4f} {v / med['plain'] - 1:+8.1%}")
     r0, r1 = ranks
+    overhead = r0["buckets"] * r0["mark_seconds"] / med["plain"]
     print(
-        f"signal, rank 1 slowed by {args.delay:.3f}s/step (trainer design): "
+        f"clock cost: {r0['buckets']} bucket marks x {1e6 * r0['mark_seconds']:.2f} us = "
+        f"{overhead:.2e} of a step"
+    )
+    print(
+        f"signal, rank 1 slowed by {r1['delay']:.3f}s/step (trainer design): "
         f"compute rank0 {r0['slowed_compute']:.4f} rank1 {r1['slowed_compute']:.4f} "
         f"(diff {r1['slowed_compute'] - r0['slowed_compute']:+.4f}); "
         f"wait rank0 {r0['slowed_wait']:.4f} rank1 {r1['slowed_wait']:.4f} "
