@@ -86,12 +86,22 @@ def test_peak_is_not_the_sum_and_reserved_total_order() -> None:
     assert b.peak < b.reserved < b.total
 
 
-def test_optimizer_step_is_the_peak_for_tiny_batches() -> None:
+def test_optimizer_step_is_the_peak_for_tiny_batches_off_cuda() -> None:
+    """Off CUDA torch's multi-tensor AdamW allocates sqrt(v), a state-sized temporary."""
     est = estimate_memory(
-        LLAMA2_7B, TrainingShape(micro_batch=1, seq_len=128), Candidate("ddp", 1, 1)
+        LLAMA2_7B, TrainingShape(micro_batch=1, seq_len=128), Candidate("ddp", 1, 1, cuda=False)
     )
     assert est.peak_phase == "optimizer"
     assert est.breakdown.activations == 0
+
+
+def test_fused_adamw_on_cuda_has_no_optimizer_temporaries() -> None:
+    est = estimate_memory(
+        LLAMA2_7B, TrainingShape(micro_batch=1, seq_len=128), Candidate("ddp", 1, 1)
+    )
+    b = est.breakdown
+    assert est.phases["optimizer"] == b.parameters + b.gradients + b.optimizer
+    assert est.peak_phase != "optimizer"
 
 
 def test_cpu_has_no_cuda_overheads() -> None:

@@ -20,11 +20,15 @@ SHARDED = {"zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op"}
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_7b_full_ft_needs_two_80gb_gpus_sharded() -> None:
+def test_7b_full_ft_needs_four_80gb_gpus_sharded() -> None:
+    """Two ranks hold the states (54 GiB) but the caching allocator reserves more than that
+    (measured on an H100, bench/results/gpu-h100.md): the compute stream's pool at 1.105x its
+    peak plus FSDP's reduce-scatter pool of sharded fp32 gradients, 72 GiB, over the 10%
+    headroom limit (71.6 GiB)."""
     plan = plan_job(make_spec())
-    assert plan.fits and plan.world_size == 2 and plan.strategy in SHARDED
+    assert plan.fits and plan.world_size == 4 and plan.strategy in SHARDED
     assert plan.headroom >= 0.10
-    assert "Fewer ranks do not fit" in plan.reason
+    assert "Fewer ranks do not fit" in plan.reason and "2 (72." in plan.reason
 
 
 def test_7b_full_ft_with_deepspeed_backend_is_a_zero_stage_on_two_gpus() -> None:
@@ -84,9 +88,9 @@ def test_70b_full_ft_on_two_24gb_gpus_does_not_fit() -> None:
         # The FSDP root unit (embedding + head, 4.2 GB in bf16) stays unsharded and the fp32
         # loss tensors take 12 b*s*V: no GPU count fits 24 GB without offload.
         "strategy.offload: cpu would fit",
-        # QLoRA runs replicated (FSDP cannot shard 4-bit weights): 70B in NF4 needs more than
-        # one 24 GB GPU, so the hint is LoRA over many of them.
-        "LoRA would fit on 16 x 24GiB",
+        # No LoRA hint: QLoRA runs replicated (FSDP cannot shard 4-bit weights) and needs
+        # more than one 24 GB GPU; LoRA over the 16 ranks the batch allows needs more than
+        # 21.6 GiB once the allocator's measured fragmentation (1.105x) is counted.
         "A GPU with >=",
     ):
         assert part in plan.reason
@@ -150,7 +154,9 @@ def test_plan_reports_throughput_and_gpu_hours() -> None:
     assert plan.tokens_per_second == pytest.approx(
         16 * 2048 / plan.estimated_step_seconds, rel=1e-3
     )
-    assert plan.gpu_hours == pytest.approx(100 * plan.estimated_step_seconds * 2 / 3600, rel=1e-3)
+    assert plan.gpu_hours == pytest.approx(
+        100 * plan.estimated_step_seconds * plan.world_size / 3600, rel=1e-3
+    )
 
 
 @pytest.mark.parametrize(

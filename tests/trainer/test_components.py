@@ -127,3 +127,30 @@ def test_metrics_names_and_labels() -> None:
     assert 'finetune_trainer_elastic_restarts{finetunejob="quickstart",rank="1"} 2.0' in text
     assert 'finetune_trainer_tokens_total{finetunejob="quickstart",rank="1"} 512.0' in text
     assert "job=" not in text.replace("finetunejob=", "")
+
+
+def test_token_count_is_read_on_the_host_and_matches_the_mask() -> None:
+    from finetune_trainer.data import TokenBlocks
+
+    blocks = torch.tensor([[1, 2, 9, 9], [3, 9, 9, 9]], dtype=torch.int32)
+    padded = TokenBlocks(blocks=blocks, pad_id=9)
+    batch = padded.batch([0, 1], CPU)
+    assert padded.count_tokens([0, 1]) == int(batch["attention_mask"].sum()) == 3
+    packed = TokenBlocks(blocks=blocks, pad_id=None)
+    assert packed.count_tokens([1]) == int(packed.batch([1], CPU)["attention_mask"].sum()) == 4
+
+
+def test_fused_adamw_only_where_every_trainable_parameter_is_on_cuda() -> None:
+    from finetune_trainer.optim import adamw_implementation
+
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    assert adamw_implementation([torch.nn.Parameter(torch.zeros(2)), frozen]) == {}
+    assert adamw_implementation([frozen]) == {}
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(None, True), ("1", True), ("0", False)])
+def test_compile_knob(raw: str | None, expected: bool) -> None:
+    from finetune_trainer.config import RuntimeEnv
+
+    env = {} if raw is None else {"FT_COMPILE": raw}
+    assert RuntimeEnv.from_environ(env).compile is expected

@@ -1,11 +1,12 @@
 """Precision and gradient buffers as the planner assumes them (planner/memory.py, trace.py), in
 one process (gloo, world 1): FSDP2 bf16 = MixedPrecisionPolicy on every unit over fp32 masters,
-no autocast; DDP = gradient buckets as the grads (gradient_as_bucket_view) reduced after the
-sync point, autocast for bf16; LoRA bf16 = frozen bf16 base + fp32 adapters."""
+no autocast; DDP = gradient buckets as the grads (gradient_as_bucket_view) all-reduced during
+backward (overlapped, the wait after the last bucket timed), autocast for bf16; LoRA bf16 = frozen bf16 base + fp32 adapters."""
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from finetune_operator.api.spec import MethodSpec, Precision
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.model import build_model, decoder_layers
 from finetune_trainer.parallelize import Parallel, parallelize
+from finetune_trainer.reduction_clock import ReductionClock
 from finetune_trainer.tokenizer import build_byte_tokenizer
 from finetune_trainer.trainer import precision_context
 
@@ -131,7 +133,6 @@ def test_ddp_accumulated_bucket_grads_match_a_plain_model(world_one: None) -> No
             (plain(input_ids=ids, labels=ids).loss / 2).backward()
             with par.accumulate(i == 1):
                 (par.model(input_ids=ids, labels=ids).loss / 2).backward()
-        par.sync_gradients()
         for m, opt, none in zip((plain, par.model), opts, (True, False), strict=True):
             torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
             opt.step()
@@ -157,7 +158,6 @@ def test_base_and_adapter_dtypes(method: str, precision: Precision, base: torch.
 def test_ddp_bf16_lora_trains_adapters_in_fp32(world_one: None) -> None:
     par = wrap(model("lora"), "ddp", "bf16")
     step(par, "bf16")
-    par.sync_gradients()
     adapters = [p for p in par.model.parameters() if p.requires_grad]
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters)
 
@@ -192,3 +192,33 @@ def test_qlora_under_fsdp_refused(world_one: None, strategy: str) -> None:
     with pytest.raises(UnsupportedConfigError, match=rf"method.type qlora with strategy.type "
                                                      rf"{strategy}"):
         wrap(m, strategy, "bf16")
+
+
+def test_ddp_overlaps_the_reduction_and_times_the_wait_after_the_last_bucket(
+    world_one: None,
+) -> None:
+    """The comm hook all-reduces each bucket during backward (overlap) and marks the last one
+    handed over; the end of the last micro-batch's backward closes the wait."""
+    par = wrap(model("full", "fp32"), "ddp", "fp32")
+    clock = getattr(par.reduction_wait, "__self__", None)
+    assert isinstance(clock, ReductionClock)
+    for i, ids in enumerate([INPUT[:1], INPUT[1:]]):
+        with par.accumulate(i == 1):
+            par.model(input_ids=ids, labels=ids).loss.backward()
+        # no_sync micro-batches hand nothing over; the last one does.
+        assert (clock._ready is None) == (i == 0)
+    assert 0.0 <= par.reduction_wait() < 5.0
+
+
+def test_reduction_clock_counts_from_the_last_bucket_to_the_end_of_backward() -> None:
+    clock = ReductionClock(CPU)
+    assert clock.wait_seconds() == 0.0  # nothing reduced
+    clock.start()
+    clock.bucket_ready()
+    time.sleep(0.2)  # an earlier bucket: not the one that counts
+    clock.bucket_ready()
+    time.sleep(0.05)
+    clock.backward_done()
+    assert 0.04 <= clock.wait_seconds() < 0.2
+    clock.start()
+    assert clock.wait_seconds() == 0.0

@@ -44,6 +44,8 @@ class RuntimeEnv:
       the metrics HTTP server.
     - `FINETUNE_STEP_TRACE_DIR` (path, default unset): each rank appends one line per step to
       `<dir>/rank-<rank>.jsonl`, the trace `ftjob stragglers` replays (see `steptrace.py`).
+    - `FT_COMPILE` (`1`/`0`, default 1): torch.compile the decoder blocks on CUDA devices
+      (never on CPU); `0` runs eager, e.g. to rule compilation out when debugging.
     """
 
     rank: int
@@ -58,6 +60,7 @@ class RuntimeEnv:
     metrics_base_port: int
     node_name: str | None = None  # NODE_NAME from the downward API
     step_trace_dir: Path | None = None
+    compile: bool = True
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -76,6 +79,7 @@ class RuntimeEnv:
             metrics_base_port=int(env.get("FT_METRICS_BASE_PORT", str(METRICS_BASE_PORT))),
             node_name=env.get("NODE_NAME") or None,
             step_trace_dir=Path(raw) if (raw := env.get("FINETUNE_STEP_TRACE_DIR")) else None,
+            compile=env.get("FT_COMPILE", "1").strip() != "0",
         )
 
     @property

@@ -112,11 +112,20 @@ class TokenBlocks:
             pad = ids == self.pad_id
             labels[pad] = IGNORE_INDEX
             attn[pad] = 0
-        return {
-            "input_ids": ids.to(device),
-            "labels": labels.to(device),
-            "attention_mask": attn.to(device),
-        }
+        host = {"input_ids": ids, "labels": labels, "attention_mask": attn}
+        if device.type == "cuda":
+            # From pinned memory, asynchronously: a pageable copy synchronises the stream, so
+            # the CPU would wait for the previous backward before queueing this forward.
+            return {k: v.pin_memory().to(device, non_blocking=True) for k, v in host.items()}
+        return {k: v.to(device) for k, v in host.items()}
+
+    def count_tokens(self, indices: list[int]) -> int:
+        """Tokens that carry loss in these samples, counted on the host (reading the count
+        back from the GPU would synchronise every micro-batch)."""
+        blocks = self.blocks[indices]
+        if self.pad_id is None:
+            return int(blocks.numel())
+        return int((blocks != self.pad_id).sum())
 
 
 def build_dataset(

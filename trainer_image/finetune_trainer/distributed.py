@@ -54,9 +54,12 @@ class Distributed:
     rank: int
     checkpoint_group: dist.ProcessGroup
 
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """A small float64 all-reduce on the training group (the step's sync point)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+    def all_reduce_sum(self, values: list[float | torch.Tensor]) -> list[float]:
+        """A small float64 all-reduce on the training group (the step's sync point). Values
+        may be 0-d device tensors (a loss still on the GPU): read back once, here."""
+        t = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values]
+        )
         dist.all_reduce(t)
         return [float(v) for v in t.tolist()]
 

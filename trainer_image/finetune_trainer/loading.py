@@ -29,7 +29,11 @@ def load_parallel_model(
     tokenizer: PreTrainedTokenizerBase,
     device: torch.device,
     local_world_size: int,
+    *,
+    compile_model: bool = False,
 ) -> Parallel:
+    """Build on meta, shard, materialise (see the module docstring); `compile_model` compiles
+    the decoder blocks (parallelize.compile_blocks: lazy, so the meta model is fine)."""
     spec = job.spec
     model = build_meta_model(
         spec.model,
@@ -62,6 +66,7 @@ def load_parallel_model(
         device,
         local_world_size,
         precision=spec.training.precision,
+        compile_model=compile_model,
     )
     if sharded:
         fill(parallel.model)

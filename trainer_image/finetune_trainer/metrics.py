@@ -36,6 +36,24 @@ class StepStats:
     wait_seconds: float
 
 
+def peak_reserved_bytes(device: torch.device) -> int:
+    """CUDA caching allocator's peak of reserved segments (what an OOM is decided on); 0 on CPU."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else 0
+
+
+def _segments_by_stream() -> dict[str, list[int]]:
+    """The caching allocator's segments now, per stream: [count, reserved, allocated] bytes
+    (what the planner's reserved-memory model is checked against)."""
+    out: dict[str, list[int]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = f"{seg['stream']}:{seg['segment_type']}"
+        row = out.setdefault(key, [0, 0, 0])
+        row[0] += 1
+        row[1] += int(seg["total_size"])
+        row[2] += int(seg["allocated_size"])
+    return out
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -85,6 +103,8 @@ class TrainerMetrics:
         self.last_failed_ckpt_step = gauge(mn.TRAINER_LAST_FAILED_CHECKPOINT_STEP)
         self.restarts.set(restarts)
         self.total_steps.set(total_steps)
+        # Save durations for the run's final summary line (bench/gpu.py reads it).
+        self._commit_seconds: list[float] = []
         self._last_log = time.monotonic()
         self.stall = StallEstimator()
         # Set by the checkpoint commit thread, read by the loop: has the save in flight
@@ -166,6 +186,7 @@ class TrainerMetrics:
 
     def observe_checkpoint_committed(self, step: int, seconds: float) -> None:
         self.ckpt_duration.observe(seconds)
+        self._commit_seconds.append(seconds)
         self.last_ckpt_step.set(step)
         self.last_ckpt_time.set(time.time())
         self._write_done = True
@@ -174,3 +195,18 @@ class TrainerMetrics:
         self.ckpt_failures.inc()
         self.last_failed_ckpt_step.set(step)
         self._write_done = True
+
+    def log_summary(self) -> None:
+        """Rank 0's last JSON line: the run's memory peaks and checkpoint times."""
+        if self.rank != 0:
+            return
+        summary: dict[str, object] = {
+            "peak_allocated_bytes": peak_memory_bytes(self.device),
+            "peak_reserved_bytes": peak_reserved_bytes(self.device),
+            "checkpoint_blocking_seconds": [round(s.blocking, 4) for s in self.stalls],
+            "checkpoint_stall_seconds": [round(s.stall, 4) for s in self.stalls],
+            "checkpoint_commit_seconds": [round(s, 4) for s in self._commit_seconds],
+        }
+        if self.device.type == "cuda":
+            summary["segments_by_stream"] = _segments_by_stream()
+        print(json.dumps({"summary": summary}), flush=True)

@@ -40,10 +40,27 @@ def _param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[d
     ]
 
 
+def adamw_implementation(params: Iterable[nn.Parameter]) -> dict[str, bool]:
+    """The fused AdamW kernel where every trainable parameter is on a CUDA device: one launch
+    per step and no state-sized temporaries (foreach allocates sqrt(v) for a whole group,
+    which the planner counts as the optimizer phase's buffers, memory._optimizer_temp).
+    Elsewhere torch's default (foreach, or the per-tensor loop on CPU)."""
+    trainable = [p for p in params if p.requires_grad]
+    if trainable and all(p.device.type == "cuda" for p in trainable):
+        return {"fused": True}
+    return {}
+
+
 def build_optimizer(model: nn.Module, spec: TrainingSpec) -> torch.optim.Optimizer:
     groups = _param_groups(model.parameters(), spec.weight_decay)
     if spec.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=(0.9, 0.95), eps=1e-8)
+        return torch.optim.AdamW(
+            groups,
+            lr=spec.learning_rate,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            **adamw_implementation(model.parameters()),
+        )
     if spec.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=spec.learning_rate, momentum=0.9)
     raise UnsupportedConfigError(

@@ -2,7 +2,8 @@
 
 Every strategy returns a `Parallel` with the same hooks the loop uses: `accumulate(last)`
 around each micro-batch, `autocast` (whether the forward runs under torch.autocast),
-`sync_gradients()` after the step's sync point and how `zero_grad` releases gradients.
+`reduction_wait()` (time blocked in the gradient reduction, counted as wait) and how
+`zero_grad` releases gradients.
 
 Precision is what the planner (finetune_operator.planner.memory) assumes and its tracer runs:
 - FSDP2 + bf16: fp32 sharded master parameters, `MixedPrecisionPolicy(param_dtype=bf16,
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -37,6 +39,7 @@ from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import Precision, StrategySpec
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.model import decoder_layers
+from finetune_trainer.reduction_clock import ReductionClock
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -51,39 +54,14 @@ class Parallel:
     accumulate: Callable[[bool], contextlib.AbstractContextManager[None]] = field(
         default=lambda last: contextlib.nullcontext()
     )
-    sync_gradients: Callable[[], None] = field(default=lambda: None)
+    # Seconds of the last step spent waiting for the gradient reduction after this rank's own
+    # work was done (DDP's overlapped all-reduce); read after the device is synchronised.
+    reduction_wait: Callable[[], float] = field(default=lambda: 0.0)
     # The forward runs under torch.autocast(bf16) (DDP mixed precision); FSDP2 casts itself.
     autocast: bool = False
     # zero_grad(set_to_none=...): False where the gradients are persistent buffers (DDP's
     # gradient buckets); True frees them (FSDP's sharded gradients).
     zero_grad_set_to_none: bool = True
-
-
-class _BucketCapture:
-    """A DDP communication hook that communicates nothing: it records each gradient bucket's
-    flat buffer so that `all_reduce()` can average the buckets in place after the step's sync
-    point. With `gradient_as_bucket_view=True` the parameters' `.grad` are views into these
-    buffers, so no gradient is ever copied or concatenated."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.buffers: dict[int, torch.Tensor] = {}
-
-    def hook(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        self.buffers[bucket.index()] = buffer
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(buffer)
-        return fut
-
-    def all_reduce(self) -> None:
-        if not self.buffers:
-            raise RuntimeError("DDP produced no gradient buckets in this step's backward")
-        for index in sorted(self.buffers):  # the same order on every rank
-            flat = self.buffers[index]
-            dist.all_reduce(flat)
-            flat.div_(self.world)
-        self.buffers.clear()
 
 
 def _no_buffer_sync_in_forward() -> dict[str, bool]:
@@ -98,12 +76,13 @@ def _no_buffer_sync_in_forward() -> dict[str, bool]:
 
 
 def apply_ddp(model: nn.Module, device: torch.device, precision: Precision) -> Parallel:
-    # Gradients are reduced explicitly after the step's sync point instead of inside backward:
-    # the loop then times this rank's compute without time spent waiting for slower peers,
-    # which is what straggler detection reads. The cost is no overlap of the gradient
-    # all-reduce with backward. The last micro-batch's backward still runs DDP's reducer (it
-    # fills the buckets, the parameters' grads become views into them) but its comm hook
-    # only records the buckets; `sync_gradients` all-reduces them in place.
+    # DDP as designed: each gradient bucket is all-reduced as soon as backward fills it,
+    # overlapped with the rest of backward. The straggler signal (compute vs wait) survives
+    # the overlap: a comm hook marks the moment this rank hands over its last bucket (its own
+    # work is done), and the end of backward marks when every reduction has arrived; the
+    # time between is waiting (ReductionClock), added to the step's wait, not its compute.
+    # bench/ddp_overlap.py measures this against plain DDP and the former design (reduce
+    # after the sync point, no overlap).
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -113,19 +92,31 @@ def apply_ddp(model: nn.Module, device: torch.device, precision: Precision) -> P
         # block, which is what the planner counts (memory.DDP_BUCKET_BYTES).
         gradient_as_bucket_view=True,
     )
-    capture = _BucketCapture(dist.get_world_size())
-    # Through a lambda: DDP checks the hook's annotations against the classes, and this
-    # module's postponed (string) annotations would fail that check.
-    ddp.register_comm_hook(None, lambda state, bucket: capture.hook(state, bucket))
+    clock = ReductionClock(device)
 
-    def accumulate(last: bool) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext() if last else ddp.no_sync()
+    def hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        clock.bucket_ready()
+        return default_hooks.allreduce_hook(state, bucket)
+
+    # Through a function: DDP checks the hook's annotations against the classes, and this
+    # module's postponed (string) annotations would fail that check.
+    ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
+
+    @contextlib.contextmanager
+    def accumulate(last: bool) -> Iterator[None]:
+        if not last:
+            with ddp.no_sync():
+                yield
+            return
+        clock.start()
+        yield
+        clock.backward_done()
 
     return Parallel(
         model=ddp,
         strategy="ddp",
         accumulate=accumulate,
-        sync_gradients=capture.all_reduce,
+        reduction_wait=clock.wait_seconds,
         autocast=precision == "bf16",
         # set_to_none would drop the views: the next backward would allocate fresh grads
         # beside the buckets (the extra block) until the reducer copies them back in.
@@ -211,6 +202,25 @@ def fsdp_mp_policy(precision: Precision) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()  # fp32 everywhere: no casting
 
 
+def compile_blocks(model: nn.Module) -> int:
+    """torch.compile each decoder block's forward (TorchTitan's per-block compile): one
+    compiled graph shared by all blocks (same code, parameters as inputs), fused pointwise ops
+    (RMSNorm, SwiGLU, rotary, residual adds) instead of one kernel each. Only the forward is
+    compiled, so the wrappers' hooks (FSDP2's all-gather/reshard, activation checkpointing,
+    DDP's gradient hooks) stay in eager around it. A block that fails to compile runs eager
+    (suppress_errors). Returns the number of blocks compiled."""
+    import torch._dynamo
+
+    layers = decoder_layers(model)
+    torch._dynamo.config.suppress_errors = True
+    # One cache entry per distinct guard set; blocks share one, but leave room for the
+    # train/no-grad variants and a few shapes before dynamo gives up and runs eager.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
+    return len(layers)
+
+
 def parallelize(
     model: nn.Module,
     plan: Plan,
@@ -219,10 +229,15 @@ def parallelize(
     local_world_size: int,
     *,
     precision: Precision,
+    compile_model: bool = False,
 ) -> Parallel:
     """Wrap `model` as `plan.strategy` says, in `precision` (training.precision).
-    DeepSpeed paths are refused, never replaced."""
+    DeepSpeed paths are refused, never replaced. `compile_model`: compile the decoder blocks
+    first (the trainer asks for it on CUDA only: on CPU/gloo the compile time would dwarf the
+    few steps a test runs)."""
     check_precision(precision)
+    if compile_model:
+        compile_blocks(model)
     strategy = plan.strategy
     if spec.backend == "deepspeed" or plan.backend == "deepspeed" or strategy in ("zero1", "zero2"):
         raise UnsupportedConfigError(

@@ -103,7 +103,13 @@ class Trainer:
 
         tokenizer = build_tokenizer(spec.model)
         self.data = build_dataset(spec.dataset, tokenizer, spec.training.sequence_length)
-        self.parallel = load_parallel_model(job, tokenizer, self.device, env.local_world_size)
+        self.parallel = load_parallel_model(
+            job,
+            tokenizer,
+            self.device,
+            env.local_world_size,
+            compile_model=env.compile and self.device.type == "cuda",
+        )
         self.model = self.parallel.model
         self.total_steps = spec.training.max_steps or math.ceil(
             (spec.training.epochs or 1.0) * len(self.data) / spec.training.global_batch_size
@@ -159,6 +165,11 @@ class Trainer:
         )
         self.step_trace = build_step_trace(env, rank=self.dist.rank)
         self.hard_exit = False
+        if self.device.type == "cuda":
+            # Memory peaks are the training step's (what the planner predicts), not the
+            # model build's transients (an fp32 random init cast to a bf16 base).
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
         log.info(
             "world %d, micro-batch %d, grad accumulation %d, %d steps, strategy %s",
             world,
@@ -190,6 +201,7 @@ class Trainer:
             )
             self.step_trace.record(stats, checkpoint=saved)
         code = self._finish(stopped=stop)
+        self.metrics.log_summary()
         # Only a completed run exports (collective); a stopped one resumes and exports later,
         # and so does one whose final checkpoint failed (it exits non-zero and is restarted).
         output = None if stop or code else self.exporter.export(self.state.step, loss=loss)
@@ -214,26 +226,33 @@ class Trainer:
         t1 = time.perf_counter()
         stop, loss, tokens, time_due = self._sync_point(loss, tokens)
         t2 = time.perf_counter()
-        self.parallel.sync_gradients()
         self.checkpointer.wait_for_staging()  # the optimizer is about to change live tensors
-        t4 = time.perf_counter()
+        t3 = time.perf_counter()
         lr = self._optimizer_step()
-        t5 = time.perf_counter()
+        t4 = time.perf_counter()
         self.state.step += 1
+        # Waiting: blocked at the sync point, and (DDP) in the overlapped gradient all-reduce
+        # after this rank's own backward was done. Compute is the rest of forward, backward and
+        # the optimizer: this rank's own work, what straggler detection compares.
+        reduction_wait = min(self.parallel.reduction_wait(), t1 - t0)
         stats = StepStats(
             step=self.state.step,
             loss=loss,
             lr=lr,
             tokens=int(tokens),
-            step_seconds=t5 - t0,
-            compute_seconds=(t1 - t0) + (t5 - t4),
-            wait_seconds=t2 - t1,
+            step_seconds=t4 - t0,
+            compute_seconds=(t1 - t0 - reduction_wait) + (t4 - t3),
+            wait_seconds=(t2 - t1) + reduction_wait,
         )
         return stats, stop, time_due
 
-    def _forward_backward(self, micro_batches: list[list[int]]) -> tuple[float, float]:
+    def _forward_backward(self, micro_batches: list[list[int]]) -> tuple[torch.Tensor, float]:
+        """Forward and backward of every micro-batch; returns the loss summed on the device
+        (read once, at the step's sync point: no host synchronisation per micro-batch) and the
+        tokens counted on the host."""
         self.model.train()
-        loss_sum, tokens = 0.0, 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0.0
         precision = self.job.spec.training.precision
         autocast = self.parallel.autocast
         for i, indices in enumerate(micro_batches):
@@ -242,13 +261,13 @@ class Trainer:
                 with precision_context(precision, self.device, autocast=autocast):
                     loss = self.model(**batch).loss / len(micro_batches)
                 loss.backward()
-            loss_sum += float(loss.detach())
-            tokens += float(batch["attention_mask"].sum())
+            loss_sum += loss.detach()
+            tokens += self.data.count_tokens(indices)
             self.faults.after_micro_batch(self.state.step + 1, len(micro_batches))
             self.metrics.beat()
         return loss_sum, tokens
 
-    def _sync_point(self, loss: float, tokens: float) -> tuple[bool, float, float, bool]:
+    def _sync_point(self, loss: torch.Tensor, tokens: float) -> tuple[bool, float, float, bool]:
         """The step's one deliberate rendezvous of all ranks: agree on stopping and on a
         time-based save, and sum loss and tokens. Time blocked here is wait, not compute."""
         stop_s, loss_s, tokens_s, due_s = self.dist.all_reduce_sum(

@@ -24,7 +24,7 @@ class Accelerator:
     memory_bytes: int
     peak_flops: float  # dense bf16/fp16 tensor-core FLOP/s (vendor datasheets, no sparsity)
     intra_node_bw: float  # achieved all-reduce bus bandwidth inside a node, bytes/s
-    mfu: float  # assumed model-FLOPs utilisation of a fine-tuning step
+    mfu: float  # achieved share of peak_flops of a fine-tuning step at hidden size >= 4096
     cuda: bool = True
 
 
@@ -40,12 +40,16 @@ INTER_NODE_BW = 45e9
 # H100/A100 for 7B-70B Llama). Consumer and inference cards reach less.
 MFU_DATACENTER = 0.40
 MFU_OTHER = 0.30
+# Measured on one H100 80GB (bench/gpu.py; bench/results/gpu-h100.md): the trainer's hardware
+# FLOP rate (recomputation and causal attention counted) is 0.34-0.48 of the dense bf16 peak
+# (median 0.42) from hidden size 2048 to 4096, less on narrower models (steptime.width_factor).
+MFU_H100 = 0.42
 
 # Memory in GiB is what `nvidia-smi` reports as total (e.g. H100 80GB = 81559 MiB).
 GPU_PRODUCTS: dict[str, Accelerator] = {
     a.name.lower(): a
     for a in (
-        Accelerator("H100-80GB", 81559 * MIB, 989e12, NVLINK4_BW, MFU_DATACENTER),
+        Accelerator("H100-80GB", 81559 * MIB, 989e12, NVLINK4_BW, MFU_H100),
         Accelerator("H100-94GB", 95830 * MIB, 835e12, PCIE_BW * 3, MFU_DATACENTER),
         Accelerator("H200-141GB", 143771 * MIB, 989e12, NVLINK4_BW, MFU_DATACENTER),
         Accelerator("B200-180GB", 183359 * MIB, 2250e12, 2 * NVLINK4_BW, MFU_DATACENTER),

@@ -39,10 +39,16 @@ from finetune_operator.planner.hardware import (
 )
 from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
 
-# PyTorch's caching allocator rounds blocks (512 B small / 2 MiB large) and keeps freed blocks
-# split; reserved/allocated of steady-state LLM training is typically 1.03-1.10
-# (torch.cuda.memory_stats on FSDP Llama runs). We take the middle.
-ALLOCATOR_FRAGMENTATION = 1.06
+# PyTorch's caching allocator (default configuration: the trainer leaves
+# PYTORCH_CUDA_ALLOC_CONF alone) rounds blocks (512 B small / 2 MiB large), keeps freed blocks
+# cached and split, and keeps one pool per stream: a block freed on one stream is never reused
+# by another. Measured on an H100 (bench/gpu.py, bench/results/gpu-h100.md): the compute
+# stream's pool reserves 1.07-1.14x its own allocated peak (DDP and FSDP, full and LoRA, with
+# and without checkpointing; 1.105 leaves every eager or checkpointed configuration within
+# +-3%), and FSDP2's reduce-scatter stream holds a second pool as large as the sharded fp32
+# gradients it produces (11.2 GB beside 63.8 GB for an 8B-class full fine-tune), idle while
+# the next step's forward allocates on the compute stream.
+ALLOCATOR_FRAGMENTATION = 1.105
 # torch DDP bucket_cap_mb default (25 MiB); with gradient_as_bucket_view=True the grads live in
 # the buckets, so the extra is one bucket in flight for NCCL.
 DDP_BUCKET_BYTES = 25 * MIB
@@ -209,6 +215,22 @@ def _gathered_units(m: ModelShape, shape: TrainingShape, cand: Candidate) -> tup
     return 0, 0
 
 
+def _backward_tail(m: ModelShape, shape: TrainingShape, cand: Candidate) -> int:
+    """FSDP full fine-tuning at the end of backward, every sharded gradient already made and
+    the activations gone: the root unit (embedding, head) still unsharded with its unsharded
+    head and embedding gradients, the first layer's gathered parameters, its prefetch buffer
+    and unsharded gradient, and that gradient's fp32 copy for the reduce-scatter. It has the
+    optimizer phase's resident states, so it is counted there (with fused AdamW it is that
+    phase's only buffer). Traced (FSDPMemTracker, 8 ranks, s=4096, checkpointing): Llama-2-7B's
+    peak of the step (here -0.9%), below Llama-3.1-8B's loss-phase peak (+1.6% if it were)."""
+    if shape.method != "full" or cand.strategy not in FSDP or cand.offload != "none":
+        return 0
+    e = PRECISION_BYTES[shape.precision]
+    root = (m.embedding + m.lm_head + m.arch.hidden_size) * e
+    root_grads = (m.embedding + m.lm_head) * e
+    return root + root_grads + 3 * m.layer * e + m.layer * FP32
+
+
 def _comm_buffer(m: ModelShape, shape: TrainingShape, cand: Candidate, trainable: int) -> int:
     """Gradient bucket in flight (DDP) or DeepSpeed's reduce bucket."""
     if cand.world_size == 1:
@@ -234,9 +256,13 @@ def _loss_buffers(m: ModelShape, tokens: int, e: int) -> tuple[int, int]:
 
 
 def _optimizer_temp(shape: TrainingShape, cand: Candidate, st: _States) -> int:
-    """torch's foreach AdamW allocates sqrt(v) (one state-sized tensor) during the step;
-    DeepSpeed's fused Adam and CPU Adam (offload) allocate nothing on the GPU."""
+    """The trainer's AdamW is torch's fused kernel on CUDA (no temporaries; on an H100 the
+    measured peak of a 3B full fine-tune fell from the optimizer phase to the loss phase);
+    elsewhere torch's multi-tensor path allocates sqrt(v) (one state-sized tensor) during the
+    step. DeepSpeed's fused Adam and CPU Adam (offload) allocate nothing on the GPU."""
     if cand.strategy in DEEPSPEED or cand.offload != "none" or shape.optimizer != "adamw":
+        return 0
+    if cand.cuda:
         return 0
     return st.optim // 2 if st.optim else 0
 
@@ -278,6 +304,15 @@ def _autocast_weight_copies(m: ModelShape, shape: TrainingShape) -> tuple[int, i
     return layers + head, layers + head, layers
 
 
+def _reserved(phases: dict[str, int], st: _States, cand: Candidate) -> int:
+    """What the caching allocator reserves: the compute stream's pool (its own peak, which in
+    the optimizer phase excludes FSDP's gradients, times the fragmentation factor) plus, for
+    FSDP on CUDA, the reduce-scatter stream's pool holding the sharded gradients."""
+    side = st.grads if cand.cuda and cand.strategy in FSDP else 0
+    compute = max(v - (side if k == "optimizer" else 0) for k, v in phases.items())
+    return int(compute * ALLOCATOR_FRAGMENTATION) + side
+
+
 def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> MemoryEstimate:
     """Per-GPU (per-process) memory of one candidate configuration.
 
@@ -286,7 +321,7 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     gradient accumulation); `cand` is how states are placed (strategy, world size N, gpus
     per node, offload, CUDA or CPU). Returns the breakdown (parameters, gradients, optimizer
     are resident states; activations and buffers are their values at the peak phase; peak is
-    the max over phases, reserved = peak * ALLOCATOR_FRAGMENTATION, total adds CUDA context
+    the max over phases, reserved models the caching allocator (`_reserved`), total adds CUDA context
     and library workspaces on CUDA devices), the peak phase, the per-phase peaks and the
     bytes offloaded to host RAM.
     """
@@ -328,15 +363,17 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
         "forward": (e + 2 * FP32) * tokens * m.arch.vocab_size + gather_loss + copies[0],
         "loss": loss_buf + gather_loss + copies[1],
         "backward": held + act.backward_transient + gather_bwd + bucket + dequant + copies[2],
-        "optimizer": _optimizer_temp(shape, cand, st)
-        + (bucket if cand.strategy in DEEPSPEED else 0),
+        "optimizer": max(
+            _optimizer_temp(shape, cand, st) + (bucket if cand.strategy in DEEPSPEED else 0),
+            _backward_tail(m, shape, cand),
+        ),
     }
     acts = {"forward": resident, "loss": resident, "backward": in_backward, "optimizer": 0}
     grads = {"forward": grads_fwd, "loss": grads_fwd, "backward": grads_fwd, "optimizer": st.grads}
     phases = {k: base + grads[k] + acts[k] + buffers[k] for k in buffers}
     phase = max(phases, key=lambda k: phases[k])
     peak = phases[phase]
-    reserved = int(peak * ALLOCATOR_FRAGMENTATION)
+    reserved = _reserved(phases, st, cand)
     overhead = 0
     if cand.cuda:
         overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES

@@ -1,9 +1,15 @@
-"""A coarse optimizer-step time model, only used to rank configurations that fit.
+"""A coarse optimizer-step time model, used to rank configurations that fit and to report a
+plan's expected step time.
 
-compute = k * P_active * tokens / (N * peak * MFU), k = 6 for full fine-tuning (forward 2,
-backward 4), 4 for LoRA/QLoRA (no weight gradients of the frozen base); x4/3 when every layer
-is recomputed. Communication is the ring volume per GPU of each strategy's collectives over
-the slowest link it crosses, partly hidden behind compute.
+compute = hardware FLOPs / (N * peak * MFU * width_factor). Hardware FLOPs per token:
+k * (P_active - input embedding) for the matmuls (the embedding is a lookup) plus k * layers * seq *
+heads * head_dim for causal attention (half of QK^T and PV: flash/SDPA kernels skip the masked
+half), k = 6 for full fine-tuning (forward 2, backward 4), 4 for LoRA/QLoRA (no weight
+gradients of the frozen base), and the forward once more (k + 2) / k when every layer is
+recomputed. Narrow models run smaller, less efficient matmuls: width_factor. Communication is
+the ring volume per GPU of each strategy's collectives over the slowest link it crosses,
+partly hidden behind compute. Calibrated on an H100 (hardware.MFU_H100,
+bench/results/gpu-h100.md): within 15% on 6 of 7 measured configurations.
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from finetune_operator.planner.hardware import INTER_NODE_BW, Accelerator
 from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
 from finetune_operator.planner.memory import PRECISION_BYTES, Candidate, TrainingShape
 
-RECOMPUTE_FACTOR = 4 / 3  # forward recomputed once: (2 + 2 + 4) / 6
+# Hidden size from which the matmuls reach the product's full MFU; below it efficiency falls
+# as (h / WIDE_HIDDEN)^0.75 (H100: 0.39-0.48 of peak from h=2048 to 4096, 0.23 at h=896).
+WIDE_HIDDEN = 2048
 # bnb NF4 dequantisation on every forward and backward matmul: QLoRA runs ~30-40% slower
 # than LoRA in the QLoRA paper and bnb benchmarks; we take 1/0.65.
 QLORA_SLOWDOWN = 1 / 0.65
@@ -55,14 +63,29 @@ def _comm_bytes(m: ModelShape, shape: TrainingShape, cand: Candidate) -> tuple[f
     return ga * ring * (2 * params + grads), 0.0  # zero3 / fsdp-full-shard
 
 
+def flops_per_token(m: ModelShape, shape: TrainingShape) -> float:
+    """Hardware FLOPs per trained token (recomputation included), see the module docstring."""
+    k = 6 if shape.method == "full" else 4
+    a = m.arch
+    head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
+    attention = k * a.num_hidden_layers * shape.seq_len * a.num_attention_heads * head_dim
+    # The input embedding is a lookup; a tied head is the same matrix used as a matmul.
+    matmul = m.active - (m.embedding if m.lm_head else 0)
+    model = k * matmul + attention
+    return model * ((k + 2) / k if shape.checkpointing else 1.0)
+
+
+def width_factor(m: ModelShape) -> float:
+    return float(min(1.0, m.arch.hidden_size / WIDE_HIDDEN) ** 0.75)
+
+
 def step_seconds(
     m: ModelShape, shape: TrainingShape, cand: Candidate, acc: Accelerator, global_batch: int
 ) -> float:
     """Modelled wall time of one optimizer step (all micro-batches, all ranks in parallel)."""
     tokens = global_batch * shape.seq_len
-    k = 6 if shape.method == "full" else 4
-    flops = k * m.active * tokens * (RECOMPUTE_FACTOR if shape.checkpointing else 1.0)
-    compute = flops / (cand.world_size * acc.peak_flops * acc.mfu)
+    flops = flops_per_token(m, shape) * tokens
+    compute = flops / (cand.world_size * acc.peak_flops * acc.mfu * width_factor(m))
     if shape.method == "qlora":
         compute *= QLORA_SLOWDOWN
     intra, cross = _comm_bytes(m, shape, cand)

@@ -25,8 +25,8 @@ explicitly:
 - dropout runs as ``native_dropout`` (CUDA's fused kernel: the saved mask is 1-byte bool); on
   CPU ``F.dropout`` multiplies by a noise tensor of the input's dtype and saves that (2-4 bytes
   per element), an artefact of the CPU path;
-- AdamW runs ``foreach=True`` (the CUDA default; CPU defaults to the per-tensor loop, whose
-  temporaries are one parameter wide instead of one whole shard wide);
+- AdamW runs ``fused=True`` (what the trainer runs on CUDA: no state-sized temporaries; CPU
+  defaults to the per-tensor loop);
 - optimizer states are created by a warm-up step *outside* the tracker: step 1's lazy init is not
   the steady state, and under DTensor it is counted at unsharded size by the tracker;
 - DDP's reducer cannot run on fake tensors; its buckets (one copy of the trainable gradients,

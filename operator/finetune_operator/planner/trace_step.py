@@ -144,7 +144,8 @@ def trace_step(config: TraceConfig, start: float) -> TraceResult:
             # to_empty gives each module its own tensor; FSDP had already merged the shared one.
             base_model(model).tie_weights()
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        # fused: the trainer's AdamW on CUDA (finetune_trainer.optim.adamw_implementation).
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
         for p in params:  # warm-up: create the AdamW states outside the tracker
             p.grad = torch.zeros_like(p)
         opt.step()
