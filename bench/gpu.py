@@ -172,8 +172,14 @@ def job_spec(case: Case, data: Path, ckpt: Path, steps: int, *, sync: bool) -> A
             "checkpoint": (
                 {"uri": str(ckpt), "intervalSteps": 4, "keep": 1, "async": not sync}
                 if case.ckpt
-                else {"uri": str(ckpt)}
+                else {"uri": str(ckpt), "enabled": False}
             ),
+            # The bench's work directory stands for the job's shared volume (absolute paths
+            # must lie on a declared mount).
+            "storage": {
+                "volumes": [{"name": "bench", "hostPath": {"path": str(ckpt.parent)}}],
+                "volumeMounts": [{"name": "bench", "mountPath": str(ckpt.parent)}],
+            },
         }
     )
 
@@ -502,7 +508,7 @@ def main() -> None:
     ap.add_argument("--no-ckpt", action="store_true", help="no checkpoints (faster)")
     ap.add_argument("--stop-at", type=float, default=1e12, help="start no run after this Unix time")
     ap.add_argument("--tag", default="", help="suffix of the result file")
-    ap.add_argument("--work", default="/tmp/ftbench")
+    ap.add_argument("--work", default="/var/tmp/ftbench")  # not under /tmp: the pods' own mount
     ap.add_argument("--out", default=None, help="write gpu-results[-TAG].json here")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
