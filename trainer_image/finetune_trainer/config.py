@@ -10,7 +10,7 @@ from pathlib import Path
 
 from finetune_operator.api.constants import METRICS_BASE_PORT
 from finetune_operator.api.jobconfig import JobConfig
-from finetune_trainer.faults import FaultConfig
+from finetune_trainer.faults import FaultConfig, env_number
 
 
 def load_job_config(path: str | os.PathLike[str]) -> JobConfig:
@@ -19,16 +19,8 @@ def load_job_config(path: str | os.PathLike[str]) -> JobConfig:
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError as e:
-        raise ValueError(f"environment variable {name}={raw!r} is not a number") from e
-    if value < 0:
-        raise ValueError(f"environment variable {name}={raw!r} must be >= 0")
-    return value
+    value = env_number(env, name)
+    return default if value is None else float(value)
 
 
 @dataclass(frozen=True, kw_only=True)

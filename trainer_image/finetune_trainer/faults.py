@@ -22,7 +22,10 @@ from typing import Protocol
 DEFAULT_HANG_MARKER = ".ft-hang-marker"
 
 
-def _number(env: Mapping[str, str], name: str, kind: type[float] | type[int]) -> float | None:
+def env_number(
+    env: Mapping[str, str], name: str, kind: type[float] | type[int] = float
+) -> float | None:
+    """A non-negative number from the environment (None: unset); a clear error otherwise."""
     raw = env.get(name, "").strip()
     if not raw:
         return None
@@ -43,8 +46,8 @@ class FaultConfig:
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> FaultConfig:
-        delay = _number(env, "FT_STEP_DELAY_SECONDS", float)
-        hang = _number(env, "FT_HANG_AT_STEP", int)
+        delay = env_number(env, "FT_STEP_DELAY_SECONDS", float)
+        hang = env_number(env, "FT_HANG_AT_STEP", int)
         return cls(
             step_delay_seconds=float(delay or 0.0),
             hang_at_step=int(hang) if hang is not None else None,
