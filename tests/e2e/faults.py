@@ -155,6 +155,8 @@ def faults_job(doc: dict[str, Any], name: str = FAULTS_JOB, steps: int = 200) ->
     doc["spec"]["training"] = {**doc["spec"]["training"], "maxSteps": steps}
     doc["spec"]["checkpoint"] = {**doc["spec"]["checkpoint"], "uri": f"checkpoints/{name}",
                                  "intervalSteps": INTERVAL, "keep": 3}  # fmt: skip
+    # Each job exports to its own directory: the output of another job is never replaced.
+    doc["spec"]["output"] = {**doc["spec"].get("output", {}), "uri": f"output/{name}"}
     # torchrun spends its own --max-restarts (= maxRestarts, per pod) on every trainer it
     # restarts in the pod (SIGKILL, SIGTERM of a trainer, a peer lost): room for the drills.
     doc["spec"]["faultTolerance"] = {"maxRestarts": 10, "backoffSeconds": 1}

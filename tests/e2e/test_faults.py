@@ -129,6 +129,7 @@ def test_default_job_resumes_after_a_worker_is_deleted(
     doc = quickstart_doc
     doc["metadata"]["name"] = "ft-default"
     del doc["spec"]["checkpoint"]
+    doc["spec"]["output"] = {**doc["spec"]["output"], "uri": "output/ft-default"}
     session.submit(doc)
 
     def _step(job: dict[str, Any]) -> int:
