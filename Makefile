@@ -34,7 +34,7 @@ lint: setup
 	$(BIN)/hadolint Dockerfile trainer_image/Dockerfile
 
 test: setup helm promtool lint
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

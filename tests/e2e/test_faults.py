@@ -21,7 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from finetune_local.session import LocalSession, is_finished, phase_of
 from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
 from tests.conftest import wait_until
-from tests.e2e.conftest import committed_steps, resumed_steps, slowed_session
+from tests.e2e.conftest import committed_steps, slowed_session
 from tests.e2e.faults import FAULTS_JOB, faults_job, run_drills
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -119,33 +119,3 @@ def test_kubectl_get_ftj(session: LocalSession) -> None:
     assert header == ["NAME", "PHASE", "GPUS", "STRATEGY", "STEP", "RESTARTS", "AGE"], out
     assert "ft-70b" in out and "Failed" in out
 
-
-def test_default_job_resumes_after_a_worker_is_deleted(
-    session: LocalSession, quickstart_doc: dict[str, Any]
-) -> None:
-    """No checkpoint fields at all: the default time interval still makes the job checkpoint,
-    so a deleted worker (SIGTERM: the group makes a final save) costs no more than the steps
-    since that save, not the whole run."""
-    doc = quickstart_doc
-    doc["metadata"]["name"] = "ft-default"
-    del doc["spec"]["checkpoint"]
-    doc["spec"]["output"] = {**doc["spec"]["output"], "uri": "output/ft-default"}
-    session.submit(doc)
-
-    def _step(job: dict[str, Any]) -> int:
-        return int(job.get("status", {}).get("step") or 0)
-
-    def _checkpoint(job: dict[str, Any]) -> int:
-        return int((job.get("status", {}).get("lastCheckpoint") or {}).get("step") or 0)
-
-    job = session.wait_for("ft-default", lambda j: _step(j) >= 15, timeout=240)
-    assert session.core is not None
-    session.core.delete_namespaced_pod("ft-default-worker-1", "default")
-    job = session.wait_for("ft-default", lambda j: _checkpoint(j) >= 15, timeout=120)
-    saved = _checkpoint(job)
-    job = session.wait_for("ft-default", is_finished, timeout=300)
-    assert phase_of(job) == "Succeeded", job.get("status")
-    log = session.cluster.pod_log_path("default", "ft-default-worker-0")
-    assert log is not None
-    resumed = resumed_steps(log)
-    assert resumed and min(resumed) >= saved >= 15, (resumed, saved)

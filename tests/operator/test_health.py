@@ -425,3 +425,18 @@ def test_a_hang_with_no_restart_left_fails_the_job() -> None:
     # The next pass sees a terminal job: the rendezvous pod goes too, nothing is re-created.
     again = run_pass(out.status, PODS, [], None, later + timedelta(seconds=2))
     assert not again.actions.create and again.status.phase == "Failed"
+
+
+def test_a_streak_carried_for_an_evicted_pod_never_passes_to_the_pod_now_at_its_rank() -> None:
+    """After an eviction the group re-forms and another pod takes the evicted rank: the streak
+    status carried was the evicted pod's, so the new holder of the rank is not evicted for it
+    (seen end to end before this rule: two evictions, the second of a healthy pod)."""
+    replacement = pod("qs-worker-9", "Running", ready=True, node="node-9")
+    workers = [WORKERS[0], WORKERS[2], replacement]
+    carried = {1: state(1, 3, confirmed=True)}  # qs-worker-1's, evicted and gone
+    # Right after the re-form rank 1 is qs-worker-2's and not judged yet.
+    det = replace(detection({}, {}), pods={0: ("qs-worker-0", "node-0"), 1: ("qs-worker-2", "node-2")})
+    d = decide_stragglers(
+        StragglerSpec(cooldown_seconds=0), det, carried, [], None, [], workers, 1, 3, T0
+    )
+    assert d.evict is None and not [s for s in d.stragglers if s.confirmed]

@@ -50,6 +50,9 @@ def carry_streaks(
     streaks = dict(detection.streaks)
     still: dict[int, StragglerState] = {}
     for rank, old in carried.items():
+        now_pod = detection.pods.get(rank, (None, None))[0]
+        if now_pod is not None and old.pod is not None and now_pod != old.pod:
+            continue  # the rank is another pod's since a re-form: the streak was the old pod's
         mine = detection.streaks.get(rank, 0)
         if rank not in detection.ratios:
             streaks[rank], still[rank] = max(mine, old.streak), old
@@ -141,6 +144,10 @@ def decide_stragglers(
     """One pass's straggler decision for an active job (`workers`: its live worker pods)."""
     if not spec.enabled:
         return StragglerDecision()
+    # A streak carried in status belongs to a pod: once that pod is gone (evicted, replaced),
+    # its rank may be another pod's, which must earn its own streak.
+    live = {p.name for p in workers}
+    carried = {r: c for r, c in carried.items() if c.pod is None or c.pod in live}
     streaks, still = carry_streaks(carried, detection)
     return replace(
         _decide(spec, detection, streaks, still, old, old_condition, evictions, workers,
