@@ -9,11 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from conftest import Proc, free_port, make_job, standalone_args, step_lines, tail, trainer_env
-from conftest import write_job as write
 
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import MethodSpec
+from tests.trainer.conftest import (
+    Proc,
+    free_port,
+    make_job,
+    standalone_args,
+    step_lines,
+    tail,
+    trainer_env,
+)
+from tests.trainer.conftest import write_job as write
 
 STEP4 = Path("checkpoints") / "quickstart" / "step-00000004"
 

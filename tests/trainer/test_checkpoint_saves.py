@@ -9,10 +9,18 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Proc, free_port, make_job, standalone_args, step_lines, tail, trainer_env
-from conftest import write_job as write_job_file
 
 from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
+from tests.trainer.conftest import (
+    Proc,
+    free_port,
+    make_job,
+    standalone_args,
+    step_lines,
+    tail,
+    trainer_env,
+)
+from tests.trainer.conftest import write_job as write_job_file
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
-from test_checkpointer import checkpointer, new_state, train_steps
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -27,6 +25,8 @@ from finetune_trainer.parallelize import _no_buffer_sync_in_forward
 from finetune_trainer.staging import HostStaging
 from finetune_trainer.state import TrainState
 from finetune_trainer.torch_floor import check_torch
+from tests.trainer.conftest import free_port
+from tests.trainer.test_checkpointer import checkpointer, new_state, train_steps
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port
 
 from finetune_trainer import checkpoint_store as store
+from tests.trainer.conftest import free_port
 
 pytestmark = pytest.mark.slow
 

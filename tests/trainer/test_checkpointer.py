@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import free_port, make_job
 from torch import nn
 
 from finetune_operator.api.spec import CheckpointSpec
@@ -26,6 +25,7 @@ from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.optim import build_scheduler
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
+from tests.trainer.conftest import free_port, make_job
 
 
 @pytest.fixture(scope="module")

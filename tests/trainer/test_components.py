@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_job
 from prometheus_client import generate_latest
 
 from finetune_operator.api.spec import DatasetSpec, MethodSpec, StrategySpec
@@ -18,6 +17,7 @@ from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model, decoder_layers
 from finetune_trainer.parallelize import parallelize
 from finetune_trainer.tokenizer import build_byte_tokenizer
+from tests.trainer.conftest import make_job
 
 CPU = torch.device("cpu")
 

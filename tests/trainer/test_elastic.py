@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
+from tests.trainer.conftest import (
     Proc,
     elastic_args,
     free_port,
@@ -20,8 +22,6 @@ from conftest import (
     wait_until,
     write_job,
 )
-
-from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Proc, free_port, make_job, standalone_args, tail, trainer_env, write_job
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -33,6 +32,15 @@ from finetune_trainer.ownership import StorageRefusedError
 from finetune_trainer.parallelize import parallelize
 from finetune_trainer.report import write_error_report, write_final_report
 from finetune_trainer.tokenizer import build_byte_tokenizer
+from tests.trainer.conftest import (
+    Proc,
+    free_port,
+    make_job,
+    standalone_args,
+    tail,
+    trainer_env,
+    write_job,
+)
 
 INPUT = torch.tensor([[256, *b"The export reloads.", 257]])
 

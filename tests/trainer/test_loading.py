@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, TORCHRUN, free_port, make_job, write_job
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -24,6 +23,7 @@ from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.model import build_model
 from finetune_trainer.tokenizer import build_byte_tokenizer
+from tests.trainer.conftest import REPO, TORCHRUN, free_port, make_job, write_job
 
 CPU = torch.device("cpu")
 WORKER = REPO / "tests" / "trainer" / "loading_worker.py"

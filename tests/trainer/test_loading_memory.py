@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+
+from tests.trainer.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 from model_loading import bound, layer_bytes, load_peak, measure

@@ -9,7 +9,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
+from tests.trainer.conftest import (
     Proc,
     free_port,
     make_job,
@@ -20,9 +22,7 @@ from conftest import (
     wait_until,
     write_job,
 )
-from test_components import METRIC_NAMES
-
-from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
+from tests.trainer.test_components import METRIC_NAMES
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Proc, free_port, make_job, standalone_args, tail, trainer_env, write_job
 
 from finetune_operator.reconcile.progress import parse_trainer_error
 from finetune_trainer import checkpoint_store as store
@@ -18,6 +17,15 @@ from finetune_trainer.ownership import (
     check_output_target,
     claim_checkpoint_root,
     read_owner,
+)
+from tests.trainer.conftest import (
+    Proc,
+    free_port,
+    make_job,
+    standalone_args,
+    tail,
+    trainer_env,
+    write_job,
 )
 
 JOB_A = {"job": "alpha", "namespace": "team", "uid": "uid-a"}

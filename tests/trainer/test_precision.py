@@ -13,16 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import (
-    Proc,
-    free_port,
-    make_job,
-    standalone_args,
-    step_lines,
-    tail,
-    trainer_env,
-    write_job,
-)
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
@@ -34,6 +24,16 @@ from finetune_trainer.parallelize import Parallel, parallelize
 from finetune_trainer.reduction_clock import ReductionClock
 from finetune_trainer.tokenizer import build_byte_tokenizer
 from finetune_trainer.trainer import precision_context
+from tests.trainer.conftest import (
+    Proc,
+    free_port,
+    make_job,
+    standalone_args,
+    step_lines,
+    tail,
+    trainer_env,
+    write_job,
+)
 
 CPU = torch.device("cpu")
 INPUT = torch.tensor([[256, *b"Mixed precision, as planned.", 257]] * 2)

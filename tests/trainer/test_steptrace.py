@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import (
+
+from finetune_operator.cli import main
+from finetune_operator.stragglers.trace import read_traces
+from finetune_trainer.config import RuntimeEnv
+from finetune_trainer.metrics import StepStats
+from finetune_trainer.steptrace import JsonlStepTrace, NoOpStepTrace, build_step_trace
+from tests.conftest import EXAMPLES
+from tests.trainer.conftest import (
     Proc,
     elastic_args,
     free_port,
@@ -18,13 +25,6 @@ from conftest import (
     wait_until,
     write_job,
 )
-
-from finetune_operator.cli import main
-from finetune_operator.stragglers.trace import read_traces
-from finetune_trainer.config import RuntimeEnv
-from finetune_trainer.metrics import StepStats
-from finetune_trainer.steptrace import JsonlStepTrace, NoOpStepTrace, build_step_trace
-from tests.conftest import EXAMPLES
 
 
 def stats(step: int, compute: float, wait: float) -> StepStats:

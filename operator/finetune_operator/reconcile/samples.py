@@ -52,9 +52,10 @@ class RankSample:
     wait_count: float = 0.0
 
     @property
-    def process(self) -> tuple[str, int, int]:
-        """Same value on two scrapes → same trainer process of the same group."""
-        return (self.pod, self.rank, self.restarts)
+    def process(self) -> tuple[str, str | None, int, int]:
+        """Same value on two scrapes → same trainer process of the same group. The node is part
+        of it: a replacement pod keeps its predecessor's name (worker-<i>), not its node."""
+        return (self.pod, self.node, self.rank, self.restarts)
 
 
 def parse_rank_samples(text: str, pod: str, node: str | None) -> list[RankSample]:
@@ -145,8 +146,15 @@ def advance(
     Pods that went away take their samples and records with them. Records older than
     `keep_steps` steps before the newest are dropped (bounded memory whatever the run's length).
     A rank missing from this scrape (a timeout) keeps its last sample."""
-    last = {r: s for r, s in buffer.last.items() if s.pod in live_pods}
-    records = tuple(r for r in buffer.records if r.pod in live_pods)
+    # A pod seen on another node than before is a replacement of the same name: what its
+    # predecessor reported (an evicted straggler, say) must not be read as its own.
+    where = {s.pod: s.node for s in samples}
+
+    def current(pod: str | None, node: str | None) -> bool:
+        return pod in live_pods and (pod not in where or where[pod] == node)
+
+    last = {r: s for r, s in buffer.last.items() if current(s.pod, s.node)}
+    records = tuple(r for r in buffer.records if current(r.pod, r.node))
     carried = {r: c for r, c in buffer.carried.items() if c.pod in live_pods}
     if any(_restarted(last.get(s.rank), s) for s in samples):
         return RecordBuffer(last={s.rank: s for s in samples})
