@@ -80,7 +80,9 @@ def _job(
     spec["checkpoint"].update(uri=f"checkpoints/{name}", intervalSteps=10)
     spec["output"]["uri"] = f"output/{name}"
     spec["faultTolerance"].update(
-        stragglers={"windowSteps": 5, "consecutiveWindows": 2, "cooldownSeconds": 0, **stragglers}
+        # The default cooldown (600 s): with 0, a second eviction of a healthy pod was seen
+        # right after the group re-formed (an open defect, see the README's "Not done yet").
+        stragglers={"windowSteps": 5, "consecutiveWindows": 2, "cooldownSeconds": 600, **stragglers}
     )
     return doc
 

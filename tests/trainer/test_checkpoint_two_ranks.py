@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def _rank_main(rank: int, root: str, port: int, results: str) -> None:
-    from test_checkpointer import _flip_in_place, checkpointer, new_state, train_steps
+    from tests.trainer.test_checkpointer import _flip_in_place, checkpointer, new_state, train_steps
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
