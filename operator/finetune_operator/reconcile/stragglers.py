@@ -144,10 +144,8 @@ def decide_stragglers(
     """One pass's straggler decision for an active job (`workers`: its live worker pods)."""
     if not spec.enabled:
         return StragglerDecision()
-    # A streak carried in status belongs to a pod: once that pod is gone (evicted, replaced),
-    # its rank may be another pod's, which must earn its own streak.
-    live = {p.name for p in workers}
-    carried = {r: c for r, c in carried.items() if c.pod is None or c.pod in live}
+    # Streaks of pods that went away were dropped with their records (samples.advance);
+    # carry_streaks drops those whose rank another pod holds now.
     streaks, still = carry_streaks(carried, detection)
     return replace(
         _decide(spec, detection, streaks, still, old, old_condition, evictions, workers,
