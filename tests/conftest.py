@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -37,3 +38,17 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}" + (f"\n{detail()}" if detail else ""))
         time.sleep(interval)
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """A strict JSON-lines reader: every line that starts a JSON object, or holds a step or
+    summary record, must be exactly one JSON object (a log record fused into a step line fails
+    here, as it would in a log shipper); the other lines are log records."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith('{"') or '{"step"' in line or '{"summary"' in line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise AssertionError(f"not a JSON line ({e}): {line!r}") from None
+    return out

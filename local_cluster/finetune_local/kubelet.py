@@ -51,6 +51,9 @@ _PASS_ENV = (
     "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "GLOO_",
     "PYTHONPATH",
 )
+# The images' own ENV (Dockerfile, trainer_image/Dockerfile) that the processes depend on:
+# unbuffered output, so a pod's log interleaves stdout and stderr as in a container.
+_IMAGE_ENV = {"PYTHONUNBUFFERED": "1"}
 
 
 def _key(obj: Mapping[str, Any]) -> PodKey:
@@ -304,7 +307,7 @@ class Kubelet:
 
     def _base_env(self, pod: Mapping[str, Any]) -> dict[str, str]:
         venv_bin = os.path.dirname(sys.executable)
-        env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV)}
+        env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV)} | _IMAGE_ENV
         env["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
         env["HOSTNAME"] = pod.get("spec", {}).get("hostname") or pod["metadata"]["name"]
         host, _, port = self.config.api_url.removeprefix("http://").partition(":")

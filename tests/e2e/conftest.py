@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 import yaml
 
 from finetune_local.session import LocalSession
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, json_lines
 
 
 @pytest.fixture
@@ -23,15 +22,9 @@ def quickstart_doc() -> dict[str, Any]:
 
 
 def step_records(log: Path) -> list[dict[str, Any]]:
-    """The rank-0 JSON step lines of a trainer log, in order."""
-    records = []
-    for line in log.read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"step"' in line:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-    return records
+    """The rank-0 JSON step lines of a trainer log, in order (read strictly: a log record fused
+    into a step line fails the test)."""
+    return [r for r in json_lines(log.read_text(errors="replace")) if "step" in r]
 
 
 RESUMED = re.compile(r"resumed from checkpoint step (\d+)")

@@ -19,6 +19,7 @@ import yaml
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.plan import MemoryBreakdown, Plan
 from finetune_operator.api.spec import FineTuneJobSpec
+from tests.conftest import json_lines
 from tests.conftest import wait_until as shared_wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,12 +70,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def step_lines(log: Path) -> list[dict[str, Any]]:
     """The rank-0 JSON step lines of a torchrun log."""
-    out = []
-    for line in log.read_text(errors="replace").splitlines():
-        line = line.strip()
-        if line.startswith('{"step"'):
-            out.append(json.loads(line))
-    return out
+    return [r for r in json_lines(log.read_text(errors="replace")) if "step" in r]
 
 
 class Proc:
@@ -133,6 +129,8 @@ def trainer_env(pod_ip: str, **extra: str) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        # As the trainer image runs it (trainer_image/Dockerfile): every print is written through.
+        "PYTHONUNBUFFERED": "1",
         **extra,
     }
 

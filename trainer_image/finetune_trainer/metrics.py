@@ -1,4 +1,4 @@
-"""Prometheus metrics (one HTTP server per local rank) and the rank-0 JSON step log.
+"""Prometheus metrics (one HTTP server per local rank) and what rank 0 writes to the JSON step log.
 
 Labels are `finetunejob` and `rank` only: Prometheus owns `job`; namespace, pod and node come
 from the scrape target. Throughput and memory maths live here, not in the loop.
@@ -6,7 +6,6 @@ from the scrape target. Throughput and memory maths live here, not in the loop.
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
 import sys
@@ -18,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from finetune_operator.api import metricnames as mn
 from finetune_trainer.stall import Stall, StallEstimator
+from finetune_trainer.steplog import write_json_line
 
 log = logging.getLogger(__name__)
 
@@ -133,19 +133,16 @@ class TrainerMetrics:
         self.peak_memory.set(peak_memory_bytes(self.device))
         self.observe_step_time(s.step_seconds)
         if self.rank == 0:
-            print(
-                json.dumps(
-                    {
-                        "step": s.step,
-                        "loss": round(s.loss, 5),
-                        "lr": s.lr,
-                        "tokens_per_second": round(s.tokens / max(s.step_seconds, 1e-9), 1),
-                        "step_seconds": round(s.step_seconds, 4),
-                        "compute_seconds": round(s.compute_seconds, 4),
-                        "wait_seconds": round(s.wait_seconds, 4),
-                    }
-                ),
-                flush=True,
+            write_json_line(
+                {
+                    "step": s.step,
+                    "loss": round(s.loss, 5),
+                    "lr": s.lr,
+                    "tokens_per_second": round(s.tokens / max(s.step_seconds, 1e-9), 1),
+                    "step_seconds": round(s.step_seconds, 4),
+                    "compute_seconds": round(s.compute_seconds, 4),
+                    "wait_seconds": round(s.wait_seconds, 4),
+                }
             )
 
     def _record_stalls(self, stalls: list[Stall | None]) -> None:
@@ -209,4 +206,4 @@ class TrainerMetrics:
         }
         if self.device.type == "cuda":
             summary["segments_by_stream"] = _segments_by_stream()
-        print(json.dumps({"summary": summary}), flush=True)
+        write_json_line({"summary": summary})
