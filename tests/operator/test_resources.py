@@ -109,7 +109,9 @@ def test_worker_command(
     spec.resources.min_nodes, spec.resources.max_nodes = min_nodes, max_nodes
     pod = build_worker_pod(owner, spec, make_plan(plan_nodes, 1), 0)
     assert _container(pod)["command"] == [
-        "torchrun",
+        "python",
+        "-m",
+        "finetune_trainer.launch",
         f"--nnodes={nnodes}",
         "--nproc-per-node=1",
         "--rdzv-backend=c10d",

@@ -25,6 +25,8 @@ from tests.conftest import wait_until as shared_wait_until
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+# What a worker pod runs (resources/worker.py): torchrun behind the trainer's launcher.
+LAUNCHER = [sys.executable, "-m", "finetune_trainer.launch"]
 
 
 def quickstart_spec() -> dict[str, Any]:
@@ -137,7 +139,7 @@ def trainer_env(pod_ip: str, **extra: str) -> dict[str, str]:
 
 def standalone_args(nproc: int, config: Path, port: int) -> list[str]:
     return [
-        TORCHRUN, "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+        *LAUNCHER, "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=standalone", "--max-restarts=0",
         "-m", "finetune_trainer", "--config", str(config),
     ]
@@ -155,7 +157,7 @@ def elastic_args(
 ) -> list[str]:
     """The operator's worker command, plus `--local-addr` for the pod address."""
     return [
-        TORCHRUN, f"--nnodes={min_nodes}:{max_nodes}", "--nproc-per-node=1",
+        *LAUNCHER, f"--nnodes={min_nodes}:{max_nodes}", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=test-uid",
         f"--rdzv-conf={rdzv_conf}", f"--max-restarts={restarts}", f"--local-addr={pod_ip}",
         "-m", "finetune_trainer", "--config", str(config),
