@@ -128,10 +128,6 @@ class Registry:
     def all(self) -> list[ResourceType]:
         return list(self._types.values())
 
-    def by_kind(self, api_version: str, kind: str) -> ResourceType | None:
-        return next((t for t in self._types.values()
-                     if t.api_version == api_version and t.kind == kind), None)
-
     def register_crd(self, crd: dict[str, Any]) -> list[ResourceType]:
         self.unregister_crd(crd["metadata"]["name"])
         added = types_from_crd(crd)

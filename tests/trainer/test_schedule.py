@@ -58,7 +58,7 @@ def test_runtime_env_from_environ() -> None:
     })
     assert (env.rank, env.local_rank, env.world_size, env.restart_count) == (3, 1, 4, 2)
     assert env.metrics_port == 9401 and env.pod_ip == "10.0.0.5"
-    assert env.faults.step_delay_seconds == 0.5 and not env.is_rank0
+    assert env.faults.step_delay_seconds == 0.5 and env.rank != 0
 
 
 @pytest.mark.parametrize("raw", ["abc", "-1"])

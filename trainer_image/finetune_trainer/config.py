@@ -75,10 +75,6 @@ class RuntimeEnv:
         )
 
     @property
-    def is_rank0(self) -> bool:
-        return self.rank == 0
-
-    @property
     def metrics_port(self) -> int | None:
         if self.metrics_base_port == 0:
             return None

@@ -105,7 +105,6 @@ class TrainerMetrics:
         self.total_steps.set(total_steps)
         # Save durations for the run's final summary line (bench/gpu.py reads it).
         self._commit_seconds: list[float] = []
-        self._last_log = time.monotonic()
         self.stall = StallEstimator()
         # Set by the checkpoint commit thread, read by the loop: has the save in flight
         # finished writing? (A bool assignment is atomic under the GIL.)

@@ -125,7 +125,6 @@ class HostStaging:
         self.device_snapshot = device_snapshot and self.cuda
         self._snapshot: torch.Tensor | None = None
         self.allocations = 0
-        self.allocated_bytes = 0
         self._buffer: torch.Tensor | None = None
         self._registered = False
         self._layout: tuple[_Slot, ...] = ()
@@ -158,7 +157,6 @@ class HostStaging:
             self._snapshot = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         self._layout = layout
         self.allocations += 1
-        self.allocated_bytes = nbytes
         log.info(
             "checkpoint staging: %.2f GB of %s host memory for %d tensors",
             nbytes / 1e9,

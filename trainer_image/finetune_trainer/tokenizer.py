@@ -9,7 +9,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from finetune_operator.api.spec import ModelSpec
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
-BYTE_VOCAB_SIZE = 256 + 3
 
 # A minimal chat format for byte-level models: role header, content, eos.
 BYTE_CHAT_TEMPLATE = (

@@ -34,15 +34,6 @@ COND_FAILED: Final = "Failed"
 COND_STRAGGLER_DETECTED: Final = "StragglerDetected"
 COND_CHECKPOINT_FAILING: Final = "CheckpointFailing"
 COND_HANG_DETECTED: Final = "HangDetected"
-CONDITION_TYPES: Final = (
-    COND_PLANNED,
-    COND_WORKERS_READY,
-    COND_SUCCEEDED,
-    COND_FAILED,
-    COND_STRAGGLER_DETECTED,
-    COND_CHECKPOINT_FAILING,
-    COND_HANG_DETECTED,
-)
 
 # Condition reasons: one CamelCase word each.
 REASON_PLAN_FITS: Final = "PlanFits"
@@ -65,7 +56,6 @@ REASON_NO_STRAGGLER: Final = "NoStraggler"
 REASON_STRAGGLER_FOUND: Final = "StragglerFound"  # confirmed; the action waits (budget, cooldown)
 REASON_CHECKPOINT_SKIPPED: Final = "CheckpointSkipped"
 REASON_PREEMPTED: Final = "Preempted"  # a pod stopped by a signal, eviction or node shutdown
-REASON_RENDEZVOUS_LOST: Final = "RendezvousLost"
 REASON_STRAGGLER_EVICTED: Final = "StragglerEvicted"
 REASON_STRAGGLER_ALERTED: Final = "StragglerAlerted"
 REASON_CHECKPOINT_SAVE_FAILED: Final = "CheckpointSaveFailed"

@@ -65,7 +65,6 @@ class ModelShape:
     layer: int  # parameters of one decoder layer
     layer_linear: int  # of those, in nn.Linear weights (what QLoRA quantises)
     layer_active: int  # per-token active parameters of one layer (MoE: k experts)
-    final_norm: int
     total: int
     active: int
 
@@ -131,7 +130,6 @@ def shape_of(arch: ModelArchitecture) -> ModelShape:
         layer=layer,
         layer_linear=layer_linear,
         layer_active=layer_active,
-        final_norm=h,
         total=total,
         active=active,
     )

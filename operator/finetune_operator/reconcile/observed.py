@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from finetune_operator.api.constants import (
-    ANNOTATION_RESTART_ATTEMPT,
     LABEL_JOB,
     LABEL_ROLE,
     LABEL_WORKER_INDEX,
@@ -35,7 +34,6 @@ class PodView:
     exit_code: int | None = None
     finished_at: datetime | None = None
     reason: str | None = None
-    restart_attempt: int = 0
     termination_message: str | None = None  # what the container left in its termination log
     disruption: str | None = None  # DisruptionTarget condition reason, or an eviction's status.reason
     created_at: datetime | None = None  # metadata.creationTimestamp
@@ -111,7 +109,6 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     labels = meta.get("labels") or {}
-    annotations = meta.get("annotations") or {}
     term = _terminated(status)
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True"
@@ -131,7 +128,6 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
         exit_code=_int(term.get("exitCode"), None),
         finished_at=parse_time(term.get("finishedAt")),
         reason=term.get("reason") or status.get("reason"),
-        restart_attempt=_int(annotations.get(ANNOTATION_RESTART_ATTEMPT), 0) or 0,
         termination_message=term.get("message") or None,
         disruption=_disruption(status),
         created_at=parse_time(meta.get("creationTimestamp")),
