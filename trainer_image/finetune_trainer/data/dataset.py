@@ -1,4 +1,4 @@
-"""Training data: load records (jsonl, parquet, HF datasets, or the shipped quickstart corpus),
+"""Training data: load records (jsonl, parquet, HF datasets, or a corpus shipped beside this file),
 tokenize a text field or chat messages, and pack them into fixed-length blocks."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def resolve_uri(uri: str) -> str:
             raise UnsupportedConfigError(
                 f"dataset.uri {uri!r}: unknown builtin dataset; known: {sorted(BUILTIN)}"
             )
-        return str(Path(__file__).with_name("data") / BUILTIN[name])
+        return str(Path(__file__).with_name(BUILTIN[name]))
     if uri.startswith("file://"):
         return uri.removeprefix("file://")
     if "://" in uri:
