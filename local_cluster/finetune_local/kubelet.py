@@ -5,6 +5,9 @@ binds pending pods to a node (:mod:`.scheduler`), starts each bound pod's contai
 :mod:`.podinit` (own mount + UTS namespace, hostname, volumes, /etc/hosts), reports status
 (Pending -> Running -> Succeeded/Failed with the exit code) and carries out graceful deletion:
 SIGTERM to the process group, SIGKILL after the grace period, then the final delete.
+Its parts: :mod:`.informer` (list + watch caches), :mod:`.nodes` (Node registration),
+:mod:`.podsources` (ConfigMaps, Secrets and claims a pod uses), :mod:`.podspec` (environment,
+hosts file), :mod:`.podrunner` (volumes, the process), :mod:`.podstatus` (status bodies).
 
 Deviations from a real kubelet: only the first container runs (init and sidecar containers are
 ignored); images are ignored (the command runs with this Python environment); there is no
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import pathlib
@@ -29,6 +33,9 @@ from typing import Any
 
 from finetune_local import podrunner
 from finetune_local.addresses import AddressPool
+from finetune_local.informer import Cache, ObjectKey, key_of, list_and_watch, remember
+from finetune_local.nodes import register_node
+from finetune_local.podsources import bind_claim, fetch_config, referenced_configs
 from finetune_local.podspec import (
     ConfigMissingError,
     container_env,
@@ -43,7 +50,7 @@ from finetune_local.scheduler import pick_node
 from finetune_local.termination import read_message, termination_mount
 
 logger = logging.getLogger(__name__)
-PodKey = tuple[str, str]
+PodKey = ObjectKey
 CLUSTER_ENV = "FTJOB_LOCAL_CLUSTER"
 # What of the host environment stands for the pod's image: the Python environment includes
 # PYTHONPATH (a source checkout run without installing it, e.g. a git worktree).
@@ -54,14 +61,6 @@ _PASS_ENV = (
 # The images' own ENV (Dockerfile, trainer_image/Dockerfile) that the processes depend on:
 # unbuffered output, so a pod's log interleaves stdout and stderr as in a container.
 _IMAGE_ENV = {"PYTHONUNBUFFERED": "1"}
-
-
-def _key(obj: Mapping[str, Any]) -> PodKey:
-    return (obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
-
-
-def _rv(obj: Mapping[str, Any]) -> int:
-    return int(obj["metadata"].get("resourceVersion") or 0)
 
 
 @dataclass
@@ -112,9 +111,9 @@ class PodRun:
 class Kubelet:
     def __init__(self, client: RestClient, config: KubeletConfig) -> None:
         self.client, self.config = client, config
-        self.pods: dict[PodKey, dict[str, Any]] = {}
-        self.services: dict[PodKey, dict[str, Any]] = {}
-        self.nodes: dict[PodKey, dict[str, Any]] = {}
+        self.pods: Cache = {}
+        self.services: Cache = {}
+        self.nodes: Cache = {}
         self.runs: dict[PodKey, PodRun] = {}
         self.mountpoints = podrunner.MountPoints()
         self.addresses: AddressPool | None = None
@@ -129,11 +128,11 @@ class Kubelet:
         await podrunner.probe_isolation(self.config.data_dir / "kubelet")
         self.addresses = AddressPool.claim(self.config.address_lock_dir)
         for name in self.config.node_names:
-            await self._register_node(name)
+            await register_node(self.client, name, self.config.node_labels, self.config.node_capacity)
         for path, cache in ((resource_path("v1", "pods"), self.pods),
                             (resource_path("v1", "services"), self.services),
                             (resource_path("v1", "nodes"), self.nodes)):
-            self._tasks.append(asyncio.create_task(self._watch(path, cache)))
+            self._tasks.append(asyncio.create_task(list_and_watch(self.client, path, cache, self._wake.set)))
         self._tasks.append(asyncio.create_task(self._reconcile_forever()))
 
     async def stop(self) -> None:
@@ -169,56 +168,6 @@ class Kubelet:
             return None
         return run.directory / f"{container or run.container}.log"
 
-    async def _register_node(self, name: str) -> None:
-        labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                  "kubernetes.io/arch": "amd64", **self.config.node_labels}
-        body = {"metadata": {"name": name, "labels": labels}, "spec": {}}
-        with contextlib.suppress(ApiStatusError):
-            await self.client.create(resource_path("v1", "nodes"), body)
-        status = {"capacity": self.config.node_capacity, "allocatable": self.config.node_capacity,
-                  "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
-                  "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                                  "message": "local kubelet is posting ready status",
-                                  "lastHeartbeatTime": now(), "lastTransitionTime": now()}],
-                  "nodeInfo": {"kubeletVersion": "v1.32.0-local", "operatingSystem": "linux",
-                               "architecture": "amd64", "containerRuntimeVersion": "local://process"}}
-        await self.client.merge_patch(resource_path("v1", "nodes", name=name, subresource="status"),
-                                      {"status": status})
-
-    # ------------------------------------------------------------------ watching
-
-    async def _watch(self, path: str, cache: dict[PodKey, dict[str, Any]]) -> None:
-        while True:
-            try:
-                listing = await self.client.get(path)
-                cache.clear()
-                cache.update({_key(o): o for o in listing["items"]})
-                self._wake.set()
-                async for event in self.client.watch(path, listing["metadata"]["resourceVersion"]):
-                    if event["type"] == "ERROR":
-                        break  # 410 Gone or similar: list again
-                    if event["type"] == "BOOKMARK":
-                        continue
-                    obj = event["object"]
-                    if event["type"] == "DELETED":
-                        cache.pop(_key(obj), None)
-                    else:
-                        self._remember(cache, obj)
-                    self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                logger.debug("kubelet watch of %s restarts: %r", path, exc)
-                await asyncio.sleep(0.5)
-
-    @staticmethod
-    def _remember(cache: dict[PodKey, dict[str, Any]], obj: dict[str, Any]) -> None:
-        # Our own write responses can be newer than a watch event still in flight.
-        old = cache.get(_key(obj))
-        if old is None or _rv(obj) >= _rv(old):
-            cache[_key(obj)] = obj
-
-    # ------------------------------------------------------------------ reconcile
 
     async def _reconcile_forever(self) -> None:
         while True:
@@ -276,10 +225,10 @@ class Kubelet:
     async def _patch_status(self, key: PodKey, status: dict[str, Any]) -> None:
         path = resource_path("v1", "pods", key[0], key[1], "status")
         with contextlib.suppress(ApiStatusError):
-            self._remember(self.pods, await self.client.merge_patch(path, {"status": status}))
+            remember(self.pods, await self.client.merge_patch(path, {"status": status}))
 
     async def _schedule(self, pod: dict[str, Any]) -> None:
-        key = _key(pod)
+        key = key_of(pod)
         placed: dict[str, list[Mapping[str, Any]]] = {}
         for other in self.pods.values():
             node = other.get("spec", {}).get("nodeName")
@@ -295,7 +244,7 @@ class Kubelet:
             return
         # A real scheduler POSTs a Binding; setting spec.nodeName has the same effect here.
         bound = await self.client.merge_patch(resource_path("v1", "pods", key[0], key[1]), {"spec": {"nodeName": node}})
-        self._remember(self.pods, bound)
+        remember(self.pods, bound)
         await self._patch_status(key, {"conditions": [{"type": "PodScheduled", "status": "True",
                                                        "lastTransitionTime": now()}]})
 
@@ -318,37 +267,6 @@ class Kubelet:
         env.update(self.config.node_env.get(pod.get("spec", {}).get("nodeName") or "", {}))
         return env
 
-    async def _fetch_config(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        plural = "configmaps" if kind == "configMap" else "secrets"
-        try:
-            result: dict[str, Any] = await self.client.get(resource_path("v1", plural, namespace, name))
-            return result
-        except ApiStatusError as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    async def _bind_claim(self, namespace: str, name: str) -> pathlib.Path | None:
-        """Provision and bind a PersistentVolumeClaim on its first consumer, as a
-        WaitForFirstConsumer storage class does: a host directory per claim, kept when pods
-        go (the claim outlives them). None when the claim does not exist."""
-        path = resource_path("v1", "persistentvolumeclaims", namespace, name)
-        try:
-            claim: dict[str, Any] = await self.client.get(path)
-        except ApiStatusError as exc:
-            if exc.status == 404:
-                return None
-            raise
-        directory = self.config.data_dir / "pvcs" / namespace / name
-        directory.mkdir(parents=True, exist_ok=True)
-        if claim.get("status", {}).get("phase") != "Bound":
-            spec = claim.get("spec", {})
-            status = {"phase": "Bound", "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
-                      "capacity": dict(spec.get("resources", {}).get("requests", {}))}
-            status_path = resource_path("v1", "persistentvolumeclaims", namespace, name, "status")
-            await self.client.merge_patch(status_path, {"status": status})
-        return directory
-
     async def _start(self, key: PodKey, pod: dict[str, Any]) -> None:
         containers = pod.get("spec", {}).get("containers") or [{}]
         container = containers[0]
@@ -356,11 +274,12 @@ class Kubelet:
         run = PodRun(uid=pod["metadata"]["uid"], ip=self._allocate_ip(), directory=directory,
                      container=container.get("name", "main"), hosts_file=directory / "etc-hosts")
         try:
-            volumes = await podrunner.materialise_volumes(pod, directory, self.config.data_dir, self._fetch_config,
-                                                          self._bind_claim)
+            volumes = await podrunner.materialise_volumes(
+                pod, directory, self.config.data_dir, functools.partial(fetch_config, self.client),
+                functools.partial(bind_claim, self.client, self.config.data_dir))
             lookups: dict[tuple[str, str], dict[str, str] | None] = {}
-            for kind, name in _referenced_configs(container):
-                obj = await self._fetch_config(kind, key[0], name)
+            for kind, name in referenced_configs(container):
+                obj = await fetch_config(self.client, kind, key[0], name)
                 lookups[(kind, name)] = None if obj is None else (
                     secret_data(obj) if kind == "secret" else dict(obj.get("data") or {}))
             pod_view = {**pod, "status": {**pod.get("status", {}), "podIP": run.ip, "hostIP": "127.0.0.1"}}
@@ -470,17 +389,3 @@ class Kubelet:
                     handle.write(text)
                     handle.truncate()
                 run.hosts_text = text
-
-
-def _referenced_configs(container: Mapping[str, Any]) -> list[tuple[str, str]]:
-    refs: list[tuple[str, str]] = []
-    for item in container.get("env") or []:
-        source = item.get("valueFrom") or {}
-        for kind in ("configMap", "secret"):
-            if f"{kind}KeyRef" in source:
-                refs.append((kind, source[f"{kind}KeyRef"].get("name", "")))
-    for source in container.get("envFrom") or []:
-        for kind in ("configMap", "secret"):
-            if f"{kind}Ref" in source:
-                refs.append((kind, source[f"{kind}Ref"].get("name", "")))
-    return refs
