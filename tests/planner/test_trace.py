@@ -150,7 +150,7 @@ def test_trace_plan_traces_the_planned_configuration() -> None:
                 "gpu": {"product": "H100-80GB"},
                 "gpusPerNode": 2,
                 "minNodes": 1,
-                "maxNodes": 1,
+                "maxNodes": 2,
             },
             "strategy": {"type": "fsdp-full-shard"},
         }
@@ -158,7 +158,10 @@ def test_trace_plan_traces_the_planned_configuration() -> None:
     plan = plan_job(spec)
     r = trace_plan(spec, plan)
     c = r.config
+    # Launched on 2 nodes; memory planned (so traced) at minNodes: 1 node of 2 ranks.
+    assert plan.world_size == 4
     assert (c.strategy, c.world_size, c.micro_batch, c.seq_len) == ("fsdp-full-shard", 2, 2, 512)
     assert c.checkpointing and c.precision == "bf16-mixed"
+    assert c.ddp_bucket_view  # as the trainer's DDP runs
     text = format_trace_comparison(plan, r)
     assert "peak" in text and "traced" in text

@@ -94,14 +94,18 @@ def run_trace(config: TraceConfig) -> TraceResult:
 
 
 def trace_plan(spec: FineTuneJobSpec, plan: Plan) -> TraceResult:
-    """Trace the job's real architecture at the plan's strategy, world size, micro-batch and
-    checkpointing (``ftjob plan --trace``)."""
+    """Trace the job's real architecture at the plan's strategy, micro-batch and checkpointing
+    and the world size its memory was planned at (``ftjob plan --trace``)."""
     from finetune_operator.planner.architecture import resolve_model
 
     if spec.method.type == "qlora":
         raise ValueError("qlora cannot be traced: 4-bit bitsandbytes weights need a GPU")
     strategy: str = plan.strategy
-    world = plan.world_size
+    # The plan's memory is per rank at minNodes when the job is elastic (planner/planning.py:
+    # sharded states grow when ranks leave): trace that world size, not the launched one, or
+    # the two columns describe different jobs.
+    min_nodes = spec.resources.min_nodes
+    world = min_nodes * plan.gpus_per_node if min_nodes is not None else plan.world_size
     if strategy == "fsdp-hybrid":
         # HSDP shards within a node and replicates across: per-rank memory is full-shard's at
         # the node's size.
@@ -123,6 +127,9 @@ def trace_plan(spec: FineTuneJobSpec, plan: Plan) -> TraceResult:
             seq_len=spec.training.sequence_length,
             checkpointing=plan.activation_checkpointing,
             precision=precision,
+            # What the trainer runs (finetune_trainer/parallelize.py) and the planner models:
+            # DDP's gradients are its buckets.
+            ddp_bucket_view=True,
         )
     )
     caveats = list(result.notes)
