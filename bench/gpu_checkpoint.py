@@ -263,7 +263,7 @@ def main() -> None:
     )
     state = TrainState(model, opt, sched, sampler, rank=dist.get_rank(), seed=0)
     metrics = TrainerMetrics(
-        job="bench", rank=dist.get_rank(), device=device, restarts=0, total_steps=args.steps
+        job="bench", rank=dist.get_rank(), device=device, reforms=0, total_steps=args.steps
     )
     spec = CheckpointSpec.model_validate({"uri": "ours", "intervalSteps": args.every, "keep": 1})
     ckpt = DcpCheckpointer(

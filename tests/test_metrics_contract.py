@@ -27,7 +27,7 @@ def _exported(registry: CollectorRegistry, prefix: str) -> dict[str, str]:
 
 
 def test_trainer_exports_the_contract() -> None:
-    m = TrainerMetrics(job="j", rank=0, device=torch.device("cpu"), restarts=0, total_steps=10)
+    m = TrainerMetrics(job="j", rank=0, device=torch.device("cpu"), reforms=0, total_steps=10)
     assert _exported(m.registry, "finetune_trainer_") == TRAINER_METRICS
 
 
@@ -39,14 +39,14 @@ def test_labels_are_the_declared_ones_and_never_job() -> None:
     for m in mn.ALL_METRICS:
         assert "job" not in m.labels, m.name
     per_job = (mn.OPERATOR_EVICTIONS, mn.OPERATOR_STRAGGLER_RATIO, mn.OPERATOR_HANGS)
-    for m in (*per_job, mn.OPERATOR_POD_REPLACEMENTS):
+    for m in (*per_job, mn.OPERATOR_RESTARTS, mn.OPERATOR_PREEMPTIONS):
         assert m.labels[:2] == ("namespace", "finetunejob"), m.name
 
 
 def test_every_trainer_series_is_set_by_the_loop() -> None:
     """What the loop calls (observe_step, beat, the checkpoint hooks, serve) sets every series
     to a value that means something (a histogram observed, a gauge moved off its zero)."""
-    m = TrainerMetrics(job="j", rank=0, device=torch.device("cpu"), restarts=1, total_steps=10)
+    m = TrainerMetrics(job="j", rank=0, device=torch.device("cpu"), reforms=1, total_steps=10)
     m.serve(None, None)
     m.observe_step(StepStats(3, 2.5, 1e-3, 512, 0.3, 0.2, 0.1), world_size=2)
     m.beat()

@@ -273,7 +273,8 @@ def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     ns, name = job.namespace, job.name
     metrics.set_job_phase(f"{ns}/{name}", new.phase)
-    metrics.record_replacements(ns, name, new.restarts - old.restarts)
+    metrics.record_restarts(ns, name, new.restarts - old.restarts)
+    metrics.record_preemptions(ns, name, new.preemptions - old.preemptions)
     metrics.record_evictions(ns, name, len(new.evictions) - len(old.evictions))
     metrics.record_hangs(ns, name, new.hangs - old.hangs)
     if scraped:

@@ -59,10 +59,16 @@ STRAGGLER_RATIO = Gauge(
     _labels(mn.OPERATOR_STRAGGLER_RATIO),
     registry=REGISTRY,
 )
-POD_REPLACEMENTS = Counter(
-    mn.OPERATOR_POD_REPLACEMENTS.family,
-    mn.OPERATOR_POD_REPLACEMENTS.help,
-    _labels(mn.OPERATOR_POD_REPLACEMENTS),
+RESTARTS = Counter(
+    mn.OPERATOR_RESTARTS.family,
+    mn.OPERATOR_RESTARTS.help,
+    _labels(mn.OPERATOR_RESTARTS),
+    registry=REGISTRY,
+)
+PREEMPTIONS = Counter(
+    mn.OPERATOR_PREEMPTIONS.family,
+    mn.OPERATOR_PREEMPTIONS.help,
+    _labels(mn.OPERATOR_PREEMPTIONS),
     registry=REGISTRY,
 )
 
@@ -88,9 +94,14 @@ def set_job_phase(job: str, phase: str | None) -> None:
         JOBS.labels(state=phase).inc()
 
 
-def record_replacements(namespace: str, name: str, count: int) -> None:
+def record_restarts(namespace: str, name: str, count: int) -> None:
     if count > 0:
-        POD_REPLACEMENTS.labels(namespace=namespace, finetunejob=name).inc(count)
+        RESTARTS.labels(namespace=namespace, finetunejob=name).inc(count)
+
+
+def record_preemptions(namespace: str, name: str, count: int) -> None:
+    if count > 0:
+        PREEMPTIONS.labels(namespace=namespace, finetunejob=name).inc(count)
 
 
 def record_evictions(namespace: str, name: str, count: int) -> None:
@@ -117,7 +128,7 @@ def set_straggler_ratios(namespace: str, name: str, ratios: Mapping[int, float])
 
 def forget_job_series(namespace: str, name: str) -> None:
     """Delete a finished job's per-job series: bounded cardinality over many jobs."""
-    for metric in (EVICTIONS, POD_REPLACEMENTS, HANGS):
+    for metric in (EVICTIONS, RESTARTS, PREEMPTIONS, HANGS):
         with suppress(KeyError):
             metric.remove(namespace, name)
     for rank in _ranks.pop((namespace, name), set()):

@@ -29,7 +29,7 @@ LATER = datetime(2026, 11, 23, 3, 5, tzinfo=UTC)
 
 def page(*, committed: list[int], failed: list[int]) -> str:
     """The metrics page of a real TrainerMetrics after these commits and failures."""
-    m = TrainerMetrics(job="qs", rank=0, device=torch.device("cpu"), restarts=0, total_steps=100)
+    m = TrainerMetrics(job="qs", rank=0, device=torch.device("cpu"), reforms=0, total_steps=100)
     for step in sorted([*committed, *failed]):
         if step in failed:
             m.observe_checkpoint_failed(step)

@@ -30,8 +30,8 @@ from tests.operator.test_reconcile import JOB, T0, cond, pod
 PAGE = """\
 # TYPE finetune_trainer_step gauge
 finetune_trainer_step{finetunejob="qs",rank="1"} 12.0
-# TYPE finetune_trainer_elastic_restarts gauge
-finetune_trainer_elastic_restarts{finetunejob="qs",rank="1"} 2.0
+# TYPE finetune_trainer_reforms gauge
+finetune_trainer_reforms{finetunejob="qs",rank="1"} 2.0
 # TYPE finetune_trainer_last_checkpoint_step gauge
 finetune_trainer_last_checkpoint_step{finetunejob="qs",rank="1"} 10.0
 # TYPE finetune_trainer_heartbeat_timestamp_seconds gauge
@@ -401,7 +401,7 @@ def test_samples_read_the_page_the_trainer_really_serves() -> None:
 
     from finetune_trainer.metrics import StepStats, TrainerMetrics
 
-    m = TrainerMetrics(job="qs", rank=2, device=torch.device("cpu"), restarts=1, total_steps=9)
+    m = TrainerMetrics(job="qs", rank=2, device=torch.device("cpu"), reforms=1, total_steps=9)
     m.serve(None, None)
     for n in range(1, 4):
         m.observe_step(StepStats(n, 1.0, 1e-3, 64, 0.5, 0.3, 0.2), world_size=3)

@@ -16,7 +16,8 @@ CONTRACT = {
     "finetune_operator_reconcile_errors": "counter",  # exposed as ..._total
     "finetune_operator_evictions": "counter",
     "finetune_operator_straggler_ratio": "gauge",
-    "finetune_operator_pod_replacements": "counter",
+    "finetune_operator_restarts": "counter",
+    "finetune_operator_preemptions": "counter",
     "finetune_operator_hangs": "counter",
 }
 
@@ -29,11 +30,12 @@ def test_exported_names_and_types() -> None:
     metrics.record_evictions("ns", "probe", 1)
     metrics.record_hangs("ns", "probe", 1)
     metrics.set_straggler_ratios("ns", "probe", {0: 1.0})
-    metrics.record_replacements("ns", "probe", 1)
+    metrics.record_restarts("ns", "probe", 1)
+    metrics.record_preemptions("ns", "probe", 1)
     text = generate_latest(metrics.REGISTRY).decode()
     families = {f.name: f.type for f in text_string_to_metric_families(text)}
     assert families == CONTRACT
-    assert "finetune_operator_pod_replacements_total{" in text
+    assert "finetune_operator_restarts_total{" in text
     assert "job=" not in text.replace("finetunejob=", "")  # never a label called job
     metrics.forget_job_series("ns", "probe")
 
@@ -54,15 +56,16 @@ def test_jobs_by_state_follows_each_job() -> None:
 
 def test_finished_job_series_are_deleted() -> None:
     done = {"namespace": "a", "finetunejob": "done"}
-    metrics.record_replacements("a", "done", 2)
+    metrics.record_restarts("a", "done", 2)
+    metrics.record_preemptions("a", "done", 1)
     metrics.record_evictions("a", "done", 1)
     metrics.record_hangs("a", "done", 1)
     metrics.set_straggler_ratios("a", "done", {3: 1.4})
-    assert _value("finetune_operator_pod_replacements_total", **done) == 2
+    assert _value("finetune_operator_restarts_total", **done) == 2
     assert _value("finetune_operator_straggler_ratio", **done, rank="3") == 1.4
     metrics.forget_job_series("a", "done")
     metrics.forget_job_series("a", "done")  # twice is harmless
-    for name in ("pod_replacements", "evictions", "hangs"):
+    for name in ("restarts", "preemptions", "evictions", "hangs"):
         assert _value(f"finetune_operator_{name}_total", **done) is None
     assert _value("finetune_operator_straggler_ratio", **done, rank="3") is None
 

@@ -65,7 +65,7 @@ def train_steps(state: TrainState, n: int, ckpt: DcpCheckpointer | None = None) 
 def checkpointer(state: TrainState, root: Path, group: dist.ProcessGroup, keep: int = 2,
                  ) -> DcpCheckpointer:
     spec = CheckpointSpec(uri=str(root), interval_steps=2, keep=keep)
-    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), restarts=0,
+    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), reforms=0,
                              total_steps=100)
     return DcpCheckpointer(spec, state, group=group, world_size=1, metrics=metrics,
                            meta={"job": "t"})
@@ -272,7 +272,7 @@ def test_nothing_usable_starts_at_zero(tmp_path: Path, ckpt_group: dist.ProcessG
 
 
 def test_disabled_checkpointing_is_a_noop(ckpt_group: dist.ProcessGroup) -> None:
-    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), restarts=0,
+    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), reforms=0,
                              total_steps=1)
     ck = build_checkpointer(CheckpointSpec(enabled=False), new_state(), group=ckpt_group,
                             world_size=1, metrics=metrics, meta={})
@@ -286,7 +286,7 @@ def test_default_spec_checkpoints_on_a_time_interval(
     makes a final save on SIGTERM."""
     spec = CheckpointSpec(uri=str(tmp_path))
     assert spec.interval_steps is None and spec.interval_minutes == 30.0
-    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), restarts=0,
+    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), reforms=0,
                              total_steps=1)
     ck = build_checkpointer(spec, new_state(), group=ckpt_group, world_size=1,
                             metrics=metrics, meta={})

@@ -111,12 +111,12 @@ METRIC_NAMES = [
     "finetune_trainer_checkpoint_stall_seconds_count", "finetune_trainer_checkpoint_failures_total",
     "finetune_trainer_last_failed_checkpoint_step",
     "finetune_trainer_last_checkpoint_step", "finetune_trainer_last_checkpoint_timestamp_seconds",
-    "finetune_trainer_elastic_restarts", "finetune_trainer_peak_memory_bytes",
+    "finetune_trainer_reforms", "finetune_trainer_peak_memory_bytes",
 ]
 
 
 def test_metrics_names_and_labels() -> None:
-    m = TrainerMetrics(job="quickstart", rank=1, device=CPU, restarts=2, total_steps=60)
+    m = TrainerMetrics(job="quickstart", rank=1, device=CPU, reforms=2, total_steps=60)
     m.observe_step(StepStats(step=3, loss=2.5, lr=1e-3, tokens=1024, step_seconds=0.2,
                              compute_seconds=0.15, wait_seconds=0.05), world_size=2)
     m.observe_checkpoint_committed(3, 0.4)
@@ -124,7 +124,7 @@ def test_metrics_names_and_labels() -> None:
     for name in METRIC_NAMES:
         pattern = rf'^{name}{{[^}}]*finetunejob="quickstart"[^}}]*rank="1"'
         assert re.search(pattern, text, re.M), name
-    assert 'finetune_trainer_elastic_restarts{finetunejob="quickstart",rank="1"} 2.0' in text
+    assert 'finetune_trainer_reforms{finetunejob="quickstart",rank="1"} 2.0' in text
     assert 'finetune_trainer_tokens_total{finetunejob="quickstart",rank="1"} 512.0' in text
     assert "job=" not in text.replace("finetunejob=", "")
 

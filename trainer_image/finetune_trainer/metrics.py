@@ -63,7 +63,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 class TrainerMetrics:
     def __init__(
-        self, *, job: str, rank: int, device: torch.device, restarts: int, total_steps: int
+        self, *, job: str, rank: int, device: torch.device, reforms: int, total_steps: int
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.device = device
@@ -82,7 +82,7 @@ class TrainerMetrics:
         self.total_steps = gauge(mn.TRAINER_TOTAL_STEPS)
         self.loss = gauge(mn.TRAINER_LOSS)
         self.peak_memory = gauge(mn.TRAINER_PEAK_MEMORY)
-        self.restarts = gauge(mn.TRAINER_ELASTIC_RESTARTS)
+        self.reforms = gauge(mn.TRAINER_REFORMS)
         self.last_ckpt_step = gauge(mn.TRAINER_LAST_CHECKPOINT_STEP)
         self.last_ckpt_time = gauge(mn.TRAINER_LAST_CHECKPOINT_TIME)
         self.heartbeat = gauge(mn.TRAINER_HEARTBEAT)
@@ -101,7 +101,7 @@ class TrainerMetrics:
             **labels
         )
         self.last_failed_ckpt_step = gauge(mn.TRAINER_LAST_FAILED_CHECKPOINT_STEP)
-        self.restarts.set(restarts)
+        self.reforms.set(reforms)
         self.total_steps.set(total_steps)
         # Save durations for the run's final summary line (bench/gpu.py reads it).
         self._commit_seconds: list[float] = []

@@ -128,7 +128,7 @@ class Trainer:
             job=job.name,
             rank=self.dist.rank,
             device=self.device,
-            restarts=env.restart_count,
+            reforms=env.restart_count,
             total_steps=self.total_steps,
         )
         self.state = TrainState(

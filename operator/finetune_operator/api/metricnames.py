@@ -51,8 +51,11 @@ TRAINER_LOSS: Final = _trainer("loss", GAUGE, "Training loss of the last step (m
 TRAINER_PEAK_MEMORY: Final = _trainer(
     "peak_memory_bytes", GAUGE, "Peak memory: CUDA max allocated, or process peak RSS on CPU."
 )
-TRAINER_ELASTIC_RESTARTS: Final = _trainer(
-    "elastic_restarts", GAUGE, "torchelastic restarts of this worker group."
+TRAINER_REFORMS: Final = _trainer(
+    "reforms",
+    GAUGE,
+    "Times torchrun re-formed this rank's worker group (TORCHELASTIC_RESTART_COUNT): a rank "
+    "lost or joined, or a worker failed inside its pod.",
 )
 TRAINER_LAST_CHECKPOINT_STEP: Final = _trainer(
     "last_checkpoint_step", GAUGE, "Step of the last committed checkpoint."
@@ -129,11 +132,20 @@ OPERATOR_STRAGGLER_RATIO: Final = Metric(
     (*JOB_LABELS, LABEL_RANK),
     "Per-rank compute time over the cross-rank median in the latest detection window.",
 )
-OPERATOR_POD_REPLACEMENTS: Final = Metric(
-    "finetune_operator_pod_replacements_total",
+OPERATOR_RESTARTS: Final = Metric(
+    "finetune_operator_restarts_total",
     COUNTER,
     JOB_LABELS,
-    "Failed worker pods replaced (job-level restarts).",
+    "Failed worker pods replaced (crashes and hang restarts): the increments of status.restarts, "
+    "counted against faultTolerance.maxRestarts.",
+)
+OPERATOR_PREEMPTIONS: Final = Metric(
+    "finetune_operator_preemptions_total",
+    COUNTER,
+    JOB_LABELS,
+    "Worker pods replaced after a preemption (a graceful stop, eviction, node shutdown or the "
+    "loss of the rendezvous store): the increments of status.preemptions, never counted "
+    "against faultTolerance.maxRestarts.",
 )
 OPERATOR_HANGS: Final = Metric(
     "finetune_operator_hangs_total",
@@ -159,7 +171,7 @@ TRAINER_METRICS: Final = (
     TRAINER_LAST_CHECKPOINT_TIME,
     TRAINER_RESUMED_FROM_STEP,
     TRAINER_SKIPPED_CHECKPOINT_STEP,
-    TRAINER_ELASTIC_RESTARTS,
+    TRAINER_REFORMS,
     TRAINER_PEAK_MEMORY,
     TRAINER_HEARTBEAT,
 )
@@ -169,7 +181,8 @@ OPERATOR_METRICS: Final = (
     OPERATOR_RECONCILE_ERRORS,
     OPERATOR_EVICTIONS,
     OPERATOR_STRAGGLER_RATIO,
-    OPERATOR_POD_REPLACEMENTS,
+    OPERATOR_RESTARTS,
+    OPERATOR_PREEMPTIONS,
     OPERATOR_HANGS,
 )
 ALL_METRICS: Final = (*TRAINER_METRICS, *OPERATOR_METRICS)

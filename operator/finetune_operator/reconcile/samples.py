@@ -25,7 +25,7 @@ _WAIT_SUM = f"{mn.TRAINER_WAIT_DURATION.name}_sum"
 _WAIT_COUNT = f"{mn.TRAINER_WAIT_DURATION.name}_count"
 _FIELDS = {
     mn.TRAINER_STEP.name: "step",
-    mn.TRAINER_ELASTIC_RESTARTS.name: "restarts",
+    mn.TRAINER_REFORMS.name: "restarts",
     mn.TRAINER_LAST_CHECKPOINT_STEP.name: "checkpoint_step",
     mn.TRAINER_HEARTBEAT.name: "heartbeat",
     _COMPUTE_SUM: "compute_sum",
