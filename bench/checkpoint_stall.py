@@ -56,7 +56,7 @@ def build() -> TrainState:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     rank, world = dist.get_rank(), dist.get_world_size()
-    sampler = StepSampler(num_samples=10_000, global_batch=2 * world, micro_batch=2, rank=rank,
+    sampler = StepSampler(num_samples=10_000, global_batch=2 * world, micro_batch_size=2, rank=rank,
                           world_size=world, seed=0)  # fmt: skip
     return TrainState(model, opt, sched, sampler, rank=rank, seed=0)
 

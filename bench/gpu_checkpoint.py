@@ -256,7 +256,7 @@ def main() -> None:
     sampler = StepSampler(
         num_samples=10_000,
         global_batch=args.batch,
-        micro_batch=args.batch,
+        micro_batch_size=args.batch,
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         seed=0,

@@ -55,7 +55,7 @@ def build_state(hidden: int, layers: int) -> TrainState:
     ids = torch.randint(0, 256, (1, 32))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    sampler = StepSampler(num_samples=64, global_batch=8, micro_batch=1, rank=0, world_size=1,
+    sampler = StepSampler(num_samples=64, global_batch=8, micro_batch_size=1, rank=0, world_size=1,
                           seed=0)  # fmt: skip
     return TrainState(model, optimizer, build_scheduler(optimizer, training, 10), sampler,
                       rank=0, seed=0, step=1)  # fmt: skip

@@ -35,7 +35,7 @@ def _params(a: ModelArchitecture) -> int:
 
 
 def _trace(**kw: object) -> TraceResult:
-    opts: dict[str, object] = {"micro_batch": 1, "seq_len": 256}
+    opts: dict[str, object] = {"micro_batch_size": 1, "seq_len": 256}
     opts.update(kw)
     return trace_memory(TINY, **opts)
 
@@ -101,7 +101,7 @@ def test_lora_trains_only_fp32_adapters() -> None:
 def test_peak_grows_with_sequence_and_batch() -> None:
     base = _trace().peak
     assert _trace(seq_len=512).peak > base
-    assert _trace(micro_batch=2).peak > base
+    assert _trace(micro_batch_size=2).peak > base
 
 
 def test_checkpointing_lowers_the_peak_of_a_deeper_model() -> None:
@@ -160,7 +160,7 @@ def test_trace_plan_traces_the_planned_configuration() -> None:
     c = r.config
     # Launched on 2 nodes; memory planned (so traced) at minNodes: 1 node of 2 ranks.
     assert plan.world_size == 4
-    assert (c.strategy, c.world_size, c.micro_batch, c.seq_len) == ("fsdp-full-shard", 2, 2, 512)
+    assert (c.strategy, c.world_size, c.micro_batch_size, c.seq_len) == ("fsdp-full-shard", 2, 2, 512)
     assert c.checkpointing and c.precision == "bf16-mixed"
     assert c.ddp_bucket_view  # as the trainer's DDP runs
     text = format_trace_comparison(plan, r)

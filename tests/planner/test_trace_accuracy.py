@@ -142,7 +142,7 @@ def trace_config(row: Row) -> TraceConfig:
         lora=LORA if row.method == "lora" else None,  # type: ignore[arg-type]
         strategy=row.strategy,
         world_size=row.world,
-        micro_batch=row.batch,  # type: ignore[arg-type]
+        micro_batch_size=row.batch,  # type: ignore[arg-type]
         seq_len=row.seq,
         checkpointing=row.ac,
         precision=row.precision,  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ def quickstart_spec() -> dict[str, Any]:
 def make_job(
     *,
     strategy: str = "ddp",
-    micro_batch: int = 2,
+    micro_batch_size: int = 2,
     training: dict[str, Any] | None = None,
     checkpoint: dict[str, Any] | None = None,
     name: str = "quickstart",
@@ -52,7 +52,7 @@ def make_job(
     )
     plan = Plan(
         fits=True, world_size=2, nodes=2, gpus_per_node=1, strategy=strategy,
-        micro_batch_size=micro_batch, gradient_accumulation_steps=2,
+        micro_batch_size=micro_batch_size, gradient_accumulation_steps=2,
         activation_checkpointing=False, gpu_memory_bytes=2**31, headroom=0.5,
         estimated_step_seconds=0.1, reason="test", memory=zero,
     )

@@ -42,7 +42,7 @@ def new_state() -> TrainState:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = build_scheduler(opt, make_job().spec.training, total_steps=100)
-    sampler = StepSampler(num_samples=50, global_batch=8, micro_batch=2, rank=0, world_size=1,
+    sampler = StepSampler(num_samples=50, global_batch=8, micro_batch_size=2, rank=0, world_size=1,
                           seed=1)
     return TrainState(model, opt, sched, sampler, rank=0, seed=1)
 

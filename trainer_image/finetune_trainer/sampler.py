@@ -20,21 +20,21 @@ class StepSampler:
         *,
         num_samples: int,
         global_batch: int,
-        micro_batch: int,
+        micro_batch_size: int,
         rank: int,
         world_size: int,
         seed: int,
     ) -> None:
         if num_samples < 1:
             raise ValueError("num_samples must be >= 1")
-        if global_batch % (world_size * micro_batch):
+        if global_batch % (world_size * micro_batch_size):
             raise ValueError(
                 f"global batch {global_batch} is not divisible by world size {world_size} "
-                f"x micro-batch {micro_batch}"
+                f"x micro-batch {micro_batch_size}"
             )
         self.num_samples = num_samples
         self.global_batch = global_batch
-        self.micro_batch = micro_batch
+        self.micro_batch_size = micro_batch_size
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
@@ -60,7 +60,7 @@ class StepSampler:
         start = self.consumed + self.rank * per_rank
         mine = [self._index(start + i) for i in range(per_rank)]
         self.consumed += self.global_batch
-        m = self.micro_batch
+        m = self.micro_batch_size
         return [mine[i : i + m] for i in range(0, per_rank, m)]
 
     def state_dict(self) -> dict[str, Any]:

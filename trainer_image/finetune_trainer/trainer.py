@@ -67,13 +67,13 @@ class StopSignal:
         return self.received_at is not None
 
 
-def gradient_accumulation(global_batch: int, world_size: int, micro_batch: int) -> int:
-    if global_batch % (world_size * micro_batch):
+def gradient_accumulation(global_batch: int, world_size: int, micro_batch_size: int) -> int:
+    if global_batch % (world_size * micro_batch_size):
         raise UnsupportedConfigError(
             f"training.globalBatchSize {global_batch} is not divisible by world size "
-            f"{world_size} x micro-batch {micro_batch}; change globalBatchSize or the node range"
+            f"{world_size} x micro-batch {micro_batch_size}; change globalBatchSize or the node range"
         )
-    return global_batch // (world_size * micro_batch)
+    return global_batch // (world_size * micro_batch_size)
 
 
 def precision_context(
@@ -96,8 +96,10 @@ class Trainer:
         self.faults = build_faults(env.faults)
         self.device = select_device(spec.resources.device, env)
         self.dist = init_distributed(self.device, env)
-        world, micro = self.dist.world_size, job.plan.micro_batch_size
-        self.grad_accum = gradient_accumulation(spec.training.global_batch_size, world, micro)
+        world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
+        self.grad_accum = gradient_accumulation(
+            spec.training.global_batch_size, world, micro_batch_size
+        )
         check_precision(spec.training.precision)  # refuse early
         torch.manual_seed(spec.training.seed)
 
@@ -119,7 +121,7 @@ class Trainer:
         self.sampler = StepSampler(
             num_samples=len(self.data),
             global_batch=spec.training.global_batch_size,
-            micro_batch=micro,
+            micro_batch_size=micro_batch_size,
             rank=self.dist.rank,
             world_size=world,
             seed=spec.training.seed,
@@ -173,7 +175,7 @@ class Trainer:
         log.info(
             "world %d, micro-batch %d, grad accumulation %d, %d steps, strategy %s",
             world,
-            micro,
+            micro_batch_size,
             self.grad_accum,
             self.total_steps,
             self.parallel.strategy,

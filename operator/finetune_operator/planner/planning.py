@@ -112,12 +112,12 @@ def _search(p: Problem) -> tuple[SearchResult, int | None]:
             )
         return run_search(p, sizes, resolve_objective(p.spec)), None
     mem_n, launch_n = fixed
-    mb = p.spec.training.micro_batch_size
+    micro_batch_size = p.spec.training.micro_batch_size
     per_rank = p.spec.training.global_batch_size // mem_n
-    if isinstance(mb, int) and per_rank % mb:
+    if isinstance(micro_batch_size, int) and per_rank % micro_batch_size:
         raise PlanningError(
             "spec.training.microBatchSize",
-            f"{mb} does not divide the per-rank batch {per_rank} at world size {mem_n}",
+            f"{micro_batch_size} does not divide the per-rank batch {per_rank} at world size {mem_n}",
         )
     result = SearchResult(best=None, smallest=None, tried={})
     fitting = search_at(p, mem_n, result, mem_world=mem_n, launch=launch_n)

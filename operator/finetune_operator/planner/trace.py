@@ -123,7 +123,7 @@ def trace_plan(spec: FineTuneJobSpec, plan: Plan) -> TraceResult:
             lora=spec.method.lora,
             strategy=strategy,  # type: ignore[arg-type]  # narrowed by the check above
             world_size=world,
-            micro_batch=plan.micro_batch_size,
+            micro_batch_size=plan.micro_batch_size,
             seq_len=spec.training.sequence_length,
             checkpointing=plan.activation_checkpointing,
             precision=precision,

@@ -28,7 +28,7 @@ class TraceConfig:
     lora: LoraSpec | None = None
     strategy: TraceStrategy = "ddp"
     world_size: int = 1
-    micro_batch: int = 1
+    micro_batch_size: int = 1
     seq_len: int = 2048
     checkpointing: bool = False
     precision: TracePrecision = "bf16-mixed"
@@ -44,8 +44,8 @@ class TraceConfig:
         ):
             # grouped_mm wants bf16 operands and CPU autocast does not cast them.
             raise ValueError("MoE with DDP bf16-mixed cannot be traced on CPU; use bf16-pure")
-        if self.world_size < 1 or self.micro_batch < 1 or self.seq_len < 1:
-            raise ValueError("world_size, micro_batch and seq_len must be >= 1")
+        if self.world_size < 1 or self.micro_batch_size < 1 or self.seq_len < 1:
+            raise ValueError("world_size, micro_batch_size and seq_len must be >= 1")
 
     @property
     def sharded(self) -> bool:

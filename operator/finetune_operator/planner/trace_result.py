@@ -37,7 +37,7 @@ class TraceResult:
         c = self.config
         head = (
             f"{c.arch.model_type} L{c.arch.num_hidden_layers} H{c.arch.hidden_size} {c.method} "
-            f"{c.strategy} N={c.world_size} b={c.micro_batch} s={c.seq_len} "
+            f"{c.strategy} N={c.world_size} b={c.micro_batch_size} s={c.seq_len} "
             f"ac={'on' if c.checkpointing else 'off'} {c.precision}"
         )
         cats = " ".join(f"{k}={v / MIB:.1f}" for k, v in self.at_peak.items() if v)

@@ -153,7 +153,7 @@ def trace_step(config: TraceConfig, start: float) -> TraceResult:
         # once and never freed, so they stay; everywhere else zero_grad frees them.
         keep_grads = config.strategy == "ddp" and config.ddp_bucket_view
         opt.zero_grad(set_to_none=not keep_grads)
-        ids = torch.randint(0, vocab, (config.micro_batch, config.seq_len))
+        ids = torch.randint(0, vocab, (config.micro_batch_size, config.seq_len))
         tracker = _fast(FSDPMemTracker)(model, opt) if sharded else _fast(MemTracker)()
         if not sharded:
             _skip_frozen_grad_hooks(tracker, model)
