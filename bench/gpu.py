@@ -164,7 +164,7 @@ def job_spec(case: Case, data: Path, ckpt: Path, steps: int, *, sync: bool) -> A
                 "maxSteps": steps,
                 "learningRate": 1e-5,
                 "precision": "bf16",
-                "gradientCheckpointing": "full" if case.ac else "none",
+                "activationCheckpointing": "full" if case.ac else "none",
                 **case.extra,
             },
             "resources": {"gpu": {"product": "H100-80GB"}, "gpusPerNode": 1, "maxGPUs": 1},

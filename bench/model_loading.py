@@ -43,7 +43,7 @@ def big_job(world: int) -> JobConfig:
         "model": {"name": "wide-llama", "source": "inline", "architecture": ARCH},
         "dataset": {"uri": "builtin://quickstart"},
         "training": {"maxSteps": 1, "globalBatchSize": 4, "precision": "fp32",
-                     "gradientCheckpointing": "none"},
+                     "activationCheckpointing": "none"},
         "resources": {"device": "cpu"},
         "strategy": {"type": "fsdp-full-shard"},
     })  # fmt: skip

@@ -112,3 +112,33 @@ def test_parent_segments_refused_by_pydantic_too(field: str, uri: str) -> None:
 def test_uris_without_parent_segments_are_accepted(uri: str) -> None:
     doc = _set(_quickstart(), "spec.checkpoint.uri", uri)
     assert parse_manifest(doc).spec.checkpoint.uri == uri
+
+
+@pytest.mark.parametrize(
+    ("new", "old", "want"),
+    [
+        pytest.param(None, "none", "none", id="old-name-only"),
+        pytest.param("auto", "full", "full", id="old-name-beside-the-servers-default"),
+        pytest.param("full", "full", "full", id="both-agree"),
+    ],
+)
+def test_old_activation_checkpointing_name_is_moved_with_a_warning(
+    new: str | None, old: str, want: str
+) -> None:
+    doc = _quickstart()
+    training = doc["spec"]["training"]
+    training.pop("activationCheckpointing", None)
+    if new is not None:
+        training["activationCheckpointing"] = new
+    training["gradientCheckpointing"] = old
+    with pytest.warns(FutureWarning, match="activationCheckpointing"):
+        spec = parse_manifest(doc).spec
+    assert spec.training.activation_checkpointing == want
+    assert "gradientCheckpointing" not in spec.to_json_dict()["training"]  # written once
+
+
+def test_old_and_new_activation_checkpointing_names_disagreeing_are_refused() -> None:
+    doc = _quickstart()
+    doc["spec"]["training"].update(activationCheckpointing="none", gradientCheckpointing="full")
+    with pytest.raises(ManifestError, match="gradientCheckpointing"):
+        parse_manifest(doc)

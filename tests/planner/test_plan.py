@@ -35,7 +35,7 @@ def test_7b_full_ft_with_deepspeed_backend_is_a_zero_stage_on_two_gpus() -> None
     # Recompute fixed on: ZeRO-1 (4P + 12P/2 = 10P = 63 GiB of states) already fits 2 x 80 GB;
     # the step-time model then picks the stage whose micro-batch/comm trade-off is fastest.
     plan = plan_job(
-        make_spec(strategy={"backend": "deepspeed"}, training={"gradientCheckpointing": "full"})
+        make_spec(strategy={"backend": "deepspeed"}, training={"activationCheckpointing": "full"})
     )
     assert (plan.world_size, plan.backend) == (2, "deepspeed")
     assert plan.strategy in {"zero1", "zero2", "zero3"}
@@ -101,7 +101,7 @@ def test_pinned_configuration_is_evaluated_exactly() -> None:
     spec = make_spec(
         strategy={"type": "fsdp-full-shard"},
         resources={"minNodes": 2, "maxNodes": 2},
-        training={"globalBatchSize": 64, "microBatchSize": 2, "gradientCheckpointing": "full"},
+        training={"globalBatchSize": 64, "microBatchSize": 2, "activationCheckpointing": "full"},
     )
     plan = plan_job(spec)
     assert plan.candidates_evaluated == 1
@@ -114,7 +114,7 @@ def test_pinned_configuration_that_does_not_fit_is_reported() -> None:
     spec = make_spec(
         strategy={"type": "ddp"},
         resources={"minNodes": 1, "maxNodes": 1},
-        training={"microBatchSize": 2, "gradientCheckpointing": "none"},
+        training={"microBatchSize": 2, "activationCheckpointing": "none"},
     )
     plan = plan_job(spec)
     assert not plan.fits and plan.strategy == "ddp" and plan.world_size == 8

@@ -144,7 +144,7 @@ def test_trace_plan_traces_the_planned_configuration() -> None:
                 "globalBatchSize": 8,
                 "microBatchSize": 2,
                 "maxSteps": 10,
-                "gradientCheckpointing": "full",
+                "activationCheckpointing": "full",
             },
             "resources": {
                 "gpu": {"product": "H100-80GB"},

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from finetune_operator.api.base import ApiModel
 from finetune_operator.api.spec import (
-    CheckpointingMode,
     ModelArchitecture,
     Offload,
     StrategyName,
@@ -54,7 +53,6 @@ class Plan(ApiModel):
     micro_batch_size: int = Field(..., ge=1, description="Samples per rank per forward.")
     gradient_accumulation_steps: int = Field(..., ge=1, description="Micro-batches per step.")
     activation_checkpointing: bool = Field(..., description="Recompute activations.")
-    checkpointing_mode: CheckpointingMode = Field("none", description="none or full.")
     gpu_memory_bytes: int = Field(..., ge=0, description="Memory of one GPU (or process).")
     headroom: float = Field(..., description="1 - total/gpuMemoryBytes.")
     estimated_step_seconds: float = Field(..., ge=0, description="Modelled optimizer-step time.")
@@ -78,3 +76,12 @@ class Plan(ApiModel):
             "trainer builds for an inline model."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_checkpointing_mode(cls, data: Any) -> Any:
+        # Plans written before activationCheckpointing was the one name (status.plan, a job's
+        # ConfigMap) carried a redundant checkpointingMode: read them, drop it.
+        if isinstance(data, dict) and "checkpointingMode" in data:
+            data = {k: v for k, v in data.items() if k != "checkpointingMode"}
+        return data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
@@ -23,7 +24,7 @@ MethodType = Literal["full", "lora", "qlora"]
 Precision = Literal["bf16", "fp16", "fp32"]
 OptimizerName = Literal["adamw", "adamw8bit", "sgd"]
 # Structural CRD schemas cannot say "boolean or string", so checkpointing is an enum.
-CheckpointingMode = Literal["auto", "none", "full"]
+ActivationCheckpointingMode = Literal["auto", "none", "full"]
 AttentionImpl = Literal["sdpa", "flash", "eager"]
 # What the planner optimises among the configurations that fit (DESIGN §4 picks fewest GPUs).
 Objective = Literal["auto", "fewest-gpus", "fastest", "lowest-cost"]
@@ -218,10 +219,36 @@ class TrainingSpec(SpecModel):
     )
     precision: Precision = Field("bf16", description="Compute precision.")
     optimizer: OptimizerName = Field("adamw", description="Optimizer.")
-    gradient_checkpointing: CheckpointingMode = Field(
-        "auto", description="Activation checkpointing: auto (planner decides), none or full."
+    activation_checkpointing: ActivationCheckpointingMode = Field(
+        "auto",
+        description="Activation checkpointing (recompute activations in backward): auto "
+        "(planner decides), none or full.",
+    )
+    # The field's old name: still accepted (existing manifests, and kubectl's strict
+    # validation needs it in the schema), moved to activationCheckpointing with a warning.
+    gradient_checkpointing: ActivationCheckpointingMode | None = Field(
+        None, description="Deprecated: the old name of activationCheckpointing."
     )
     seed: int = Field(42, ge=0, le=lim.MAX_SEED, description="Random seed.")
+
+    @model_validator(mode="after")
+    def _old_checkpointing_name(self) -> TrainingSpec:
+        old = self.gradient_checkpointing
+        if old is None:
+            return self
+        # "auto" is the new field's default, which the API server fills in on an old manifest.
+        if self.activation_checkpointing not in ("auto", old):
+            raise ValueError(
+                "training.gradientCheckpointing is the deprecated name of "
+                "training.activationCheckpointing: set only activationCheckpointing"
+            )
+        warnings.warn(
+            "training.gradientCheckpointing is deprecated: use training.activationCheckpointing",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.activation_checkpointing, self.gradient_checkpointing = old, None
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSpec:

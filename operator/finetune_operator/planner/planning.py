@@ -154,7 +154,6 @@ def _to_plan(
             1, tr.global_batch_size // (launch_n * ev.shape.micro_batch)
         ),
         activation_checkpointing=ev.shape.checkpointing,
-        checkpointing_mode="full" if ev.shape.checkpointing else "none",
         gpu_memory_bytes=p.acc.memory_bytes,
         headroom=round(1 - b.total / p.acc.memory_bytes, 4),
         estimated_step_seconds=round(step, 6),
@@ -221,10 +220,9 @@ def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
         spec = spec.model_copy(
             update={"strategy": spec.strategy.model_copy(update={"offload": "cpu", "type": "auto"})}
         )
-    if spec.training.gradient_checkpointing == "none":
-        spec = spec.model_copy(
-            update={"training": spec.training.model_copy(update={"gradient_checkpointing": "auto"})}
-        )
+    if spec.training.activation_checkpointing == "none":
+        training = spec.training.model_copy(update={"activation_checkpointing": "auto"})
+        spec = spec.model_copy(update={"training": training})
     q = replace(
         build_problem(spec), host_budget=p.host_budget, strict_batch=not changes.get("unbounded")
     )

@@ -34,7 +34,7 @@ def render_plan(plan: Plan, width: int = 88) -> str:
         ("Objective", plan.objective if plan.objective != "fixed" else "none (world size fixed)"),
         ("Strategy", f"{plan.strategy} ({plan.backend}), offload {plan.offload}"),
         ("Micro-batch", f"{plan.micro_batch_size} x {ga} accumulation steps"),
-        ("Checkpointing", plan.checkpointing_mode),
+        ("Activation checkpointing", "full" if plan.activation_checkpointing else "none"),
         (
             per,
             f"{_gib(plan.memory.total)} of {_gib(plan.gpu_memory_bytes)} "

@@ -138,7 +138,7 @@ def micro_batches(p: Problem, per_rank: int) -> list[int]:
 
 
 def checkpoint_modes(p: Problem) -> list[bool]:
-    mode = p.spec.training.gradient_checkpointing
+    mode = p.spec.training.activation_checkpointing
     return {"none": [False], "full": [True]}.get(mode, [False, True])
 
 
