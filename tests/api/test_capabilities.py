@@ -9,6 +9,7 @@ import pytest
 from finetune_operator.api.capabilities import trainer_refusals
 from finetune_operator.api.plan import MemoryBreakdown, Plan
 from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.strategies import STRATEGIES
 
 BASE: dict[str, Any] = {
     "model": {"name": "m", "source": "inline", "architecture": {
@@ -20,7 +21,7 @@ BASE: dict[str, Any] = {
 }  # fmt: skip
 
 
-def _plan(strategy: str = "ddp", backend: str = "torch", offload: str = "none") -> Plan:
+def _plan(strategy: str = "ddp", backend: str = "fsdp", offload: str = "none") -> Plan:
     zero = MemoryBreakdown(
         parameters=0, gradients=0, optimizer=0, activations=0, buffers=0, peak=0, reserved=0,
         total=0,
@@ -49,7 +50,6 @@ def test_supported_job_has_no_refusal() -> None:
 @pytest.mark.parametrize(
     ("spec", "plan", "field"),
     [
-        (_spec(), _plan("zero2", "deepspeed"), "spec.strategy"),
         (_spec(), _plan("fsdp-full-shard", offload="nvme"), "spec.strategy.offload"),
         (_spec(), _plan("ddp", offload="cpu"), "spec.strategy.offload"),
         (_spec(training__optimizer="adamw8bit"), _plan(), "spec.training.optimizer"),
@@ -61,10 +61,43 @@ def test_supported_job_has_no_refusal() -> None:
         (_spec(checkpoint__uri="s3://bucket/ckpt"), _plan(), "spec.checkpoint.uri"),
         (_spec(dataset__uri="s3://bucket/data.jsonl"), _plan(), "spec.dataset.uri"),
     ],
-    ids=["deepspeed", "nvme", "offload-ddp", "adamw8bit", "fp16", "qlora-cpu", "flash-cpu",
+    ids=["nvme", "offload-ddp", "adamw8bit", "fp16", "qlora-cpu", "flash-cpu",
          "qlora-fsdp",
          "s3-checkpoint", "s3-dataset"],
 )
 def test_refusals_name_the_field(spec: FineTuneJobSpec, plan: Plan, field: str) -> None:
     problems = trainer_refusals(spec, plan)
     assert len(problems) == 1 and problems[0].startswith(field + ":"), problems
+
+
+DEEPSPEED_ROWS = [("zero1", "deepspeed"), ("zero2", "deepspeed"), ("zero3", "deepspeed")]
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_unimplemented_row_is_refused_from_the_table(strategy: str) -> None:
+    """The refusal reads the table's `implemented` flag: the same plan is refused while the
+    DeepSpeed rows are not implemented and accepted once they are."""
+    plan = _plan(strategy, "deepspeed")
+    problems = trainer_refusals(_spec(), plan, STRATEGIES.without("deepspeed"))
+    assert problems == [
+        f"spec.strategy: {strategy} on deepspeed is not implemented by the trainer yet; use one "
+        "of ddp, fsdp-full-shard, fsdp-hybrid, fsdp-shard-grad-op, zero3"
+    ]
+    assert trainer_refusals(_spec(), plan, STRATEGIES.implementing(DEEPSPEED_ROWS)) == []
+
+
+def test_zero3_on_fsdp_is_fsdp_full_shard_and_runs() -> None:
+    assert trainer_refusals(_spec(), _plan("zero3", "fsdp"), STRATEGIES.without("deepspeed")) == []
+
+
+@pytest.mark.parametrize(
+    ("strategy", "backend", "offload_ok"),
+    [("ddp", "fsdp", False), ("zero1", "deepspeed", True), ("zero2", "deepspeed", True),
+     ("zero3", "deepspeed", True), ("fsdp-full-shard", "fsdp", True)],
+)
+def test_offload_follows_the_table(strategy: str, backend: str, offload_ok: bool) -> None:
+    table = STRATEGIES.implementing(DEEPSPEED_ROWS)
+    problems = trainer_refusals(_spec(), _plan(strategy, backend, offload="cpu"), table)
+    assert (problems == []) is offload_ok, problems
+    if not offload_ok:
+        assert problems[0].startswith(f"spec.strategy.offload: {strategy} cannot offload")

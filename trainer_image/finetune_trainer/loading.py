@@ -14,14 +14,16 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from finetune_operator.api.jobconfig import JobConfig
+from finetune_operator.api.plan import Plan
+from finetune_operator.api.strategies import STRATEGIES
 from finetune_trainer.materialize import materialize
 from finetune_trainer.model import build_meta_model, is_meta, weights_dir
 from finetune_trainer.parallelize import Parallel, parallelize
 
 
-def shards_parameters(strategy: str) -> bool:
-    """Whether the strategy's wrapper accepts meta tensors and shards them (FSDP2)."""
-    return strategy != "ddp"
+def shards_parameters(plan: Plan) -> bool:
+    """Whether the plan's wrapper accepts meta tensors and shards them (FSDP2)."""
+    return STRATEGIES.resolve(plan.strategy, plan.backend).shards_params
 
 
 def load_parallel_model(
@@ -56,7 +58,7 @@ def load_parallel_model(
         if is_meta(m):
             materialize(m, init_device, seed=seed, weights=weights_dir(spec.model))
 
-    sharded = shards_parameters(job.plan.strategy)
+    sharded = shards_parameters(job.plan)
     if not sharded:
         fill(model)
     parallel = parallelize(

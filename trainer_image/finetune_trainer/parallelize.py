@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import Precision, StrategySpec
+from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.model import decoder_layers
 from finetune_trainer.reduction_clock import ReductionClock
@@ -221,6 +222,33 @@ def compile_blocks(model: nn.Module) -> int:
     return len(layers)
 
 
+def torch_row(plan: Plan, strategies: StrategyTable = STRATEGIES) -> Strategy:
+    """The plan's row of the strategy table, refused unless the torch backend runs it."""
+    row = strategies.resolve(plan.strategy, plan.backend)
+    if not row.implemented or row.backend != "fsdp":
+        raise UnsupportedConfigError(
+            f"strategy {plan.strategy} with backend {row.backend} is not implemented by the "
+            "torch backend; use strategy.type ddp, zero3 (backend fsdp) or fsdp-*"
+        )
+    return strategies.effective(row)
+
+
+def _mesh(row: Strategy, device: torch.device, local_world_size: int) -> DeviceMesh:
+    world = dist.get_world_size()
+    if not row.shard_within_node:
+        return init_device_mesh(device.type, (world,))
+    # Replicate across nodes, shard within a node: (nodes, gpus per node).
+    if world % local_world_size:
+        raise UnsupportedConfigError(
+            f"{row.name} needs whole nodes: world {world}, {local_world_size} per node"
+        )
+    return init_device_mesh(
+        device.type,
+        (world // local_world_size, local_world_size),
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
 def parallelize(
     model: nn.Module,
     plan: Plan,
@@ -231,53 +259,24 @@ def parallelize(
     precision: Precision,
     compile_model: bool = False,
 ) -> Parallel:
-    """Wrap `model` as `plan.strategy` says, in `precision` (training.precision).
-    DeepSpeed paths are refused, never replaced. `compile_model`: compile the decoder blocks
-    first (the trainer asks for it on CUDA only: on CPU/gloo the compile time would dwarf the
-    few steps a test runs)."""
+    """Wrap `model` as the plan's row of the strategy table says (replicated: DDP; sharded:
+    FSDP2 with the row's resharding and mesh), in `precision` (training.precision). Rows the
+    torch backend does not run are refused, never replaced. `compile_model`: compile the
+    decoder blocks first (the trainer asks for it on CUDA only: on CPU/gloo the compile time
+    would dwarf the few steps a test runs)."""
     check_precision(precision)
+    row = torch_row(plan)
     if compile_model:
         compile_blocks(model)
-    strategy = plan.strategy
-    if spec.backend == "deepspeed" or plan.backend == "deepspeed" or strategy in ("zero1", "zero2"):
-        raise UnsupportedConfigError(
-            f"strategy {strategy} with backend deepspeed is not implemented yet; "
-            "use strategy.type ddp, zero3 (backend fsdp) or fsdp-*"
-        )
-    if strategy == "ddp":
-        if spec.offload != "none":
-            raise UnsupportedConfigError("strategy.offload needs an fsdp strategy, not ddp")
+    if spec.offload != "none" and not row.offloadable:
+        raise UnsupportedConfigError(f"strategy.offload: {plan.strategy} cannot offload")
+    if row.replicated:
         return apply_ddp(model, device, precision)
-    offload = _offload_policy(spec, device)
-    mp_policy = fsdp_mp_policy(precision)
-    world = dist.get_world_size()
-    if strategy in ("fsdp-full-shard", "zero3", "fsdp-shard-grad-op"):
-        mesh = init_device_mesh(device.type, (world,))
-        return apply_fsdp(
-            model,
-            mesh,
-            reshard_after_forward=strategy != "fsdp-shard-grad-op",
-            offload=offload,
-            mp_policy=mp_policy,
-            strategy=strategy,
-        )
-    if strategy == "fsdp-hybrid":
-        # Replicate across nodes, shard within a node: (nodes, gpus per node).
-        if world % local_world_size:
-            raise UnsupportedConfigError(
-                f"fsdp-hybrid needs whole nodes: world {world}, {local_world_size} per node"
-            )
-        mesh = init_device_mesh(
-            device.type,
-            (world // local_world_size, local_world_size),
-            mesh_dim_names=("replicate", "shard"),
-        )
-        return apply_fsdp(
-            model,
-            mesh,
-            reshard_after_forward=True,
-            offload=offload,
-            mp_policy=mp_policy,
-            strategy=strategy,
-        )
-    raise UnsupportedConfigError(f"strategy {strategy!r} is not implemented yet")
+    return apply_fsdp(
+        model,
+        _mesh(row, device, local_world_size),
+        reshard_after_forward=row.reshard_after_forward,
+        offload=_offload_policy(spec, device),
+        mp_policy=fsdp_mp_policy(precision),
+        strategy=plan.strategy,
+    )

@@ -8,22 +8,31 @@ from __future__ import annotations
 
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.strategies import STRATEGIES, StrategyTable
 
 _OBJECT_STORES = ("s3://", "gs://", "az://", "abfs://")
 
 
-def trainer_refusals(spec: FineTuneJobSpec, plan: Plan) -> list[str]:
-    """Each problem as '<field>: <reason>'; empty when the trainer can run the plan."""
+def trainer_refusals(
+    spec: FineTuneJobSpec, plan: Plan, strategies: StrategyTable = STRATEGIES
+) -> list[str]:
+    """Each problem as '<field>: <reason>'; empty when the trainer can run the plan.
+    `strategies` says which (strategy, backend) rows the trainer implements."""
     problems: list[str] = []
-    if plan.strategy in ("zero1", "zero2") or plan.backend == "deepspeed":
+    row = strategies.resolve(plan.strategy, plan.backend)
+    if not row.implemented:
+        runnable = sorted({r.name for r in strategies if r.implemented})
         problems.append(
-            f"spec.strategy: {plan.strategy} on DeepSpeed is not implemented by the trainer yet; "
-            "use ddp or an fsdp strategy (zero3 runs as fsdp-full-shard)"
+            f"spec.strategy: {plan.strategy} on {row.backend} is not implemented by the trainer "
+            f"yet; use one of {', '.join(runnable)}"
         )
     if plan.offload == "nvme":
         problems.append("spec.strategy.offload: nvme is not implemented yet; use cpu")
-    if plan.offload != "none" and plan.strategy == "ddp":
-        problems.append("spec.strategy.offload: offload needs an fsdp strategy, not ddp")
+    if plan.offload != "none" and not row.offloadable:
+        can = sorted({r.name for r in strategies if r.offloadable and r.implemented})
+        problems.append(
+            f"spec.strategy.offload: {plan.strategy} cannot offload; use one of {', '.join(can)}"
+        )
     training = spec.training
     if training.optimizer == "adamw8bit":
         problems.append("spec.training.optimizer: adamw8bit is not implemented yet; use adamw")
@@ -32,7 +41,7 @@ def trainer_refusals(spec: FineTuneJobSpec, plan: Plan) -> list[str]:
     cpu = spec.resources.device == "cpu"
     if cpu and spec.method.type == "qlora":
         problems.append("spec.method.type: qlora needs a CUDA GPU; use lora on CPU")
-    elif spec.method.type == "qlora" and plan.strategy.startswith(("fsdp", "zero3")):
+    elif spec.method.type == "qlora" and row.shards_params:
         # FSDP2 cannot shard bitsandbytes 4-bit weights (it crashes or drops their
         # quantisation state); QLoRA runs replicated.
         problems.append(f"spec.method.type: qlora cannot run under {plan.strategy}; use ddp")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from finetune_operator.api.base import ApiModel
 from finetune_operator.api.spec import (
@@ -13,6 +13,7 @@ from finetune_operator.api.spec import (
     Offload,
     StrategyName,
 )
+from finetune_operator.api.strategies import BackendName
 
 
 class MemoryBreakdown(ApiModel):
@@ -49,7 +50,11 @@ class Plan(ApiModel):
     gpus_per_node: int = Field(..., ge=1, description="Processes per worker pod.")
     strategy: StrategyName = Field(..., description="Sharding strategy.")
     offload: Offload = Field("none", description="What is offloaded.")
-    backend: str = Field("fsdp", description="Implementation: torch (ddp/fsdp) or deepspeed.")
+    backend: BackendName = Field(
+        "fsdp",
+        description="What runs the strategy, in strategy.backend's names: fsdp (torch DDP "
+        "and FSDP2) or deepspeed.",
+    )
     micro_batch_size: int = Field(..., ge=1, description="Samples per rank per forward.")
     gradient_accumulation_steps: int = Field(..., ge=1, description="Micro-batches per step.")
     activation_checkpointing: bool = Field(..., description="Recompute activations.")
@@ -85,3 +90,10 @@ class Plan(ApiModel):
         if isinstance(data, dict) and "checkpointingMode" in data:
             data = {k: v for k, v in data.items() if k != "checkpointingMode"}
         return data
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _legacy_backend(cls, value: Any) -> Any:
+        # Plans written before the backend names followed the spec said "torch" for fsdp:
+        # a status or ConfigMap of such a job still reads.
+        return "fsdp" if value == "torch" else value

@@ -29,6 +29,7 @@ from finetune_operator.api.spec import (
     Precision,
     StrategyName,
 )
+from finetune_operator.api.strategies import STRATEGIES, Strategy
 from finetune_operator.planner.activations import FP32, activation_model
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.hardware import (
@@ -56,8 +57,6 @@ DDP_BUCKET_BYTES = 25 * MIB
 ZERO_BUCKET_ELEMENTS = 500_000_000
 # bitsandbytes 8-bit blockwise optimizer: 1 byte per state value + one fp32 absmax per 256.
 ADAM8BIT_BYTES_PER_STATE = 1 + FP32 / 256
-DEEPSPEED = frozenset({"zero1", "zero2", "zero3"})
-FSDP = frozenset({"fsdp-full-shard", "fsdp-shard-grad-op", "fsdp-hybrid"})
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -92,9 +91,15 @@ class Candidate:
     cuda: bool = True
 
     @property
+    def row(self) -> Strategy:
+        """What the strategy shards and on which backend (api.strategies): the row the bare
+        name means (zero3 is DeepSpeed's; the planner passes fsdp-full-shard for FSDP2's)."""
+        return STRATEGIES.canonical(self.strategy)
+
+    @property
     def shard_size(self) -> int:
         """Ranks a fully sharded state is split over (hybrid: within one node)."""
-        if self.strategy == "fsdp-hybrid":
+        if self.row.shard_within_node:
             return min(self.world_size, self.gpus_per_node)
         return self.world_size
 
@@ -155,34 +160,36 @@ def _model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> _Stat
         e, mixed = FP32, False
     opt_b = _optimizer_state_bytes(shape, e, mixed)
     master = FP32 if mixed else 0
-    st = cand.strategy
-    if st in FSDP or (st == "ddp" and mixed):
+    row = cand.row
+    if row.backend == "fsdp":
         # FSDP2 shards the original-dtype params; with mixed precision those are fp32 masters.
         # DDP mixed precision is an fp32 model under autocast (what the trainer runs and what
         # torch AMP means): fp32 params + fp32 grads + fp32 m, v = 4 + 4 + 8 = the textbook 16 B.
+        # Without mixed precision both reduce to the textbook split (e-byte params and grads).
         pe = FP32 if mixed else e
-        s = s if st in FSDP else 1
+        s = s if row.shards_params else 1
         shard = _fsdp_shard_elems(m, trainable, s) if shape.method == "full" else None
         shard = shard if shard is not None else _ceil_div(trainable, s)
         params = shard * pe + _ceil_div(frozen_bytes, s)
         grads = shard * pe
         optim = int(shard * opt_b)
     else:
-        p_shard = n if st == "zero3" else 1
-        g_shard = n if st in ("zero2", "zero3") else 1
-        o_shard = n if st in DEEPSPEED else 1
+        p_shard = n if row.shards_params else 1
+        g_shard = n if row.shards_grads else 1
+        o_shard = n if row.shards_optimizer else 1
         params = _ceil_div(trainable, p_shard) * e + _ceil_div(frozen_bytes, p_shard)
         grads = _ceil_div(trainable, g_shard) * e
         optim = int(_ceil_div(trainable, o_shard) * (master + opt_b))
     host = 0
     if cand.offload != "none":
-        # zero1/zero2 offload the optimizer (and ZeRO-2 its fp32 gradient partitions);
-        # zero3 and FSDP's CPUOffloadPolicy move params, grads and optimizer to the host.
-        moved = optim + (grads if st != "zero1" else 0)
-        if st == "zero3" or st in FSDP:
+        # zero1/zero2 offload the optimizer (and ZeRO-2 its fp32 gradient partitions: sharded
+        # gradients go with the optimizer that owns them); zero3 and FSDP's CPUOffloadPolicy
+        # move params, grads and optimizer to the host.
+        moved = optim + (grads if row.shards_grads else 0)
+        if "params" in row.offloadable:
             moved += params
             params = 0
-        grads = 0 if st != "zero1" else grads
+        grads = 0 if row.shards_grads else grads
         optim = 0
         host = moved
     return _States(params, grads, optim, host, frozen_elems)
@@ -205,11 +212,12 @@ def _gathered_units(m: ModelShape, shape: TrainingShape, cand: Candidate) -> tup
     root = (m.embedding + m.lm_head + m.arch.hidden_size) * e
     if shape.method == "qlora":
         layer = int(qlora_base_bytes(m, e) / max(1, m.total) * m.layer)
-    if cand.strategy == "fsdp-shard-grad-op":
+    row = cand.row
+    if row.shards_params and not row.reshard_after_forward:
         # reshard_after_forward=False: every unit stays unsharded from forward to backward.
         full = m.total * e
         return full, full + layer + head_grad
-    if cand.strategy == "zero3" or cand.strategy in FSDP:
+    if row.shards_params:
         grad_unit = layer if shape.method == "full" else 0
         return root + layer, root + head_grad + 2 * layer + grad_unit
     return 0, 0
@@ -223,7 +231,7 @@ def _backward_tail(m: ModelShape, shape: TrainingShape, cand: Candidate) -> int:
     optimizer phase's resident states, so it is counted there (with fused AdamW it is that
     phase's only buffer). Traced (FSDPMemTracker, 8 ranks, s=4096, checkpointing): Llama-2-7B's
     peak of the step (here -0.9%), below Llama-3.1-8B's loss-phase peak (+1.6% if it were)."""
-    if shape.method != "full" or cand.strategy not in FSDP or cand.offload != "none":
+    if shape.method != "full" or not cand.row.torch_fsdp or cand.offload != "none":
         return 0
     e = PRECISION_BYTES[shape.precision]
     root = (m.embedding + m.lm_head + m.arch.hidden_size) * e
@@ -236,10 +244,10 @@ def _comm_buffer(m: ModelShape, shape: TrainingShape, cand: Candidate, trainable
     if cand.world_size == 1:
         return 0
     e = PRECISION_BYTES[shape.precision]
-    if cand.strategy == "ddp":
-        return min(DDP_BUCKET_BYTES, trainable * e)
-    if cand.strategy in DEEPSPEED:
+    if cand.row.backend == "deepspeed":
         return min(ZERO_BUCKET_ELEMENTS, trainable) * e
+    if cand.row.replicated:
+        return min(DDP_BUCKET_BYTES, trainable * e)
     return 0
 
 
@@ -260,7 +268,7 @@ def _optimizer_temp(shape: TrainingShape, cand: Candidate, st: _States) -> int:
     measured peak of a 3B full fine-tune fell from the optimizer phase to the loss phase);
     elsewhere torch's multi-tensor path allocates sqrt(v) (one state-sized tensor) during the
     step. DeepSpeed's fused Adam and CPU Adam (offload) allocate nothing on the GPU."""
-    if cand.strategy in DEEPSPEED or cand.offload != "none" or shape.optimizer != "adamw":
+    if cand.row.backend == "deepspeed" or cand.offload != "none" or shape.optimizer != "adamw":
         return 0
     if cand.cuda:
         return 0
@@ -278,9 +286,10 @@ def _compute_regime(shape: TrainingShape, cand: Candidate) -> tuple[bool, str]:
     lowp = PRECISION_BYTES[shape.precision] != FP32
     mixed = lowp and shape.master_weights is not False
     full = shape.method == "full"
-    if cand.strategy == "ddp" and lowp:
+    row = cand.row
+    if row.backend == "fsdp" and row.replicated and lowp:
         return full and mixed, "autocast"
-    if cand.strategy in FSDP and mixed:
+    if row.torch_fsdp and mixed:
         return False, "param"
     return False, "fp32"
 
@@ -308,7 +317,7 @@ def _reserved(phases: dict[str, int], st: _States, cand: Candidate) -> int:
     """What the caching allocator reserves: the compute stream's pool (its own peak, which in
     the optimizer phase excludes FSDP's gradients, times the fragmentation factor) plus, for
     FSDP on CUDA, the reduce-scatter stream's pool holding the sharded gradients."""
-    side = st.grads if cand.cuda and cand.strategy in FSDP else 0
+    side = st.grads if cand.cuda and cand.row.torch_fsdp else 0
     compute = max(v - (side if k == "optimizer" else 0) for k, v in phases.items())
     return int(compute * ALLOCATOR_FRAGMENTATION) + side
 
@@ -356,7 +365,7 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     dequant = m.largest_linear * e if shape.method == "qlora" else 0
     # Torch FSDP frees sharded grads at zero_grad(set_to_none); DDP buckets and DeepSpeed
     # partitions persist. Under accumulation the grads exist through every micro-batch.
-    grads_fwd = 0 if (cand.strategy in FSDP and shape.grad_accumulation == 1) else st.grads
+    grads_fwd = 0 if (cand.row.torch_fsdp and shape.grad_accumulation == 1) else st.grads
     base = st.params + st.optim
     buffers = {
         # End of forward, inside the loss: e-byte logits, their fp32 upcast, log_softmax out.
@@ -364,7 +373,7 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
         "loss": loss_buf + gather_loss + copies[1],
         "backward": held + act.backward_transient + gather_bwd + bucket + dequant + copies[2],
         "optimizer": max(
-            _optimizer_temp(shape, cand, st) + (bucket if cand.strategy in DEEPSPEED else 0),
+            _optimizer_temp(shape, cand, st) + (bucket if cand.row.backend == "deepspeed" else 0),
             _backward_tail(m, shape, cand),
         ),
     }

@@ -7,6 +7,7 @@ from dataclasses import replace
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.storage import unmounted_paths
+from finetune_operator.api.strategies import STRATEGIES, StrategyTable
 from finetune_operator.planner.architecture import resolve_model
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.planner.explain import explain_choice, explain_refusal
@@ -27,7 +28,7 @@ from finetune_operator.planner.search import (
 )
 
 
-def build_problem(spec: FineTuneJobSpec) -> Problem:
+def build_problem(spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES) -> Problem:
     """Resolve model and device and refuse inputs no configuration could train."""
     for field, message in unmounted_paths(spec):
         raise PlanningError(field, message)
@@ -56,10 +57,13 @@ def build_problem(spec: FineTuneJobSpec) -> Problem:
             f"{tr.micro_batch_size} does not divide globalBatchSize {tr.global_batch_size}",
         )
     st = spec.strategy
-    if st.type == "ddp" and st.offload != "none":
-        raise PlanningError(
-            "spec.strategy.offload", "ddp cannot offload; use zero2/zero3 or an fsdp strategy"
-        )
+    if st.type != "auto" and st.offload != "none":
+        row = strategies.resolve(st.type, st.backend)
+        if not row.offloadable:
+            can = sorted({r.name for r in strategies if r.offloadable})
+            raise PlanningError(
+                "spec.strategy.offload", f"{st.type} cannot offload; use one of {', '.join(can)}"
+            )
     base = TrainingShape(
         micro_batch=1,
         seq_len=tr.sequence_length,
@@ -71,7 +75,9 @@ def build_problem(spec: FineTuneJobSpec) -> Problem:
         lora_dropout=lora.dropout if lora else 0.0,
         attention=spec.model.attention,
     )
-    return Problem(spec, model, acc, base, host_bytes_per_process(spec.resources))
+    return Problem(
+        spec, model, acc, base, host_bytes_per_process(spec.resources), strategies=strategies
+    )
 
 
 def _check_divides(spec: FineTuneJobSpec, n: int, what: str) -> None:
@@ -133,12 +139,6 @@ def _to_plan(
     tr = p.spec.training
     step = ev.step_s
     tokens = tr.global_batch_size * tr.sequence_length
-    backend = (
-        "deepspeed"
-        if ev.cand.strategy in ("zero1", "zero2")
-        or (ev.cand.strategy == "zero3" and p.spec.strategy.backend == "deepspeed")
-        else "torch"
-    )
     b = ev.est.breakdown
     return Plan(
         device=p.spec.resources.device,
@@ -148,7 +148,7 @@ def _to_plan(
         gpus_per_node=gpn,
         strategy=ev.cand.strategy,
         offload=ev.cand.offload,
-        backend=backend,
+        backend=ev.row.backend,
         micro_batch_size=ev.shape.micro_batch,
         gradient_accumulation_steps=max(
             1, tr.global_batch_size // (launch_n * ev.shape.micro_batch)
@@ -167,14 +167,15 @@ def _to_plan(
     )
 
 
-def plan_job(spec: FineTuneJobSpec) -> Plan:
+def plan_job(spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES) -> Plan:
     """Plan a FineTuneJob: world size, strategy, micro-batch, checkpointing and memory.
 
     Raises PlanningError(field, message) for inputs no configuration can satisfy; returns a
     Plan with fits=False (and a reason saying what was tried and what would fit) when the
-    inputs are valid but nothing fits.
+    inputs are valid but nothing fits. `strategies`: the table of strategies (which ones
+    the trainer implements decides what `backend: auto` searches).
     """
-    p = build_problem(spec)
+    p = build_problem(spec, strategies)
     result, launch_n = _search(p)
     if result.best is not None:
         best = result.best
@@ -224,7 +225,9 @@ def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
         training = spec.training.model_copy(update={"activation_checkpointing": "auto"})
         spec = spec.model_copy(update={"training": training})
     q = replace(
-        build_problem(spec), host_budget=p.host_budget, strict_batch=not changes.get("unbounded")
+        build_problem(spec, p.strategies),
+        host_budget=p.host_budget,
+        strict_batch=not changes.get("unbounded"),
     )
     if not checkpoint_modes(q):
         return None

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, replace
 
 from finetune_operator.api.limits import MAX_NODES
-from finetune_operator.api.spec import FineTuneJobSpec, Objective, StrategyName
+from finetune_operator.api.spec import FineTuneJobSpec, Objective
+from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.hardware import Accelerator
 from finetune_operator.planner.memory import (
@@ -27,20 +28,6 @@ from finetune_operator.planner.steptime import step_seconds
 MIN_HEADROOM = 0.10
 # Without resources.maxGPUs the search stops at this many nodes.
 DEFAULT_MAX_NODES = 64
-# Strategies by per-step communication volume (DESIGN §4), cheapest first. zero1/zero2 run
-# only on DeepSpeed, so they are searched only when strategy.backend is deepspeed.
-STRATEGY_ORDER: tuple[StrategyName, ...] = (
-    "ddp",
-    "zero1",
-    "zero2",
-    "fsdp-shard-grad-op",
-    "fsdp-hybrid",
-    "fsdp-full-shard",
-    "zero3",
-)
-DEEPSPEED_ONLY = frozenset({"zero1", "zero2"})
-FSDP_ONLY = frozenset({"fsdp-shard-grad-op", "fsdp-hybrid", "fsdp-full-shard"})
-OFFLOADABLE = frozenset({"zero1", "zero2", "zero3", "fsdp-full-shard", "fsdp-hybrid"})
 
 
 @dataclass(frozen=True)
@@ -55,10 +42,13 @@ class Problem:
     # False only for the refusal's "how many GPUs would it take" hint: world sizes need not
     # divide the global batch (the hint then says to change it).
     strict_batch: bool = True
+    # Which strategies exist, how they shard, which the trainer runs (api.strategies).
+    strategies: StrategyTable = STRATEGIES
 
 
 @dataclass(frozen=True)
 class Evaluated:
+    row: Strategy  # the strategy as planned (name, backend)
     cand: Candidate
     shape: TrainingShape
     est: MemoryEstimate
@@ -70,36 +60,28 @@ def memory_limit(acc: Accelerator) -> float:
     return acc.memory_bytes * (1 - MIN_HEADROOM)
 
 
-def strategies_for(p: Problem, n: int) -> list[StrategyName]:
-    """Candidate strategies at world size n, honouring pins, backend and offload."""
+def strategies_for(p: Problem, n: int) -> list[Strategy]:
+    """Candidate strategies at world size n, honouring pins, backend and offload
+    (StrategyTable.searched says which rows each backend searches)."""
     st = p.spec.strategy
     if st.type != "auto":
-        return [st.type]
-    out: list[StrategyName] = []
-    for s in STRATEGY_ORDER:
-        if p.spec.method.type == "qlora" and s != "ddp":
+        return [p.strategies.resolve(st.type, st.backend)]
+    out: list[Strategy] = []
+    for row in p.strategies.searched(st.backend):
+        if p.spec.method.type == "qlora" and not row.replicated:
             continue  # FSDP cannot shard bitsandbytes 4-bit weights: QLoRA runs replicated.
-        if s in DEEPSPEED_ONLY and st.backend != "deepspeed":
-            continue
-        if s in FSDP_ONLY and st.backend == "deepspeed":
-            continue
-        if s == "zero3" and st.backend != "deepspeed":
-            continue  # without DeepSpeed, zero3 is fsdp-full-shard: searched once.
-        if s == "fsdp-hybrid" and n <= p.spec.resources.gpus_per_node:
+        if row.shard_within_node and n <= p.spec.resources.gpus_per_node:
             continue  # one node: hybrid is full shard.
-        if st.offload != "none" and s not in OFFLOADABLE:
+        if st.offload != "none" and not row.offloadable:
             continue
-        if n == 1 and s != "ddp" and st.offload == "none":
+        if st.offload != "none" and row.shards_params and not row.reshard_after_forward:
+            # Parameters kept gathered from forward to backward stay on the GPU all step:
+            # offloading their shards saves little and costs the transfers (pin it to get it).
+            continue
+        if n == 1 and not row.replicated and st.offload == "none":
             continue  # one rank: nothing to shard.
-        out.append(s)
+        out.append(row)
     return out
-
-
-def memory_strategy(p: Problem, s: StrategyName) -> StrategyName:
-    """zero3 on the fsdp backend allocates as FSDP full shard does."""
-    if s == "zero3" and p.spec.strategy.backend != "deepspeed":
-        return "fsdp-full-shard"
-    return s
 
 
 def divisors(n: int) -> list[int]:
@@ -109,12 +91,13 @@ def divisors(n: int) -> list[int]:
 
 
 def evaluate(
-    p: Problem, n: int, strategy: StrategyName, mb: int, ckpt: bool, mem_world: int | None = None
+    p: Problem, n: int, row: Strategy, mb: int, ckpt: bool, mem_world: int | None = None
 ) -> Evaluated:
     """One configuration: memory at `mem_world` ranks (elastic minimum), time at `n`."""
     gpn = p.spec.resources.gpus_per_node
     global_batch = p.spec.training.global_batch_size
-    ms = memory_strategy(p, strategy)
+    # zero3 on the fsdp backend allocates (and runs) as FSDP full shard does.
+    ms = p.strategies.effective(row).name
     mem_n = mem_world or n
     shape = replace(
         p.base,
@@ -127,7 +110,7 @@ def evaluate(
     fits = est.breakdown.total <= memory_limit(p.acc) and est.host_bytes <= p.host_budget
     run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * mb)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
-    return Evaluated(replace(cand, strategy=strategy), shape, est, fits, step)
+    return Evaluated(row, replace(cand, strategy=row.name), shape, est, fits, step)
 
 
 def micro_batches(p: Problem, per_rank: int) -> list[int]:
@@ -161,10 +144,10 @@ def search_at(
     fitting: list[Evaluated] = []
     run_n = launch or n
     per_rank = max(1, p.spec.training.global_batch_size // (mem_world or n))
-    for strategy in strategies_for(p, n):
+    for row in strategies_for(p, n):
         for ckpt in checkpoint_modes(p):
             for mb in micro_batches(p, per_rank):
-                ev = evaluate(p, run_n, strategy, mb, ckpt, mem_world or n)
+                ev = evaluate(p, run_n, row, mb, ckpt, mem_world or n)
                 result.evaluated += 1
                 total = ev.est.breakdown.total
                 if result.smallest is None or total < result.smallest.est.breakdown.total:

@@ -47,16 +47,18 @@ def _comm_bytes(m: ModelShape, shape: TrainingShape, cand: Candidate) -> tuple[f
     if n == 1:
         return 0.0, 0.0
     ring = (n - 1) / n
-    st = cand.strategy
-    if st == "ddp":
+    row = cand.row  # what is sharded decides the collectives (api.strategies)
+    if row.replicated:  # DDP: all-reduce the grads once per step
         return 2 * ring * grads, 0.0
-    if st == "zero1":
-        return ring * (grads + trainable * e), 0.0
-    if st == "zero2":
-        return ring * (ga * grads + trainable * e), 0.0
-    if st == "fsdp-shard-grad-op":
+    if not row.shards_params:
+        # ZeRO-1: reduce-scatter the grads once per step; ZeRO-2 reduce-scatters every
+        # micro-batch into its grad partitions. Both all-gather the updated trainable
+        # parameters, in their own dtype (LoRA adapters are fp32, like their grads).
+        reduce = ga * grads if row.shards_grads else grads
+        return ring * (reduce + grads), 0.0
+    if not row.reshard_after_forward:  # gathered once per micro-batch, kept for backward
         return ga * ring * (params + grads), 0.0
-    if st == "fsdp-hybrid":
+    if row.shard_within_node:
         ring_s = (s - 1) / s
         replicas = n // s
         return ga * ring_s * (2 * params + grads), 2 * (replicas - 1) / replicas * grads / s
@@ -91,7 +93,7 @@ def step_seconds(
     intra, cross = _comm_bytes(m, shape, cand)
     multi_node = cand.world_size > cand.gpus_per_node
     link = min(acc.intra_node_bw, INTER_NODE_BW) if multi_node else acc.intra_node_bw
-    if cand.strategy == "fsdp-hybrid":
+    if cand.row.shard_within_node:
         comm = intra / acc.intra_node_bw + cross / min(acc.intra_node_bw, INTER_NODE_BW)
     else:
         comm = (intra + cross) / link
