@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from finetune_local.progress import ProgressTracker, summarize
+from finetune_local.progress_lines import ProgressTracker, summarize
 from finetune_local.session import LocalSession, is_finished, phase_of
 from finetune_operator.api.manifest import ManifestError, load_manifest
 

@@ -30,7 +30,7 @@ from finetune_trainer.export import (
 from finetune_trainer.model import build_model
 from finetune_trainer.ownership import StorageRefusedError
 from finetune_trainer.parallelize import parallelize
-from finetune_trainer.report import write_error_report, write_final_report
+from finetune_trainer.termination_log import write_error_report, write_final_report
 from finetune_trainer.tokenizer import build_byte_tokenizer
 from tests.trainer.conftest import (
     Proc,

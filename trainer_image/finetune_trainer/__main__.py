@@ -14,7 +14,7 @@ from finetune_operator.api.constants import CONFIG_PATH
 from finetune_trainer.config import RuntimeEnv, load_job_config
 from finetune_trainer.distributed import destroy_distributed
 from finetune_trainer.errors import UnsupportedConfigError
-from finetune_trainer.report import write_error_report
+from finetune_trainer.termination_log import write_error_report
 
 EXIT_CONFIG_ERROR = 2
 EXIT_ORPHANED = 137

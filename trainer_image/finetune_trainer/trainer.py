@@ -24,10 +24,10 @@ from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import check_precision
-from finetune_trainer.report import clear_final_report, write_final_report
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from finetune_trainer.steptrace import build_step_trace
+from finetune_trainer.termination_log import clear_final_report, write_final_report
 from finetune_trainer.tokenizer import build_tokenizer
 from finetune_trainer.torch_floor import check_torch
 

@@ -3,15 +3,15 @@
 from finetune_operator.reconcile.actions import Actions, PodDeletion, decide_actions
 from finetune_operator.reconcile.conditions import EventSpec, derive_phase, set_condition
 from finetune_operator.reconcile.core import Outcome, read_status, reconcile_job, status_patch
-from finetune_operator.reconcile.health import HealthInput
-from finetune_operator.reconcile.observed import PodView, format_time, observe_pod
-from finetune_operator.reconcile.planning import (
+from finetune_operator.reconcile.evaluation import (
     Evaluation,
     JobRef,
     PlanFn,
     default_planner,
     evaluate_job,
 )
+from finetune_operator.reconcile.health import HealthInput
+from finetune_operator.reconcile.observed import PodView, format_time, observe_pod
 from finetune_operator.reconcile.progress import (
     ScrapeTarget,
     TrainerProgress,

@@ -18,8 +18,8 @@ from finetune_operator.api.constants import (
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.assess import Assessment, Mode, assess
 from finetune_operator.reconcile.conditions import EventSpec
+from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView
-from finetune_operator.reconcile.planning import Evaluation
 from finetune_operator.resources import (
     build_rendezvous_pod,
     build_shared_objects,

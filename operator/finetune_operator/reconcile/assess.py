@@ -17,8 +17,8 @@ from finetune_operator.api.constants import (
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
+from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import FAILED, RUNNING, SUCCEEDED, PodView
-from finetune_operator.reconcile.planning import Evaluation
 from finetune_operator.reconcile.progress import parse_trainer_error
 from finetune_operator.resources import node_range
 

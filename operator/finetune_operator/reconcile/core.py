@@ -13,9 +13,9 @@ from finetune_operator.api.policy import JobPolicy
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.actions import Actions, decide_actions
 from finetune_operator.reconcile.conditions import EventSpec, condition_events
+from finetune_operator.reconcile.evaluation import Evaluation, JobRef, PlanFn, evaluate_job
 from finetune_operator.reconcile.health import HealthInput, assess_health
 from finetune_operator.reconcile.observed import PodView, mark_terminating
-from finetune_operator.reconcile.planning import Evaluation, JobRef, PlanFn, evaluate_job
 from finetune_operator.reconcile.samples import RecordBuffer
 from finetune_operator.reconcile.status import compute_status
 

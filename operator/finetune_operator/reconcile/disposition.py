@@ -27,7 +27,7 @@ from datetime import datetime
 from finetune_operator.reconcile.observed import SUCCEEDED, PodView
 
 EXIT_SIGTERM = 143
-STOP_REASON_SIGNAL = "Signal"  # the trainer's final report (finetune_trainer.report)
+STOP_REASON_SIGNAL = "Signal"  # the trainer's final report (finetune_trainer.termination_log)
 
 
 class Disposition(enum.Enum):

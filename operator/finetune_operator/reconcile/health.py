@@ -31,9 +31,9 @@ from finetune_operator.reconcile.conditions import (
     find,
     set_condition,
 )
+from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.hangs import decide_hang
 from finetune_operator.reconcile.observed import PodView
-from finetune_operator.reconcile.planning import Evaluation
 from finetune_operator.reconcile.samples import RankSample, RecordBuffer, advance
 from finetune_operator.reconcile.stragglers import decide_stragglers
 from finetune_operator.stragglers import find_stragglers, policy_from_spec

@@ -31,8 +31,8 @@ from finetune_operator.api.constants import (
 from finetune_operator.api.status import Condition, FineTuneJobStatus
 from finetune_operator.reconcile.assess import Assessment, Mode, assess
 from finetune_operator.reconcile.conditions import Want, derive_phase, find, set_condition
+from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView, format_time
-from finetune_operator.reconcile.planning import Evaluation
 from finetune_operator.reconcile.progress import TrainerProgress
 
 TERMINAL = (PHASE_FAILED, PHASE_SUCCEEDED)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from finetune_local.progress import ProgressTracker, summarize
+from finetune_local.progress_lines import ProgressTracker, summarize
 
 
 def _job(step: int | None = None, phase: str = "Running", **status: Any) -> dict[str, Any]:

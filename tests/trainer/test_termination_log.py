@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune_trainer.report import clear_final_report, write_final_report
+from finetune_trainer.termination_log import clear_final_report, write_final_report
 
 
 def test_report_says_resume_skips_and_signal_stop(tmp_path: Path) -> None:

@@ -1,0 +1,124 @@
+"""Where and how the job runs: `spec.resources` (GPUs, nodes, pod scheduling) and `spec.strategy`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from finetune_operator.api import limits as lim
+from finetune_operator.api.base import SpecModel
+from finetune_operator.api.spec_types import (
+    Backend,
+    Objective,
+    Offload,
+    StrategyType,
+)
+
+
+class GpuSpec(SpecModel):
+    resource_name: str = Field(
+        "nvidia.com/gpu",
+        max_length=lim.MAX_NAME_LENGTH,
+        description="Extended resource to request.",
+    )
+    product: str | None = Field(
+        None,
+        max_length=lim.MAX_SHORT_STRING,
+        description="GPU product, e.g. H100-80GB, A100-40GB, L4.",
+    )
+    memory_gib: float | None = Field(
+        None,
+        gt=0,
+        le=lim.MAX_GPU_MEMORY_GIB,
+        alias="memoryGiB",
+        description="GPU memory; from product if unset.",
+    )
+
+
+class LocalObjectReference(SpecModel):
+    name: str = Field(..., min_length=1, max_length=lim.MAX_NAME_LENGTH)
+
+
+class ResourcesSpec(SpecModel):
+    device: Literal["gpu", "cpu"] = Field(
+        "gpu", description="gpu, or cpu for CPU-only (gloo) runs such as the local quickstart."
+    )
+    gpu: GpuSpec = Field(default_factory=GpuSpec, description="Accelerator per process.")
+    gpus_per_node: int = Field(
+        1, ge=1, le=lim.MAX_GPUS_PER_NODE, description="Processes (GPUs) per worker pod."
+    )
+    max_gpus: int | None = Field(
+        None, ge=1, le=lim.MAX_GPUS, alias="maxGPUs", description="Upper bound on the world size."
+    )
+    min_nodes: int | None = Field(
+        None, ge=1, le=lim.MAX_NODES, description="Elastic minimum of worker pods."
+    )
+    max_nodes: int | None = Field(
+        None, ge=1, le=lim.MAX_NODES, description="Elastic maximum of worker pods."
+    )
+    cpu: str | None = Field(
+        None,
+        max_length=lim.MAX_SHORT_STRING,
+        description="CPU request/limit per worker pod, e.g. '8'.",
+    )
+    memory: str | None = Field(
+        None,
+        max_length=lim.MAX_SHORT_STRING,
+        description="Memory request/limit per worker pod, e.g. 64Gi.",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=lim.MAX_LIST_ITEMS, description="Worker nodeSelector."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=lim.MAX_LIST_ITEMS, description="Tolerations."
+    )
+    objective: Objective = Field(
+        "auto",
+        description=(
+            "What the planner optimises among plans that fit: fewest-gpus, fastest (shortest "
+            "step time within maxGPUs), lowest-cost (fewest GPU-hours). auto: fastest when "
+            "maxGPUs is set (you said what you will spend), else fewest-gpus."
+        ),
+    )
+    affinity: dict[str, Any] | None = Field(None, description="Extra pod affinity.")
+    priority_class_name: str | None = Field(
+        None, max_length=lim.MAX_NAME_LENGTH, description="PriorityClass of worker pods."
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=lim.MAX_LIST_ITEMS
+    )
+    service_account_name: str | None = Field(
+        None,
+        max_length=lim.MAX_NAME_LENGTH,
+        description="ServiceAccount of the pods; default: the operator's trainer ServiceAccount. "
+        "Must be one the operator allows (chart value policy.allowedServiceAccounts).",
+    )
+    automount_service_account_token: bool = Field(
+        False,
+        description="Mount the ServiceAccount's API token into the pods. Off: trainers never "
+        "talk to the Kubernetes API, so a compromised trainer gets no credentials.",
+    )
+
+    @model_validator(mode="after")
+    def _check_nodes(self) -> ResourcesSpec:
+        if self.min_nodes and self.max_nodes and self.min_nodes > self.max_nodes:
+            raise ValueError(
+                f"resources.minNodes ({self.min_nodes}) must be <= "
+                f"resources.maxNodes ({self.max_nodes})"
+            )
+        return self
+
+
+class StrategySpec(SpecModel):
+    type: StrategyType = Field("auto", description="auto (planner decides) or a pinned strategy.")
+    offload: Offload = Field("none", description="Offload of optimizer states/parameters.")
+    backend: Backend = Field("auto", description="auto | fsdp | deepspeed.")
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> StrategySpec:
+        if self.type in ("zero1", "zero2") and self.backend == "fsdp":
+            raise ValueError(f"strategy.type {self.type} needs backend deepspeed, not fsdp")
+        if self.type.startswith("fsdp") and self.backend == "deepspeed":
+            raise ValueError(f"strategy.type {self.type} needs backend fsdp, not deepspeed")
+        return self
