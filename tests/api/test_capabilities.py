@@ -47,13 +47,28 @@ def test_supported_job_has_no_refusal() -> None:
     assert trainer_refusals(_spec(), _plan("fsdp-full-shard", offload="cpu")) == []
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp-full-shard", "fsdp-shard-grad-op"])
+def test_fp16_runs_on_the_torch_backend_on_cpu_too(strategy: str) -> None:
+    assert trainer_refusals(_spec(training__precision="fp16"), _plan(strategy)) == []
+
+
+def test_adamw8bit_runs_under_ddp_on_a_gpu() -> None:
+    gpu = _spec(resources__device="gpu", resources__gpu={"memoryGiB": 80},
+                training__optimizer="adamw8bit")
+    assert trainer_refusals(gpu, _plan("ddp")) == []
+    [problem] = trainer_refusals(gpu, _plan("fsdp-full-shard"))
+    assert "use adamw, or strategy.type ddp" in problem
+
+
 @pytest.mark.parametrize(
     ("spec", "plan", "field"),
     [
         (_spec(), _plan("fsdp-full-shard", offload="nvme"), "spec.strategy.offload"),
         (_spec(), _plan("ddp", offload="cpu"), "spec.strategy.offload"),
         (_spec(training__optimizer="adamw8bit"), _plan(), "spec.training.optimizer"),
-        (_spec(training__precision="fp16"), _plan(), "spec.training.precision"),
+        (_spec(resources__device="gpu", resources__gpu={"memoryGiB": 80},
+               training__optimizer="adamw8bit"), _plan("fsdp-full-shard"),
+         "spec.training.optimizer"),
         (_spec(method__type="qlora"), _plan(), "spec.method.type"),
         (_spec(model__attention="flash"), _plan(), "spec.model.attention"),
         (_spec(method__type="qlora", resources__device="gpu", resources__gpu={"memoryGiB": 80}),
@@ -61,7 +76,7 @@ def test_supported_job_has_no_refusal() -> None:
         (_spec(checkpoint__uri="s3://bucket/ckpt"), _plan(), "spec.checkpoint.uri"),
         (_spec(dataset__uri="s3://bucket/data.jsonl"), _plan(), "spec.dataset.uri"),
     ],
-    ids=["nvme", "offload-ddp", "adamw8bit", "fp16", "qlora-cpu", "flash-cpu",
+    ids=["nvme", "offload-ddp", "adamw8bit-cpu", "adamw8bit-fsdp", "qlora-cpu", "flash-cpu",
          "qlora-fsdp",
          "s3-checkpoint", "s3-dataset"],
 )

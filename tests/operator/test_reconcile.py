@@ -317,7 +317,7 @@ def test_suspend_and_resume() -> None:
             lambda s: s["training"].update(optimizer="adamw8bit"),
             None,
             "Unsupported",
-            "spec.training.optimizer: adamw8bit is not implemented yet",
+            "spec.training.optimizer: adamw8bit (bitsandbytes) needs a CUDA GPU",
         ),
     ],
     ids=["missing-steps", "min-over-max", "unknown-field", "planning-error", "infeasible",

@@ -13,32 +13,101 @@ import pytest
 import yaml
 from planner_specs import make_spec
 
+from finetune_operator.api.capabilities import trainer_refusals
 from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.strategies import STRATEGIES, StrategyTable
 from finetune_operator.planner import PlanningError, plan_job, render_plan
 
 SHARDED = {"zero2", "zero3", "fsdp-full-shard", "fsdp-shard-grad-op"}
 REPO = Path(__file__).resolve().parents[2]
+# The strategy table as it is before and after the DeepSpeed backend lands: which rows the
+# trainer implements decides what `strategy.backend: auto` searches (api/strategies.py).
+TORCH_ONLY = STRATEGIES.without("deepspeed")
+WITH_DEEPSPEED = STRATEGIES.implementing(
+    [("zero1", "deepspeed"), ("zero2", "deepspeed"), ("zero3", "deepspeed")]
+)
+TABLES = [pytest.param(TORCH_ONLY, id="torch-only"), pytest.param(WITH_DEEPSPEED, id="deepspeed")]
 
 
-def test_7b_full_ft_needs_four_80gb_gpus_sharded() -> None:
+def test_7b_full_ft_needs_four_80gb_gpus_on_the_torch_backend() -> None:
     """Two ranks hold the states (54 GiB) but the caching allocator reserves more than that
     (measured on an H100, bench/results/gpu-h100.md): the compute stream's pool at 1.105x its
     peak plus FSDP's reduce-scatter pool of sharded fp32 gradients, 72 GiB, over the 10%
-    headroom limit (71.6 GiB)."""
-    plan = plan_job(make_spec())
-    assert plan.fits and plan.world_size == 4 and plan.strategy in SHARDED
-    assert plan.headroom >= 0.10
-    assert "Fewer ranks do not fit" in plan.reason and "2 (72." in plan.reason
+    headroom limit (71.6 GiB). Same with DeepSpeed implemented when the job pins fsdp."""
+    for spec, table in ((make_spec(), TORCH_ONLY),
+                        (make_spec(strategy={"backend": "fsdp"}), WITH_DEEPSPEED)):
+        plan = plan_job(spec, table)
+        assert plan.fits and plan.world_size == 4 and plan.strategy in SHARDED
+        assert plan.backend == "fsdp" and plan.headroom >= 0.10
+        assert "Fewer ranks do not fit" in plan.reason and "2 (72." in plan.reason
+        assert trainer_refusals(spec, plan, table) == []
 
 
-def test_7b_full_ft_with_deepspeed_backend_is_a_zero_stage_on_two_gpus() -> None:
-    # Recompute fixed on: ZeRO-1 (4P + 12P/2 = 10P = 63 GiB of states) already fits 2 x 80 GB;
-    # the step-time model then picks the stage whose micro-batch/comm trade-off is fastest.
-    plan = plan_job(
-        make_spec(strategy={"backend": "deepspeed"}, training={"activationCheckpointing": "full"})
-    )
-    assert (plan.world_size, plan.backend) == (2, "deepspeed")
-    assert plan.strategy in {"zero1", "zero2", "zero3"}
+@pytest.mark.parametrize("table", TABLES)
+def test_7b_full_ft_with_deepspeed_backend_is_a_zero_stage_on_two_gpus(
+    table: StrategyTable,
+) -> None:
+    """An explicit backend plans its rows whether the trainer runs them or not: the plan is
+    the same with either table, and the capability check refuses it until DeepSpeed lands.
+    ZeRO-3's states (16P/2 = 54 GiB) leave room for micro-batch 8 with recompute on 2 x 80 GB,
+    which the step-time model finds fastest at this batch (one micro-batch per step)."""
+    spec = make_spec(strategy={"backend": "deepspeed"}, training={"activationCheckpointing": "full"})
+    plan = plan_job(spec, table)
+    assert plan.fits and (plan.world_size, plan.backend) == (2, "deepspeed")
+    assert plan.strategy in {"zero2", "zero3"} and plan.headroom >= 0.10
+    refusals = trainer_refusals(spec, plan, table)
+    if table is TORCH_ONLY:
+        assert refusals == [
+            f"spec.strategy: {plan.strategy} on deepspeed is not implemented by the trainer yet; "
+            "use one of ddp, fsdp-full-shard, fsdp-hybrid, fsdp-shard-grad-op, zero3"
+        ]
+    else:
+        assert refusals == []
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_7b_full_ft_on_two_80gb_gpus_is_zero2(table: StrategyTable) -> None:
+    """The textbook rule: 7B full fine-tuning on 2 x 80 GB is ZeRO-2 (2P + 14P/2 = 9P = 56 GiB
+    of states; micro-batch 4 with recompute, one micro-batch per step, so its gradients are
+    reduce-scattered once). `backend: auto` picks it as soon as the trainer runs DeepSpeed;
+    without DeepSpeed the same job does not fit on two GPUs (FSDP2 reserves 72 GiB)."""
+    spec = make_spec(resources={"maxGPUs": 2}, training={"globalBatchSize": 8})
+    plan = plan_job(spec, table)
+    if table is TORCH_ONLY:
+        assert not plan.fits and plan.backend == "fsdp"
+        return
+    assert plan.fits and plan.world_size == 2 and plan.headroom >= 0.10
+    assert (plan.strategy, plan.backend, plan.offload) == ("zero2", "deepspeed", "none")
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (4, 1)
+    assert trainer_refusals(spec, plan, table) == []
+    # DeepSpeed's own stage-2 model states for 7B on 2 GPUs, as the textbook counts them.
+    b = plan.memory
+    p = 6_738_415_616
+    assert (b.parameters, b.gradients, b.optimizer) == (2 * p, p, 6 * p)
+
+
+@pytest.mark.parametrize("table", [*TABLES, pytest.param(STRATEGIES, id="live")])
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {},
+        {"resources": {"maxGPUs": 2}, "training": {"globalBatchSize": 8}},
+        {"strategy": {"offload": "cpu"}},
+        {"strategy": {"type": "zero3"}, "resources": {"minNodes": 1, "maxNodes": 1}},
+        {"method": {"type": "lora"}, "training": {"optimizer": "adamw8bit"}},
+        {"model": {"name": "Llama-3.1-70B"}, "strategy": {"offload": "cpu"}},
+    ],
+    ids=["7b", "7b-2gpus", "7b-offload", "zero3-pinned", "lora-adamw8bit", "70b-offload"],
+)
+def test_backend_auto_never_plans_what_the_trainer_refuses(
+    table: StrategyTable, sections: dict[str, Any]
+) -> None:
+    """Whether it fits or not (7b-2gpus does not on torch alone), the plan names a strategy
+    the trainer runs: the refusal of a job that does not fit is about memory, never about a
+    row the planner chose itself."""
+    spec = make_spec(**sections)
+    plan = plan_job(spec, table)
+    assert trainer_refusals(spec, plan, table) == [], plan.reason
 
 
 def test_7b_qlora_fits_one_24gb_gpu() -> None:

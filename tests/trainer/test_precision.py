@@ -144,7 +144,8 @@ def test_ddp_accumulated_bucket_grads_match_a_plain_model(world_one: None) -> No
 
 
 @pytest.mark.parametrize(("method", "precision", "base"), [
-    ("lora", "bf16", torch.bfloat16), ("lora", "fp32", torch.float32),
+    ("lora", "bf16", torch.bfloat16), ("lora", "fp16", torch.float16),
+    ("lora", "fp32", torch.float32), ("full", "fp16", torch.float32),
     ("full", "bf16", torch.float32), ("full", "fp32", torch.float32),
 ])
 def test_base_and_adapter_dtypes(method: str, precision: Precision, base: torch.dtype) -> None:
@@ -162,9 +163,29 @@ def test_ddp_bf16_lora_trains_adapters_in_fp32(world_one: None) -> None:
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in adapters)
 
 
-def test_fp16_refused_by_parallelize() -> None:
-    with pytest.raises(UnsupportedConfigError, match=r"training\.precision fp16"):
-        wrap(nn.Linear(2, 2), "ddp", "fp16")
+def test_fsdp_fp16_gathers_fp16_and_reduces_fp32(world_one: None) -> None:
+    m = model("full", "fp16")
+    seen = layer_output_dtypes(m)
+    par = wrap(m, "fsdp-full-shard", "fp16")
+    for unit in (u for u in par.model.modules() if isinstance(u, FSDPModule)):
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            assert group.mp_policy.param_dtype == torch.float16
+            assert group.mp_policy.reduce_dtype == torch.float32
+    assert not par.autocast
+    assert step(par, "fp16").dtype == torch.float16 and seen == [torch.float16] * 2
+    trainable = [p for p in par.model.parameters() if p.requires_grad]
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainable)
+
+
+def test_ddp_fp16_is_an_fp32_model_under_fp16_autocast(world_one: None) -> None:
+    par = wrap(model("full", "fp16"), "ddp", "fp16")
+    assert par.autocast
+    assert step(par, "fp16").dtype == torch.float16
+
+
+def test_unknown_precision_refused_by_parallelize() -> None:
+    with pytest.raises(UnsupportedConfigError, match=r"training\.precision fp8"):
+        wrap(nn.Linear(2, 2), "ddp", "fp8")  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

@@ -44,11 +44,19 @@ def test_gradient_accumulation_refuses_indivisible() -> None:
         gradient_accumulation(8, 3, 2)
 
 
-def test_fp16_refused() -> None:
+def test_precision_context_autocasts_half_precisions_only() -> None:
     import torch
 
-    with pytest.raises(UnsupportedConfigError, match="fp16"):
-        precision_context("fp16", torch.device("cpu"))
+    cpu = torch.device("cpu")
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        with precision_context(precision, cpu):
+            assert torch.get_autocast_dtype("cpu") == dtype and torch.is_autocast_enabled("cpu")
+        with precision_context(precision, cpu, autocast=False):
+            assert not torch.is_autocast_enabled("cpu")
+    with precision_context("fp32", cpu):
+        assert not torch.is_autocast_enabled("cpu")
+    with pytest.raises(UnsupportedConfigError, match="fp8"):
+        precision_context("fp8", cpu)
 
 
 def test_runtime_env_from_environ() -> None:

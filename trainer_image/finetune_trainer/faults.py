@@ -9,6 +9,10 @@ calls it unconditionally (no `if` in the hot path).
   no step), until it is killed. Once per marker file: the hang first creates
   `FT_HANG_MARKER` (default `.ft-hang-marker` in the working directory), and a rank that finds
   it runs normally, so a restarted job recovers (a transient fault).
+- `FT_GRAD_OVERFLOW_AT_STEP` (int) and `FT_GRAD_OVERFLOW_RANK` (int, default 0): at this step,
+  after backward and the gradient reduction, that rank writes inf into one element of its own
+  gradient (its shard under FSDP): an fp16 overflow only this rank sees. Loss scaling must
+  make every rank skip the step (finetune_trainer.loss_scale); without it the run diverges.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+import torch
+from torch import nn
 
 DEFAULT_HANG_MARKER = ".ft-hang-marker"
 
@@ -43,35 +50,64 @@ class FaultConfig:
     step_delay_seconds: float = 0.0
     hang_at_step: int | None = None
     hang_marker: Path = Path(DEFAULT_HANG_MARKER)
+    overflow_at_step: int | None = None
+    overflow_rank: int = 0
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> FaultConfig:
         delay = env_number(env, "FT_STEP_DELAY_SECONDS", float)
         hang = env_number(env, "FT_HANG_AT_STEP", int)
+        overflow = env_number(env, "FT_GRAD_OVERFLOW_AT_STEP", int)
         return cls(
             step_delay_seconds=float(delay or 0.0),
             hang_at_step=int(hang) if hang is not None else None,
             hang_marker=Path(env.get("FT_HANG_MARKER") or DEFAULT_HANG_MARKER),
+            overflow_at_step=int(overflow) if overflow is not None else None,
+            overflow_rank=int(env_number(env, "FT_GRAD_OVERFLOW_RANK", int) or 0),
         )
 
     @property
     def enabled(self) -> bool:
-        return self.step_delay_seconds > 0 or self.hang_at_step is not None
+        return (
+            self.step_delay_seconds > 0
+            or self.hang_at_step is not None
+            or self.overflow_at_step is not None
+        )
 
 
 class Faults(Protocol):
     def after_micro_batch(self, step: int, micro_batches: int) -> None:
         """Called after each micro-batch's backward of optimizer step `step` (1-based)."""
 
+    def before_optimizer_step(self, step: int, model: nn.Module) -> None:
+        """Called with step `step`'s reduced gradients, before they are unscaled or clipped."""
+
 
 class NoFaults:
     def after_micro_batch(self, step: int, micro_batches: int) -> None:
         return None
 
+    def before_optimizer_step(self, step: int, model: nn.Module) -> None:
+        return None
+
 
 class InjectedFaults:
-    def __init__(self, config: FaultConfig) -> None:
+    def __init__(self, config: FaultConfig, rank: int = 0) -> None:
         self.config = config
+        self.rank = rank
+
+    def before_optimizer_step(self, step: int, model: nn.Module) -> None:
+        if step != self.config.overflow_at_step or self.rank != self.config.overflow_rank:
+            return
+        for p in model.parameters():
+            grad = p.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: DTensor
+            if local.numel():
+                with torch.no_grad():
+                    local.view(-1)[0] = float("inf")
+                return
 
     def after_micro_batch(self, step: int, micro_batches: int) -> None:
         if self.config.step_delay_seconds:
@@ -88,5 +124,5 @@ class InjectedFaults:
         return True
 
 
-def build_faults(config: FaultConfig) -> Faults:
-    return InjectedFaults(config) if config.enabled else NoFaults()
+def build_faults(config: FaultConfig, rank: int = 0) -> Faults:
+    return InjectedFaults(config, rank) if config.enabled else NoFaults()

@@ -34,6 +34,7 @@ class StepStats:
     step_seconds: float
     compute_seconds: float
     wait_seconds: float
+    loss_scale: float | None = None  # fp16's dynamic loss scale after this step
 
 
 def peak_reserved_bytes(device: torch.device) -> int:
@@ -132,17 +133,18 @@ class TrainerMetrics:
         self.peak_memory.set(peak_memory_bytes(self.device))
         self.observe_step_time(s.step_seconds)
         if self.rank == 0:
-            write_json_line(
-                {
-                    "step": s.step,
-                    "loss": round(s.loss, 5),
-                    "lr": s.lr,
-                    "tokens_per_second": round(s.tokens / max(s.step_seconds, 1e-9), 1),
-                    "step_seconds": round(s.step_seconds, 4),
-                    "compute_seconds": round(s.compute_seconds, 4),
-                    "wait_seconds": round(s.wait_seconds, 4),
-                }
-            )
+            line: dict[str, object] = {
+                "step": s.step,
+                "loss": round(s.loss, 5),
+                "lr": s.lr,
+                "tokens_per_second": round(s.tokens / max(s.step_seconds, 1e-9), 1),
+                "step_seconds": round(s.step_seconds, 4),
+                "compute_seconds": round(s.compute_seconds, 4),
+                "wait_seconds": round(s.wait_seconds, 4),
+            }
+            if s.loss_scale is not None:
+                line["loss_scale"] = s.loss_scale
+            write_json_line(line)
 
     def _record_stalls(self, stalls: list[Stall | None]) -> None:
         for st in stalls:

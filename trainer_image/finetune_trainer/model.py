@@ -49,10 +49,11 @@ def _attention(spec: ModelSpec, device: torch.device) -> str:
 
 
 def base_dtype(method: MethodSpec, precision: Precision) -> torch.dtype:
-    """dtype of the base weights: a frozen LoRA/QLoRA base is bf16 under bf16; everything
-    else (full fine-tuning's master weights, fp32 runs) is fp32."""
-    if method.type in ("lora", "qlora") and precision == "bf16":
-        return torch.bfloat16
+    """dtype of the base weights: a frozen LoRA/QLoRA base is bf16 under bf16 and fp16 under
+    fp16 (what the planner counts: e bytes per frozen weight); everything else (full
+    fine-tuning's master weights, fp32 runs) is fp32."""
+    if method.type in ("lora", "qlora") and precision in ("bf16", "fp16"):
+        return torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.float32
 
 

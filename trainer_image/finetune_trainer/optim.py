@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from finetune_operator.api.spec import TrainingSpec
@@ -63,9 +64,37 @@ def build_optimizer(model: nn.Module, spec: TrainingSpec) -> torch.optim.Optimiz
         )
     if spec.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=spec.learning_rate, momentum=0.9)
+    if spec.optimizer == "adamw8bit":
+        return adamw8bit(model, groups, spec.learning_rate)
     raise UnsupportedConfigError(
         f"training.optimizer {spec.optimizer!r} is not implemented yet; use adamw or sgd"
     )
+
+
+def adamw8bit(
+    model: nn.Module, groups: list[dict[str, object]], lr: float
+) -> torch.optim.Optimizer:
+    """bitsandbytes' blockwise 8-bit AdamW (1 byte per state value plus an fp32 absmax per
+    256: what the planner counts, memory.ADAM8BIT_BYTES_PER_STATE), same hyper-parameters as
+    the 32-bit one. Imported here only: bitsandbytes ships CUDA kernels and is in the trainer
+    image, not in CPU installs. It steps plain tensors, not FSDP2's sharded DTensors (the
+    strategy table lets adamw8bit run under ddp only; the planner never picks otherwise)."""
+    if any(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad):
+        raise UnsupportedConfigError(
+            "training.optimizer adamw8bit cannot step FSDP2's sharded parameters "
+            "(bitsandbytes needs plain tensors); use strategy.type ddp or optimizer adamw"
+        )
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise UnsupportedConfigError(
+            "training.optimizer adamw8bit needs bitsandbytes, which this trainer install lacks "
+            "(the trainer image has it); use adamw"
+        ) from e
+    optimizer: torch.optim.Optimizer = bnb.optim.AdamW8bit(
+        groups, lr=lr, betas=(0.9, 0.95), eps=1e-8
+    )
+    return optimizer
 
 
 def build_scheduler(

@@ -10,6 +10,8 @@ Precision is what the planner (finetune_operator.planner.memory) assumes and its
   reduce_dtype=fp32)` on every unit (layers and root), so the all-gathers move bf16 and the
   forward needs no autocast (the policy casts);
 - DDP + bf16: an fp32 model (LoRA: frozen bf16 base, fp32 adapters) under torch.autocast;
+- fp16: the same with float16 in place of bf16, plus dynamic loss scaling in the loop
+  (finetune_trainer.loss_scale);
 - fp32: no casting anywhere.
 """
 
@@ -58,7 +60,7 @@ class Parallel:
     # Seconds of the last step spent waiting for the gradient reduction after this rank's own
     # work was done (DDP's overlapped all-reduce); read after the device is synchronised.
     reduction_wait: Callable[[], float] = field(default=lambda: 0.0)
-    # The forward runs under torch.autocast(bf16) (DDP mixed precision); FSDP2 casts itself.
+    # The forward runs under torch.autocast (DDP mixed precision); FSDP2 casts itself.
     autocast: bool = False
     # zero_grad(set_to_none=...): False where the gradients are persistent buffers (DDP's
     # gradient buckets); True frees them (FSDP's sharded gradients).
@@ -118,7 +120,7 @@ def apply_ddp(model: nn.Module, device: torch.device, precision: Precision) -> P
         strategy="ddp",
         accumulate=accumulate,
         reduction_wait=clock.wait_seconds,
-        autocast=precision == "bf16",
+        autocast=precision in ("bf16", "fp16"),
         # set_to_none would drop the views: the next backward would allocate fresh grads
         # beside the buckets (the extra block) until the reducer copies them back in.
         zero_grad_set_to_none=False,
@@ -189,17 +191,19 @@ def _offload_policy(spec: StrategySpec, device: torch.device) -> OffloadPolicy:
 
 
 def check_precision(precision: str) -> None:
-    if precision not in ("bf16", "fp32"):
+    if precision not in ("bf16", "fp16", "fp32"):
         raise UnsupportedConfigError(
-            f"training.precision {precision} is not implemented yet; use bf16 or fp32"
+            f"training.precision {precision} is not implemented; use bf16, fp16 or fp32"
         )
 
 
 def fsdp_mp_policy(precision: Precision) -> MixedPrecisionPolicy:
-    """bf16: gather bf16 copies of the fp32 sharded masters, reduce-scatter grads in fp32."""
+    """bf16/fp16: gather half-precision copies of the fp32 sharded masters, reduce-scatter
+    grads in fp32 (fp16's loss-scaled grads would overflow a half-precision sum first)."""
     check_precision(precision)
-    if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision in ("bf16", "fp16"):
+        half = torch.bfloat16 if precision == "bf16" else torch.float16
+        return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()  # fp32 everywhere: no casting
 
 

@@ -10,7 +10,7 @@ the seeded init of an inline model, which does not depend on the world size)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LRScheduler
 
+from finetune_trainer.loss_scale import LossScale, NoLossScale
 from finetune_trainer.sampler import StepSampler
 
 RNG_PREFIX = "rng"
@@ -36,6 +37,7 @@ class TrainState:
     rank: int
     seed: int
     step: int = 0
+    loss_scale: LossScale = field(default_factory=NoLossScale)
 
     def _rng_key(self) -> str:
         # One entry per rank (each rank's dropout stream); a rank missing from an older,
@@ -57,6 +59,8 @@ class TrainState:
             "sampler": self.sampler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
         }
+        if scale := self.loss_scale.state_dict():
+            train["loss_scale"] = scale  # fp16 only
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -84,6 +88,8 @@ class TrainState:
         self.step = int(train["step"])
         self.sampler.load_state_dict(train["sampler"])
         self.scheduler.load_state_dict(train["scheduler"])
+        # A checkpoint without one (bf16, or written before fp16 existed) keeps the initial scale.
+        self.loss_scale.load_state_dict(train.get("loss_scale", {}))
         # Recompute the LR from this run's schedule (its maxSteps may differ from the saved one).
         self.scheduler.last_epoch = self.step - 1
         self.scheduler.step()

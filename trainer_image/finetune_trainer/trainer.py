@@ -21,6 +21,7 @@ from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.export import build_exporter
 from finetune_trainer.faults import build_faults
 from finetune_trainer.loading import load_parallel_model
+from finetune_trainer.loss_scale import build_loss_scale
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import check_precision
@@ -79,12 +80,13 @@ def gradient_accumulation(global_batch: int, world_size: int, micro_batch_size: 
 def precision_context(
     precision: str, device: torch.device, *, autocast: bool = True
 ) -> contextlib.AbstractContextManager[None]:
-    """The forward's precision context: torch.autocast for bf16 where the strategy computes in
-    an fp32 model (DDP; `Parallel.autocast`), nothing where it casts parameters itself (FSDP2's
-    MixedPrecisionPolicy) or in fp32."""
+    """The forward's precision context: torch.autocast for bf16/fp16 where the strategy
+    computes in an fp32 model (DDP; `Parallel.autocast`), nothing where it casts parameters
+    itself (FSDP2's MixedPrecisionPolicy) or in fp32."""
     check_precision(precision)
-    if precision == "bf16" and autocast:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision in ("bf16", "fp16") and autocast:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 
@@ -93,7 +95,7 @@ class Trainer:
         check_torch(torch.__version__)  # before anything that would fail less clearly
         self.job, self.env, spec = job, env, job.spec
         self.stop_signal = StopSignal()
-        self.faults = build_faults(env.faults)
+        self.faults = build_faults(env.faults, env.rank)
         self.device = select_device(spec.resources.device, env)
         self.dist = init_distributed(self.device, env)
         world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
@@ -118,6 +120,8 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, spec.training)
         self.scheduler = build_scheduler(self.optimizer, spec.training, self.total_steps)
+        # fp16: dynamic loss scaling, all ranks skipping the same overflowing steps.
+        self.loss_scale = build_loss_scale(spec.training.precision, self.device)
         self.sampler = StepSampler(
             num_samples=len(self.data),
             global_batch=spec.training.global_batch_size,
@@ -140,6 +144,7 @@ class Trainer:
             self.sampler,
             rank=self.dist.rank,
             seed=spec.training.seed,
+            loss_scale=self.loss_scale,
         )
         # Who owns the checkpoint and output directories (finetune_trainer.ownership).
         storage_meta = {
@@ -245,6 +250,7 @@ class Trainer:
             step_seconds=t4 - t0,
             compute_seconds=(t1 - t0 - reduction_wait) + (t4 - t3),
             wait_seconds=(t2 - t1) + reduction_wait,
+            loss_scale=self.loss_scale.value(),
         )
         return stats, stop, time_due
 
@@ -262,7 +268,7 @@ class Trainer:
             with self.parallel.accumulate(i == len(micro_batches) - 1):
                 with precision_context(precision, self.device, autocast=autocast):
                     loss = self.model(**batch).loss / len(micro_batches)
-                loss.backward()
+                self.loss_scale.scale(loss).backward()
             loss_sum += loss.detach()
             tokens += self.data.count_tokens(indices)
             self.faults.after_micro_batch(self.state.step + 1, len(micro_batches))
@@ -283,13 +289,21 @@ class Trainer:
         return stop_s > 0, loss_s / self.dist.world_size, tokens_s, due_s > 0
 
     def _optimizer_step(self) -> float:
+        self.faults.before_optimizer_step(self.state.step + 1, self.model)
+        # Clipping compares the true gradient norm: unscale first (a no-op unless fp16).
+        self.loss_scale.unscale(self.optimizer)
         max_norm = self.job.spec.training.max_grad_norm
         if max_norm > 0:
             torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.grad is not None], max_norm
             )
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self.optimizer.step()
+        if not self.loss_scale.step(self.optimizer):  # skipped on every rank alike
+            log.warning(
+                "step %d: fp16 gradients overflowed, optimizer step skipped; loss scale now %g",
+                self.state.step + 1,
+                self.loss_scale.value(),
+            )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=self.parallel.zero_grad_set_to_none)
         return lr

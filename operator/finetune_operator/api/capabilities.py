@@ -1,7 +1,7 @@
 """What the trainer does not implement yet, decided before any pod starts.
 
-A valid FineTuneJob may still ask for something this version's trainer refuses (DeepSpeed,
-8-bit Adam, ...). Refusing it at plan time gives the user a condition naming the field, instead
+A valid FineTuneJob may still ask for something this version's trainer refuses (a strategy
+row not implemented, 8-bit Adam on CPU, ...). Refusing it at plan time gives the user a condition naming the field, instead
 of worker pods that exit with an error until the restart budget is spent."""
 
 from __future__ import annotations
@@ -34,11 +34,17 @@ def trainer_refusals(
             f"spec.strategy.offload: {plan.strategy} cannot offload; use one of {', '.join(can)}"
         )
     training = spec.training
-    if training.optimizer == "adamw8bit":
-        problems.append("spec.training.optimizer: adamw8bit is not implemented yet; use adamw")
-    if training.precision == "fp16":
-        problems.append("spec.training.precision: fp16 is not implemented; use bf16")
     cpu = spec.resources.device == "cpu"
+    if cpu and training.optimizer == "adamw8bit":
+        problems.append(
+            "spec.training.optimizer: adamw8bit (bitsandbytes) needs a CUDA GPU; use adamw on CPU"
+        )
+    elif training.optimizer not in row.optimizers:
+        able = sorted({r.name for r in strategies if training.optimizer in r.optimizers})
+        problems.append(
+            f"spec.training.optimizer: {training.optimizer} cannot step {plan.strategy} on "
+            f"{row.backend}; use adamw, or strategy.type {' or '.join(able) or 'none'}"
+        )
     if cpu and spec.method.type == "qlora":
         problems.append("spec.method.type: qlora needs a CUDA GPU; use lora on CPU")
     elif spec.method.type == "qlora" and row.shards_params:

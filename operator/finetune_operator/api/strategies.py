@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from finetune_operator.api.spec import Backend, StrategyName
+from finetune_operator.api.spec import Backend, OptimizerName, StrategyName
 
 # A concrete backend: what a plan says, never "auto".
 BackendName = Literal["fsdp", "deepspeed"]
@@ -25,6 +25,12 @@ OffloadedState = Literal["params", "optimizer"]
 
 _ALL: frozenset[ShardedState] = frozenset({"params", "grads", "optimizer"})
 _OFFLOAD_ALL: frozenset[OffloadedState] = frozenset({"params", "optimizer"})
+# bitsandbytes' 8-bit AdamW steps plain tensors only: FSDP2's DTensor parameters make it fail
+# ("got mixed torch.Tensor and DTensor", bitsandbytes 0.50), so on torch it runs under DDP.
+_TORCH_OPTIMIZERS: frozenset[OptimizerName] = frozenset({"adamw", "adamw8bit", "sgd"})
+_FSDP2_OPTIMIZERS: frozenset[OptimizerName] = frozenset({"adamw", "sgd"})
+# DeepSpeed's own Adam (fused on GPU, CPU-Adam with offload); others when its backend runs them.
+_DEEPSPEED_OPTIMIZERS: frozenset[OptimizerName] = frozenset({"adamw"})
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class Strategy:
     comm_rank: int
     # Whether this version's trainer runs the row; the capability check refuses it otherwise.
     implemented: bool
+    # training.optimizer values the row's trainer path can step.
+    optimizers: frozenset[OptimizerName]
     # Shard within a node and replicate across nodes (HSDP).
     shard_within_node: bool = False
     # Another row this one is only a name for (same wrapper, same memory): never searched
@@ -155,27 +163,40 @@ class StrategyTable:
 
 STRATEGIES = StrategyTable(
     (
-        Strategy("ddp", "fsdp", frozenset(), False, frozenset(), 0, implemented=True),
         Strategy(
-            "zero1", "deepspeed", frozenset({"optimizer"}), False,
-            frozenset({"optimizer"}), 1, implemented=False,
+            "ddp", "fsdp", frozenset(), False, frozenset(), 0,
+            implemented=True, optimizers=_TORCH_OPTIMIZERS,
+        ),
+        Strategy(
+            "zero1", "deepspeed", frozenset({"optimizer"}), False, frozenset({"optimizer"}), 1,
+            implemented=False, optimizers=_DEEPSPEED_OPTIMIZERS,
         ),
         Strategy(
             "zero2", "deepspeed", frozenset({"grads", "optimizer"}), False,
-            frozenset({"optimizer"}), 2, implemented=False,
+            frozenset({"optimizer"}), 2,
+            implemented=False, optimizers=_DEEPSPEED_OPTIMIZERS,
         ),
-        Strategy("fsdp-shard-grad-op", "fsdp", _ALL, False, _OFFLOAD_ALL, 3, implemented=True),
         Strategy(
-            "fsdp-hybrid", "fsdp", _ALL, True, _OFFLOAD_ALL, 4, implemented=True,
-            shard_within_node=True,
+            "fsdp-shard-grad-op", "fsdp", _ALL, False, _OFFLOAD_ALL, 3,
+            implemented=True, optimizers=_FSDP2_OPTIMIZERS,
         ),
-        Strategy("fsdp-full-shard", "fsdp", _ALL, True, _OFFLOAD_ALL, 5, implemented=True),
+        Strategy(
+            "fsdp-hybrid", "fsdp", _ALL, True, _OFFLOAD_ALL, 4,
+            implemented=True, optimizers=_FSDP2_OPTIMIZERS, shard_within_node=True,
+        ),
+        Strategy(
+            "fsdp-full-shard", "fsdp", _ALL, True, _OFFLOAD_ALL, 5,
+            implemented=True, optimizers=_FSDP2_OPTIMIZERS,
+        ),
         # zero3 on the torch backend is FSDP2 full shard under another name. Before the
         # DeepSpeed row: a zero3 pin under backend auto stays FSDP2 (resolve: table order).
         Strategy(
-            "zero3", "fsdp", _ALL, True, _OFFLOAD_ALL, 6, implemented=True,
-            runs_as="fsdp-full-shard",
+            "zero3", "fsdp", _ALL, True, _OFFLOAD_ALL, 6,
+            implemented=True, optimizers=_FSDP2_OPTIMIZERS, runs_as="fsdp-full-shard",
         ),
-        Strategy("zero3", "deepspeed", _ALL, True, _OFFLOAD_ALL, 6, implemented=False),
+        Strategy(
+            "zero3", "deepspeed", _ALL, True, _OFFLOAD_ALL, 6,
+            implemented=False, optimizers=_DEEPSPEED_OPTIMIZERS,
+        ),
     )
 )  # fmt: skip

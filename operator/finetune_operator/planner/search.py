@@ -70,6 +70,8 @@ def strategies_for(p: Problem, n: int) -> list[Strategy]:
     for row in p.strategies.searched(st.backend):
         if p.spec.method.type == "qlora" and not row.replicated:
             continue  # FSDP cannot shard bitsandbytes 4-bit weights: QLoRA runs replicated.
+        if p.spec.training.optimizer not in row.optimizers:
+            continue
         if row.shard_within_node and n <= p.spec.resources.gpus_per_node:
             continue  # one node: hybrid is full shard.
         if st.offload != "none" and not row.offloadable:
