@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+
+from tests.objectstore import CREDENTIALS, MotoServer, moto_server
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -37,3 +39,18 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}" + (f"\n{detail()}" if detail else ""))
         time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[MotoServer]:
+    """One S3-compatible server (moto) per test session; each test makes its own bucket."""
+    with moto_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_credentials(monkeypatch: pytest.MonkeyPatch, s3_server: MotoServer) -> MotoServer:
+    """The keys in this process's environment, where the kubelet puts them in a worker."""
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    return s3_server

@@ -18,7 +18,13 @@ pytestmark = pytest.mark.slow
 
 
 def _rank_main(rank: int, root: str, port: int, results: str) -> None:
-    from tests.trainer.test_checkpointer import _flip_in_place, checkpointer, new_state, train_steps
+    from tests.trainer.test_checkpointer import (
+        L,
+        _flip_in_place,
+        checkpointer,
+        new_state,
+        train_steps,
+    )
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
@@ -33,7 +39,7 @@ def _rank_main(rank: int, root: str, port: int, results: str) -> None:
     dist.barrier()
     if rank == 0:
         newest = path / "step-00000006"
-        manifest = store.manifest_of(store.read_marker(newest))
+        manifest = store.manifest_of(store.read_marker(L(newest)))
         assert manifest is not None and len(manifest) == 3  # .metadata + one file per rank
         victim = store.share_of(manifest, 1, 2)[0]  # a file only rank 1 verifies
         _flip_in_place(newest / victim)
