@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+
+from tests.objectstore import CREDENTIALS, MotoServer, moto_server
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -52,3 +54,18 @@ def json_lines(text: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError as e:
                 raise AssertionError(f"not a JSON line ({e}): {line!r}") from None
     return out
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[MotoServer]:
+    """One S3-compatible server (moto) per test session; each test makes its own bucket."""
+    with moto_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_credentials(monkeypatch: pytest.MonkeyPatch, s3_server: MotoServer) -> MotoServer:
+    """The keys in this process's environment, where the kubelet puts them in a worker."""
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    return s3_server

@@ -38,6 +38,7 @@ from finetune_local.nodes import register_node
 from finetune_local.podsources import bind_claim, fetch_config, referenced_configs
 from finetune_local.podspec import (
     ConfigMissingError,
+    ContainerConfigError,
     container_env,
     expand,
     render_hosts,
@@ -291,7 +292,10 @@ class Kubelet:
             mounts.append(termination_mount(container, run.termination_file))
             self.mountpoints.ensure(pathlib.Path(mounts[-1]["target"]), is_file=True)
         except ConfigMissingError as exc:
-            await self._patch_status(key, {"containerStatuses": [waiting(container, "ContainerCreating", str(exc))]})
+            # Env that names a missing Secret/ConfigMap or key: CreateContainerConfigError;
+            # a volume that cannot be set up yet: still ContainerCreating (as a real kubelet).
+            reason = "CreateContainerConfigError" if isinstance(exc, ContainerConfigError) else "ContainerCreating"
+            await self._patch_status(key, {"containerStatuses": [waiting(container, reason, str(exc))]})
             await asyncio.sleep(1.0)  # retried by the next reconcile, as a real kubelet does
             return
         argv = [expand(str(a), env) for a in [*(container.get("command") or []), *(container.get("args") or [])]]

@@ -24,6 +24,15 @@ class ConfigMissingError(Exception):
     """A referenced ConfigMap/Secret (or key) is absent: the kubelet retries, as a real one does."""
 
 
+class ContainerConfigError(ConfigMissingError):
+    """The container's environment names a ConfigMap/Secret or key that is absent: a real
+    kubelet leaves the container waiting with reason CreateContainerConfigError (the pod stays
+    Pending) and tries again, with the same messages as here."""
+
+
+_KIND_NAMES = {"configMap": ("configmap", "ConfigMap"), "secret": ("secret", "Secret")}
+
+
 def expand(value: str, env: Mapping[str, str]) -> str:
     def replace(match: re.Match[str]) -> str:
         if match.group(0) == "$$":
@@ -50,12 +59,16 @@ def field_ref(pod: Mapping[str, Any], path: str) -> str:
     return str(values[path] or "")
 
 
-def _key_ref(ref: Mapping[str, Any], kind: str, lookup: ConfigLookup) -> str | None:
-    data = lookup(kind, ref.get("name", ""))
+def _key_ref(ref: Mapping[str, Any], kind: str, lookup: ConfigLookup, namespace: str) -> str | None:
+    name = ref.get("name", "")
+    data = lookup(kind, name)
     if data is None or ref.get("key") not in data:
         if ref.get("optional"):
             return None
-        raise ConfigMissingError(f"{kind} {ref.get('name')!r} key {ref.get('key')!r} not found")
+        lower, title = _KIND_NAMES[kind]
+        if data is None:
+            raise ContainerConfigError(f'{lower} "{name}" not found')
+        raise ContainerConfigError(f"couldn't find key {ref.get('key')} in {title} {namespace}/{name}")
     return data[ref["key"]]
 
 
@@ -64,6 +77,7 @@ def container_env(pod: Mapping[str, Any], container: Mapping[str, Any], lookup: 
     """The process environment: ``base`` (PATH etc.), then envFrom, then env, in order."""
     env: dict[str, str] = dict(base)
     declared: dict[str, str] = {}
+    namespace = str(pod.get("metadata", {}).get("namespace") or "default")
     for source in container.get("envFrom") or []:
         for kind in ("configMap", "secret"):
             ref = source.get(f"{kind}Ref")
@@ -71,7 +85,7 @@ def container_env(pod: Mapping[str, Any], container: Mapping[str, Any], lookup: 
                 continue
             data = lookup(kind, ref.get("name", ""))
             if data is None and not ref.get("optional"):
-                raise ConfigMissingError(f"{kind} {ref.get('name')!r} not found")
+                raise ContainerConfigError(f'{_KIND_NAMES[kind][0]} "{ref.get("name")}" not found')
             for key, value in (data or {}).items():
                 declared[source.get("prefix", "") + key] = value
     for item in container.get("env") or []:
@@ -84,9 +98,9 @@ def container_env(pod: Mapping[str, Any], container: Mapping[str, Any], lookup: 
         if "fieldRef" in source:
             resolved = field_ref(pod, source["fieldRef"]["fieldPath"])
         elif "configMapKeyRef" in source:
-            resolved = _key_ref(source["configMapKeyRef"], "configMap", lookup)
+            resolved = _key_ref(source["configMapKeyRef"], "configMap", lookup, namespace)
         elif "secretKeyRef" in source:
-            resolved = _key_ref(source["secretKeyRef"], "secret", lookup)
+            resolved = _key_ref(source["secretKeyRef"], "secret", lookup, namespace)
         if resolved is not None:
             declared[name] = resolved
     env.update(declared)

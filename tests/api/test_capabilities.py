@@ -73,12 +73,11 @@ def test_adamw8bit_runs_under_ddp_on_a_gpu() -> None:
         (_spec(model__attention="flash"), _plan(), "spec.model.attention"),
         (_spec(method__type="qlora", resources__device="gpu", resources__gpu={"memoryGiB": 80}),
          _plan("fsdp-full-shard"), "spec.method.type"),
-        (_spec(checkpoint__uri="s3://bucket/ckpt"), _plan(), "spec.checkpoint.uri"),
         (_spec(dataset__uri="s3://bucket/data.jsonl"), _plan(), "spec.dataset.uri"),
     ],
     ids=["nvme", "offload-ddp", "adamw8bit-cpu", "adamw8bit-fsdp", "qlora-cpu", "flash-cpu",
          "qlora-fsdp",
-         "s3-checkpoint", "s3-dataset"],
+         "s3-dataset"],
 )
 def test_refusals_name_the_field(spec: FineTuneJobSpec, plan: Plan, field: str) -> None:
     problems = trainer_refusals(spec, plan)

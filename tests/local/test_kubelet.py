@@ -219,3 +219,35 @@ def test_claim_binds_on_first_consumer_and_outlives_pods(cluster: LocalCluster,
     _wait_pod(core, f"{name}-r", lambda p: p.status.phase == "Succeeded")
     log = cluster.pod_log_path("default", f"{name}-r")
     assert log is not None and log.read_text().strip() == "hello"
+
+
+def test_secret_env_waits_for_the_secret_and_its_key(cluster: LocalCluster,
+                                                     core: client.CoreV1Api) -> None:
+    """Env from a Secret (secretKeyRef) as a real kubelet resolves it: while the Secret or a
+    key is missing the container waits in CreateContainerConfigError (the pod stays Pending,
+    nothing runs); once both exist the process starts with the values; an optional key may
+    be absent."""
+    name = _name("sec")
+    env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": f"{name}-s", "key": k}}}
+           for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
+    env.append({"name": "AWS_SESSION_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": f"{name}-s", "key": "AWS_SESSION_TOKEN", "optional": True}}})
+    core.create_namespaced_pod("default", _pod(
+        name, 'echo "$AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY/${AWS_SESSION_TOKEN-unset}"',
+        container={"env": env}))
+
+    def waiting(p: Any) -> Any:
+        statuses = p.status.container_statuses or []
+        return statuses and statuses[0].state.waiting
+
+    pod = _wait_pod(core, name, lambda p: waiting(p) and waiting(p).reason == "CreateContainerConfigError")
+    assert pod.status.phase == "Pending" and waiting(pod).message == f'secret "{name}-s" not found'
+    core.create_namespaced_secret("default", {"metadata": {"name": f"{name}-s"},
+                                              "stringData": {"AWS_ACCESS_KEY_ID": "AKID"}})
+    pod = _wait_pod(core, name, lambda p: waiting(p) and "couldn't find key" in waiting(p).message)
+    assert waiting(pod).message == f"couldn't find key AWS_SECRET_ACCESS_KEY in Secret default/{name}-s"
+    assert pod.status.phase == "Pending" and cluster.pod_log_path("default", name) is None
+    core.patch_namespaced_secret(f"{name}-s", "default", {"stringData": {"AWS_SECRET_ACCESS_KEY": "sk"}})
+    _wait_pod(core, name, lambda p: p.status.phase == "Succeeded")
+    log = cluster.pod_log_path("default", name)
+    assert log is not None and log.read_text().strip() == "AKID/sk/unset"

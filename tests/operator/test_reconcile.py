@@ -160,6 +160,29 @@ def test_pending_to_running() -> None:
     assert [e.reason for e in out.events] == ["AllWorkersReady", "Running", "Running"]
 
 
+def test_a_worker_the_kubelet_cannot_start_is_reported() -> None:
+    """A worker waiting in CreateContainerConfigError (its Secret is missing) stays Pending:
+    the job says which pod and why, and counts nothing as a failure."""
+    s0 = step(FineTuneJobStatus(), [], T0).status
+    waiting = {"reason": "CreateContainerConfigError", "message": 'secret "s3" not found'}
+    raw = {"metadata": {"name": "qs-worker-0", "uid": "uid-qs-worker-0", "labels": {
+        LABEL_JOB: "qs", LABEL_ROLE: "worker", LABEL_WORKER_INDEX: "0"}},
+        "spec": {"nodeName": "node-a"},
+        "status": {"phase": "Pending", "containerStatuses": [{"name": "trainer",
+                                                              "state": {"waiting": waiting}}]}}
+    creating = {**raw, "status": {"phase": "Pending", "containerStatuses": [
+        {"name": "trainer", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+    assert observe_pod(creating).blocked is None
+    pods = [pod("qs-rdzv", "Running", ready=True), observe_pod(raw), pod("qs-worker-1")]
+    s1 = step(s0, pods, T0 + timedelta(seconds=1), ensured=1).status
+    for ctype in (COND_WORKERS_READY, COND_SUCCEEDED):
+        c = find(s1.conditions, ctype)
+        assert c is not None and c.message.endswith(
+            "; pod qs-worker-0 cannot start: CreateContainerConfigError: secret \"s3\" not found"
+        ), c.message
+    assert s1.phase == "Pending" and s1.restarts == 0
+
+
 def test_failure_backoff_replacement_until_budget_exhausted() -> None:
     spec = quickstart_raw()  # maxRestarts 3, backoffSeconds 2
     status = step(FineTuneJobStatus(), running(*ALL), T0, spec=spec).status

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from finetune_operator.api.manifest import load_manifest
 from finetune_operator.api.spec import FineTuneJobSpec
-from finetune_operator.api.storage import StorageSpec, unmounted_paths
+from finetune_operator.api.storage import StorageSpec, object_store_problems, unmounted_paths
 from finetune_operator.planner import PlanningError, plan_job
 from finetune_operator.resources import Owner, build_worker_pod, desired_objects
 from tests.operator.factories import REPO, make_plan, quickstart_raw
@@ -80,6 +80,70 @@ def test_plan_refuses_an_unmounted_path_naming_the_field() -> None:
     with pytest.raises(PlanningError) as err:
         plan_job(spec_with(checkpoint={"uri": "/checkpoints/q"}))
     assert err.value.field == "spec.checkpoint.uri" and "not under a mounted volume" in str(err.value)
+
+
+STORE = {"objectStore": {"secretName": "s3-credentials", "endpointUrl": "http://minio:9000",
+                         "pathStyle": True}}
+
+
+@pytest.mark.parametrize(
+    ("sections", "problem"),
+    [
+        ({"checkpoint": {"uri": "s3://b/ckpt"}, "output": {"uri": "s3://b/out"}, "storage": STORE},
+         None),
+        ({"checkpoint": {"uri": "s3://b/ckpt"}}, ("spec.checkpoint.uri", "needs spec.storage.objectStore")),
+        ({"output": {"uri": "s3://b/out"}}, ("spec.output.uri", "needs spec.storage.objectStore")),
+        ({"output": {"uri": "s3:///out"}, "storage": STORE}, ("spec.output.uri", "names no bucket")),
+        ({"checkpoint": {"uri": "gs://b/ckpt"}, "storage": STORE},
+         ("spec.checkpoint.uri", "https://storage.googleapis.com")),
+        ({"checkpoint": {"uri": "az://b/ckpt"}}, ("spec.checkpoint.uri", "az:// is not supported")),
+        ({"checkpoint": {"uri": "file:///shared/ckpt"}, "storage": SHARED}, None),
+    ],
+    ids=["s3-with-store", "s3-checkpoint-no-store", "s3-output-no-store", "no-bucket", "gs",
+         "az", "file"],
+)  # fmt: skip
+def test_object_store_uris_are_checked_at_plan_time(
+    sections: dict[str, Any], problem: tuple[str, str] | None
+) -> None:
+    problems = object_store_problems(spec_with(**sections))
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problems[0][0] == problem[0], problems
+        assert problem[1] in problems[0][1]
+
+
+@pytest.mark.parametrize(
+    ("store", "message"),
+    [({"secretName": "Not_A_Name"}, "secretName"), ({"endpointUrl": "minio:9000"}, "endpointUrl"),
+     ({"secretName": "s", "accessKey": "AKIA..."}, "accessKey")],
+    ids=["secret-name", "endpoint-scheme", "no-keys-in-the-spec"],
+)  # fmt: skip
+def test_object_store_fields_are_validated(store: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        StorageSpec.model_validate({"objectStore": store})
+
+
+def test_plan_refuses_s3_without_an_object_store_naming_the_field() -> None:
+    with pytest.raises(PlanningError) as err:
+        plan_job(spec_with(output={"uri": "s3://bucket/model"}))
+    assert err.value.field == "spec.output.uri"
+
+
+def test_worker_gets_the_credentials_from_the_secret_and_stays_valid(owner: Owner) -> None:
+    spec = spec_with(checkpoint={"uri": "s3://b/ckpt"}, storage=STORE)
+    pod = build_worker_pod(owner, spec, make_plan(), 0)
+    kubernetes_validate.validate(pod, "1.32", strict=True)
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[key] == {"name": key, "valueFrom": {"secretKeyRef": {
+            "name": "s3-credentials", "key": key}}}  # fmt: skip
+    assert env["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+    assert not any("value" in e and "test" in str(e["value"]) for e in env.values())
+    # Without a Secret (the pod's own identity), no env refers to one.
+    keyless = spec_with(checkpoint={"uri": "s3://b/ckpt"}, storage={"objectStore": {}})
+    keyless_env = build_worker_pod(owner, keyless, make_plan(), 0)["spec"]["containers"][0]["env"]
+    assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in keyless_env)
 
 
 def test_worker_mounts_claims_and_volumes_and_stays_valid(owner: Owner) -> None:

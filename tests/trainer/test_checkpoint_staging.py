@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.errors import UnsupportedRuntimeError
+from finetune_trainer.location import locate
 from finetune_trainer.parallelize import _no_buffer_sync_in_forward
 from finetune_trainer.staging import HostStaging
 from finetune_trainer.state import TrainState
@@ -56,7 +57,7 @@ def test_buffers_are_allocated_once_and_reused(
     train_steps(state, 7, ckpt)  # saves at 2, 4, 6, 8
     assert state.optimizer.state_dict()["state"][0]["step"] == 8  # no extra optimizer step
     assert ckpt.finish(timeout=30)
-    assert [c.step for c in store.committed_newest_first(tmp_path)] == [8, 6, 4, 2]
+    assert [c.step for c in store.committed_newest_first(locate(str(tmp_path), 'checkpoint.uri'))] == [8, 6, 4, 2]
     assert ckpt.staging.allocations == 1  # not one per save
     assert len(ckpt.metrics.stalls) == 4  # one blocking/stall estimate per save
     ckpt.close()
@@ -126,7 +127,7 @@ def test_failed_save_is_visible_and_training_goes_on(
     with caplog.at_level(logging.ERROR, logger="finetune_trainer.checkpointer"):
         train_steps(state, 6, ckpt)
         assert ckpt.finish(timeout=30)
-    assert [c.step for c in store.committed_newest_first(tmp_path)] == [6, 2]
+    assert [c.step for c in store.committed_newest_first(locate(str(tmp_path), 'checkpoint.uri'))] == [6, 2]
     assert ckpt.last_failed_step == 4 and ckpt.last_committed_step == 6
     assert failures(ckpt) == 1
     assert ckpt.metrics.last_failed_ckpt_step._value.get() == 4
@@ -191,5 +192,5 @@ def test_a_staging_failure_on_the_training_thread_is_a_failed_save_not_a_crash(
     assert ckpt.finish(timeout=30)
     assert ckpt.last_failed_step == 2 and ckpt.last_committed_step == 4
     assert failures(ckpt) == 1
-    assert [c.step for c in store.committed_newest_first(tmp_path)] == [4]
+    assert [c.step for c in store.committed_newest_first(locate(str(tmp_path), 'checkpoint.uri'))] == [4]
     ckpt.close()

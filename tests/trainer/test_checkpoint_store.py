@@ -1,4 +1,5 @@
-"""Checkpoint discovery, validation and retention on real DCP directories."""
+"""Checkpoint discovery, validation and retention on real DCP directories, on a local
+filesystem and in an S3-compatible object store (moto's server, over HTTP): one code path."""
 
 from __future__ import annotations
 
@@ -11,74 +12,103 @@ import torch.distributed.checkpoint as dcp
 
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.location import Location, locate
+from tests.objectstore import MotoServer
 
 
-def make(root: Path, step: int, *, committed: bool = True) -> Path:
+@pytest.fixture(params=["local", "s3"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    if request.param == "local":
+        return locate(str(tmp_path), "checkpoint.uri")
+    server: MotoServer = request.getfixturevalue("s3_credentials")
+    uri = f"s3://{server.new_bucket()}/checkpoints/job"
+    return store.resolve_root(uri, object_store=server.spec())
+
+
+def make(root: Location, step: int, *, committed: bool = True) -> Location:
     path = store.step_dir(root, step)
-    dcp.save({"w": torch.arange(1000.0) + step, "meta": "x"}, checkpoint_id=path, no_dist=True)
+    root.makedirs()
+    state = {"w": torch.arange(1000.0) + step, "meta": "x"}
+    dcp.save(state, storage_writer=path.dcp_writer(), no_dist=True)
     if committed:
         store.write_marker(path, {"step": step})
     return path
 
 
-def test_layout_and_newest_committed(tmp_path: Path) -> None:
+def _names(root: Location) -> list[tuple[int, bool]]:
+    return [(c.step, c.committed) for c in store.list_checkpoints(root)]
+
+
+def test_layout_and_newest_committed(root: Location) -> None:
     for s in (10, 20):
-        make(tmp_path, s)
-    make(tmp_path, 30, committed=False)
-    (tmp_path / "not-a-step").mkdir()
-    assert (tmp_path / "step-00000020").is_dir()
-    assert [c.step for c in store.committed_newest_first(tmp_path)] == [20, 10]
-    assert store.read_marker(tmp_path / "step-00000020") == {"step": 20}
+        make(root, s)
+    make(root, 30, committed=False)
+    (root / "not-a-step" / "x").write_atomic(b"x")
+    assert (root / "step-00000020").is_dir()
+    assert [c.step for c in store.committed_newest_first(root)] == [20, 10]
+    assert store.read_marker(root / "step-00000020") == {"step": 20}
 
 
-def test_partial_dirs_are_removed(tmp_path: Path) -> None:
-    make(tmp_path, 10)
-    make(tmp_path, 20, committed=False)
-    removed = store.remove_partial(tmp_path)
-    assert removed == [tmp_path / "step-00000020"]
-    assert [c.step for c in store.list_checkpoints(tmp_path)] == [10]
+def test_partial_dirs_are_removed(root: Location) -> None:
+    make(root, 10)
+    make(root, 20, committed=False)
+    removed = store.remove_partial(root)
+    assert removed == [root / "step-00000020"]
+    assert _names(root) == [(10, True)]
+    assert not (root / "step-00000020").exists()
 
 
-def test_purge_keeps_last_k_and_older_partials(tmp_path: Path) -> None:
+def test_purge_keeps_last_k_and_older_partials(root: Location) -> None:
     for s in (10, 20, 30, 40):
-        make(tmp_path, s)
-    make(tmp_path, 15, committed=False)
-    make(tmp_path, 50, committed=False)  # in flight: newer than the commit, must stay
-    store.purge(tmp_path, keep=2, below_step=40)
-    assert [(c.step, c.committed) for c in store.list_checkpoints(tmp_path)] == [
-        (30, True), (40, True), (50, False),
-    ]
+        make(root, s)
+    make(root, 15, committed=False)
+    make(root, 50, committed=False)  # in flight: newer than the commit, must stay
+    store.purge(root, keep=2, below_step=40)
+    assert _names(root) == [(30, True), (40, True), (50, False)]
 
 
-def test_valid_checkpoint_passes(tmp_path: Path) -> None:
-    store.validate(make(tmp_path, 10))
+def test_valid_checkpoint_passes(root: Location) -> None:
+    store.validate(make(root, 10))
 
 
 @pytest.mark.parametrize("damage", ["truncate-data", "delete-data", "garble-metadata", "no-metadata"])
-def test_corrupt_checkpoint_is_detected(tmp_path: Path, damage: str) -> None:
-    path = make(tmp_path, 10)
-    data = next(path.glob("*.distcp"))
+def test_corrupt_checkpoint_is_detected(root: Location, damage: str) -> None:
+    path = make(root, 10)
+    data = path / next(n for n in path.sizes() if n.endswith(".distcp"))
     if damage == "truncate-data":
-        data.write_bytes(data.read_bytes()[:100])
+        data.write_atomic(data.read_bytes()[:100])
     elif damage == "delete-data":
-        data.unlink()
+        data.remove()
     elif damage == "garble-metadata":
-        (path / ".metadata").write_bytes(b"not a pickle")
+        (path / ".metadata").write_atomic(b"not a pickle")
     else:
-        (path / ".metadata").unlink()
+        (path / ".metadata").remove()
     with pytest.raises(store.CorruptCheckpointError):
         store.validate(path)
 
 
-def test_marker_is_json_and_atomic(tmp_path: Path) -> None:
-    store.write_marker(tmp_path, {"step": 3, "worldSize": 2})
-    assert json.loads((tmp_path / "COMMITTED").read_text())["worldSize"] == 2
-    assert not list(tmp_path.glob(".*tmp"))
+def test_quarantine_moves_the_step_out_of_the_listing(root: Location) -> None:
+    make(root, 10)
+    path = make(root, 20)
+    moved = store.quarantine(path)
+    assert moved == root / "step-00000020.corrupt" and moved.is_dir()
+    assert not (moved / "COMMITTED").exists() and (moved / ".metadata").is_file()
+    assert _names(root) == [(10, True)]
 
 
-def test_relative_uri_resolves_against_cwd(tmp_path: Path) -> None:
-    assert store.resolve_root("checkpoints/q", tmp_path) == tmp_path / "checkpoints/q"
-    assert store.resolve_root("/abs/q", tmp_path) == Path("/abs/q")
-    assert store.resolve_root("file:///abs/q", tmp_path) == Path("/abs/q")
-    with pytest.raises(UnsupportedConfigError, match="object storage"):
-        store.resolve_root("s3://bucket/q", tmp_path)
+def test_marker_is_json_and_atomic(root: Location) -> None:
+    store.write_marker(root, {"step": 3, "worldSize": 2})
+    assert json.loads((root / "COMMITTED").read_text())["worldSize"] == 2
+    assert [e.name for e in root.children()] == ["COMMITTED"]  # no temp file left
+
+
+def test_uris_resolve(tmp_path: Path, s3_server: MotoServer) -> None:
+    assert store.resolve_root("checkpoints/q", tmp_path).local_path == tmp_path / "checkpoints/q"
+    assert store.resolve_root("/abs/q", tmp_path).local_path == Path("/abs/q")
+    assert store.resolve_root("file:///abs/q", tmp_path).local_path == Path("/abs/q")
+    s3 = store.resolve_root("s3://bucket/q/", object_store=s3_server.spec())
+    assert (s3.url, s3.is_local, str(s3 / "step-00000001")) == (
+        "s3://bucket/q", False, "s3://bucket/q/step-00000001"
+    )
+    with pytest.raises(UnsupportedConfigError, match=r"checkpoint.uri 'gs://b/q': only s3://"):
+        store.resolve_root("gs://b/q", tmp_path)

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from finetune_operator.api.spec import CheckpointSpec
+from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.checkpointer import (
     DcpCheckpointer,
@@ -21,10 +22,12 @@ from finetune_trainer.checkpointer import (
     build_checkpointer,
     save_due,
 )
+from finetune_trainer.location import Location, locate
 from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.optim import build_scheduler
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
+from tests.objectstore import MotoServer
 from tests.trainer.conftest import free_port, make_job
 
 
@@ -62,13 +65,17 @@ def train_steps(state: TrainState, n: int, ckpt: DcpCheckpointer | None = None) 
             ckpt.maybe_save(state.step)
 
 
-def checkpointer(state: TrainState, root: Path, group: dist.ProcessGroup, keep: int = 2,
-                 ) -> DcpCheckpointer:
+def L(path: Path) -> Location:
+    return locate(str(path), "checkpoint.uri")
+
+
+def checkpointer(state: TrainState, root: Path | str, group: dist.ProcessGroup, keep: int = 2,
+                 object_store: ObjectStoreSpec | None = None) -> DcpCheckpointer:
     spec = CheckpointSpec(uri=str(root), interval_steps=2, keep=keep)
     metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), reforms=0,
                              total_steps=100)
     return DcpCheckpointer(spec, state, group=group, world_size=1, metrics=metrics,
-                           meta={"job": "t"})
+                           meta={"job": "t"}, object_store=object_store)
 
 
 def test_save_commit_resume_and_keep(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:
@@ -77,9 +84,9 @@ def test_save_commit_resume_and_keep(tmp_path: Path, ckpt_group: dist.ProcessGro
     train_steps(state, 6, ckpt)
     assert ckpt.finish(timeout=30)
     ckpt.close()
-    steps = [(c.step, c.committed) for c in store.list_checkpoints(tmp_path)]
+    steps = [(c.step, c.committed) for c in store.list_checkpoints(L(tmp_path))]
     assert steps == [(4, True), (6, True)]  # keep 2
-    assert store.read_marker(tmp_path / "step-00000006")["worldSize"] == 1
+    assert store.read_marker(L(tmp_path / "step-00000006"))["worldSize"] == 1
     expected = {k: v.clone() for k, v in state.model.state_dict().items()}
     expected_lr = state.optimizer.param_groups[0]["lr"]
     rng_after = torch.get_rng_state()
@@ -139,14 +146,14 @@ def _saved_six(root: Path, group: dist.ProcessGroup) -> None:
 def test_commit_writes_a_manifest_of_every_file(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:
     _saved_six(tmp_path, ckpt_group)
     path = tmp_path / "step-00000006"
-    marker = store.read_marker(path)
+    marker = store.read_marker(L(path))
     manifest = store.manifest_of(marker)
     assert marker is not None and marker["hash"] == "xxh3_128"
     on_disk = {f.name for f in path.iterdir() if f.name != "COMMITTED"}
     assert manifest is not None and set(manifest) == on_disk
     for name, entry in manifest.items():
         assert entry["size"] == (path / name).stat().st_size
-        assert entry["xxh3_128"] == store.hash_file(path / name)
+        assert entry["xxh3_128"] == store.hash_file(L(path / name))
 
 
 def test_corrupt_in_place_newest_falls_back_and_is_moved_aside(
@@ -155,7 +162,7 @@ def test_corrupt_in_place_newest_falls_back_and_is_moved_aside(
     _saved_six(tmp_path, ckpt_group)
     newest = tmp_path / "step-00000006"
     _flip_in_place(next(newest.glob("*.distcp")))
-    store.validate(newest)  # the structural check alone is fooled
+    store.validate(L(newest))  # the structural check alone is fooled
     fresh = new_state()
     resumed = checkpointer(fresh, tmp_path, ckpt_group)
     assert resumed.load() == 4
@@ -164,7 +171,7 @@ def test_corrupt_in_place_newest_falls_back_and_is_moved_aside(
     assert resumed.metrics.resumed_from_step._value.get() == 4
     assert resumed.metrics.skipped_ckpt_step._value.get() == 6
     assert not newest.exists() and (tmp_path / "step-00000006.corrupt").is_dir()
-    assert [c.step for c in store.list_checkpoints(tmp_path)] == [2, 4]
+    assert [c.step for c in store.list_checkpoints(L(tmp_path))] == [2, 4]
     resumed.close()
 
 
@@ -177,10 +184,10 @@ def test_any_load_exception_falls_back(
     _saved_six(tmp_path, ckpt_group)
     real_load = dcp.load
 
-    def failing_load(sd: dict[str, object], *, checkpoint_id: Path, **kw: object) -> None:
-        if Path(checkpoint_id).name == "step-00000006":
+    def failing_load(sd: dict[str, object], *, storage_reader: object, **kw: object) -> None:
+        if str(storage_reader.path).endswith("step-00000006"):  # type: ignore[attr-defined]
             raise CheckpointException("load", {0: (RuntimeError("bad"), None)})
-        real_load(sd, checkpoint_id=checkpoint_id, **kw)
+        real_load(sd, storage_reader=storage_reader, **kw)
 
     monkeypatch.setattr(dcp, "load", failing_load)
     fresh = new_state()
@@ -223,10 +230,10 @@ def test_marker_without_manifest_still_loads(tmp_path: Path, ckpt_group: dist.Pr
     """Checkpoints committed before manifests existed: structure checked, then loaded."""
     _saved_six(tmp_path, ckpt_group)
     path = tmp_path / "step-00000006"
-    marker = store.read_marker(path)
+    marker = store.read_marker(L(path))
     assert marker is not None
     marker.pop("files")
-    store.write_marker(path, marker)
+    store.write_marker(L(path), marker)
     resumed = checkpointer(new_state(), tmp_path, ckpt_group)
     assert resumed.load() == 6
     resumed.close()
@@ -245,13 +252,13 @@ def test_verify_files_names_the_damage(
 ) -> None:
     _saved_six(tmp_path, ckpt_group)
     path = tmp_path / "step-00000006"
-    manifest = store.manifest_of(store.read_marker(path))
+    manifest = store.manifest_of(store.read_marker(L(path)))
     assert manifest is not None
-    store.verify_files(path, manifest, manifest)
+    store.verify_files(L(path), manifest, manifest)
     data = next(path.glob("*.distcp"))
     damage(data)
     with pytest.raises(store.CorruptCheckpointError, match=message) as err:
-        store.verify_files(path, manifest, manifest)
+        store.verify_files(L(path), manifest, manifest)
     assert data.name in str(err.value)
 
 
@@ -264,7 +271,7 @@ def test_share_of_covers_every_file_once() -> None:
 def test_nothing_usable_starts_at_zero(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:
     bad = tmp_path / "step-00000002"
     bad.mkdir()
-    store.write_marker(bad, {"step": 2})  # committed marker, no data at all
+    store.write_marker(L(bad), {"step": 2})  # committed marker, no data at all
     state = new_state()
     ckpt = checkpointer(state, tmp_path, ckpt_group)
     assert ckpt.load() == 0 and state.step == 0
@@ -303,3 +310,53 @@ def test_default_spec_checkpoints_on_a_time_interval(
 def test_save_policy(step: int, interval: int | None, time_due: bool, last: int,
                      expected: bool) -> None:
     assert save_due(step, interval_steps=interval, time_due=time_due, last_saved=last) is expected
+
+
+def test_through_s3_save_commit_prune_skip_corrupt_and_resume(
+    ckpt_group: dist.ProcessGroup, s3_credentials: MotoServer
+) -> None:
+    """The same checkpointer on s3:// (moto's server over HTTP): async saves committed with a
+    manifest, keep-last-K, a partial save cleaned, a newest checkpoint damaged in place
+    skipped for the previous one and moved aside, and the state restored."""
+    object_store = s3_credentials.spec()
+    uri = f"s3://{s3_credentials.new_bucket()}/ckpt/job"
+    state = new_state()
+    ckpt = checkpointer(state, uri, ckpt_group, keep=2, object_store=object_store)
+    train_steps(state, 6, ckpt)
+    assert ckpt.finish(timeout=60)
+    ckpt.close()
+    root = ckpt.root
+    assert not root.is_local and root.url == uri
+    assert [(c.step, c.committed) for c in store.list_checkpoints(root)] == [(4, True), (6, True)]
+    marker = store.read_marker(root / "step-00000004")
+    manifest = store.manifest_of(marker)
+    assert marker is not None and manifest is not None and marker["step"] == 4
+    assert set(manifest) == set((root / "step-00000004").sizes()) - {"COMMITTED"}
+    expected = {k: v.clone() for k, v in state.model.state_dict().items()}
+
+    # The newest one damaged in place (same size); a save of step 8 that never committed.
+    newest = root / "step-00000006"
+    data = newest / next(n for n in newest.sizes() if n.endswith(".distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_atomic(bytes(raw))
+    (root / "step-00000008" / "__0_0.distcp").write_atomic(b"half an upload")
+
+    fresh = new_state()
+    resumed = checkpointer(fresh, uri, ckpt_group, object_store=object_store)
+    assert resumed.load() == 4 and resumed.skipped == [6]
+    assert fresh.step == 4 and fresh.sampler.consumed == 32
+    assert [c.step for c in store.list_checkpoints(root)] == [4]
+    assert (root / "step-00000006.corrupt" / ".metadata").is_file()
+    # Training on from step 4 writes step 6 again; the first checkpoint's weights were right.
+    train_steps(fresh, 2, resumed)
+    assert resumed.finish(timeout=60)
+    resumed.close()
+    assert [c.step for c in store.committed_newest_first(root)] == [6, 4]
+    third = new_state()
+    again = checkpointer(third, uri, ckpt_group, object_store=object_store)
+    assert again.load() == 6
+    for k, v in third.model.state_dict().items():
+        torch.testing.assert_close(v, fresh.model.state_dict()[k])
+    assert set(expected) == set(third.model.state_dict())
+    again.close()

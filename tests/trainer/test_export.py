@@ -27,11 +27,13 @@ from finetune_trainer.export import (
     build_exporter,
     resolve_output,
 )
+from finetune_trainer.location import locate
 from finetune_trainer.model import build_model
 from finetune_trainer.ownership import StorageRefusedError
 from finetune_trainer.parallelize import parallelize
 from finetune_trainer.termination_log import write_error_report, write_final_report
 from finetune_trainer.tokenizer import build_byte_tokenizer
+from tests.objectstore import MotoServer
 from tests.trainer.conftest import (
     Proc,
     free_port,
@@ -85,7 +87,7 @@ def test_full_model_reloads_with_identical_logits(world_one: None, tmp_path: Pat
     tok, method = build_byte_tokenizer(), MethodSpec(type="full")
     model = trained(method, tok)
     out = tmp_path / "out"
-    assert exporter(model, tok, method, out).export(7, loss=1.5) == out
+    assert exporter(model, tok, method, out).export(7, loss=1.5) == locate(str(out), "o")
 
     assert {"config.json", "model.safetensors", FINISHED_MARKER} <= {p.name for p in out.iterdir()}
     marker = json.loads((out / FINISHED_MARKER).read_text())
@@ -175,6 +177,36 @@ def test_an_existing_directory_that_is_not_our_export_is_refused_untouched(
     assert (fresh / "notes.txt").read_text() == "keep me"
 
 
+def test_export_to_s3_reloads_and_replaces_the_previous_one(
+    world_one: None, tmp_path: Path, s3_credentials: MotoServer
+) -> None:
+    """s3:// (moto's server): the export is uploaded with its marker last; a second export
+    replaces the first without leaving any of its files; the model reloads."""
+    tok, method = build_byte_tokenizer(), MethodSpec(type="full")
+    model = trained(method, tok)
+    uri = f"s3://{s3_credentials.new_bucket()}/models/q"
+    spec = OutputSpec(uri=uri)
+
+    def export(step: int) -> None:
+        exp = build_exporter(spec, model=model, tokenizer=tok, method=method, rank=0,
+                             meta={"job": "t"}, object_store=s3_credentials.spec())
+        assert str(exp.export(step)) == uri
+
+    export(2)
+    root = resolve_output(uri, object_store=s3_credentials.spec())
+    (root / "stale.bin").write_atomic(b"from the first export")
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    export(4)
+    names = set(root.sizes())
+    assert {"config.json", "model.safetensors", FINISHED_MARKER} <= names
+    assert "stale.bin" not in names
+    assert json.loads((root / FINISHED_MARKER).read_text())["step"] == 4
+    local = tmp_path / "download"
+    root.fs.get(root.path + "/", str(local), recursive=True)
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(local)), logits(model))
+
+
 def test_no_output_uri_is_a_no_op() -> None:
     exp = build_exporter(OutputSpec(), model=nn.Linear(1, 1), tokenizer=build_byte_tokenizer(),
                          method=MethodSpec(), rank=0, meta={})
@@ -189,12 +221,12 @@ def test_no_output_uri_is_a_no_op() -> None:
     ids=["relative", "absolute", "file-scheme"],
 )
 def test_output_uri_resolves_like_the_checkpoint_uri(uri: str, expected: str) -> None:
-    assert resolve_output(uri, Path("cwd")) == Path(expected)
+    assert resolve_output(uri, Path("cwd")).url == expected
 
 
 @pytest.mark.parametrize(
     ("uri", "method", "merge", "field"),
-    [("s3://bucket/model", "full", False, "output.uri"),
+    [("gs://bucket/model", "full", False, "output.uri"),
      ("out", "qlora", True, "output.mergeLora")],
     ids=["object-storage", "qlora-merge"],
 )

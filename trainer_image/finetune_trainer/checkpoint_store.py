@@ -3,6 +3,11 @@ validation, integrity manifests and retention. `<root>/step-00000120/` holds one
 checkpoint; a `COMMITTED` file inside it (JSON metadata) says every rank finished writing it
 and carries the manifest: size and hash of every file of the checkpoint.
 
+The root is a `Location`: a directory on a volume or an `s3://` prefix, through the same code.
+On an object store nothing can be renamed into place, and nothing needs to be: the marker is
+written after every shard and the manifest are complete, and a step without it is invisible
+(never listed as committed, never loaded, cleaned as partial).
+
 Hash: xxHash3-128 (`xxh3_128`, ~10 GB/s per core here against ~1.4 GB/s for SHA-256). The
 manifest guards against damage (bit rot, a torn or overwritten file, a copy gone wrong), not
 against an attacker who can write the checkpoint directory (they could rewrite the manifest
@@ -15,10 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import re
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +34,8 @@ from finetune_operator.api.constants import (
     CHECKPOINT_STEP_PREFIX,
     checkpoint_dir_name,
 )
-from finetune_trainer.paths import resolve_dir
+from finetune_operator.api.storage import ObjectStoreSpec
+from finetune_trainer.location import Location, locate
 
 _STEP_DIR = re.compile(re.escape(CHECKPOINT_STEP_PREFIX) + r"(\d{8,})$")
 DCP_METADATA_FILE = ".metadata"
@@ -57,52 +61,52 @@ class CorruptCheckpointError(Exception):
 @dataclass(frozen=True)
 class CheckpointDir:
     step: int
-    path: Path
+    path: Location
     committed: bool
 
 
-def resolve_root(uri: str, cwd: Path | None = None) -> Path:
-    """A checkpoint URI as a directory (see `resolve_dir`)."""
-    return resolve_dir(uri, "checkpoint.uri", cwd)
+def resolve_root(
+    uri: str, cwd: Path | None = None, object_store: ObjectStoreSpec | None = None
+) -> Location:
+    """A checkpoint URI as a Location (see `location.locate`)."""
+    return locate(uri, "checkpoint.uri", cwd=cwd, object_store=object_store)
 
 
-def step_dir(root: Path, step: int) -> Path:
+def step_dir(root: Location, step: int) -> Location:
     return root / checkpoint_dir_name(step)
 
 
-def list_checkpoints(root: Path) -> list[CheckpointDir]:
+def list_checkpoints(root: Location) -> list[CheckpointDir]:
     """Every `step-*` directory under `root`, oldest first."""
-    if not root.is_dir():
-        return []
     found = []
-    for child in root.iterdir():
+    for child in root.children():
         m = _STEP_DIR.match(child.name)
-        if m and child.is_dir():
-            committed = (child / CHECKPOINT_COMMITTED_MARKER).is_file()
-            found.append(CheckpointDir(int(m.group(1)), child, committed))
+        if m and child.is_dir:
+            path = root / child.name
+            committed = (path / CHECKPOINT_COMMITTED_MARKER).is_file()
+            found.append(CheckpointDir(int(m.group(1)), path, committed))
     return sorted(found, key=lambda c: c.step)
 
 
-def committed_newest_first(root: Path) -> list[CheckpointDir]:
+def committed_newest_first(root: Location) -> list[CheckpointDir]:
     return [c for c in reversed(list_checkpoints(root)) if c.committed]
 
 
-def write_marker(path: Path, meta: dict[str, Any]) -> None:
-    """Write `COMMITTED` atomically (temp file + rename), so a reader never sees half of it."""
-    tmp = path / f".{CHECKPOINT_COMMITTED_MARKER}.tmp"
-    tmp.write_text(json.dumps(meta, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path / CHECKPOINT_COMMITTED_MARKER)
+def write_marker(path: Location, meta: dict[str, Any]) -> None:
+    """Write `COMMITTED` atomically, so a reader never sees half of it."""
+    text = json.dumps(meta, sort_keys=True) + "\n"
+    (path / CHECKPOINT_COMMITTED_MARKER).write_atomic(text.encode("utf-8"))
 
 
-def read_marker(path: Path) -> dict[str, Any] | None:
+def read_marker(path: Location) -> dict[str, Any] | None:
     try:
-        data = json.loads((path / CHECKPOINT_COMMITTED_MARKER).read_text(encoding="utf-8"))
+        data = json.loads((path / CHECKPOINT_COMMITTED_MARKER).read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
-def validate(path: Path) -> None:
+def validate(path: Location) -> None:
     """Cheap structural check before loading: the DCP metadata unpickles and every byte range
     it points at exists. Catches truncated, missing and garbled files without touching the
     model; it cannot see flipped bits inside a tensor (DCP stores no checksums)."""
@@ -116,14 +120,14 @@ def validate(path: Path) -> None:
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
     except Exception as e:
         raise CorruptCheckpointError(f"{path}: unreadable DCP metadata ({e!r})") from e
+    sizes = path.sizes()  # one listing, not a request per file
     for rel, end in ends.items():
-        file = path / rel
-        size = file.stat().st_size if file.is_file() else -1
+        size = sizes.get(rel, -1)
         if size < end:
             raise CorruptCheckpointError(f"{path}: {rel} has {size} bytes, metadata needs {end}")
 
 
-def hash_file(path: Path, algorithm: str = HASH_ALGORITHM) -> str:
+def hash_file(path: Location, algorithm: str = HASH_ALGORITHM) -> str:
     if algorithm not in _HASHERS:
         raise CorruptCheckpointError(f"{path}: unknown manifest hash {algorithm!r}")
     h = _HASHERS[algorithm]()
@@ -133,25 +137,23 @@ def hash_file(path: Path, algorithm: str = HASH_ALGORITHM) -> str:
     return str(h.hexdigest())
 
 
-def files_written_by(path: Path, rank: int) -> list[str]:
+def files_written_by(path: Location, rank: int) -> list[str]:
     """The checkpoint files one rank wrote: its `__<rank>_*.distcp`, and `.metadata` for the
     coordinator (rank 0)."""
-    names = [
-        f.name
-        for f in path.iterdir()
-        if (m := _RANK_FILE.match(f.name)) and int(m.group(1)) == rank and f.is_file()
-    ]
-    if rank == 0 and (path / DCP_METADATA_FILE).is_file():
+    sizes = path.sizes()
+    names = [n for n in sizes if (m := _RANK_FILE.match(n)) and int(m.group(1)) == rank]
+    if rank == 0 and DCP_METADATA_FILE in sizes:
         names.append(DCP_METADATA_FILE)
     return sorted(names)
 
 
-def describe_files(path: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Manifest entries (size and hash) for files of one checkpoint directory."""
+def describe_files(path: Location, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Manifest entries (size and hash) for files of one checkpoint directory. On an object
+    store this reads back what the rank just uploaded: the hash is of what landed."""
+    sizes = path.sizes()
     out: dict[str, dict[str, Any]] = {}
     for name in names:
-        file = path / name
-        out[name] = {"size": file.stat().st_size, HASH_ALGORITHM: hash_file(file)}
+        out[name] = {"size": sizes.get(name, -1), HASH_ALGORITHM: hash_file(path / name)}
     return out
 
 
@@ -161,13 +163,15 @@ def manifest_of(marker: dict[str, Any] | None) -> dict[str, dict[str, Any]] | No
     return files if isinstance(files, dict) and files else None
 
 
-def verify_files(path: Path, manifest: dict[str, dict[str, Any]], names: Iterable[str]) -> None:
-    """Check the named manifest entries against the files on disk: present, same size, same
+def verify_files(
+    path: Location, manifest: dict[str, dict[str, Any]], names: Iterable[str]
+) -> None:
+    """Check the named manifest entries against the stored files: present, same size, same
     hash. Sizes are checked before anything is hashed (cheap first)."""
     entries = [(n, manifest[n]) for n in names]
+    sizes = path.sizes()
     for name, entry in entries:
-        file = path / name
-        size = file.stat().st_size if file.is_file() else -1
+        size = sizes.get(name, -1)
         if size != entry.get("size"):
             raise CorruptCheckpointError(
                 f"{path}: {name} has {size} bytes, the manifest says {entry.get('size')}"
@@ -186,27 +190,32 @@ def share_of(names: Iterable[str], rank: int, world_size: int) -> list[str]:
     return [n for i, n in enumerate(sorted(names)) if i % world_size == rank]
 
 
-def quarantine(path: Path) -> Path:
+def _uncommit(path: Location) -> None:
+    """Remove the marker first: a half-moved or half-deleted step must never look committed."""
+    (path / CHECKPOINT_COMMITTED_MARKER).remove()
+
+
+def quarantine(path: Location) -> Location:
     """Move a damaged checkpoint aside (see CORRUPT_SUFFIX); a previous one is replaced."""
     target = path.with_name(path.name + CORRUPT_SUFFIX)
-    shutil.rmtree(target, ignore_errors=True)
-    (path / CHECKPOINT_COMMITTED_MARKER).unlink(missing_ok=True)
-    os.replace(path, target)
+    target.remove()
+    _uncommit(path)
+    path.move(target)
     return target
 
 
-def remove_partial(root: Path) -> list[Path]:
+def remove_partial(root: Location) -> list[Location]:
     """Delete every uncommitted step directory (leftovers of saves that never finished).
     Only safe while no save is in flight: at start, before anything is written."""
     removed = []
     for c in list_checkpoints(root):
         if not c.committed:
-            shutil.rmtree(c.path, ignore_errors=True)
+            c.path.remove()
             removed.append(c.path)
     return removed
 
 
-def purge(root: Path, keep: int, *, below_step: int | None = None) -> list[Path]:
+def purge(root: Location, keep: int, *, below_step: int | None = None) -> list[Location]:
     """Keep the newest `keep` committed checkpoints; delete older committed ones and
     uncommitted ones older than `below_step` (the step just committed)."""
     checkpoints = list_checkpoints(root)
@@ -215,7 +224,6 @@ def purge(root: Path, keep: int, *, below_step: int | None = None) -> list[Path]
     if below_step is not None:
         doomed += [c for c in checkpoints if not c.committed and c.step < below_step]
     for c in doomed:
-        # The marker goes first: a half-deleted directory must never look committed.
-        (c.path / CHECKPOINT_COMMITTED_MARKER).unlink(missing_ok=True)
-        shutil.rmtree(c.path, ignore_errors=True)
+        _uncommit(c.path)
+        c.path.remove()
     return [c.path for c in doomed]

@@ -14,6 +14,10 @@ checkpoints, off the hot path. A failed save is logged with its traceback, count
 goes on and the next save tries again. Before the marker, each rank hashes the files it wrote
 and rank 0 writes the gathered manifest (size + hash per file) into `COMMITTED`.
 
+The root is a directory on a volume or an s3:// prefix (`location.Location`): DCP writes and
+reads it through its fsspec storage (`FsspecWriter`/`FsspecReader`), everything else through the
+same interface, so every property here holds on both.
+
 Load path: the committed steps, newest first; a step is used only if every rank verified its
 share of the manifest and loaded it. Any failure (DCP raises `CheckpointException`, which
 derives from BaseException, not Exception) falls back to the previous step; rank 0 moves the
@@ -38,7 +42,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune_operator.api.spec import CheckpointSpec
+from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
+from finetune_trainer.location import Location
 from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.ownership import claim_checkpoint_root
 from finetune_trainer.staging import HostStaging, StagedState
@@ -130,8 +136,9 @@ class DcpCheckpointer:
         meta: dict[str, Any],
         device: torch.device | None = None,
         cwd: Path | None = None,
+        object_store: ObjectStoreSpec | None = None,
     ) -> None:
-        self.root = store.resolve_root(spec.uri, cwd)
+        self.root = store.resolve_root(spec.uri, cwd, object_store)
         # Before anything is loaded, cleaned or purged there: the root must be this job's.
         claim_checkpoint_root(self.root, meta)
         self.spec = spec
@@ -173,7 +180,7 @@ class DcpCheckpointer:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return list(box[0])
 
-    def _verify(self, path: Path) -> None:
+    def _verify(self, path: Location) -> None:
         """Structure, then this rank's share of the manifest (sizes, then hashes)."""
         store.validate(path)
         manifest = store.manifest_of(store.read_marker(path))
@@ -201,9 +208,9 @@ class DcpCheckpointer:
         # rank that skipped it would leave the others waiting in them.
         if self._agree(ok):
             try:
-                saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+                saved = set(path.dcp_reader().read_metadata().state_dict_metadata)
                 sd = self.state.template(saved)
-                dcp.load(sd, checkpoint_id=path, process_group=self.group)
+                dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
                 self.state.restore(sd)
             except LOAD_ERRORS as e:
                 log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
@@ -278,7 +285,7 @@ class DcpCheckpointer:
         if self.rank == 0:
             # A path that is not a directory fails the save below, counted like any failure.
             with contextlib.suppress(OSError):
-                (path / store.CHECKPOINT_COMMITTED_MARKER).unlink(missing_ok=True)
+                (path / store.CHECKPOINT_COMMITTED_MARKER).remove()
         if self.staging is not None:
             staging = self.staging
             launched: list[StagedState] = []
@@ -292,16 +299,18 @@ class DcpCheckpointer:
         else:
 
             def save() -> None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                dcp.save(self.state.capture(), checkpoint_id=path, process_group=self.group)
+                self.root.makedirs()
+                dcp.save(
+                    self.state.capture(), storage_writer=path.dcp_writer(), process_group=self.group
+                )
 
             self._conclude(self._agree(self._attempt(step, "save", save)), step, t0)
         self._last_saved = step
         self._last_save_time = time.monotonic()
         self.metrics.checkpoint_save_returned(step, time.monotonic() - t0)
 
-    def _launch(self, staging: HostStaging, path: Path) -> StagedState:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def _launch(self, staging: HostStaging, path: Location) -> StagedState:
+        self.root.makedirs()
         return staging.launch(self.state.capture())
 
     def _attempt(self, step: int, what: str, action: Any) -> bool:
@@ -333,7 +342,9 @@ class DcpCheckpointer:
             ok = self._attempt(
                 step,
                 "write",
-                lambda: dcp.save(staged.state_dict, checkpoint_id=path, process_group=self.group),
+                lambda: dcp.save(
+                    staged.state_dict, storage_writer=path.dcp_writer(), process_group=self.group
+                ),
             )
             ok = self._agree(ok)
         else:
@@ -427,6 +438,7 @@ def build_checkpointer(
     metrics: TrainerMetrics,
     meta: dict[str, Any],
     device: torch.device | None = None,
+    object_store: ObjectStoreSpec | None = None,
 ) -> Checkpointer:
     if spec is None or not spec.enabled:
         return NoOpCheckpointer()
@@ -440,4 +452,5 @@ def build_checkpointer(
         metrics=metrics,
         meta=meta,
         device=device,
+        object_store=object_store,
     )

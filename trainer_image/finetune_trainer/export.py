@@ -8,9 +8,12 @@ parameters; only rank 0 receives it, on CPU); rank 0 then writes:
   `mergeLora` the base model with the adapters merged into its weights;
 - the tokenizer, and last a `FINISHED` marker (JSON: step, loss, strategy, method, time).
 
-The directory is written as `<uri>.tmp-<step>` and renamed into place, so `<uri>` is either the
-previous export, absent for an instant while it is replaced, or a complete new one with its
-marker. `NoOpExporter` stands in when `output.uri` is unset.
+On a volume the directory is written as `<uri>.tmp-<step>` and renamed into place, so `<uri>`
+is either the previous export, absent for an instant while it is replaced, or a complete new one
+with its marker. An object store (`s3://`) has no rename: the export is written to a local
+temp directory (the pod's /tmp), the previous export's marker is deleted, then its objects, the
+new files are uploaded and the marker last, so an export is complete exactly when `FINISHED`
+is there. `NoOpExporter` stands in when `output.uri` is unset.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,9 +37,10 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from finetune_operator.api.spec import MethodSpec, OutputSpec
+from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.location import Location, locate
 from finetune_trainer.ownership import StorageRefusedError, check_output_target
-from finetune_trainer.paths import resolve_dir
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +50,7 @@ _OLD_INFIX = ".old-"
 
 
 class Exporter(Protocol):
-    def export(self, step: int, *, loss: float | None = None) -> Path | None:
+    def export(self, step: int, *, loss: float | None = None) -> Location | None:
         """Collective: every rank calls it. Returns the output directory on rank 0."""
         ...
 
@@ -53,13 +58,15 @@ class Exporter(Protocol):
 class NoOpExporter:
     """`output.uri` unset: the trained model is only in the checkpoints."""
 
-    def export(self, step: int, *, loss: float | None = None) -> Path | None:
+    def export(self, step: int, *, loss: float | None = None) -> Location | None:
         return None
 
 
-def resolve_output(uri: str, cwd: Path | None = None) -> Path:
-    """`output.uri` as a directory (see `resolve_dir`)."""
-    return resolve_dir(uri, "output.uri", cwd)
+def resolve_output(
+    uri: str, cwd: Path | None = None, object_store: ObjectStoreSpec | None = None
+) -> Location:
+    """`output.uri` as a Location (see `location.locate`)."""
+    return locate(uri, "output.uri", cwd=cwd, object_store=object_store)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -177,9 +184,28 @@ def remove_stale(root: Path, infix: str) -> list[Path]:
     return stale
 
 
-def publish(staged: Path, root: Path, step: int) -> None:
-    """Move a complete export into place, replacing the previous one. A directory cannot be
-    renamed over a non-empty one, so the old one is renamed aside first and deleted after."""
+def publish(staged: Path, target: Location, step: int) -> None:
+    """Put a complete export in place, replacing the previous one."""
+    if target.is_local:
+        _publish_by_rename(staged, target.local_path, step)
+    else:
+        _publish_by_upload(staged, target)
+
+
+def _publish_by_upload(staged: Path, root: Location) -> None:
+    """Object store: the marker goes first and comes last, so what readers see without it is
+    an unfinished export, never a mix taken for a finished one."""
+    (root / FINISHED_MARKER).remove()
+    root.remove()
+    files = sorted(p for p in staged.rglob("*") if p.is_file() and p.name != FINISHED_MARKER)
+    for file in [*files, staged / FINISHED_MARKER]:
+        (root / file.relative_to(staged).as_posix()).upload(file)
+    shutil.rmtree(staged, ignore_errors=True)
+
+
+def _publish_by_rename(staged: Path, root: Path, step: int) -> None:
+    """A directory cannot be renamed over a non-empty one, so the old one is renamed aside
+    first and deleted after."""
     old = root.with_name(f"{root.name}{_OLD_INFIX}{step}")
     if root.exists() or root.is_symlink():
         _remove(old)
@@ -202,6 +228,7 @@ class HfExporter:
         rank: int,
         meta: dict[str, Any],
         cwd: Path | None = None,
+        object_store: ObjectStoreSpec | None = None,
     ) -> None:
         assert spec.uri is not None
         if spec.merge_lora and method.type == "qlora":
@@ -209,7 +236,7 @@ class HfExporter:
                 "output.mergeLora with method.type qlora is not implemented yet (the base "
                 "weights are 4-bit); set mergeLora false to export the adapter"
             )
-        self.root = resolve_output(spec.uri, cwd)
+        self.root = resolve_output(spec.uri, cwd, object_store)
         # Refuse at start, not after hours of training, if the target is not ours to replace.
         check_output_target(self.root, meta, FINISHED_MARKER)
         self.spec = spec
@@ -219,7 +246,7 @@ class HfExporter:
         self.rank = rank
         self.meta = meta
 
-    def export(self, step: int, *, loss: float | None = None) -> Path | None:
+    def export(self, step: int, *, loss: float | None = None) -> Location | None:
         t0 = time.monotonic()
         sd = gather_full_state_dict(self.model)
         if self.rank != 0:
@@ -227,11 +254,7 @@ class HfExporter:
             return None
         gathered = time.monotonic() - t0
         merge = self.spec.merge_lora and self.method.type != "full"
-        self.root.parent.mkdir(parents=True, exist_ok=True)
-        for path in remove_stale(self.root, _TMP_INFIX):
-            log.warning("removed unfinished export %s", path)
-        staged = self.root.with_name(f"{self.root.name}{_TMP_INFIX}{step}")
-        staged.mkdir()
+        staged = _staging_dir_for(self.root, step)
         what = write_model(unwrap(self.model), sd, staged, method=self.method, merge=merge)
         del sd
         self.tokenizer.save_pretrained(staged)
@@ -265,6 +288,20 @@ class HfExporter:
         return self.root
 
 
+def _staging_dir_for(root: Location, step: int) -> Path:
+    """Beside the target on a volume (the rename stays on one filesystem); a local temp
+    directory for an object store (the pod's /tmp: it needs room for one export)."""
+    if not root.is_local:
+        return Path(tempfile.mkdtemp(prefix=f"export-{step}-"))
+    target = root.local_path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for path in remove_stale(target, _TMP_INFIX):
+        log.warning("removed unfinished export %s", path)
+    staged = target.with_name(f"{target.name}{_TMP_INFIX}{step}")
+    staged.mkdir()
+    return staged
+
+
 def build_exporter(
     spec: OutputSpec | None,
     *,
@@ -273,7 +310,16 @@ def build_exporter(
     method: MethodSpec,
     rank: int,
     meta: dict[str, Any],
+    object_store: ObjectStoreSpec | None = None,
 ) -> Exporter:
     if spec is None or not spec.uri:
         return NoOpExporter()
-    return HfExporter(spec, model=model, tokenizer=tokenizer, method=method, rank=rank, meta=meta)
+    return HfExporter(
+        spec,
+        model=model,
+        tokenizer=tokenizer,
+        method=method,
+        rank=rank,
+        meta=meta,
+        object_store=object_store,
+    )

@@ -18,10 +18,10 @@ import json
 import os
 import socket
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.location import Location
 
 OWNER_FILE = "OWNER"
 
@@ -52,30 +52,41 @@ def _describe(recorded: Mapping[str, Any]) -> str:
     return f"job {ns}/{job} (uid {uid or 'unknown'})"
 
 
-def read_owner(root: Path) -> dict[str, Any] | None:
+def read_owner(root: Location) -> dict[str, Any] | None:
     try:
-        data = json.loads((root / OWNER_FILE).read_text(encoding="utf-8"))
+        data = json.loads((root / OWNER_FILE).read_text())
     except FileNotFoundError:
         return None
+    except PermissionError:
+        raise  # credentials that may not read it: not a record of someone else
     except (OSError, ValueError):
         return {}  # unreadable: owned by someone we cannot name, so not by us
     return data if isinstance(data, dict) else {}
 
 
-def _write_owner(root: Path, me: Mapping[str, str]) -> None:
-    # Each writer its own temp file, then an atomic rename: racing ranks (or racing jobs)
-    # leave one whole record, which every writer then reads back.
-    tmp = root / f".{OWNER_FILE}.{socket.gethostname()}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(dict(me), sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, root / OWNER_FILE)
+def _write_owner(root: Location, me: Mapping[str, str]) -> None:
+    # Each writer its own temp file then a rename (locally), or one PUT (object store): racing
+    # ranks (or racing jobs) leave one whole record, which every writer then reads back.
+    text = json.dumps(dict(me), sort_keys=True) + "\n"
+    tag = f".{socket.gethostname()}.{os.getpid()}"
+    (root / OWNER_FILE).write_atomic(text.encode("utf-8"), tmp_tag=tag)
 
 
-def claim_checkpoint_root(root: Path, meta: Mapping[str, Any]) -> None:
+def claim_checkpoint_root(root: Location, meta: Mapping[str, Any]) -> None:
     """Make `root` this job's checkpoint directory, or refuse naming its owner.
 
     Called by every rank before anything is loaded, cleaned or purged there."""
     me = identity(meta)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        _claim(root, me)
+    except (FileNotFoundError, PermissionError) as e:
+        # A missing bucket, or credentials that may not write it: a configuration error, not
+        # something a restart would fix.
+        raise StorageRefusedError(f"checkpoint.uri {root} cannot be written: {e!r}") from e
+
+
+def _claim(root: Location, me: Mapping[str, str]) -> None:
+    root.makedirs()
     recorded = read_owner(root)
     if recorded is not None and _same_job(recorded, me) and recorded.get("uid") == me["uid"]:
         return
@@ -94,23 +105,24 @@ def claim_checkpoint_root(root: Path, meta: Mapping[str, Any]) -> None:
         )
 
 
-def check_output_target(root: Path, meta: Mapping[str, Any], marker: str) -> None:
+def check_output_target(root: Location, meta: Mapping[str, Any], marker: str) -> None:
     """Refuse to publish over anything but nothing, an empty directory or our own export."""
-    if not root.exists() and not root.is_symlink():
+    link = root.is_local and root.local_path.is_symlink()
+    if not root.exists() and not link:
         return
-    if root.is_symlink() or not root.is_dir():
+    if link or not root.is_dir():
         raise StorageRefusedError(
             f"output.uri {root} exists and is not a directory; refusing to replace it: "
             "choose a new or empty directory"
         )
     try:
-        recorded = json.loads((root / marker).read_text(encoding="utf-8"))
+        recorded = json.loads((root / marker).read_text())
     except FileNotFoundError:
         recorded = None
     except (OSError, ValueError):
         recorded = {}
     if recorded is None:
-        if next(root.iterdir(), None) is None:
+        if not root.children():
             return
         raise StorageRefusedError(
             f"output.uri {root} already holds files that are not an export of this job; "

@@ -161,6 +161,7 @@ class Trainer:
             metrics=self.metrics,
             meta=storage_meta,
             device=self.device,
+            object_store=spec.storage.object_store,
         )
         self.exporter = build_exporter(
             spec.output,
@@ -169,6 +170,7 @@ class Trainer:
             method=spec.method,
             rank=self.dist.rank,
             meta=storage_meta,
+            object_store=spec.storage.object_store,
         )
         self.step_trace = build_step_trace(env, rank=self.dist.rank)
         self.hard_exit = False

@@ -56,11 +56,11 @@ def trainer_refusals(
     if spec.model.source == "inline" and spec.model.architecture is plan.architecture is None:
         # The planner resolves catalog names and config.json paths into plan.architecture.
         problems.append("spec.model.architecture: source inline builds the model from it")
-    for field, uri in (
-        ("spec.checkpoint.uri", spec.checkpoint.uri),
-        ("spec.dataset.uri", spec.dataset.uri),
-        ("spec.output.uri", spec.output.uri or ""),
-    ):
-        if uri.startswith(_OBJECT_STORES):
-            problems.append(f"{field}: object storage is not implemented yet; use a shared path")
+    # Checkpoints and the export go to s3:// (api/storage.py checks those URIs at plan time);
+    # the dataset is read from a volume.
+    if spec.dataset.uri.startswith(_OBJECT_STORES):
+        problems.append(
+            "spec.dataset.uri: datasets on object storage are not implemented yet; use a path "
+            "on a volume of spec.storage"
+        )
     return problems

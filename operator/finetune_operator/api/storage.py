@@ -6,7 +6,11 @@ The root filesystem of a worker is read-only and its /tmp dies with the pod, so 
 the exported model, the dataset and pretrained weights live on a declared volume (or, for
 relative paths, under the container's working directory, which only the local cluster shares
 between pods). Checkpoints and output are written by every worker: their claim must be
-ReadWriteMany (NFS, CephFS, Filestore, EFS, Azure Files...)."""
+ReadWriteMany (NFS, CephFS, Filestore, EFS, Azure Files...).
+
+Checkpoints and the exported model may instead go to object storage (`s3://bucket/prefix`: AWS
+S3 or an S3-compatible store) described by `storage.objectStore`; its credentials stay in a
+Secret the job names, which the kubelet turns into the workers' environment."""
 
 from __future__ import annotations
 
@@ -25,6 +29,14 @@ if TYPE_CHECKING:
 # shadow them or sit inside them.
 RESERVED_MOUNTS = ("/etc/finetune", "/dev/shm", "/tmp", "/dev/termination-log")
 CLAIM_VOLUME_PREFIX = "claim-"
+
+# The keys of storage.objectStore.secretName, under the names every S3 client reads from the
+# environment; the session token is optional (temporary credentials).
+SECRET_KEYS_REQUIRED = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+SECRET_KEYS_OPTIONAL = ("AWS_SESSION_TOKEN",)
+OBJECT_STORE_SCHEME = "s3://"
+# Written fields that may name an object store (the dataset and weights are read from volumes).
+_OBJECT_STORE_FIELDS = ("checkpoint", "output")
 
 
 class ClaimMount(SpecModel):
@@ -57,7 +69,55 @@ class VolumeMount(SpecModel):
     )
 
 
+class ObjectStoreSpec(SpecModel):
+    """Where s3:// URIs of checkpoint.uri and output.uri live, and the Secret with the keys."""
+
+    secret_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=lim.MAX_NAME_LENGTH,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description=(
+            "Secret in the job's namespace with the keys AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN optional), given to the workers as "
+            "environment variables; a worker does not start while it or a key is missing. "
+            "Omitted: the pod's own credentials (IAM roles for service accounts, EKS Pod "
+            "Identity, an instance profile)."
+        ),
+    )
+    endpoint_url: str | None = Field(
+        None,
+        max_length=lim.MAX_URI_LENGTH,
+        pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$",
+        description=(
+            "The S3 API endpoint of an S3-compatible store (MinIO, Ceph RGW, the GCS XML API "
+            "at https://storage.googleapis.com with HMAC keys); omitted: AWS S3."
+        ),
+    )
+    region: str | None = Field(
+        None,
+        min_length=1,
+        max_length=lim.MAX_SHORT_STRING,
+        pattern=r"^[a-z0-9-]+$",
+        description="Region of the bucket (e.g. us-east-1); omitted: the client's default.",
+    )
+    path_style: bool = Field(
+        False,
+        description=(
+            "Address buckets as <endpoint>/<bucket> instead of <bucket>.<endpoint> (MinIO and "
+            "most S3-compatible stores need it)."
+        ),
+    )
+
+
 class StorageSpec(SpecModel):
+    object_store: ObjectStoreSpec | None = Field(
+        None,
+        description=(
+            "Object storage for s3:// checkpoint.uri and output.uri: endpoint, region and the "
+            "Secret holding the credentials (never in the spec)."
+        ),
+    )
     claims: list[ClaimMount] = Field(
         default_factory=list,
         max_length=lim.MAX_LIST_ITEMS,
@@ -211,4 +271,31 @@ def unmounted_paths(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
             )))
         elif written and found[1]:
             problems.append((field, f"{uri!r} is written but {found[0]} is mounted read-only"))
+    return problems
+
+
+def object_store_problems(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
+    """(field, reason) for each object-store URI of the job the trainer cannot use: another
+    scheme than s3://, no bucket, or no storage.objectStore to say where and with which keys."""
+    problems: list[tuple[str, str]] = []
+    uris = [(f"spec.{name}.uri", getattr(spec, name).uri or "") for name in _OBJECT_STORE_FIELDS]
+    for field, uri in uris:
+        scheme, sep, rest = uri.partition("://")
+        if not sep or scheme == "file":
+            continue
+        if scheme == "gs":
+            problems.append((field, (
+                f"{uri!r}: gs:// is not supported; use s3:// through the GCS XML API "
+                "(storage.objectStore.endpointUrl https://storage.googleapis.com, an HMAC key "
+                "in the Secret)"
+            )))
+        elif f"{scheme}://" != OBJECT_STORE_SCHEME:
+            problems.append((field, f"{uri!r}: {scheme}:// is not supported; use s3:// or a path"))
+        elif not rest.split("/", 1)[0]:
+            problems.append((field, f"{uri!r} names no bucket: s3://<bucket>/<prefix>"))
+        elif spec.storage.object_store is None:
+            problems.append((field, (
+                f"{uri!r} needs spec.storage.objectStore (secretName: a Secret with "
+                f"{' and '.join(SECRET_KEYS_REQUIRED)}; endpointUrl for S3-compatible stores)"
+            )))
     return problems

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
-from finetune_operator.api.storage import unmounted_paths
+from finetune_operator.api.storage import object_store_problems, unmounted_paths
 from finetune_operator.api.strategies import STRATEGIES, StrategyTable
 from finetune_operator.planner.architecture import resolve_model
 from finetune_operator.planner.errors import PlanningError
@@ -30,7 +30,7 @@ from finetune_operator.planner.search import (
 
 def build_problem(spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES) -> Problem:
     """Resolve model and device and refuse inputs no configuration could train."""
-    for field, message in unmounted_paths(spec):
+    for field, message in [*unmounted_paths(spec), *object_store_problems(spec)]:
         raise PlanningError(field, message)
     model = resolve_model(spec.model)
     acc = accelerator_for(spec.resources)

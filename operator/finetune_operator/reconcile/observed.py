@@ -37,6 +37,9 @@ class PodView:
     termination_message: str | None = None  # what the container left in its termination log
     disruption: str | None = None  # DisruptionTarget condition reason, or an eviction's status.reason
     created_at: datetime | None = None  # metadata.creationTimestamp
+    # Why the container cannot start, as the kubelet says ("CreateContainerConfigError: secret
+    # \"s3\" not found"); None while it is merely being created.
+    blocked: str | None = None
 
     @property
     def is_worker(self) -> bool:
@@ -96,6 +99,20 @@ DISRUPTION_REASONS = frozenset(
 )
 
 
+# Waiting reasons of a container on its normal way to running: not worth reporting.
+STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+def _blocked(status: Mapping[str, Any]) -> str | None:
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason and reason not in STARTING_REASONS:
+            message = waiting.get("message")
+            return f"{reason}: {message}" if message else str(reason)
+    return None
+
+
 def _disruption(status: Mapping[str, Any]) -> str | None:
     for c in status.get("conditions") or []:
         if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
@@ -131,6 +148,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
         termination_message=term.get("message") or None,
         disruption=_disruption(status),
         created_at=parse_time(meta.get("creationTimestamp")),
+        blocked=_blocked(status),
     )
 
 

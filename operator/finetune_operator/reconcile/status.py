@@ -40,6 +40,13 @@ TERMINAL = (PHASE_FAILED, PHASE_SUCCEEDED)
 ORDER = (COND_PLANNED, COND_WORKERS_READY, COND_SUCCEEDED, COND_FAILED)
 
 
+def _blocked_detail(a: Assessment) -> str:
+    """Worker pods the kubelet cannot start (a missing Secret, an image that cannot be pulled),
+    with its reason and message: what a user must fix, at `kubectl describe ftj`."""
+    blocked = [p for p in a.workers.values() if p.blocked and p.phase == "Pending"]
+    return "".join(f"; pod {p.name} cannot start: {p.blocked}" for p in blocked[:3])
+
+
 def _progress(a: Assessment) -> Want:
     """Succeeded=Unknown while running: its reason says what the job is doing."""
     if a.waiting:
@@ -54,9 +61,10 @@ def _progress(a: Assessment) -> Want:
         return Want("Unknown", REASON_RESTARTING, f"replacing pods: {names}")
     if a.ready >= max(a.min_nodes, 1):
         return Want("Unknown", REASON_RUNNING, f"training on {a.ready} worker pods")
+    detail = f"{a.ready}/{a.desired} worker pods ready{_blocked_detail(a)}"
     if a.restarts:
-        return Want("Unknown", REASON_RESTARTING, f"{a.ready}/{a.desired} worker pods ready")
-    return Want("Unknown", REASON_PENDING, f"{a.ready}/{a.desired} worker pods ready")
+        return Want("Unknown", REASON_RESTARTING, detail)
+    return Want("Unknown", REASON_PENDING, detail)
 
 
 def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
@@ -94,7 +102,7 @@ def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
             COND_FAILED: held,
         }
     progress = _progress(a)
-    ready_msg = f"{a.ready}/{a.desired} worker pods ready"
+    ready_msg = f"{a.ready}/{a.desired} worker pods ready{_blocked_detail(a)}"
     ready = (
         Want("True", REASON_ALL_WORKERS_READY, ready_msg)
         if a.desired and a.ready >= a.desired

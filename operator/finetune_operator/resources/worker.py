@@ -18,6 +18,7 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.storage import SECRET_KEYS_OPTIONAL, SECRET_KEYS_REQUIRED
 from finetune_operator.resources.affinity import merge_node_exclusion
 from finetune_operator.resources.common import (
     Owner,
@@ -88,6 +89,24 @@ def worker_command(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> list[str]
     ]
 
 
+def object_store_env(spec: FineTuneJobSpec) -> list[dict[str, Any]]:
+    """The object store's credentials as env from the job's Secret (`secretKeyRef`): the
+    kubelet resolves them, so neither the spec, the ConfigMap nor the operator ever holds
+    them, and a missing Secret or key keeps the worker from starting
+    (CreateContainerConfigError) rather than failing it later."""
+    store = spec.storage.object_store
+    if store is None or not store.secret_name:
+        return []
+    keys = [(k, False) for k in SECRET_KEYS_REQUIRED] + [(k, True) for k in SECRET_KEYS_OPTIONAL]
+    env: list[dict[str, Any]] = []
+    for key, optional in keys:
+        ref: dict[str, Any] = {"name": store.secret_name, "key": key}
+        if optional:
+            ref["optional"] = True
+        env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return env
+
+
 def worker_resources(spec: FineTuneJobSpec, plan: Plan) -> dict[str, dict[str, str]]:
     res = spec.resources
     requests: dict[str, str] = {}
@@ -115,7 +134,9 @@ def _container(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any
         "name": WORKER_CONTAINER,
         "image": spec.image or DEFAULT_TRAINER_IMAGE,
         "command": worker_command(owner, spec, plan),
-        "env": [{"name": k, "value": v} for k, v in WORKER_ENV.items()] + downward_env(),
+        "env": [{"name": k, "value": v} for k, v in WORKER_ENV.items()]
+        + downward_env()
+        + object_store_env(spec),
         "ports": [
             {
                 "name": metrics_port_name(i),
