@@ -115,3 +115,18 @@ def test_offload_follows_the_table(strategy: str, backend: str, offload_ok: bool
     assert (problems == []) is offload_ok, problems
     if not offload_ok:
         assert problems[0].startswith(f"spec.strategy.offload: {strategy} cannot offload")
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (_spec(training__precision="fp16"), "spec.training.precision"),
+        (_spec(method__type="qlora", resources__device="gpu", resources__gpu={"memoryGiB": 80}),
+         "spec.method.type"),
+    ],
+    ids=["fp16-cpu", "qlora"],
+)
+def test_what_deepspeed_rows_do_not_run(spec: FineTuneJobSpec, field: str) -> None:
+    table = STRATEGIES.implementing(DEEPSPEED_ROWS)
+    problems = trainer_refusals(spec, _plan("zero2", "deepspeed"), table)
+    assert len(problems) == 1 and problems[0].startswith(field + ":"), problems

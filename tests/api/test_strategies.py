@@ -42,6 +42,13 @@ def test_resolve(name: StrategyName, backend: str, expected: tuple[str, str]) ->
         assert (row.name, row.backend) == expected
 
 
+@pytest.mark.parametrize(
+    ("name", "stage"), [("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("fsdp-full-shard", 3)]
+)
+def test_zero_stage_follows_what_is_sharded(name: StrategyName, stage: int) -> None:
+    assert STRATEGIES.canonical(name).zero_stage == stage
+
+
 def test_zero3_on_fsdp_runs_as_fsdp_full_shard() -> None:
     row = STRATEGIES.resolve("zero3", "fsdp")
     assert STRATEGIES.effective(row) == STRATEGIES.canonical("fsdp-full-shard")

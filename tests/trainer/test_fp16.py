@@ -52,6 +52,8 @@ def test_bf16_and_fp32_do_not_scale() -> None:
     for precision in ("bf16", "fp32"):
         assert isinstance(build_loss_scale(precision, CPU), NoLossScale)
     assert isinstance(build_loss_scale("fp16", CPU), DynamicLossScale)
+    # DeepSpeed's engine scales fp16 itself: the loop must not scale a second time.
+    assert isinstance(build_loss_scale("fp16", CPU, backend="deepspeed"), NoLossScale)
 
 
 def test_overflow_skips_the_step_halves_the_scale_and_recovers(world_one: None) -> None:

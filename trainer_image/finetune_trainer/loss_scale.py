@@ -111,5 +111,9 @@ class DynamicLossScale:
             self.scaler.load_state_dict(state)
 
 
-def build_loss_scale(precision: str, device: torch.device) -> LossScale:
-    return DynamicLossScale(device) if precision == "fp16" else NoLossScale()
+def build_loss_scale(precision: str, device: torch.device, backend: str = "fsdp") -> LossScale:
+    """fp16 on the torch backend scales here; DeepSpeed scales inside its engine (its own
+    dynamic loss scaler), so the loop must not scale its loss a second time."""
+    if precision == "fp16" and backend == "fsdp":
+        return DynamicLossScale(device)
+    return NoLossScale()

@@ -121,7 +121,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, spec.training)
         self.scheduler = build_scheduler(self.optimizer, spec.training, self.total_steps)
         # fp16: dynamic loss scaling, all ranks skipping the same overflowing steps.
-        self.loss_scale = build_loss_scale(spec.training.precision, self.device)
+        self.loss_scale = build_loss_scale(
+            spec.training.precision, self.device, backend=job.plan.backend
+        )
         self.sampler = StepSampler(
             num_samples=len(self.data),
             global_batch=spec.training.global_batch_size,

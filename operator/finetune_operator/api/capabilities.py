@@ -45,8 +45,14 @@ def trainer_refusals(
             f"spec.training.optimizer: {training.optimizer} cannot step {plan.strategy} on "
             f"{row.backend}; use adamw, or strategy.type {' or '.join(able) or 'none'}"
         )
+    deepspeed = row.backend == "deepspeed"
+    if deepspeed and cpu and training.precision == "fp16":
+        # DeepSpeed's CPU accelerator refuses fp16 unless the CPU computes it natively.
+        problems.append("spec.training.precision: fp16 with DeepSpeed needs a GPU; use bf16")
     if cpu and spec.method.type == "qlora":
         problems.append("spec.method.type: qlora needs a CUDA GPU; use lora on CPU")
+    elif spec.method.type == "qlora" and deepspeed:
+        problems.append("spec.method.type: qlora is not implemented with DeepSpeed; use lora")
     elif spec.method.type == "qlora" and row.shards_params:
         # FSDP2 cannot shard bitsandbytes 4-bit weights (it crashes or drops their
         # quantisation state); QLoRA runs replicated.

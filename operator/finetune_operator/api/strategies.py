@@ -71,6 +71,16 @@ class Strategy:
         return "optimizer" in self.shards
 
     @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage that shards what this row shards (0: nothing, DDP): DeepSpeed's
+        `zero_optimization.stage` for a DeepSpeed row."""
+        if self.shards_params:
+            return 3
+        if self.shards_grads:
+            return 2
+        return 1 if self.shards_optimizer else 0
+
+    @property
     def replicated(self) -> bool:
         """Plain data parallel: every rank holds every state (DDP)."""
         return not self.shards
