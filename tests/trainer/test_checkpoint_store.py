@@ -112,3 +112,12 @@ def test_uris_resolve(tmp_path: Path, s3_server: MotoServer) -> None:
     )
     with pytest.raises(UnsupportedConfigError, match=r"checkpoint.uri 'gs://b/q': only s3://"):
         store.resolve_root("gs://b/q", tmp_path)
+
+
+def test_removing_a_step_leaves_siblings_that_share_its_prefix(root: Location) -> None:
+    # On an object store a "directory" is a key prefix: step-00000006 must not take
+    # step-00000006.corrupt or step-000000060 with it.
+    for name in ("step-00000006", "step-00000006.corrupt", "step-000000060"):
+        (root / name / "__0_0.distcp").write_atomic(b"x")
+    (root / "step-00000006").remove()
+    assert sorted(e.name for e in root.children()) == ["step-00000006.corrupt", "step-000000060"]

@@ -14,9 +14,9 @@ checkpoints, off the hot path. A failed save is logged with its traceback, count
 goes on and the next save tries again. Before the marker, each rank hashes the files it wrote
 and rank 0 writes the gathered manifest (size + hash per file) into `COMMITTED`.
 
-The root is a directory on a volume or an s3:// prefix (`location.Location`): DCP writes and
-reads it through its fsspec storage (`FsspecWriter`/`FsspecReader`), everything else through the
-same interface, so every property here holds on both.
+The root is a directory on a volume or an s3:// prefix (`location.Location`, which also hands
+out DCP's storage writer and reader: fsspec's for a bucket, DCP's os-based ones for a volume);
+everything else goes through the same interface, so every property here holds on both.
 
 Load path: the committed steps, newest first; a step is used only if every rank verified its
 share of the manifest and loaded it. Any failure (DCP raises `CheckpointException`, which
