@@ -93,8 +93,8 @@ def test_record_between(after: RankSample, expected: tuple[int, float, int, bool
     assert record.pod == "qs-worker-0" and record.node == "node-0"
 
 
-def test_buffer_resets_on_re_form_forgets_gone_pods_and_stays_bounded() -> None:
-    live = {"qs-worker-0", "qs-worker-1"}
+def test_buffer_restarts_on_re_form_and_on_a_pod_gone_and_stays_bounded() -> None:
+    live = {"qs-worker-0": "node-0", "qs-worker-1": "node-1"}
     buf = RecordBuffer()
     for n in range(1, 40):
         buf = advance(buf, [sample(0, 5 * n, 0.2), sample(1, 5 * n, 0.2)], live, keep_steps=30)
@@ -103,13 +103,19 @@ def test_buffer_resets_on_re_form_forgets_gone_pods_and_stays_bounded() -> None:
     # A scrape that timed out for rank 1 keeps its last sample.
     buf = advance(buf, [sample(0, 200, 0.2)], live, keep_steps=30)
     assert buf.last[1].step == 195
-    # Rank 1 re-formed (torchelastic restart count moved): old timings are dropped.
+    # Rank 1 re-formed (torchelastic restart count moved): every rank's records restart, and
+    # rank 0's old process (still finishing a step of the old group) makes no more records.
     reformed = advance(buf, [sample(0, 205, 0.2), sample(1, 3, 0.2, restarts=1)], live, 30)
-    assert reformed.records == () and reformed.last[1].restarts == 1
-    # A pod that went away takes its samples and records with it.
-    for scraped in ([], [sample(0, 205, 0.2)]):
-        gone = advance(buf, scraped, {"qs-worker-0"}, 30)
-        assert {r.pod for r in gone.records} == {"qs-worker-0"} and set(gone.last) == {0}
+    assert reformed.records == () and set(reformed.last) == {1}
+    again = advance(reformed, [sample(0, 210, 0.2), sample(1, 8, 0.2, restarts=1)], live, 30)
+    assert {r.rank for r in again.records} == {1} and set(again.last) == {1}
+    # A pod that went away, or was replaced by a pod of its name on another node: the group
+    # re-forms without it, so the survivors' records restart too.
+    moved = {"qs-worker-0": "node-0", "qs-worker-1": "node-9"}
+    for scraped, pods in (([], {"qs-worker-0": "node-0"}), ([sample(0, 205, 0.2)], moved)):
+        gone = advance(buf, scraped, pods, 30)
+        assert gone.records == () and gone.last == {}
+        assert sample(0, 205, 0.2).process in gone.retired
 
 
 def detection(ratios: dict[int, float], streaks: dict[int, int]) -> Detection:

@@ -87,6 +87,9 @@ class TrainerMetrics:
         self.last_ckpt_step = gauge(mn.TRAINER_LAST_CHECKPOINT_STEP)
         self.last_ckpt_time = gauge(mn.TRAINER_LAST_CHECKPOINT_TIME)
         self.heartbeat = gauge(mn.TRAINER_HEARTBEAT)
+        # Tells this process from its successor (the operator never makes a step record across
+        # two): torchelastic keeps the restart count when it restarts a group on a membership change.
+        gauge(mn.TRAINER_PROCESS_START).set(time.time())
         self.resumed_from_step = gauge(mn.TRAINER_RESUMED_FROM_STEP)
         self.skipped_ckpt_step = gauge(mn.TRAINER_SKIPPED_CHECKPOINT_STEP)
         t = mn.TRAINER_TOKENS

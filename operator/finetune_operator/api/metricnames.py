@@ -77,6 +77,12 @@ TRAINER_HEARTBEAT: Final = _trainer(
     "Unix time at which this rank's loop last made progress (each micro-batch): a slow step "
     "still beats, a hung rank does not.",
 )
+TRAINER_PROCESS_START: Final = _trainer(
+    "process_start_time_seconds",
+    GAUGE,
+    "Unix time at which this trainer process started: a new value is a new process, even on the "
+    "same pod, rank and torchelastic restart count.",
+)
 TRAINER_TOKENS: Final = _trainer("tokens_total", COUNTER, "Tokens trained on by this rank.")
 TRAINER_STEP_DURATION: Final = _trainer("step_duration_seconds", HISTOGRAM, "Wall time per step.")
 TRAINER_COMPUTE_DURATION: Final = _trainer(
@@ -174,6 +180,7 @@ TRAINER_METRICS: Final = (
     TRAINER_REFORMS,
     TRAINER_PEAK_MEMORY,
     TRAINER_HEARTBEAT,
+    TRAINER_PROCESS_START,
 )
 OPERATOR_METRICS: Final = (
     OPERATOR_JOBS,

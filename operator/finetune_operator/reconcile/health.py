@@ -89,7 +89,7 @@ def assess_health(
         return Health(cleared, actions, buffer=RecordBuffer())
     spec = ev.spec
     workers = list(a.workers.values())
-    live = {p.name for p in workers}
+    live = {p.name: p.node for p in workers}
     buffer = advance(buffer, seen.samples, live, _keep_steps(ev))
     detection = find_stragglers(buffer.records, policy_from_spec(spec.fault_tolerance.stragglers))
     straggler = decide_stragglers(

@@ -2,14 +2,21 @@
 
 Each pass scrapes every rank's cumulative compute/wait histograms; the difference between two
 scrapes of the same process is one `StepRecord` averaging the steps in between. A record is only
-made between two scrapes of the same trainer process: a changed pod, a changed torchelastic
-restart count (the group re-formed) or a counter that went down (a new process) starts afresh.
+made between two scrapes of the same trainer process: a changed pod or node, a changed
+torchelastic restart count, a changed process start time (a new process, even where
+torchelastic kept the restart count: it does on a membership change) or a counter that went
+down starts afresh.
+
+A re-form of the group restarts the window for every rank (`advance`): the records of a group
+are only ever judged within that group. Timings taken with a rank that has left are not
+compared without it (the survivors' waits were waits for it), and the survivors' old
+processes, which still finish a step or two with the leaving rank, make no more records.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,7 +39,10 @@ _FIELDS = {
     _COMPUTE_COUNT: "compute_count",
     _WAIT_SUM: "wait_sum",
     _WAIT_COUNT: "wait_count",
+    mn.TRAINER_PROCESS_START.name: "started",
 }
+
+Process = tuple[str, str | None, int, int, float | None]
 
 
 @dataclass(frozen=True)
@@ -50,12 +60,13 @@ class RankSample:
     compute_count: float = 0.0
     wait_sum: float = 0.0
     wait_count: float = 0.0
+    started: float | None = None  # the process's start time (None: not on the page)
 
     @property
-    def process(self) -> tuple[str, str | None, int, int]:
+    def process(self) -> Process:
         """Same value on two scrapes → same trainer process of the same group. The node is part
         of it: a replacement pod keeps its predecessor's name (worker-<i>), not its node."""
-        return (self.pod, self.node, self.rank, self.restarts)
+        return (self.pod, self.node, self.rank, self.restarts, self.started)
 
 
 def parse_rank_samples(text: str, pod: str, node: str | None) -> list[RankSample]:
@@ -91,6 +102,7 @@ def parse_rank_samples(text: str, pod: str, node: str | None) -> list[RankSample
                 compute_count=v["compute_count"],
                 wait_sum=v.get("wait_sum", 0.0),
                 wait_count=v.get("wait_count", 0.0),
+                started=v.get("started"),
             )
         )
     return out
@@ -127,6 +139,8 @@ class RecordBuffer:
     records: tuple[StepRecord, ...] = ()
     # Straggler streaks read from status when this operator started (see carry_streaks).
     carried: Mapping[int, StragglerState] = field(default_factory=dict)
+    # Processes of groups that re-formed, with their step count then: they make no records.
+    retired: Mapping[Process, float] = field(default_factory=dict)
 
 
 def _restarted(before: RankSample | None, after: RankSample) -> bool:
@@ -135,34 +149,64 @@ def _restarted(before: RankSample | None, after: RankSample) -> bool:
     )
 
 
+def _is_retired(s: RankSample, retired: Mapping[Process, float]) -> bool:
+    # A counter below the one seen at retirement is a new process of the same identity
+    # (a page without the process start time).
+    count = retired.get(s.process)
+    return count is not None and s.compute_count >= count
+
+
 def advance(
     buffer: RecordBuffer,
     samples: Sequence[RankSample],
-    live_pods: Collection[str],
+    live_pods: Mapping[str, str | None],
     keep_steps: int,
 ) -> RecordBuffer:
-    """The buffer after one more scrape. A rank whose process changed (the group re-formed,
-    or the rank moved to another pod) clears the records: timings of two groups don't compare.
-    Pods that went away take their samples and records with them. Records older than
-    `keep_steps` steps before the newest are dropped (bounded memory whatever the run's length).
-    A rank missing from this scrape (a timeout) keeps its last sample."""
-    # A pod seen on another node than before is a replacement of the same name: what its
-    # predecessor reported (an evicted straggler, say) must not be read as its own.
-    where = {s.pod: s.node for s in samples}
+    """The buffer after one more scrape (`live_pods`: the live worker pods and their nodes).
+    Records older than `keep_steps` steps before the newest are dropped (bounded memory
+    whatever the run's length); a rank missing from this scrape (a timeout) keeps its last
+    sample.
 
+    A re-form restarts the records of every rank: a rank's process changed (the group
+    re-formed, or the rank moved to another pod), or a pod whose samples or records the buffer
+    holds went away or was replaced (the group re-forms without it; torchelastic restarts every
+    worker on a membership change). Every process seen before it is retired: its later samples
+    (the old group finishing its last steps) make no records."""
+
+    # A pod on another node than its samples' is a replacement of the same name (worker-<i>),
+    # scheduled or not: what its predecessor reported (an evicted straggler, say) is not its own.
     def current(pod: str | None, node: str | None) -> bool:
-        return pod in live_pods and (pod not in where or where[pod] == node)
+        return pod is not None and pod in live_pods and live_pods[pod] == node
 
-    last = {r: s for r, s in buffer.last.items() if current(s.pod, s.node)}
-    records = tuple(r for r in buffer.records if current(r.pod, r.node))
-    carried = {r: c for r, c in buffer.carried.items() if c.pod in live_pods}
-    if any(_restarted(last.get(s.rank), s) for s in samples):
-        return RecordBuffer(last={s.rank: s for s in samples})
-    new = [r for s in samples if s.rank in last for r in _one(last[s.rank], s)]
-    records = (*records, *new)
+    fresh = [s for s in samples if current(s.pod, s.node) and not _is_retired(s, buffer.retired)]
+    left = any(not current(s.pod, s.node) for s in buffer.last.values()) or any(
+        not current(r.pod, r.node) for r in buffer.records
+    )
+    if left or any(_restarted(buffer.last.get(s.rank), s) for s in fresh):
+        return _re_formed(buffer, fresh, live_pods)
+    last = {**buffer.last, **{s.rank: s for s in fresh}}
+    new = [r for s in fresh if s.rank in buffer.last for r in _one(buffer.last[s.rank], s)]
+    records = (*buffer.records, *new)
     newest = max((r.step for r in records), default=0)
     kept = tuple(r for r in records if r.step > newest - keep_steps)
-    return RecordBuffer({**last, **{s.rank: s for s in samples}}, kept, carried)
+    carried = {r: c for r, c in buffer.carried.items() if c.pod in live_pods}
+    return RecordBuffer(last, kept, carried, buffer.retired)
+
+
+def _re_formed(
+    buffer: RecordBuffer, fresh: Sequence[RankSample], live_pods: Mapping[str, str | None]
+) -> RecordBuffer:
+    """A new window for every rank: no records, no carried streaks (the old group's), the
+    processes seen so far retired, and the samples of new processes as the starting point."""
+    retired = {
+        **{p: n for p, n in buffer.retired.items() if p[0] in live_pods},
+        **{s.process: s.compute_count for s in buffer.last.values() if s.pod in live_pods},
+    }
+    # A pod that runs a new process now cannot run its older ones again: forget those.
+    renewed = {s.pod for s in fresh if s.process not in retired}
+    retired = {p: n for p, n in retired.items() if p[0] not in renewed}
+    start = {s.rank: s for s in fresh if not _is_retired(s, retired)}
+    return RecordBuffer(last=start, retired=retired)
 
 
 def _one(before: RankSample, after: RankSample) -> Iterable[StepRecord]:
