@@ -170,7 +170,7 @@ def test_a_new_process_is_told_from_the_old_one_when_its_counters_passed_them() 
 
     def process() -> TrainerMetrics:  # a new trainer process: its start time is now
         return TrainerMetrics(
-            job="qs", rank=0, device=torch.device("cpu"), restarts=1, total_steps=99
+            job="qs", rank=0, device=torch.device("cpu"), reforms=1, total_steps=99
         )
 
     (old,) = parse_rank_samples(page(process(), [0.2] * 3), "qs-worker-0", "node-0")
