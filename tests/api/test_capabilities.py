@@ -47,9 +47,25 @@ def test_supported_job_has_no_refusal() -> None:
 
 
 @pytest.mark.parametrize(
+    ("strategy", "offload"),
+    [("zero1", "none"), ("zero1", "cpu"), ("zero2", "cpu"), ("zero3", "none"), ("zero3", "cpu")],
+)
+def test_deepspeed_plans_are_accepted(strategy: str, offload: str) -> None:
+    spec = _spec(strategy__backend="deepspeed", strategy__type=strategy)
+    assert trainer_refusals(spec, _plan(strategy, "deepspeed", offload=offload)) == []
+    gpu = _spec(strategy__backend="deepspeed", training__precision="fp16",
+                resources__device="gpu", resources__gpu={"memoryGiB": 80})
+    assert trainer_refusals(gpu, _plan(strategy, "deepspeed", offload=offload)) == []
+
+
+@pytest.mark.parametrize(
     ("spec", "plan", "field"),
     [
-        (_spec(), _plan("zero2", "deepspeed"), "spec.strategy"),
+        (_spec(), _plan("ddp", "deepspeed"), "spec.strategy"),
+        (_spec(strategy__backend="deepspeed", training__precision="fp16"),
+         _plan("zero2", "deepspeed"), "spec.training.precision"),
+        (_spec(strategy__backend="deepspeed", method__type="qlora", resources__device="gpu",
+               resources__gpu={"memoryGiB": 80}), _plan("zero2", "deepspeed"), "spec.method.type"),
         (_spec(), _plan("fsdp-full-shard", offload="nvme"), "spec.strategy.offload"),
         (_spec(), _plan("ddp", offload="cpu"), "spec.strategy.offload"),
         (_spec(training__optimizer="adamw8bit"), _plan(), "spec.training.optimizer"),
@@ -61,7 +77,7 @@ def test_supported_job_has_no_refusal() -> None:
         (_spec(checkpoint__uri="s3://bucket/ckpt"), _plan(), "spec.checkpoint.uri"),
         (_spec(dataset__uri="s3://bucket/data.jsonl"), _plan(), "spec.dataset.uri"),
     ],
-    ids=["deepspeed", "nvme", "offload-ddp", "adamw8bit", "fp16", "qlora-cpu", "flash-cpu",
+    ids=["ddp-on-deepspeed", "fp16-deepspeed-cpu", "qlora-deepspeed", "nvme", "offload-ddp", "adamw8bit", "fp16", "qlora-cpu", "flash-cpu",
          "qlora-fsdp",
          "s3-checkpoint", "s3-dataset"],
 )

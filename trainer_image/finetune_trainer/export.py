@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -202,6 +203,7 @@ class HfExporter:
         rank: int,
         meta: dict[str, Any],
         cwd: Path | None = None,
+        gather: Callable[[], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         assert spec.uri is not None
         if spec.merge_lora and method.type == "qlora":
@@ -218,10 +220,12 @@ class HfExporter:
         self.method = method
         self.rank = rank
         self.meta = meta
+        # How the full state dict is gathered: the torch path's, or the backend's (DeepSpeed).
+        self.gather = gather or (lambda: gather_full_state_dict(self.model))
 
     def export(self, step: int, *, loss: float | None = None) -> Path | None:
         t0 = time.monotonic()
-        sd = gather_full_state_dict(self.model)
+        sd = self.gather()
         if self.rank != 0:
             # No barrier afterwards: rank 0 may write for longer than a collective timeout.
             return None
@@ -273,7 +277,10 @@ def build_exporter(
     method: MethodSpec,
     rank: int,
     meta: dict[str, Any],
+    gather: Callable[[], dict[str, torch.Tensor]] | None = None,
 ) -> Exporter:
     if spec is None or not spec.uri:
         return NoOpExporter()
-    return HfExporter(spec, model=model, tokenizer=tokenizer, method=method, rank=rank, meta=meta)
+    return HfExporter(
+        spec, model=model, tokenizer=tokenizer, method=method, rank=rank, meta=meta, gather=gather
+    )

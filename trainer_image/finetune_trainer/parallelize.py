@@ -40,6 +40,7 @@ from finetune_operator.api.spec import Precision, StrategySpec
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.model import decoder_layers
 from finetune_trainer.reduction_clock import ReductionClock
+from finetune_trainer.state import TrainState
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -62,6 +63,20 @@ class Parallel:
     # zero_grad(set_to_none=...): False where the gradients are persistent buffers (DDP's
     # gradient buckets); True frees them (FSDP's sharded gradients).
     zero_grad_set_to_none: bool = True
+    # Hooks of backends that own more of the step (DeepSpeed: deepspeed_engine.py). The
+    # defaults are the torch path's: the loop's own backward, clip + step + zero_grad.
+    # Called with the trainer's optimizer once it exists (DeepSpeed builds its engine here
+    # and replaces `model` with it).
+    attach_optimizer: Callable[[torch.optim.Optimizer], None] = field(default=lambda opt: None)
+    backward: Callable[[torch.Tensor], None] = field(default=lambda loss: loss.backward())
+    # None: the loop clips, steps and zeroes the optimizer itself.
+    optimizer_step: Callable[[], None] | None = None
+    # What a checkpoint holds of this model and optimizer (state.TrainState's contract).
+    state_type: type[TrainState] = TrainState
+    # Export (export.py): the module to export and how to gather its full state dict; None:
+    # `model` itself and export.gather_full_state_dict.
+    export_module: Callable[[], nn.Module] | None = None
+    gather_full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None
 
 
 def _no_buffer_sync_in_forward() -> dict[str, bool]:
@@ -187,8 +202,9 @@ def _offload_policy(spec: StrategySpec, device: torch.device) -> OffloadPolicy:
     return OffloadPolicy()  # no offload (and nothing to offload to on a CPU run)
 
 
-def check_precision(precision: str) -> None:
-    if precision not in ("bf16", "fp32"):
+def check_precision(precision: str, *, deepspeed: bool = False) -> None:
+    """fp16 runs on DeepSpeed (its dynamic loss scaling), not yet on the torch path."""
+    if precision not in ("bf16", "fp32") and not (deepspeed and precision == "fp16"):
         raise UnsupportedConfigError(
             f"training.precision {precision} is not implemented yet; use bf16 or fp32"
         )
@@ -232,7 +248,8 @@ def parallelize(
     compile_model: bool = False,
 ) -> Parallel:
     """Wrap `model` as `plan.strategy` says, in `precision` (training.precision).
-    DeepSpeed paths are refused, never replaced. `compile_model`: compile the decoder blocks
+    DeepSpeed plans never get here (loading.load_parallel_model hands them to
+    deepspeed_engine); they are refused, never replaced by a torch strategy. `compile_model`: compile the decoder blocks
     first (the trainer asks for it on CUDA only: on CPU/gloo the compile time would dwarf the
     few steps a test runs)."""
     check_precision(precision)
@@ -241,8 +258,8 @@ def parallelize(
     strategy = plan.strategy
     if spec.backend == "deepspeed" or plan.backend == "deepspeed" or strategy in ("zero1", "zero2"):
         raise UnsupportedConfigError(
-            f"strategy {strategy} with backend deepspeed is not implemented yet; "
-            "use strategy.type ddp, zero3 (backend fsdp) or fsdp-*"
+            f"strategy {strategy} with backend deepspeed is built by deepspeed_engine, "
+            "not parallelize"
         )
     if strategy == "ddp":
         if spec.offload != "none":

@@ -12,10 +12,12 @@ from types import FrameType
 
 import torch
 
+from finetune_operator.api.deepspeed_config import uses_deepspeed
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_trainer.checkpointer import build_checkpointer
 from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.data import build_dataset
+from finetune_trainer.deepspeed_engine import select_accelerator
 from finetune_trainer.distributed import init_distributed, select_device
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.export import build_exporter
@@ -26,7 +28,6 @@ from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import check_precision
 from finetune_trainer.report import clear_final_report, write_final_report
 from finetune_trainer.sampler import StepSampler
-from finetune_trainer.state import TrainState
 from finetune_trainer.steptrace import build_step_trace
 from finetune_trainer.tokenizer import build_tokenizer
 from finetune_trainer.torch_floor import check_torch
@@ -82,8 +83,10 @@ def precision_context(
     """The forward's precision context: torch.autocast for bf16 where the strategy computes in
     an fp32 model (DDP; `Parallel.autocast`), nothing where it casts parameters itself (FSDP2's
     MixedPrecisionPolicy) or in fp32."""
+    if not autocast:
+        return contextlib.nullcontext()
     check_precision(precision)
-    if precision == "bf16" and autocast:
+    if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -95,10 +98,11 @@ class Trainer:
         self.stop_signal = StopSignal()
         self.faults = build_faults(env.faults)
         self.device = select_device(spec.resources.device, env)
+        select_accelerator(self.device)  # before anything imports deepspeed
         self.dist = init_distributed(self.device, env)
         world, micro = self.dist.world_size, job.plan.micro_batch_size
         self.grad_accum = gradient_accumulation(spec.training.global_batch_size, world, micro)
-        check_precision(spec.training.precision)  # refuse early
+        check_precision(spec.training.precision, deepspeed=uses_deepspeed(job.plan))  # early
         torch.manual_seed(spec.training.seed)
 
         tokenizer = build_tokenizer(spec.model)
@@ -115,6 +119,8 @@ class Trainer:
             (spec.training.epochs or 1.0) * len(self.data) / spec.training.global_batch_size
         )
         self.optimizer = build_optimizer(self.model, spec.training)
+        self.parallel.attach_optimizer(self.optimizer)  # DeepSpeed: the engine is built here
+        self.model = self.parallel.model
         self.scheduler = build_scheduler(self.optimizer, spec.training, self.total_steps)
         self.sampler = StepSampler(
             num_samples=len(self.data),
@@ -131,7 +137,7 @@ class Trainer:
             restarts=env.restart_count,
             total_steps=self.total_steps,
         )
-        self.state = TrainState(
+        self.state = self.parallel.state_type(
             self.model,
             self.optimizer,
             self.scheduler,
@@ -157,7 +163,8 @@ class Trainer:
         )
         self.exporter = build_exporter(
             spec.output,
-            model=self.model,
+            model=self.parallel.export_module() if self.parallel.export_module else self.model,
+            gather=self.parallel.gather_full_state_dict,
             tokenizer=tokenizer,
             method=spec.method,
             rank=self.dist.rank,
@@ -260,7 +267,7 @@ class Trainer:
             with self.parallel.accumulate(i == len(micro_batches) - 1):
                 with precision_context(precision, self.device, autocast=autocast):
                     loss = self.model(**batch).loss / len(micro_batches)
-                loss.backward()
+                self.parallel.backward(loss)
             loss_sum += loss.detach()
             tokens += self.data.count_tokens(indices)
             self.faults.after_micro_batch(self.state.step + 1, len(micro_batches))
@@ -281,12 +288,16 @@ class Trainer:
         return stop_s > 0, loss_s / self.dist.world_size, tokens_s, due_s > 0
 
     def _optimizer_step(self) -> float:
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.parallel.optimizer_step is not None:
+            self.parallel.optimizer_step()  # clips, steps and zeroes itself
+            self.scheduler.step()
+            return lr
         max_norm = self.job.spec.training.max_grad_norm
         if max_norm > 0:
             torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.grad is not None], max_norm
             )
-        lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=self.parallel.zero_grad_set_to_none)

@@ -6,6 +6,7 @@ of worker pods that exit with an error until the restart budget is spent."""
 
 from __future__ import annotations
 
+from finetune_operator.api.deepspeed_config import uses_deepspeed
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
 
@@ -15,11 +16,9 @@ _OBJECT_STORES = ("s3://", "gs://", "az://", "abfs://")
 def trainer_refusals(spec: FineTuneJobSpec, plan: Plan) -> list[str]:
     """Each problem as '<field>: <reason>'; empty when the trainer can run the plan."""
     problems: list[str] = []
-    if plan.strategy in ("zero1", "zero2") or plan.backend == "deepspeed":
-        problems.append(
-            f"spec.strategy: {plan.strategy} on DeepSpeed is not implemented by the trainer yet; "
-            "use ddp or an fsdp strategy (zero3 runs as fsdp-full-shard)"
-        )
+    deepspeed = uses_deepspeed(plan)  # ZeRO-1/2/3 on DeepSpeed: finetune_trainer.deepspeed_engine
+    if plan.backend == "deepspeed" and not deepspeed:
+        problems.append(f"spec.strategy: {plan.strategy} does not run on backend deepspeed")
     if plan.offload == "nvme":
         problems.append("spec.strategy.offload: nvme is not implemented yet; use cpu")
     if plan.offload != "none" and plan.strategy == "ddp":
@@ -27,9 +26,14 @@ def trainer_refusals(spec: FineTuneJobSpec, plan: Plan) -> list[str]:
     training = spec.training
     if training.optimizer == "adamw8bit":
         problems.append("spec.training.optimizer: adamw8bit is not implemented yet; use adamw")
-    if training.precision == "fp16":
-        problems.append("spec.training.precision: fp16 is not implemented; use bf16")
     cpu = spec.resources.device == "cpu"
+    if training.precision == "fp16" and not deepspeed:
+        problems.append("spec.training.precision: fp16 is not implemented; use bf16")
+    elif training.precision == "fp16" and cpu:
+        # DeepSpeed's CPU accelerator refuses fp16 unless the CPU has native fp16 (oneDNN).
+        problems.append("spec.training.precision: fp16 with DeepSpeed needs a GPU; use bf16")
+    if deepspeed and spec.method.type == "qlora":
+        problems.append("spec.method.type: qlora is not implemented with DeepSpeed; use lora")
     if cpu and spec.method.type == "qlora":
         problems.append("spec.method.type: qlora needs a CUDA GPU; use lora on CPU")
     elif spec.method.type == "qlora" and plan.strategy.startswith(("fsdp", "zero3")):
