@@ -126,7 +126,7 @@ def test_zero2_killed_resumes_as_zero3_offload_at_world_one(
 ) -> None:
     root = tmp_path / "checkpoints" / "quickstart"
     first = launch(tmp_path, "zero2", ds_job("zero2", checkpoint={"intervalSteps": 3}), 2,
-                   FT_STEP_DELAY_SECONDS="0.6")  # fmt: skip
+                   FT_STEP_DELAY_SECONDS="0.4")  # fmt: skip
     procs.append(first)
     wait_until(lambda: 3 in committed(root) and len(step_lines(first.log)) >= 4, 150,
                "zero2 committed step 3 and went on", first.log)  # fmt: skip

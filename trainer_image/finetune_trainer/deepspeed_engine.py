@@ -150,7 +150,14 @@ def deepspeed_parallel(model: nn.Module, job: JobConfig, device: torch.device) -
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, job: JobConfig) -> Any:
     import deepspeed
+    import deepspeed.ops
 
+    # DeepSpeed's torch comm backend JIT-compiles a shared-memory all-reduce op (C++, ninja)
+    # when it starts on the CPU accelerator, for inference's all-reduce only: training never
+    # calls it. The build needs a compiler in the image, takes a minute per pod start (its
+    # cache is under $HOME, which a pod does not keep), and hung pods on the local cluster.
+    # Marked incompatible, DeepSpeed skips it (deepspeed.comm.torch.build_shm_op).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     world = dist.get_world_size()
     micro = job.plan.micro_batch_size
     grad_accum = job.spec.training.global_batch_size // (world * micro)

@@ -60,7 +60,10 @@ def zero_stage(strategy: str) -> int:
 
 def _defaults(spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any]:
     stage = zero_stage(plan.strategy)
-    zero: dict[str, Any] = {"contiguous_gradients": True, "overlap_comm": stage == 3}
+    # overlap_comm: ZeRO-3's default, on a GPU (side streams). On the CPU accelerator there are
+    # no streams to overlap on, and it made a ZeRO-3 offload step ~8x slower (0.4 s -> 3.5 s).
+    overlap = stage == 3 and plan.device == "gpu"
+    zero: dict[str, Any] = {"contiguous_gradients": True, "overlap_comm": overlap}
     config: dict[str, Any] = {
         "steps_per_print": _QUIET_STEPS,
         "wall_clock_breakdown": False,
