@@ -23,7 +23,7 @@ from tests.e2e.conftest import committed_steps, step_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-STEPS = 12
+STEPS = 6
 
 
 def _job(doc: dict[str, Any], name: str, strategy: dict[str, Any], nodes: int) -> dict[str, Any]:
@@ -32,7 +32,7 @@ def _job(doc: dict[str, Any], name: str, strategy: dict[str, Any], nodes: int) -
     job["spec"]["strategy"] = strategy
     job["spec"]["training"].update({"maxSteps": STEPS, "warmupSteps": 2})
     job["spec"]["resources"].update({"minNodes": nodes, "maxNodes": nodes})
-    job["spec"]["checkpoint"].update({"uri": f"checkpoints/{name}", "intervalSteps": 6})
+    job["spec"]["checkpoint"].update({"uri": f"checkpoints/{name}", "intervalSteps": 3})
     job["spec"]["output"] = {"uri": f"output/{name}"}
     return job
 

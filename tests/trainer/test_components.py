@@ -97,7 +97,7 @@ def test_qlora_refused_on_cpu() -> None:
 )
 def test_deepspeed_refused_not_replaced(strategy: str, backend: str) -> None:
     job = make_job(strategy=strategy)
-    with pytest.raises(UnsupportedConfigError, match="deepspeed is not implemented yet"):
+    with pytest.raises(UnsupportedConfigError, match="built by deepspeed_engine, not parallelize"):
         parallelize(torch.nn.Linear(2, 2), job.plan, StrategySpec(type=strategy, backend=backend),
                     CPU, 1, precision="bf16")
 
