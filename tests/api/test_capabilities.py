@@ -61,8 +61,24 @@ def test_adamw8bit_runs_under_ddp_on_a_gpu() -> None:
 
 
 @pytest.mark.parametrize(
+    ("strategy", "offload"),
+    [("zero1", "none"), ("zero1", "cpu"), ("zero2", "cpu"), ("zero3", "none"), ("zero3", "cpu")],
+)
+def test_deepspeed_plans_are_accepted(strategy: str, offload: str) -> None:
+    spec = _spec(strategy__backend="deepspeed", strategy__type=strategy)
+    assert trainer_refusals(spec, _plan(strategy, "deepspeed", offload=offload)) == []
+    gpu = _spec(strategy__backend="deepspeed", training__precision="fp16",
+                resources__device="gpu", resources__gpu={"memoryGiB": 80})
+    assert trainer_refusals(gpu, _plan(strategy, "deepspeed", offload=offload)) == []
+
+
+@pytest.mark.parametrize(
     ("spec", "plan", "field"),
     [
+        (_spec(strategy__backend="deepspeed", training__precision="fp16"),
+         _plan("zero2", "deepspeed"), "spec.training.precision"),
+        (_spec(strategy__backend="deepspeed", method__type="qlora", resources__device="gpu",
+               resources__gpu={"memoryGiB": 80}), _plan("zero2", "deepspeed"), "spec.method.type"),
         (_spec(), _plan("fsdp-full-shard", offload="nvme"), "spec.strategy.offload"),
         (_spec(), _plan("ddp", offload="cpu"), "spec.strategy.offload"),
         (_spec(training__optimizer="adamw8bit"), _plan(), "spec.training.optimizer"),
@@ -75,7 +91,8 @@ def test_adamw8bit_runs_under_ddp_on_a_gpu() -> None:
          _plan("fsdp-full-shard"), "spec.method.type"),
         (_spec(dataset__uri="s3://bucket/data.jsonl"), _plan(), "spec.dataset.uri"),
     ],
-    ids=["nvme", "offload-ddp", "adamw8bit-cpu", "adamw8bit-fsdp", "qlora-cpu", "flash-cpu",
+    ids=["fp16-deepspeed-cpu", "qlora-deepspeed", "nvme", "offload-ddp", "adamw8bit-cpu",
+         "adamw8bit-fsdp", "qlora-cpu", "flash-cpu",
          "qlora-fsdp",
          "s3-dataset"],
 )

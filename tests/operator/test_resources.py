@@ -297,3 +297,18 @@ def test_config_map_round_trips(owner: Owner, quickstart_spec: FineTuneJobSpec) 
     raw = json.loads(cm["data"][CONFIG_FILE_NAME])
     assert "gpusPerNode" in raw["spec"]["resources"] and "worldSize" in raw["plan"]
     assert build_config_map(owner, quickstart_spec, plan) == cm  # byte-stable
+
+
+def test_config_map_carries_the_deepspeed_config_of_a_deepspeed_plan(
+    owner: Owner, quickstart_spec: FineTuneJobSpec
+) -> None:
+    assert set(build_config_map(owner, quickstart_spec, make_plan(2))["data"]) == {
+        CONFIG_FILE_NAME
+    }
+    spec = quickstart_spec.model_copy(update={"strategy": quickstart_spec.strategy.model_copy(
+        update={"type": "zero2", "backend": "deepspeed"})})  # fmt: skip
+    plan = make_plan(2).model_copy(update={"strategy": "zero2", "backend": "deepspeed"})
+    data = build_config_map(owner, spec, plan)["data"]
+    config = json.loads(data["deepspeed.json"])
+    assert config["zero_optimization"]["stage"] == 2
+    assert config["train_batch_size"] == spec.training.global_batch_size

@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -229,6 +230,7 @@ class HfExporter:
         meta: dict[str, Any],
         cwd: Path | None = None,
         object_store: ObjectStoreSpec | None = None,
+        gather: Callable[[], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         assert spec.uri is not None
         if spec.merge_lora and method.type == "qlora":
@@ -245,10 +247,12 @@ class HfExporter:
         self.method = method
         self.rank = rank
         self.meta = meta
+        # How the full state dict is gathered: the torch path's, or the backend's (DeepSpeed).
+        self.gather = gather or (lambda: gather_full_state_dict(self.model))
 
     def export(self, step: int, *, loss: float | None = None) -> Location | None:
         t0 = time.monotonic()
-        sd = gather_full_state_dict(self.model)
+        sd = self.gather()
         if self.rank != 0:
             # No barrier afterwards: rank 0 may write for longer than a collective timeout.
             return None
@@ -311,6 +315,7 @@ def build_exporter(
     rank: int,
     meta: dict[str, Any],
     object_store: ObjectStoreSpec | None = None,
+    gather: Callable[[], dict[str, torch.Tensor]] | None = None,
 ) -> Exporter:
     if spec is None or not spec.uri:
         return NoOpExporter()
@@ -322,4 +327,5 @@ def build_exporter(
         rank=rank,
         meta=meta,
         object_store=object_store,
+        gather=gather,
     )

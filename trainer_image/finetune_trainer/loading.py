@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from finetune_operator.api.deepspeed_config import uses_deepspeed
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.strategies import STRATEGIES
@@ -58,6 +59,12 @@ def load_parallel_model(
         if is_meta(m):
             materialize(m, init_device, seed=seed, weights=weights_dir(spec.model))
 
+    if uses_deepspeed(job.plan):
+        # DeepSpeed partitions a materialised module at initialize (deepspeed_engine).
+        from finetune_trainer.deepspeed_engine import deepspeed_parallel
+
+        fill(model)
+        return deepspeed_parallel(model, job, device)
     sharded = shards_parameters(job.plan)
     if not sharded:
         fill(model)

@@ -43,6 +43,7 @@ from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.model import decoder_layers
 from finetune_trainer.reduction_clock import ReductionClock
+from finetune_trainer.state import TrainState
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -65,6 +66,20 @@ class Parallel:
     # zero_grad(set_to_none=...): False where the gradients are persistent buffers (DDP's
     # gradient buckets); True frees them (FSDP's sharded gradients).
     zero_grad_set_to_none: bool = True
+    # Hooks of backends that own more of the step (DeepSpeed: deepspeed_engine.py). The
+    # defaults are the torch path's: the loop's own backward, clip + step + zero_grad.
+    # Called with the trainer's optimizer once it exists (DeepSpeed builds its engine here
+    # and replaces `model` with it).
+    attach_optimizer: Callable[[torch.optim.Optimizer], None] = field(default=lambda opt: None)
+    backward: Callable[[torch.Tensor], None] = field(default=lambda loss: loss.backward())
+    # None: the loop clips, steps and zeroes the optimizer itself.
+    optimizer_step: Callable[[], None] | None = None
+    # What a checkpoint holds of this model and optimizer (state.TrainState's contract).
+    state_type: type[TrainState] = TrainState
+    # Export (export.py): the module to export and how to gather its full state dict; None:
+    # `model` itself and export.gather_full_state_dict.
+    export_module: Callable[[], nn.Module] | None = None
+    gather_full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None
 
 
 def _no_buffer_sync_in_forward() -> dict[str, bool]:
@@ -265,7 +280,8 @@ def parallelize(
 ) -> Parallel:
     """Wrap `model` as the plan's row of the strategy table says (replicated: DDP; sharded:
     FSDP2 with the row's resharding and mesh), in `precision` (training.precision). Rows the
-    torch backend does not run are refused, never replaced. `compile_model`: compile the
+    torch backend does not run are refused, never replaced (DeepSpeed plans never get
+    here: loading.load_parallel_model hands them to deepspeed_engine). `compile_model`: compile the
     decoder blocks first (the trainer asks for it on CUDA only: on CPU/gloo the compile time
     would dwarf the few steps a test runs)."""
     check_precision(precision)

@@ -49,8 +49,34 @@ class TrainState:
         # strict=False on load: the frozen base is absent from the checkpoint by design.
         return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
-    def capture(self) -> dict[str, Any]:
+    # The model and optimizer parts: get_state_dict/set_state_dict here; other backends
+    # (deepspeed_checkpoint.DeepSpeedTrainState) override these four and keep the rest.
+    def capture_model_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        return model_sd, optim_sd
+
+    def template_model_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.capture_model_optim()
+
+    def restore_model_optim(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=model_sd,
+            optim_state_dict=optim_sd,
+            options=self._options(),
+        )
+
+    def capture_train_extra(self) -> dict[str, Any]:
+        return {}
+
+    def restore_train_extra(self, train: dict[str, Any]) -> None:
+        return None
+
+    def capture(self) -> dict[str, Any]:
+        return self._assemble(*self.capture_model_optim())
+
+    def _assemble(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dict[str, Any]:
         rng: dict[str, torch.Tensor] = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -58,6 +84,7 @@ class TrainState:
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            **self.capture_train_extra(),
         }
         if scale := self.loss_scale.state_dict():
             train["loss_scale"] = scale  # fp16 only
@@ -70,21 +97,16 @@ class TrainState:
 
     def template(self, saved_keys: set[str]) -> dict[str, Any]:
         """The state dict to load into; RNG only if this rank's entry was saved."""
-        sd = self.capture()
+        sd = self._assemble(*self.template_model_optim())
         prefix = f"{RNG_PREFIX}.{self._rng_key()}."
         if not any(k.startswith(prefix) for k in saved_keys):
             del sd[RNG_PREFIX]
         return sd
 
     def restore(self, sd: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=sd["model"],
-            optim_state_dict=sd["optim"],
-            options=self._options(),
-        )
+        self.restore_model_optim(sd["model"], sd["optim"])
         train = json.loads(sd["train"])
+        self.restore_train_extra(train)
         self.step = int(train["step"])
         self.sampler.load_state_dict(train["sampler"])
         self.scheduler.load_state_dict(train["scheduler"])

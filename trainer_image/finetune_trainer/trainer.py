@@ -16,6 +16,7 @@ from finetune_operator.api.jobconfig import JobConfig
 from finetune_trainer.checkpointer import build_checkpointer
 from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.data import build_dataset
+from finetune_trainer.deepspeed_engine import select_accelerator
 from finetune_trainer.distributed import init_distributed, select_device
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.export import build_exporter
@@ -26,7 +27,6 @@ from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import check_precision
 from finetune_trainer.sampler import StepSampler
-from finetune_trainer.state import TrainState
 from finetune_trainer.steptrace import build_step_trace
 from finetune_trainer.termination_log import clear_final_report, write_final_report
 from finetune_trainer.tokenizer import build_tokenizer
@@ -97,6 +97,7 @@ class Trainer:
         self.stop_signal = StopSignal()
         self.faults = build_faults(env.faults, env.rank)
         self.device = select_device(spec.resources.device, env)
+        select_accelerator(self.device)  # before anything imports deepspeed
         self.dist = init_distributed(self.device, env)
         world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
         self.grad_accum = gradient_accumulation(
@@ -119,6 +120,8 @@ class Trainer:
             (spec.training.epochs or 1.0) * len(self.data) / spec.training.global_batch_size
         )
         self.optimizer = build_optimizer(self.model, spec.training)
+        self.parallel.attach_optimizer(self.optimizer)  # DeepSpeed: the engine is built here
+        self.model = self.parallel.model
         self.scheduler = build_scheduler(self.optimizer, spec.training, self.total_steps)
         # fp16: dynamic loss scaling, all ranks skipping the same overflowing steps.
         self.loss_scale = build_loss_scale(
@@ -139,7 +142,7 @@ class Trainer:
             reforms=env.restart_count,
             total_steps=self.total_steps,
         )
-        self.state = TrainState(
+        self.state = self.parallel.state_type(
             self.model,
             self.optimizer,
             self.scheduler,
@@ -167,7 +170,8 @@ class Trainer:
         )
         self.exporter = build_exporter(
             spec.output,
-            model=self.model,
+            model=self.parallel.export_module() if self.parallel.export_module else self.model,
+            gather=self.parallel.gather_full_state_dict,
             tokenizer=tokenizer,
             method=spec.method,
             rank=self.dist.rank,
@@ -272,7 +276,7 @@ class Trainer:
             with self.parallel.accumulate(i == len(micro_batches) - 1):
                 with precision_context(precision, self.device, autocast=autocast):
                     loss = self.model(**batch).loss / len(micro_batches)
-                self.loss_scale.scale(loss).backward()
+                self.parallel.backward(self.loss_scale.scale(loss))
             loss_sum += loss.detach()
             tokens += self.data.count_tokens(indices)
             self.faults.after_micro_batch(self.state.step + 1, len(micro_batches))
@@ -293,6 +297,11 @@ class Trainer:
         return stop_s > 0, loss_s / self.dist.world_size, tokens_s, due_s > 0
 
     def _optimizer_step(self) -> float:
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.parallel.optimizer_step is not None:
+            self.parallel.optimizer_step()  # clips, steps and zeroes itself
+            self.scheduler.step()
+            return lr
         self.faults.before_optimizer_step(self.state.step + 1, self.model)
         # Clipping compares the true gradient norm: unscale first (a no-op unless fp16).
         self.loss_scale.unscale(self.optimizer)
@@ -301,7 +310,6 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.grad is not None], max_norm
             )
-        lr = float(self.optimizer.param_groups[0]["lr"])
         if not self.loss_scale.step(self.optimizer):  # skipped on every rank alike
             log.warning(
                 "step %d: fp16 gradients overflowed, optimizer step skipped; loss scale now %g",

@@ -67,6 +67,12 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "message": "fsdp strategies need backend fsdp",
             "fieldPath": ".backend",
         },
+        {
+            "rule": "!has(self.deepspeedConfig) || self.backend == 'deepspeed' || "
+            "self.type in ['zero1', 'zero2']",
+            "message": "deepspeedConfig needs backend deepspeed",
+            "fieldPath": ".deepspeedConfig",
+        },
     ],
     "ModelArchitecture": [
         {

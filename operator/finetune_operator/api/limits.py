@@ -53,6 +53,8 @@ MAX_LORA_TARGETS: Final = 256
 
 # --- checkpoints, faults, stragglers -------------------------------------------------------
 MAX_CHECKPOINTS_KEPT: Final = 1000
+# A user's DeepSpeed config (spec.strategy.deepspeedConfig) as JSON: real ones are ~1-3 KB.
+MAX_DEEPSPEED_CONFIG_BYTES: Final = 65536
 MAX_INTERVAL_MINUTES: Final = 10080.0  # a week
 MAX_RESTARTS: Final = 10000
 MAX_BACKOFF_SECONDS: Final = 86400.0  # a day

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -114,6 +115,17 @@ class StrategySpec(SpecModel):
     type: StrategyType = Field("auto", description="auto (planner decides) or a pinned strategy.")
     offload: Offload = Field("none", description="Offload of optimizer states/parameters.")
     backend: Backend = Field("auto", description="auto | fsdp | deepspeed.")
+    deepspeed_config: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Your own DeepSpeed config keys (a JSON object, as in a ds_config.json), merged into "
+            "the config the trainer generates from the plan. The plan wins where they disagree "
+            "(batch sizes, zero_optimization.stage, offload devices, bf16/fp16, "
+            "gradient_clipping, bucket sizes); optimizer, scheduler, amp, torch_autocast, "
+            "checkpoint and elasticity come from the spec and are dropped. The trainer logs "
+            "every key it overrode. Needs backend deepspeed (or type zero1/zero2)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_backend(self) -> StrategySpec:
@@ -121,4 +133,16 @@ class StrategySpec(SpecModel):
             raise ValueError(f"strategy.type {self.type} needs backend deepspeed, not fsdp")
         if self.type.startswith("fsdp") and self.backend == "deepspeed":
             raise ValueError(f"strategy.type {self.type} needs backend fsdp, not deepspeed")
+        if self.deepspeed_config is not None:
+            if self.backend != "deepspeed" and self.type not in ("zero1", "zero2"):
+                raise ValueError(
+                    "strategy.deepspeedConfig needs strategy.backend deepspeed "
+                    f"(backend is {self.backend}, type {self.type})"
+                )
+            size = len(json.dumps(self.deepspeed_config))
+            if size > lim.MAX_DEEPSPEED_CONFIG_BYTES:
+                raise ValueError(
+                    f"strategy.deepspeedConfig is {size} bytes as JSON; at most "
+                    f"{lim.MAX_DEEPSPEED_CONFIG_BYTES}"
+                )
         return self

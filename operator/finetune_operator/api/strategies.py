@@ -29,8 +29,9 @@ _OFFLOAD_ALL: frozenset[OffloadedState] = frozenset({"params", "optimizer"})
 # ("got mixed torch.Tensor and DTensor", bitsandbytes 0.50), so on torch it runs under DDP.
 _TORCH_OPTIMIZERS: frozenset[OptimizerName] = frozenset({"adamw", "adamw8bit", "sgd"})
 _FSDP2_OPTIMIZERS: frozenset[OptimizerName] = frozenset({"adamw", "sgd"})
-# DeepSpeed's own Adam (fused on GPU, CPU-Adam with offload); others when its backend runs them.
-_DEEPSPEED_OPTIMIZERS: frozenset[OptimizerName] = frozenset({"adamw"})
+# The trainer's torch optimizer handed to DeepSpeed's engine (finetune_trainer.deepspeed_engine);
+# bitsandbytes' 8-bit AdamW is not wired into the engine.
+_DEEPSPEED_OPTIMIZERS: frozenset[OptimizerName] = frozenset({"adamw", "sgd"})
 
 
 @dataclass(frozen=True)
@@ -179,12 +180,12 @@ STRATEGIES = StrategyTable(
         ),
         Strategy(
             "zero1", "deepspeed", frozenset({"optimizer"}), False, frozenset({"optimizer"}), 1,
-            implemented=False, optimizers=_DEEPSPEED_OPTIMIZERS,
+            implemented=True, optimizers=_DEEPSPEED_OPTIMIZERS,
         ),
         Strategy(
             "zero2", "deepspeed", frozenset({"grads", "optimizer"}), False,
             frozenset({"optimizer"}), 2,
-            implemented=False, optimizers=_DEEPSPEED_OPTIMIZERS,
+            implemented=True, optimizers=_DEEPSPEED_OPTIMIZERS,
         ),
         Strategy(
             "fsdp-shard-grad-op", "fsdp", _ALL, False, _OFFLOAD_ALL, 3,
@@ -206,7 +207,7 @@ STRATEGIES = StrategyTable(
         ),
         Strategy(
             "zero3", "deepspeed", _ALL, True, _OFFLOAD_ALL, 6,
-            implemented=False, optimizers=_DEEPSPEED_OPTIMIZERS,
+            implemented=True, optimizers=_DEEPSPEED_OPTIMIZERS,
         ),
     )
 )  # fmt: skip

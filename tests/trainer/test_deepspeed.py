@@ -1,0 +1,188 @@
+"""DeepSpeed ZeRO-1/2/3 under real torchrun on CPU/gloo with the tiny quickstart model (slow).
+
+One torch DDP run of the job is the reference; each DeepSpeed run trains the same job (fp32,
+the same global batches: the sampler does not depend on the world size or the backend), so
+its loss curve must match DDP's step for step, within floating-point noise. Each run checks
+several properties at once to keep the multi-process time down:
+
+- ZeRO-1 with optimizer offload, 2 ranks: the curve, committed checkpoints, the export;
+- ZeRO-2, 2 ranks, stopped mid-run by SIGTERM (its final save); resumed as ZeRO-3 with
+  parameter and optimizer offload on 1 rank: resume at another world size (and stage), the
+  loss going on as DDP's does;
+- fp16 LoRA on ZeRO-2: one overflowing step is skipped and the loss scale lowered, training
+  goes on; the user's deepspeedConfig is merged (hysteresis kept, a contradicting key
+  overridden); the adapters are exported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from finetune_operator.api.jobconfig import JobConfig
+from finetune_operator.api.spec import MethodSpec
+from tests.trainer.conftest import (
+    REPO,
+    Proc,
+    free_port,
+    make_job,
+    standalone_args,
+    step_lines,
+    tail,
+    trainer_env,
+    wait_until,
+    write_job,
+)
+from tests.trainer.test_multiprocess import committed
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+# fp32 on both sides; ZeRO sums the gradients in another order than DDP's buckets.
+LOSS_TOLERANCE = 0.02
+FP16_WORKER = REPO / "tests" / "trainer" / "deepspeed_fp16_worker.py"
+
+
+def ds_job(
+    strategy: str,
+    *,
+    offload: str = "none",
+    training: dict[str, Any] | None = None,
+    checkpoint: dict[str, Any] | None = None,
+    deepspeed_config: dict[str, Any] | None = None,
+) -> JobConfig:
+    job = make_job(strategy=strategy, training={"maxSteps": STEPS, **(training or {})},
+                   checkpoint=checkpoint)  # fmt: skip
+    spec = job.spec.model_copy(update={"strategy": job.spec.strategy.model_copy(update={
+        "backend": "deepspeed", "offload": offload, "deepspeed_config": deepspeed_config})})  # fmt: skip
+    plan = job.plan.model_copy(update={"backend": "deepspeed", "offload": offload, "device": "cpu"})
+    return job.model_copy(update={"spec": spec, "plan": plan})
+
+
+def launch(tmp: Path, name: str, job: JobConfig, nproc: int, *extra: str, **env: str) -> Proc:
+    args = standalone_args(nproc, write_job(tmp / f"{name}.json", job), free_port())
+    if extra:  # a worker script instead of `-m finetune_trainer`
+        i = args.index("-m")
+        args[i : i + 2] = list(extra)
+    return Proc(args, cwd=tmp, log=tmp / f"{name}.log", env=trainer_env("127.0.0.1", **env))
+
+
+@pytest.fixture(scope="module")
+def ddp_losses(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[float]]:
+    tmp = tmp_path_factory.mktemp("ddp")
+    p = launch(tmp, "ddp", make_job(training={"maxSteps": STEPS},
+                                    checkpoint={"enabled": False}), 2)  # fmt: skip
+    try:
+        assert p.wait(180) == 0, tail(p.log)
+        losses = [s["loss"] for s in step_lines(p.log)]
+    finally:
+        p.close()
+    assert len(losses) == STEPS
+    yield losses
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.close()
+
+
+def assert_matches(losses: dict[int, float], reference: list[float]) -> None:
+    for step, loss in losses.items():
+        assert abs(loss - reference[step - 1]) < LOSS_TOLERANCE, (step, loss, reference)
+
+
+def deepspeed_config_logged(log: Path) -> dict[str, Any]:
+    line = re.search(r"DeepSpeed config: (\{.*\})$", log.read_text(), re.M)
+    assert line, tail(log)
+    return dict(json.loads(line.group(1)))
+
+
+def test_zero1_with_optimizer_offload_matches_ddp(
+    tmp_path: Path, procs: list[Proc], ddp_losses: list[float]
+) -> None:
+    job = ds_job("zero1", offload="cpu", checkpoint={"intervalSteps": 4})
+    p = launch(tmp_path, "zero1", job, 2)
+    procs.append(p)
+    assert p.wait(180) == 0, tail(p.log)
+    config = deepspeed_config_logged(p.log)
+    assert config["zero_optimization"]["stage"] == 1
+    assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu",
+                                                                 "pin_memory": False}  # fmt: skip
+    assert_matches({s["step"]: s["loss"] for s in step_lines(p.log)}, ddp_losses)
+    root = tmp_path / "checkpoints" / "quickstart"
+    assert {s: m["worldSize"] for s, m in committed(root).items()} == {4: 2, 8: 2}
+    assert (tmp_path / "output" / "quickstart" / "model.safetensors").is_file()
+
+
+def test_zero2_sigterm_resumes_as_zero3_offload_at_world_one(
+    tmp_path: Path, procs: list[Proc], ddp_losses: list[float]
+) -> None:
+    root = tmp_path / "checkpoints" / "quickstart"
+    first = launch(tmp_path, "zero2", ds_job("zero2", checkpoint={"intervalSteps": 3}), 2,
+                   FT_STEP_DELAY_SECONDS="0.4")  # fmt: skip
+    procs.append(first)
+    wait_until(lambda: 3 in committed(root) and len(step_lines(first.log)) >= 4, 150,
+               "zero2 committed step 3 and went on", first.log)  # fmt: skip
+    first.kill(signal.SIGTERM)  # a preemption: finish the step, final save, exit
+    assert first.wait(90) != 0, tail(first.log)
+    before = {s["step"]: s["loss"] for s in step_lines(first.log)}
+    assert_matches(before, ddp_losses)
+    stopped = max(before)
+    assert stopped < STEPS, before  # stopped mid-run, not finished
+    assert stopped in committed(root), tail(first.log)  # the final save on SIGTERM
+
+    second = launch(tmp_path, "zero3", ds_job("zero3", offload="cpu",
+                                               checkpoint={"intervalSteps": 3}), 1)  # fmt: skip
+    procs.append(second)
+    assert second.wait(240) == 0, tail(second.log)
+    log = second.log.read_text()
+    resumed = int(re.findall(r"resumed from checkpoint step (\d+)", log)[0])
+    assert resumed == stopped
+    assert "world 1, micro-batch 2, grad accumulation 4" in log
+    config = deepspeed_config_logged(second.log)["zero_optimization"]
+    assert config["stage"] == 3 and config["offload_param"]["device"] == "cpu"
+    after = {s["step"]: s["loss"] for s in step_lines(second.log)}
+    assert sorted(after) == list(range(resumed + 1, STEPS + 1))
+    assert_matches(after, ddp_losses)  # the same model and optimizer state went on
+    assert committed(root)[STEPS]["worldSize"] == 1
+
+
+def test_fp16_overflow_step_is_skipped_and_training_recovers(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    user = {"fp16": {"hysteresis": 1, "initial_scale_power": 10}, "gradient_accumulation_steps": 9}
+    job = ds_job("zero2", training={"precision": "fp16", "maxSteps": 6},
+                 checkpoint={"enabled": False}, deepspeed_config=user)  # fmt: skip
+    # LoRA, to run peft's frozen base and fp32 adapters through DeepSpeed too.
+    lora = MethodSpec.model_validate({"type": "lora", "lora": {"rank": 4, "alpha": 8}})
+    job = job.model_copy(update={"spec": job.spec.model_copy(update={"method": lora})})
+    micro = job.spec.training.global_batch_size // job.plan.micro_batch_size  # one rank
+    p = launch(tmp_path, "fp16", job, 1, str(FP16_WORKER), "--config", str(tmp_path / "fp16.json"),
+               FT_TEST_MICRO_BATCHES=str(micro))  # fmt: skip
+    procs.append(p)
+    assert p.wait(180) == 0, tail(p.log)
+    log = p.log.read_text()
+    assert "the plan overrides these keys of yours: gradient_accumulation_steps" in log
+    config = deepspeed_config_logged(p.log)
+    assert config["fp16"]["enabled"] is True and config["fp16"]["hysteresis"] == 1
+    # 2^10, halved once by the overflow (hysteresis 1: at the first one).
+    assert "optimizer step skipped (1 skipped so far), loss scale now 512" in log, tail(p.log)
+    losses = {s["step"]: s["loss"] for s in step_lines(p.log)}
+    assert sorted(losses) == list(range(1, 7))
+    assert log.count("optimizer step skipped") == 1  # only the poisoned step
+    # The forward losses stay finite (only the backward was poisoned): no inf/nan reached the
+    # weights, and training goes on learning after the skipped step.
+    assert all(math.isfinite(x) for x in losses.values()), losses
+    assert losses[6] < losses[1], losses
+    # Only the adapters are exported for LoRA, gathered out of ZeRO's partitions.
+    assert (tmp_path / "output" / "quickstart" / "adapter_model.safetensors").is_file()
