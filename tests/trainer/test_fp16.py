@@ -96,7 +96,7 @@ def test_checkpoint_carries_the_scale(world_one: None) -> None:
         model = nn.Linear(3, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = build_scheduler(opt, make_job().spec.training, total_steps=10)
-        sampler = StepSampler(num_samples=8, global_batch=4, micro_batch=2, rank=0,
+        sampler = StepSampler(num_samples=8, global_batch=4, micro_batch_size=2, rank=0,
                               world_size=1, seed=1)
         return TrainState(model, opt, sched, sampler, rank=0, seed=1, loss_scale=scale)
 
