@@ -31,14 +31,17 @@ def test_7b_full_ft_needs_four_80gb_gpus_sharded() -> None:
     assert "Fewer ranks do not fit" in plan.reason and "2 (72." in plan.reason
 
 
-def test_7b_full_ft_with_deepspeed_backend_is_a_zero_stage_on_two_gpus() -> None:
-    # Recompute fixed on: ZeRO-1 (4P + 12P/2 = 10P = 63 GiB of states) already fits 2 x 80 GB;
-    # the step-time model then picks the stage whose micro-batch/comm trade-off is fastest.
+def test_7b_full_ft_with_deepspeed_backend_is_a_zero_stage_on_four_gpus() -> None:
+    # Not the textbook "ZeRO-2 on 2 x 80 GB" (2P + 14P/2 = 9P = 57 GiB): DeepSpeed's engine
+    # holds an fp32 gradient partition at the step, cast from two bf16 copies (planner/zero.py,
+    # measured by bench/deepspeed_memory.py), 2P + 20P/2 = 12P, 78 GiB on 2 ranks with the
+    # allocator's slack: over the 10% headroom limit, so the smallest fit is 4 ranks.
     plan = plan_job(
         make_spec(strategy={"backend": "deepspeed"}, training={"gradientCheckpointing": "full"})
     )
-    assert (plan.world_size, plan.backend) == (2, "deepspeed")
+    assert (plan.world_size, plan.backend) == (4, "deepspeed")
     assert plan.strategy in {"zero1", "zero2", "zero3"}
+    assert "2 (78." in plan.reason
 
 
 def test_7b_qlora_fits_one_24gb_gpu() -> None:

@@ -11,9 +11,10 @@ already exist):
             recomputed layer) + that layer's gradient temporaries + gathered units/buckets
   optimizer optimizer step: all states + gradients + the optimizer's temporaries
 
-Mixed precision (bf16/fp16 with fp32 master weights) is split as the textbooks do for DDP and
-DeepSpeed ZeRO (2 B params + 2 B grads + 12 B master/m/v per parameter), and as FSDP2 really
-allocates for the fsdp-* strategies (sharded fp32 params are the masters: 4 + 4 + 8 B).
+Mixed precision (bf16/fp16 with fp32 master weights) is split as the textbooks do for DDP
+(2 B params + 2 B grads + 12 B master/m/v per parameter), as FSDP2 really allocates for the
+fsdp-* strategies (sharded fp32 params are the masters: 4 + 4 + 8 B), and as DeepSpeed's
+engine really allocates for zero1/2/3 (planner/zero.py: an fp32 gradient partition at the step).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from finetune_operator.planner.hardware import (
     NCCL_BUFFER_BYTES,
 )
 from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
+from finetune_operator.planner.zero import ZeroStates, zero_states
 
 # PyTorch's caching allocator (default configuration: the trainer leaves
 # PYTORCH_CUDA_ALLOC_CONF alone) rounds blocks (512 B small / 2 MiB large), keeps freed blocks
@@ -114,6 +116,7 @@ class _States:
     optim: int
     host: int
     frozen_elems: int  # frozen base parameters (LoRA/QLoRA), for gathered-unit sizes
+    zero: ZeroStates | None = None  # DeepSpeed: gradients per phase differ (planner/zero.py)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -156,6 +159,20 @@ def _model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> _Stat
     opt_b = _optimizer_state_bytes(shape, e, mixed)
     master = FP32 if mixed else 0
     st = cand.strategy
+    if st in DEEPSPEED:
+        # What DeepSpeed's engine allocates, checked against it (planner/zero.py).
+        z = zero_states(
+            int(st[-1]),
+            n,
+            trainable,
+            frozen_bytes,
+            e,
+            master + opt_b,
+            fp32_master=mixed,
+            offload=cand.offload != "none",
+            grad_accumulation=shape.grad_accumulation,
+        )
+        return _States(z.params, z.grads, z.optim, z.host, frozen_elems, z)
     if st in FSDP or (st == "ddp" and mixed):
         # FSDP2 shards the original-dtype params; with mixed precision those are fp32 masters.
         # DDP mixed precision is an fp32 model under autocast (what the trainer runs and what
@@ -357,6 +374,10 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     # Torch FSDP frees sharded grads at zero_grad(set_to_none); DDP buckets and DeepSpeed
     # partitions persist. Under accumulation the grads exist through every micro-batch.
     grads_fwd = 0 if (cand.strategy in FSDP and shape.grad_accumulation == 1) else st.grads
+    grads_bwd, step_transient = grads_fwd, 0
+    if st.zero is not None:
+        grads_fwd, grads_bwd = st.zero.grads_forward, st.zero.grads_backward
+        step_transient = st.zero.step_transient
     base = st.params + st.optim
     buffers = {
         # End of forward, inside the loss: e-byte logits, their fp32 upcast, log_softmax out.
@@ -364,12 +385,14 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
         "loss": loss_buf + gather_loss + copies[1],
         "backward": held + act.backward_transient + gather_bwd + bucket + dequant + copies[2],
         "optimizer": max(
-            _optimizer_temp(shape, cand, st) + (bucket if cand.strategy in DEEPSPEED else 0),
+            _optimizer_temp(shape, cand, st)
+            + (bucket if cand.strategy in DEEPSPEED else 0)
+            + step_transient,
             _backward_tail(m, shape, cand),
         ),
     }
     acts = {"forward": resident, "loss": resident, "backward": in_backward, "optimizer": 0}
-    grads = {"forward": grads_fwd, "loss": grads_fwd, "backward": grads_fwd, "optimizer": st.grads}
+    grads = {"forward": grads_fwd, "loss": grads_fwd, "backward": grads_bwd, "optimizer": st.grads}
     phases = {k: base + grads[k] + acts[k] + buffers[k] for k in buffers}
     phase = max(phases, key=lambda k: phases[k])
     peak = phases[phase]
