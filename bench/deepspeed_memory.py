@@ -44,6 +44,10 @@ MODEL = {
     "vocab_size": 32000,
     "tie_word_embeddings": False,
 }
+# For the CI test (tests/planner/test_deepspeed_engine.py): ~7M parameters, same structure.
+SMALL = {**MODEL, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 8000}  # fmt: skip
+MODELS = {"bench": MODEL, "small": SMALL}
 # Bucket sizes given to DeepSpeed (elements). Buckets are communication buffers, not model
 # states; they are reported beside them.
 REDUCE_BUCKET = 5_000_000
@@ -57,10 +61,17 @@ class Config:
     offload: str  # none | optimizer | all (stage 3: optimizer + params)
     precision: str
     world: int
+    model: str = "bench"  # a key of MODELS
 
     @property
     def name(self) -> str:
         return f"zero{self.stage} offload={self.offload} {self.precision} N={self.world}"
+
+    @property
+    def reference(self) -> bool:
+        """ZeRO-3 with offload_optimizer alone: not a planner choice (its `offload: cpu` for
+        zero3 offloads parameters too); measured for reference, compared with nothing."""
+        return self.stage == 3 and self.offload == "optimizer"
 
     @property
     def planner_offload(self) -> str:
@@ -112,7 +123,8 @@ def measure(cfg: Config, steps: int = 2) -> dict[str, Any]:
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the working precision: no fp32 copy to free
-    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"}))
+    arch = MODELS[cfg.model]
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in arch.items() if k != "model_type"}))
     torch.set_default_dtype(previous)
     n_params = sum(p.numel() for p in model.parameters())
     client = None if cfg.offload != "none" else torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -151,7 +163,7 @@ def measure(cfg: Config, steps: int = 2) -> dict[str, Any]:
         return flat
 
     engine.optimizer.flatten = flatten
-    ids = torch.randint(0, MODEL["vocab_size"], (1, SEQ))
+    ids = torch.randint(0, arch["vocab_size"], (1, SEQ))
     for i in range(steps):
         armed[0] = i == steps - 1
         loss = engine(input_ids=ids, labels=ids).loss
@@ -183,7 +195,7 @@ def run_config(cfg: Config, timeout: int = 900) -> list[dict[str, Any]]:
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={cfg.world}", __file__, "--worker",
             "--stage", str(cfg.stage), "--offload", cfg.offload,
-            "--precision", cfg.precision, "--out", tmp,
+            "--precision", cfg.precision, "--model", cfg.model, "--out", tmp,
         ]  # fmt: skip
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -200,7 +212,7 @@ def planner_states(cfg: Config) -> dict[str, int]:
     from finetune_operator.planner.memory import Candidate, TrainingShape, estimate_memory
     from finetune_operator.planner.zero import zero_states
 
-    shape = shape_of(ModelArchitecture.model_validate(MODEL))
+    shape = shape_of(ModelArchitecture.model_validate(MODELS[cfg.model]))
     est = estimate_memory(
         shape,
         TrainingShape(micro_batch=1, seq_len=SEQ, precision=cfg.precision),  # type: ignore[arg-type]
@@ -249,7 +261,8 @@ def compare(cfg: Config, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ds_host = _sum(meas, "host", STATES)
         rows.append(
             {
-                "config": cfg.name,
+                "config": cfg.name + (" (ref)" if cfg.reference else ""),
+                "reference": cfg.reference,
                 "rank": meas["rank"],
                 "ds_params": _sum(meas, "device", ("parameters",)),
                 "ds_grads": _sum(meas, "device", ("gradients",)),
@@ -327,6 +340,7 @@ def main() -> None:
     ap.add_argument("--offload", default="none")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--out", default="")
+    ap.add_argument("--model", default="bench", choices=sorted(MODELS))
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--precisions", default="bf16")
     ap.add_argument("--only", default=None)
@@ -335,7 +349,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        result = measure(Config(args.stage, args.offload, args.precision, world))
+        result = measure(Config(args.stage, args.offload, args.precision, world, args.model))
         Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
         return
     import deepspeed
@@ -354,14 +368,23 @@ def main() -> None:
                     print(f"    step {key}: {paths}", flush=True)
                 for key, paths in sorted(row["backward_paths"].items()):
                     print(f"    bwd  {key} {row['backward'][key] / MIB:.1f}: {paths}", flush=True)
-    worst = max(abs(r["ratio_total"] - 1) for r in rows)
+    compared = [r for r in rows if not r["reference"]]
+    worst = max(abs(r["ratio_total"] - 1) for r in compared)
+    worst_cast = max(
+        abs(r["plan_cast_peak"] / r["cast_peak"] - 1) for r in compared if r["cast_peak"]
+    )
     lines = [
         f"# deepspeed {deepspeed.__version__}, torch {torch.__version__}, DS_ACCELERATOR=cpu (gloo)",
-        f"# model: {MODEL}, {rows[0] and planner_states(configs([1], ['bf16'], None)[0])['params']}"
-        f" params; reduce/allgather bucket {REDUCE_BUCKET:,} elements",
+        f"# model: {MODEL}, {planner_states(Config(1, 'none', 'bf16', 1))['params']:,} params;"
+        f" micro-batch 1 x {SEQ} tokens; reduce/allgather bucket {REDUCE_BUCKET:,} elements;"
+        " figures per rank, inside the 2nd optimizer step; device/host = where DeepSpeed"
+        " allocates them on a GPU machine",
+        "# at cast: model states while the step casts the gradient partition to fp32"
+        " (bench: at each flatten in step(); planner: + ZeroStates.step_transient)",
         HEADER,
         *(_fmt_row(r) for r in rows),
-        f"# worst |planner/DeepSpeed - 1| over model states (device + host): {worst:.3f}",
+        f"# worst |planner/DeepSpeed - 1| over model states (device + host): {worst:.3f};"
+        f" at the step's fp32 cast: {worst_cast:.3f} ((ref) rows excluded: no planner mode)",
     ]
     print(lines[-1])
     if not args.no_write:
