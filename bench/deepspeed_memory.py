@@ -247,10 +247,11 @@ STATES = ("parameters", "gradients", "master", "optimizer")
 
 
 def _ratio(plan: int, ds: int) -> float:
-    """plan/ds; 1 when both hold nothing there (e.g. the device under ZeRO-3 offload)."""
-    if ds == 0:
-        return 1.0 if plan == 0 else float("inf")
-    return plan / ds
+    """plan/ds; NaN (printed n/a) where neither holds a MiB there: ZeRO-3 offload keeps only
+    its persistent small parameters (norms, kilobytes) on the device, offload casts nothing."""
+    if max(plan, ds) < MIB:
+        return float("nan")
+    return plan / ds if ds else float("inf")
 
 
 def compare(cfg: Config, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -297,6 +298,15 @@ def compare(cfg: Config, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _cast_ratio(r: dict[str, Any]) -> float:
+    """Offload steps on the host (DeepSpeedCPUAdam): no device cast to compare."""
+    return _ratio(r["plan_cast_peak"], r["cast_peak"]) if r["cast_peak"] else float("nan")
+
+
+def _fmt_ratio(x: float) -> str:
+    return "   n/a" if x != x else f"{x:6.3f}"
+
+
 def _fmt_row(r: dict[str, Any]) -> str:
     def mib(v: int) -> str:
         return f"{v / MIB:8.1f}"
@@ -305,9 +315,9 @@ def _fmt_row(r: dict[str, Any]) -> str:
         f"{r['config']:<34} r{r['rank']} | {mib(r['ds_params'])} {mib(r['ds_grads'])} "
         f"{mib(r['ds_optim'])} {mib(r['ds_device'])} {mib(r['ds_host'])} | {mib(r['plan_params'])} "
         f"{mib(r['plan_grads'])} {mib(r['plan_optim'])} {mib(r['plan_device'])} "
-        f"{mib(r['plan_host'])} | {r['ratio_device']:6.3f} {r['ratio_host']:6.3f} "
+        f"{mib(r['plan_host'])} | {_fmt_ratio(r['ratio_device'])} {_fmt_ratio(r['ratio_host'])} "
         f"{r['ratio_total']:6.3f} | {mib(r['cast_peak'])} {mib(r['plan_cast_peak'])} "
-        f"{_ratio(r['plan_cast_peak'], r['cast_peak']):6.3f} | {mib(r['ds_buffers'])} "
+        f"{_fmt_ratio(_cast_ratio(r))} | {mib(r['ds_buffers'])} "
         f"{mib(r['ds_other'])} {r['rss_ratio']:5.2f}"
     )
 
