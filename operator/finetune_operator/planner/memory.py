@@ -11,9 +11,10 @@ already exist):
             recomputed layer) + that layer's gradient temporaries + gathered units/buckets
   optimizer optimizer step: all states + gradients + the optimizer's temporaries
 
-Mixed precision (bf16/fp16 with fp32 master weights) is split as the textbooks do for DDP and
-DeepSpeed ZeRO (2 B params + 2 B grads + 12 B master/m/v per parameter), and as FSDP2 really
-allocates for the fsdp-* strategies (sharded fp32 params are the masters: 4 + 4 + 8 B).
+Mixed precision (bf16/fp16 with fp32 master weights) is split as the textbooks do for DDP
+(2 B params + 2 B grads + 12 B master/m/v per parameter), as FSDP2 really allocates for the
+fsdp-* strategies (sharded fp32 params are the masters: 4 + 4 + 8 B), and as DeepSpeed's
+engine really allocates for zero1/2/3 (planner/zero.py: an fp32 gradient partition at the step).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from finetune_operator.planner.hardware import (
     NCCL_BUFFER_BYTES,
 )
 from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
+from finetune_operator.planner.zero import ZeroStates, zero_states
 
 # PyTorch's caching allocator (default configuration: the trainer leaves
 # PYTORCH_CUDA_ALLOC_CONF alone) rounds blocks (512 B small / 2 MiB large), keeps freed blocks
@@ -119,6 +121,7 @@ class _States:
     optim: int
     host: int
     frozen_elems: int  # frozen base parameters (LoRA/QLoRA), for gathered-unit sizes
+    zero: ZeroStates | None = None  # DeepSpeed: gradients per phase differ (planner/zero.py)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -161,25 +164,32 @@ def _model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> _Stat
     opt_b = _optimizer_state_bytes(shape, e, mixed)
     master = FP32 if mixed else 0
     row = cand.row
-    if row.backend == "fsdp":
-        # FSDP2 shards the original-dtype params; with mixed precision those are fp32 masters.
-        # DDP mixed precision is an fp32 model under autocast (what the trainer runs and what
-        # torch AMP means): fp32 params + fp32 grads + fp32 m, v = 4 + 4 + 8 = the textbook 16 B.
-        # Without mixed precision both reduce to the textbook split (e-byte params and grads).
-        pe = FP32 if mixed else e
-        s = s if row.shards_params else 1
-        shard = _fsdp_shard_elems(m, trainable, s) if shape.method == "full" else None
-        shard = shard if shard is not None else _ceil_div(trainable, s)
-        params = shard * pe + _ceil_div(frozen_bytes, s)
-        grads = shard * pe
-        optim = int(shard * opt_b)
-    else:
-        p_shard = n if row.shards_params else 1
-        g_shard = n if row.shards_grads else 1
-        o_shard = n if row.shards_optimizer else 1
-        params = _ceil_div(trainable, p_shard) * e + _ceil_div(frozen_bytes, p_shard)
-        grads = _ceil_div(trainable, g_shard) * e
-        optim = int(_ceil_div(trainable, o_shard) * (master + opt_b))
+    if row.backend == "deepspeed":
+        # What DeepSpeed's engine allocates, checked against it (planner/zero.py).
+        z = zero_states(
+            row.zero_stage,
+            n,
+            trainable,
+            frozen_bytes,
+            e,
+            master + opt_b,
+            fp32_master=mixed,
+            offload=cand.offload != "none",
+            grad_accumulation=shape.grad_accumulation,
+        )
+        return _States(z.params, z.grads, z.optim, z.host, frozen_elems, z)
+    # The torch backend (DDP and FSDP2 rows).
+    # FSDP2 shards the original-dtype params; with mixed precision those are fp32 masters.
+    # DDP mixed precision is an fp32 model under autocast (what the trainer runs and what
+    # torch AMP means): fp32 params + fp32 grads + fp32 m, v = 4 + 4 + 8 = the textbook 16 B.
+    # Without mixed precision both reduce to the textbook split (e-byte params and grads).
+    pe = FP32 if mixed else e
+    s = s if row.shards_params else 1
+    shard = _fsdp_shard_elems(m, trainable, s) if shape.method == "full" else None
+    shard = shard if shard is not None else _ceil_div(trainable, s)
+    params = shard * pe + _ceil_div(frozen_bytes, s)
+    grads = shard * pe
+    optim = int(shard * opt_b)
     host = 0
     if cand.offload != "none":
         # zero1/zero2 offload the optimizer (and ZeRO-2 its fp32 gradient partitions: sharded
@@ -366,6 +376,10 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     # Torch FSDP frees sharded grads at zero_grad(set_to_none); DDP buckets and DeepSpeed
     # partitions persist. Under accumulation the grads exist through every micro-batch.
     grads_fwd = 0 if (cand.row.torch_fsdp and shape.grad_accumulation == 1) else st.grads
+    grads_bwd, step_transient = grads_fwd, 0
+    if st.zero is not None:
+        grads_fwd, grads_bwd = st.zero.grads_forward, st.zero.grads_backward
+        step_transient = st.zero.step_transient
     base = st.params + st.optim
     buffers = {
         # End of forward, inside the loss: e-byte logits, their fp32 upcast, log_softmax out.
@@ -373,12 +387,14 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
         "loss": loss_buf + gather_loss + copies[1],
         "backward": held + act.backward_transient + gather_bwd + bucket + dequant + copies[2],
         "optimizer": max(
-            _optimizer_temp(shape, cand, st) + (bucket if cand.row.backend == "deepspeed" else 0),
+            _optimizer_temp(shape, cand, st)
+            + (bucket if cand.row.backend == "deepspeed" else 0)
+            + step_transient,
             _backward_tail(m, shape, cand),
         ),
     }
     acts = {"forward": resident, "loss": resident, "backward": in_backward, "optimizer": 0}
-    grads = {"forward": grads_fwd, "loss": grads_fwd, "backward": grads_fwd, "optimizer": st.grads}
+    grads = {"forward": grads_fwd, "loss": grads_fwd, "backward": grads_bwd, "optimizer": st.grads}
     phases = {k: base + grads[k] + acts[k] + buffers[k] for k in buffers}
     phase = max(phases, key=lambda k: phases[k])
     peak = phases[phase]
