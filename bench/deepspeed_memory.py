@@ -215,7 +215,7 @@ def planner_states(cfg: Config) -> dict[str, int]:
     shape = shape_of(ModelArchitecture.model_validate(MODELS[cfg.model]))
     est = estimate_memory(
         shape,
-        TrainingShape(micro_batch=1, seq_len=SEQ, precision=cfg.precision),  # type: ignore[arg-type]
+        TrainingShape(micro_batch_size=1, seq_len=SEQ, precision=cfg.precision),  # type: ignore[arg-type]
         Candidate(
             f"zero{cfg.stage}",  # type: ignore[arg-type]
             world_size=cfg.world,

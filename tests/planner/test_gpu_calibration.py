@@ -17,7 +17,7 @@ LLAMA_8B = lookup("meta-llama/Llama-3.1-8B")
 assert LLAMA_1B is not None and LLAMA_8B is not None
 M1 = shape_of(LLAMA_1B.architecture)
 M8 = shape_of(LLAMA_8B.architecture)
-SHAPE = TrainingShape(micro_batch=2, seq_len=2048, checkpointing=True, grad_accumulation=4)
+SHAPE = TrainingShape(micro_batch_size=2, seq_len=2048, checkpointing=True, grad_accumulation=4)
 
 
 def test_ddp_reserves_the_compute_pool_only() -> None:

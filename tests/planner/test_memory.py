@@ -18,7 +18,7 @@ N = 8
 def model_states(strategy: StrategyName, n: int, **shape: object) -> int:
     est = estimate_memory(
         LLAMA2_7B,
-        TrainingShape(micro_batch=1, seq_len=512, **shape),  # type: ignore[arg-type]
+        TrainingShape(micro_batch_size=1, seq_len=512, **shape),  # type: ignore[arg-type]
         Candidate(strategy, n, 8),
     )
     b = est.breakdown
@@ -47,7 +47,7 @@ def test_ddp_split_is_autocast_4_4_8_and_zero_is_2_4_12() -> None:
     """DDP mixed precision is an fp32 model under autocast (fp32 params, grads, m, v);
     DeepSpeed ZeRO keeps bf16 params, fp32 master + m + v, and hands the optimizer an fp32
     gradient partition at the step."""
-    shape = TrainingShape(micro_batch=1, seq_len=512)
+    shape = TrainingShape(micro_batch_size=1, seq_len=512)
     b = estimate_memory(LLAMA2_7B, shape, Candidate("ddp", 1, 1)).breakdown
     assert (b.parameters, b.gradients, b.optimizer) == (4 * P, 4 * P, 8 * P)
     z = estimate_memory(LLAMA2_7B, shape, Candidate("zero1", 1, 1)).breakdown
@@ -72,7 +72,7 @@ def test_other_precisions_and_optimizers(
 
 
 def test_offload_moves_states_to_host() -> None:
-    shape = TrainingShape(micro_batch=1, seq_len=512)
+    shape = TrainingShape(micro_batch_size=1, seq_len=512)
     est = estimate_memory(LLAMA2_7B, shape, Candidate("zero3", N, 8, offload="cpu"))
     b = est.breakdown
     assert b.parameters + b.gradients + b.optimizer == 0
@@ -82,7 +82,7 @@ def test_offload_moves_states_to_host() -> None:
 
 def test_peak_is_not_the_sum_and_reserved_total_order() -> None:
     est = estimate_memory(
-        LLAMA2_7B, TrainingShape(micro_batch=4, seq_len=4096), Candidate("fsdp-full-shard", N, 8)
+        LLAMA2_7B, TrainingShape(micro_batch_size=4, seq_len=4096), Candidate("fsdp-full-shard", N, 8)
     )
     b = est.breakdown
     assert est.peak_phase == "loss"  # 32k vocab x 16k tokens: the loss region dominates
@@ -93,7 +93,7 @@ def test_peak_is_not_the_sum_and_reserved_total_order() -> None:
 def test_optimizer_step_is_the_peak_for_tiny_batches_off_cuda() -> None:
     """Off CUDA torch's multi-tensor AdamW allocates sqrt(v), a state-sized temporary."""
     est = estimate_memory(
-        LLAMA2_7B, TrainingShape(micro_batch=1, seq_len=128), Candidate("ddp", 1, 1, cuda=False)
+        LLAMA2_7B, TrainingShape(micro_batch_size=1, seq_len=128), Candidate("ddp", 1, 1, cuda=False)
     )
     assert est.peak_phase == "optimizer"
     assert est.breakdown.activations == 0
@@ -101,7 +101,7 @@ def test_optimizer_step_is_the_peak_for_tiny_batches_off_cuda() -> None:
 
 def test_fused_adamw_on_cuda_has_no_optimizer_temporaries() -> None:
     est = estimate_memory(
-        LLAMA2_7B, TrainingShape(micro_batch=1, seq_len=128), Candidate("ddp", 1, 1)
+        LLAMA2_7B, TrainingShape(micro_batch_size=1, seq_len=128), Candidate("ddp", 1, 1)
     )
     b = est.breakdown
     assert est.phases["optimizer"] == b.parameters + b.gradients + b.optimizer
@@ -109,7 +109,7 @@ def test_fused_adamw_on_cuda_has_no_optimizer_temporaries() -> None:
 
 
 def test_cpu_has_no_cuda_overheads() -> None:
-    shape = TrainingShape(micro_batch=1, seq_len=128, precision="fp32")
+    shape = TrainingShape(micro_batch_size=1, seq_len=128, precision="fp32")
     b = estimate_memory(LLAMA2_7B, shape, Candidate("ddp", 1, 1, cuda=False)).breakdown
     assert b.total == b.reserved
 
@@ -146,8 +146,8 @@ def test_checkpointing_keeps_layer_inputs_plus_one_layer() -> None:
     # FSDP: bf16 compute without autocast (DDP's autocast weight copies also depend on AC).
     m = LLAMA2_7B
     fsdp = Candidate("fsdp-full-shard", 8, 8)
-    no = estimate_memory(m, TrainingShape(micro_batch=2, seq_len=4096), fsdp)
-    ck = estimate_memory(m, TrainingShape(micro_batch=2, seq_len=4096, checkpointing=True), fsdp)
+    no = estimate_memory(m, TrainingShape(micro_batch_size=2, seq_len=4096), fsdp)
+    ck = estimate_memory(m, TrainingShape(micro_batch_size=2, seq_len=4096, checkpointing=True), fsdp)
     act = activation_model(m, tokens=2 * 4096, seq=4096, e=2, attention="sdpa")
     layers = m.arch.num_hidden_layers
     assert no.phases["loss"] - ck.phases["loss"] == layers * (act.per_layer - act.layer_input)
@@ -196,7 +196,7 @@ def test_nf4_bytes_per_weight(double: bool, expected: float) -> None:
 def test_qlora_base_is_nf4_linears_plus_bf16_rest() -> None:
     m = LLAMA2_7B
     est = estimate_memory(
-        m, TrainingShape(micro_batch=1, seq_len=512, method="qlora"), Candidate("ddp", 1, 1)
+        m, TrainingShape(micro_batch_size=1, seq_len=512, method="qlora"), Candidate("ddp", 1, 1)
     )
     adapters = adapter_parameters(m, 16, ("q_proj", "k_proj", "v_proj", "o_proj"))
     linear = m.layer_linear * m.arch.num_hidden_layers

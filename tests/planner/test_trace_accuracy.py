@@ -154,7 +154,7 @@ def trace_config(row: Row) -> TraceConfig:
 def estimate(row: Row) -> tuple[int, object]:
     """The planner's per-candidate estimate for the row: (peak bytes, MemoryEstimate)."""
     shape = TrainingShape(
-        micro_batch=row.batch,
+        micro_batch_size=row.batch,
         seq_len=row.seq,
         precision="bf16",
         method=row.method,  # type: ignore[arg-type]

@@ -86,7 +86,7 @@ def test_estimate_memory_walks_the_zero_phases() -> None:
     (ZeRO-2, no accumulation), backward the bf16 partition."""
     m = shape_of(lookup("Llama-2-7b-hf").architecture)  # type: ignore[union-attr]
     n, trainable = 4, m.total
-    shape = TrainingShape(micro_batch=1, seq_len=512, checkpointing=True)
+    shape = TrainingShape(micro_batch_size=1, seq_len=512, checkpointing=True)
     est = estimate_memory(m, shape, Candidate("zero2", n, 8))
     b = est.breakdown
     part = -(-trainable // n)

@@ -22,7 +22,7 @@ def _config(ev: Evaluated) -> str:
     ck = "full checkpointing" if ev.shape.checkpointing else "no checkpointing"
     off = f", offload {ev.cand.offload}" if ev.cand.offload != "none" else ""
     return (
-        f"{ev.cand.strategy}{off}, micro-batch {ev.shape.micro_batch} x "
+        f"{ev.cand.strategy}{off}, micro-batch {ev.shape.micro_batch_size} x "
         f"{ev.shape.grad_accumulation} accumulation, {ck}"
     )
 
@@ -67,7 +67,7 @@ def explain_choice(
         f"modelled {plan.estimated_step_seconds:.3g} s/step. Needs {_gib(plan.memory.total)} "
         f"of {_gib(mem)} {_per(p)} ({plan.headroom:.0%} headroom, peak at "
         f"{best.est.peak_phase})" + (
-            f" at minNodes ({best.cand.world_size} ranks, micro-batch {best.shape.micro_batch} "
+            f" at minNodes ({best.cand.world_size} ranks, micro-batch {best.shape.micro_batch_size} "
             f"x {best.shape.grad_accumulation} accumulation)." if elastic else "."
         )
     ]

@@ -66,7 +66,7 @@ PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 class TrainingShape:
     """What one rank computes per micro-batch, independent of how states are sharded."""
 
-    micro_batch: int
+    micro_batch_size: int
     seq_len: int
     precision: Precision = "bf16"
     optimizer: OptimizerName = "adamw"
@@ -345,7 +345,7 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     bytes offloaded to host RAM.
     """
     e = PRECISION_BYTES[shape.precision]
-    tokens = shape.micro_batch * shape.seq_len
+    tokens = shape.micro_batch_size * shape.seq_len
     full = shape.method == "full"
     autocast, lora_compute = _compute_regime(shape, cand)
     act = activation_model(

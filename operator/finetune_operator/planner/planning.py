@@ -65,7 +65,7 @@ def build_problem(spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES)
                 "spec.strategy.offload", f"{st.type} cannot offload; use one of {', '.join(can)}"
             )
     base = TrainingShape(
-        micro_batch=1,
+        micro_batch_size=1,
         seq_len=tr.sequence_length,
         precision=tr.precision,
         optimizer=tr.optimizer,
@@ -149,9 +149,9 @@ def _to_plan(
         strategy=ev.cand.strategy,
         offload=ev.cand.offload,
         backend=ev.row.backend,
-        micro_batch_size=ev.shape.micro_batch,
+        micro_batch_size=ev.shape.micro_batch_size,
         gradient_accumulation_steps=max(
-            1, tr.global_batch_size // (launch_n * ev.shape.micro_batch)
+            1, tr.global_batch_size // (launch_n * ev.shape.micro_batch_size)
         ),
         activation_checkpointing=ev.shape.checkpointing,
         gpu_memory_bytes=p.acc.memory_bytes,

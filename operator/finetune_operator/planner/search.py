@@ -37,7 +37,7 @@ class Problem:
     spec: FineTuneJobSpec
     model: ModelShape
     acc: Accelerator
-    base: TrainingShape  # micro_batch/checkpointing/accumulation filled per candidate
+    base: TrainingShape  # micro_batch_size/checkpointing/accumulation filled per candidate
     host_budget: int
     # False only for the refusal's "how many GPUs would it take" hint: world sizes need not
     # divide the global batch (the hint then says to change it).
@@ -93,7 +93,7 @@ def divisors(n: int) -> list[int]:
 
 
 def evaluate(
-    p: Problem, n: int, row: Strategy, mb: int, ckpt: bool, mem_world: int | None = None
+    p: Problem, n: int, row: Strategy, micro_batch_size: int, ckpt: bool, mem_world: int | None = None
 ) -> Evaluated:
     """One configuration: memory at `mem_world` ranks (elastic minimum), time at `n`."""
     gpn = p.spec.resources.gpus_per_node
@@ -103,22 +103,22 @@ def evaluate(
     mem_n = mem_world or n
     shape = replace(
         p.base,
-        micro_batch=mb,
+        micro_batch_size=micro_batch_size,
         checkpointing=ckpt,
-        grad_accumulation=max(1, global_batch // (mem_n * mb)),
+        grad_accumulation=max(1, global_batch // (mem_n * micro_batch_size)),
     )
     cand = Candidate(ms, mem_n, gpn, p.spec.strategy.offload, p.acc.cuda)
     est = estimate_memory(p.model, shape, cand)
     fits = est.breakdown.total <= memory_limit(p.acc) and est.host_bytes <= p.host_budget
-    run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * mb)))
+    run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * micro_batch_size)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
     return Evaluated(row, replace(cand, strategy=row.name), shape, est, fits, step)
 
 
-def micro_batches(p: Problem, per_rank: int) -> list[int]:
-    mb = p.spec.training.micro_batch_size
-    if isinstance(mb, int):
-        return [mb] if per_rank % mb == 0 else []
+def micro_batch_sizes(p: Problem, per_rank: int) -> list[int]:
+    micro_batch_size = p.spec.training.micro_batch_size
+    if isinstance(micro_batch_size, int):
+        return [micro_batch_size] if per_rank % micro_batch_size == 0 else []
     return divisors(per_rank)
 
 
@@ -148,8 +148,8 @@ def search_at(
     per_rank = max(1, p.spec.training.global_batch_size // (mem_world or n))
     for row in strategies_for(p, n):
         for ckpt in checkpoint_modes(p):
-            for mb in micro_batches(p, per_rank):
-                ev = evaluate(p, run_n, row, mb, ckpt, mem_world or n)
+            for micro_batch_size in micro_batch_sizes(p, per_rank):
+                ev = evaluate(p, run_n, row, micro_batch_size, ckpt, mem_world or n)
                 result.evaluated += 1
                 total = ev.est.breakdown.total
                 if result.smallest is None or total < result.smallest.est.breakdown.total:
