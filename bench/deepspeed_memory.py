@@ -110,9 +110,14 @@ def measure(cfg: Config, steps: int = 2) -> dict[str, Any]:
     """In a torchrun worker: train `steps` steps, account the engine inside the last optimizer
     step, return this rank's bytes per (placement, component)."""
     import deepspeed
+    import deepspeed.ops
     import psutil
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    # As the trainer does (finetune_trainer.deepspeed_engine): no JIT build of DeepSpeed's
+    # shared-memory all-reduce op on the CPU accelerator (a compiler and minutes; unused here).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from ds_accounting import account
