@@ -69,7 +69,7 @@ def ds_job(
 def launch(tmp: Path, name: str, job: JobConfig, nproc: int, *extra: str, **env: str) -> Proc:
     args = standalone_args(nproc, write_job(tmp / f"{name}.json", job), free_port())
     if extra:  # a worker script instead of `-m finetune_trainer`
-        i = args.index("-m")
+        i = len(args) - 1 - args[::-1].index("-m")  # the trainer's, not the launcher's
         args[i : i + 2] = list(extra)
     return Proc(args, cwd=tmp, log=tmp / f"{name}.log", env=trainer_env("127.0.0.1", **env))
 
