@@ -142,7 +142,7 @@ class Kubelet:
         await asyncio.gather(*self._tasks, *self._children, return_exceptions=True)
         for run in self.runs.values():
             if run.process is not None and run.process.returncode is None:
-                podrunner.signal_group(run.process.pid, signal.SIGKILL)
+                await podrunner.kill_pod_processes(run.process.pid, 10)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(run.process.wait(), 5)
         self.mountpoints.remove_created()

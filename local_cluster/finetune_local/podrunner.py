@@ -152,6 +152,51 @@ def signal_group(pid: int, sig: signal.Signals) -> bool:
         return False
 
 
+def _live_processes() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process."""
+    parents = {}
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                parents[int(proc.name)] = int(fields[1])
+    return parents
+
+
+def pod_processes(pid: int) -> list[int]:
+    """The pod's first process and all its live descendants. torchrun starts its workers in
+    sessions of their own, so the pod's process group does not hold them; a container runtime
+    reaches them through the container's cgroup, this through the process tree."""
+    parents = _live_processes()
+    found = [pid] if pid in parents else []
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found.extend(frontier)
+    return found
+
+
+async def kill_pod_processes(pid: int, timeout: float) -> bool:
+    """SIGKILL every process of the pod and wait until all have exited, as a runtime stops a
+    container (all of its cgroup, not only its first process)."""
+    targets = pod_processes(pid)
+    signal_group(pid, signal.SIGKILL)
+    for target in targets:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        alive = set(_live_processes())
+        if not alive.intersection(targets):
+            return True
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.1)
+
+
 def exit_code(returncode: int) -> int:
     """As a container runtime reports it: 128 + signal number for a killed process."""
     return 128 - returncode if returncode < 0 else returncode
