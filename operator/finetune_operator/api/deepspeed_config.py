@@ -27,9 +27,8 @@ from finetune_operator.api.spec import FineTuneJobSpec, StrategyName
 from finetune_operator.api.strategies import STRATEGIES
 
 DEEPSPEED_CONFIG_FILE_NAME = "deepspeed.json"
-# DeepSpeed's reduce_bucket_size / allgather_bucket_size default, in elements: what
-# finetune_operator.planner.memory counts for ZeRO's gradient bucket (ZERO_BUCKET_ELEMENTS;
-# tests/api/test_deepspeed_config.py keeps the two equal).
+# DeepSpeed's reduce_bucket_size / allgather_bucket_size default, in elements: the config sets
+# it and finetune_operator.planner.memory counts it for ZeRO's gradient bucket (one constant).
 ZERO_BUCKET_ELEMENTS = 500_000_000
 # Sections of a user config that the trainer owns through the spec: dropped (and reported).
 TRAINER_OWNED = (

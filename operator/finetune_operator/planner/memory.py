@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The bucket size the generated DeepSpeed config sets (reduce/allgather_bucket_size): one
+# constant, so the planner counts what the engine is told to allocate.
+from finetune_operator.api.deepspeed_config import ZERO_BUCKET_ELEMENTS
 from finetune_operator.api.plan import MemoryBreakdown
 from finetune_operator.api.spec import (
     AttentionImpl,
@@ -55,8 +58,6 @@ ALLOCATOR_FRAGMENTATION = 1.105
 # torch DDP bucket_cap_mb default (25 MiB); with gradient_as_bucket_view=True the grads live in
 # the buckets, so the extra is one bucket in flight for NCCL.
 DDP_BUCKET_BYTES = 25 * MIB
-# DeepSpeed reduce_bucket_size / allgather_bucket_size default: 5e8 elements.
-ZERO_BUCKET_ELEMENTS = 500_000_000
 # bitsandbytes 8-bit blockwise optimizer: 1 byte per state value + one fp32 absmax per 256.
 ADAM8BIT_BYTES_PER_STATE = 1 + FP32 / 256
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
