@@ -113,7 +113,9 @@ class Trainer:
             tokenizer,
             self.device,
             env.local_world_size,
-            compile_model=env.compile and self.device.type == "cuda",
+            # The plan says whether the blocks are compiled (its activation memory assumes
+            # it); FT_COMPILE=0 still forces eager, for debugging, at eager's memory.
+            compile_model=job.plan.compiled_blocks and env.compile and self.device.type == "cuda",
         )
         self.model = self.parallel.model
         self.total_steps = spec.training.max_steps or math.ceil(
