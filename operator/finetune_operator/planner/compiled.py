@@ -29,8 +29,17 @@ cast back by autocast, is saved rather than recomputed), plus each adapter's ran
 way (the norm's input gradient needs the residual).
 
 Against eager this drops, per token and layer: the fp32 norm input and normalised tensor of
-each norm (eager: (4 + e) H + e H per norm, 8 H + e H each under autocast), SiLU's output
-(e I). Llama-3.2-1B full under autocast: 80,008 B/token/layer compiled, 129,152 eager.
+each norm (eager keeps (4 + e) H + e H per norm; under autocast 8 H plus an e-byte cast per
+linear that reads it), SiLU's output (e I). Llama-3.2-1B full under autocast: 80,008
+B/token/layer compiled, 129,152 eager.
+
+Read on CPU. The partitioner makes no device-dependent choice but for RNG state; CUDA's SDPA
+kernels (flash, efficient, cuDNN) save the same q, k, v, output and fp32 log-sum-exp per head
+as CPU flash does. Fake CUDA tensors abort inside SDPA on a CPU-only torch build, so inductor's
+CUDA-only joint-graph passes were not run. On the H100 (torch 2.11, bench/results/gpu-h100.md)
+an FSDP2 run matched this count (+0.6% peak); DDP runs, whose forward is under autocast, kept
+up to 7.4% more than it, for a reason not found without a GPU: memory.py uses it for
+forwards without autocast only.
 
 Modelled only for the blocks it was read from: dense decoders (Llama, Mistral, Qwen2) with
 SDPA/flash attention, no q/k norms, not Gemma, no MoE, and no LoRA dropout (random ops change
