@@ -22,6 +22,7 @@ import gpu
 
 GIB = 2**30
 TRAINER_TAGS = ("final", "final2", "new")  # the shipped trainer code, newest first
+EAGER_TAGS = ("base", "nocompile")  # runs without torch.compile (FT_COMPILE=0 or before it)
 CODE = {
     "base": "before (float(loss) per micro-batch, pageable batches, foreach AdamW, eager)",
     "nocompile": "no host sync per micro-batch + pinned batches + fused AdamW, eager",
@@ -39,11 +40,15 @@ def load(folder: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def planned(case: gpu.Case) -> Any:
+def planned(case: gpu.Case, compiled: bool = True) -> Any:
+    """The current planner's plan of `case`; `compiled=False` plans eager blocks (the runs
+    made with FT_COMPILE=0)."""
     from finetune_operator.planner import plan_job
 
-    spec = gpu.job_spec(case, Path("/tmp/d.jsonl"), Path("/tmp/c"), 8, sync=False)
-    return plan_job(spec)
+    # Any absolute work dir off the pod's own mounts (/tmp is one): only the plan is used.
+    work = Path("/bench-work")
+    spec = gpu.job_spec(case, work / "d.jsonl", work / "ckpt", 8, sync=False)
+    return plan_job(spec, compile_blocks=compiled)
 
 
 def pct(x: float) -> str:
@@ -120,7 +125,7 @@ def main() -> None:
             rows.setdefault(f"{r['case']} (eager, {tag})", (tag, r))
     for name, (tag, r) in rows.items():
         case = cases[name.split(" ")[0]]
-        plan = planned(case)
+        plan = planned(case, compiled=tag not in EAGER_TAGS)
         mem = plan.memory
         pk, rs = r["meas_peak_gib"], r["meas_reserved_gib"]
         ep, er = mem.peak / GIB / pk - 1, mem.reserved / GIB / rs - 1

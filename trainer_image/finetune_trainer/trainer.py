@@ -113,7 +113,9 @@ class Trainer:
             tokenizer,
             self.device,
             env.local_world_size,
-            compile_model=env.compile and self.device.type == "cuda",
+            # The plan says whether the blocks are compiled (its activation memory assumes
+            # it); FT_COMPILE=0 still forces eager, for debugging, at eager's memory.
+            compile_model=job.plan.compiled_blocks and env.compile and self.device.type == "cuda",
         )
         self.model = self.parallel.model
         self.total_steps = spec.training.max_steps or math.ceil(
@@ -275,7 +277,12 @@ class Trainer:
             batch = self.data.batch(indices, self.device)
             with self.parallel.accumulate(i == len(micro_batches) - 1):
                 with precision_context(precision, self.device, autocast=autocast):
-                    loss = self.model(**batch).loss / len(micro_batches)
+                    # No KV cache (HF builds one in train mode without checkpointing): it
+                    # makes every compiled block guard on its own cache layer, one recompile
+                    # per layer, and past dynamo's recompile limit the remaining blocks would
+                    # silently run eager, at more memory than the plan assumes.
+                    # The output is not kept: its logits would live through backward.
+                    loss = self.model(**batch, use_cache=False).loss / len(micro_batches)
                 self.parallel.backward(self.loss_scale.scale(loss))
             loss_sum += loss.detach()
             tokens += self.data.count_tokens(indices)

@@ -58,6 +58,13 @@ class Plan(ApiModel):
     micro_batch_size: int = Field(..., ge=1, description="Samples per rank per forward.")
     gradient_accumulation_steps: int = Field(..., ge=1, description="Micro-batches per step.")
     activation_checkpointing: bool = Field(..., description="Recompute activations.")
+    compiled_blocks: bool = Field(
+        False,
+        description=(
+            "The trainer torch.compiles each decoder block (CUDA, torch backend); the "
+            "activation memory is planned for it."
+        ),
+    )
     gpu_memory_bytes: int = Field(..., ge=0, description="Memory of one GPU (or process).")
     headroom: float = Field(..., description="1 - total/gpuMemoryBytes.")
     estimated_step_seconds: float = Field(..., ge=0, description="Modelled optimizer-step time.")

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune_operator.planner.architecture import ModelShape
+from finetune_operator.planner.compiled import compiled_layer_bytes_per_token, supports_compiled
 
 FP32 = 4
 # Labels, shifted labels (int64) and per-norm rsqrt (fp32) per token: small, but counted.
@@ -203,19 +204,28 @@ def activation_model(
     lora_dropout: float = 0.0,
     lora_compute: LoraCompute = "fp32",
     autocast: bool = False,
+    compiled: bool = False,
 ) -> ActivationModel:
     """Activation sizes for a micro-batch of `tokens` = b*s tokens.
 
     `autocast`: fp32 model under torch.autocast (fp32 residual stream, see module docstring).
+    `compiled`: the trainer torch.compiles each block: what inductor's partitioner saves
+    (planner/compiled.py) where that model applies, else the eager count.
     """
-    per_tok = layer_bytes_per_token(m, e, seq, attention, autocast)
-    if lora_targets:
-        per_tok -= frozen_base_savings(m, e, lora_targets)
-        per_tok += lora_reads_norm_output(lora_targets, lora_dropout, lora_compute) * e * (
-            m.arch.hidden_size
+    full = not lora_targets
+    if compiled and supports_compiled(m, attention, lora_dropout, full):
+        per_tok = compiled_layer_bytes_per_token(
+            m,
+            e,
+            autocast=autocast,
+            lora_targets=lora_targets,
+            lora_rank=lora_rank,
+            lora_autocast=lora_compute == "autocast",
         )
-        per_tok += lora_bytes_per_token(m, e, lora_targets, lora_dropout, lora_compute)
-        per_tok += (FP32 if lora_compute == "fp32" else e) * lora_rank * len(lora_targets)
+    else:
+        per_tok = _eager_layer_bytes(
+            m, e, seq, attention, lora_targets, lora_rank, lora_dropout, lora_compute, autocast
+        )
     head = norm_bytes(m, e, m.arch.hidden_size, 1, autocast) + PER_TOKEN_MISC_BYTES
     if lora_targets and "lm_head" not in lora_targets:
         head -= e * m.arch.hidden_size  # frozen final norm weight: its normalised input unsaved
@@ -227,3 +237,26 @@ def activation_model(
         head=tokens * head,
         backward_transient=tokens * layer_backward_transient(m, e, autocast),
     )
+
+
+def _eager_layer_bytes(
+    m: ModelShape,
+    e: int,
+    seq: int,
+    attention: str,
+    lora_targets: tuple[str, ...],
+    lora_rank: int,
+    lora_dropout: float,
+    lora_compute: LoraCompute,
+    autocast: bool,
+) -> int:
+    """Per-token saved bytes of one eager layer, LoRA's frozen base and adapters included."""
+    per_tok = layer_bytes_per_token(m, e, seq, attention, autocast)
+    if lora_targets:
+        per_tok -= frozen_base_savings(m, e, lora_targets)
+        per_tok += lora_reads_norm_output(lora_targets, lora_dropout, lora_compute) * e * (
+            m.arch.hidden_size
+        )
+        per_tok += lora_bytes_per_token(m, e, lora_targets, lora_dropout, lora_compute)
+        per_tok += (FP32 if lora_compute == "fp32" else e) * lora_rank * len(lora_targets)
+    return per_tok

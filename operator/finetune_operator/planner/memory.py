@@ -81,6 +81,9 @@ class TrainingShape:
     # None: fp32 master weights iff precision is bf16/fp16 (mixed precision). False models
     # pure-bf16 training (params, grads and Adam states all in the compute dtype).
     master_weights: bool | None = None
+    # The trainer torch.compiles each decoder block (its default; FT_COMPILE=0 turns it off)
+    # where `compiles_blocks` says: what the blocks save for backward follows (compiled.py).
+    compile_blocks: bool = False
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,13 @@ def _autocast_weight_copies(m: ModelShape, shape: TrainingShape) -> tuple[int, i
     return layers + head, layers + head, layers
 
 
+def compiles_blocks(shape: TrainingShape, cand: Candidate) -> bool:
+    """Whether the trainer compiles the decoder blocks for this configuration: asked for,
+    on CUDA, on the torch backend (DDP and FSDP2; DeepSpeed's engine runs them eager). The
+    plan carries the answer (Plan.compiled_blocks) and the trainer follows it."""
+    return shape.compile_blocks and cand.cuda and cand.row.backend != "deepspeed"
+
+
 def _reserved(phases: dict[str, int], st: _States, cand: Candidate) -> int:
     """What the caching allocator reserves: the compute stream's pool (its own peak, which in
     the optimizer phase excludes FSDP's gradients, times the fragmentation factor) plus, for
@@ -360,6 +370,10 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
         lora_dropout=shape.lora_dropout,
         lora_compute=lora_compute,
         autocast=autocast,
+        # Under torch.autocast (DDP mixed precision) the H100 runs kept more than the
+        # partitioner's saved set (bench/results/gpu-h100.md: -6.7% / -7.4% peak on two of
+        # three DDP rows), so those keep the eager count, which over-predicts them.
+        compiled=compiles_blocks(shape, cand) and lora_compute != "autocast",
     )
     st = _model_states(m, shape, cand)
     layers = m.arch.num_hidden_layers

@@ -14,7 +14,7 @@ from finetune_operator.planner.explain import explain_choice, explain_refusal
 from finetune_operator.planner.hardware import accelerator_for, host_bytes_per_process
 from finetune_operator.planner.loading import load_peak_bytes
 from finetune_operator.planner.lora import expand_targets
-from finetune_operator.planner.memory import TrainingShape
+from finetune_operator.planner.memory import TrainingShape, compiles_blocks
 from finetune_operator.planner.search import (
     Evaluated,
     Problem,
@@ -28,8 +28,12 @@ from finetune_operator.planner.search import (
 )
 
 
-def build_problem(spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES) -> Problem:
-    """Resolve model and device and refuse inputs no configuration could train."""
+def build_problem(
+    spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES, *, compile_blocks: bool = True
+) -> Problem:
+    """Resolve model and device and refuse inputs no configuration could train.
+    `compile_blocks`: the trainer compiles its decoder blocks where it can (its default,
+    memory.compiles_blocks); False plans for eager blocks (FT_COMPILE=0)."""
     for field, message in [*unmounted_paths(spec), *object_store_problems(spec)]:
         raise PlanningError(field, message)
     model = resolve_model(spec.model)
@@ -74,6 +78,7 @@ def build_problem(spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES)
         lora_targets=targets or ("q_proj",),
         lora_dropout=lora.dropout if lora else 0.0,
         attention=spec.model.attention,
+        compile_blocks=compile_blocks,
     )
     return Problem(
         spec, model, acc, base, host_bytes_per_process(spec.resources), strategies=strategies
@@ -154,6 +159,7 @@ def _to_plan(
             1, tr.global_batch_size // (launch_n * ev.shape.micro_batch_size)
         ),
         activation_checkpointing=ev.shape.checkpointing,
+        compiled_blocks=compiles_blocks(ev.shape, ev.cand),
         gpu_memory_bytes=p.acc.memory_bytes,
         headroom=round(1 - b.total / p.acc.memory_bytes, 4),
         estimated_step_seconds=round(step, 6),
@@ -167,7 +173,9 @@ def _to_plan(
     )
 
 
-def plan_job(spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES) -> Plan:
+def plan_job(
+    spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES, *, compile_blocks: bool = True
+) -> Plan:
     """Plan a FineTuneJob: world size, strategy, micro-batch, checkpointing and memory.
 
     Raises PlanningError(field, message) for inputs no configuration can satisfy; returns a
@@ -175,7 +183,7 @@ def plan_job(spec: FineTuneJobSpec, strategies: StrategyTable = STRATEGIES) -> P
     inputs are valid but nothing fits. `strategies`: the table of strategies (which ones
     the trainer implements decides what `backend: auto` searches).
     """
-    p = build_problem(spec, strategies)
+    p = build_problem(spec, strategies, compile_blocks=compile_blocks)
     result, launch_n = _search(p)
     if result.best is not None:
         best = result.best
@@ -225,7 +233,7 @@ def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
         training = spec.training.model_copy(update={"activation_checkpointing": "auto"})
         spec = spec.model_copy(update={"training": training})
     q = replace(
-        build_problem(spec, p.strategies),
+        build_problem(spec, p.strategies, compile_blocks=p.base.compile_blocks),
         host_budget=p.host_budget,
         strict_batch=not changes.get("unbounded"),
     )
