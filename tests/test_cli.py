@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,42 @@ def test_plan_does_not_import_the_local_cluster() -> None:
         "sys.exit(rc or (3 if bad else 0))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_plan_error_names_the_field_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _quickstart()
+    doc["spec"]["training"]["microBatchSize"] = 3
+    assert main(["plan", _write(tmp_path, doc)]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: spec.training.microBatchSize: 3 does not divide globalBatchSize 8\n"
+
+
+def test_deprecated_field_warns_in_one_line(tmp_path: Path) -> None:
+    doc = _quickstart()
+    training = doc["spec"]["training"]
+    training["gradientCheckpointing"] = training.pop("activationCheckpointing")
+    out = subprocess.run(
+        [sys.executable, "-m", "finetune_operator.cli", "plan", _write(tmp_path, doc)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == (
+        "warning: training.gradientCheckpointing is deprecated: "
+        "use training.activationCheckpointing\n"
+    )
+
+
+def test_plan_into_a_closed_pipe_exits_without_a_traceback() -> None:
+    """`ftjob plan job.yaml | head -1`: the reader is gone before the plan is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "finetune_operator.cli", "plan", "-o", "json",
+             str(EXAMPLES / "quickstart.yaml")],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert out.returncode == 141
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr

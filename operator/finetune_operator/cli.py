@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
@@ -28,7 +29,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         plan = plan_job(manifest.spec)
     except PlanningError as err:
-        print(f"error: {err.field}: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)  # the message starts with the field
         return 2
     if args.output == "json":
         print(json.dumps(plan.to_json_dict(), indent=2))
@@ -145,16 +146,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> str:
+    """A deprecation in a manifest is the user's to fix: one line, not Python's source line."""
+    return f"warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = _show_warning
     try:
         result: int = args.func(args)
+        sys.stdout.flush()
     except ManifestError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: no traceback (`run --local` cleans up on its own)
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ftjob plan job.yaml | head`: the reader left, as with any tool
+        # Python would flush stdout again at exit and print a second error: point it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     return result
 
 
