@@ -21,8 +21,9 @@ from typing import Any, TextIO
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from finetune_local.progress_lines import ProgressTracker, summarize
+from finetune_local.progress_lines import ProgressTracker, failed_pods_report, summarize
 from finetune_local.session import LocalSession, is_finished, phase_of
+from finetune_operator.api.constants import LABEL_JOB
 from finetune_operator.api.manifest import ManifestError, load_manifest
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3
@@ -82,7 +83,9 @@ def run_local(
     except ManifestError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_REFUSED
-    doc: dict[str, Any] = yaml.safe_load(Path(manifest_path).read_text())
+    # The object as the reader saw it (a `---` or a `kind: List` around it, timestamps kept
+    # as strings), exactly what kubectl would send: never the file parsed a second way.
+    doc = manifest.document
     try:
         with stop_signals_raise():
             return _run(doc, manifest_path, manifest.name, manifest.namespace, data_dir,
@@ -91,6 +94,15 @@ def run_local(
         name = signal.Signals(stop.signum).name
         print(f"{name}: the local cluster and its pods were stopped", file=sys.stderr)
         return 128 + stop.signum
+
+
+def _report_failed_pods(session: LocalSession, name: str, namespace: str) -> None:
+    assert session.core is not None
+    pods = session.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}")
+    report = failed_pods_report(session.core.api_client.sanitize_for_serialization(pods)["items"])
+    if report:
+        print(report, file=sys.stderr)
+    print(f"pod logs: {session.data_dir / 'pods' / namespace}/<pod>/", file=sys.stderr)
 
 
 def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: str,
@@ -117,10 +129,15 @@ def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: s
                 timeout=timeout_seconds, on_poll=show,
             )
         except TimeoutError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err}; cluster state and pod logs kept in {session.data_dir}",
+                  file=sys.stderr)
             return EXIT_TIMEOUT
         print(summarize(job), file=out)
-        kept = keep or data_dir is not None
+        failed = phase_of(job) != "Succeeded"
+        if failed:
+            _report_failed_pods(session, name, namespace)
+        # A failed job's logs are what the user needs next: never removed.
+        kept = keep or data_dir is not None or failed
         print(f"cluster state, pod logs and checkpoints: {session.data_dir}"
               + ("" if kept else " (removed now; --keep keeps them)"), file=out)
     if not kept:

@@ -103,6 +103,20 @@ def _cmd_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:  # also NaN
+            raise argparse.ArgumentTypeError(f"must be greater than 0, not {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftjob", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,12 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--trace", action="store_true", help="also trace the step with PyTorch")
     plan.set_defaults(func=_cmd_plan)
 
-    run = sub.add_parser("run", help="run a FineTuneJob")
+    run = sub.add_parser(
+        "run",
+        help="run a FineTuneJob",
+        epilog="exit status: 0 Succeeded; 1 Failed (the failed pods' last log lines are shown, "
+        "the cluster's directory kept); 2 refused, naming the field; 3 timed out; "
+        "128+N stopped by signal N (Ctrl-C: 130)",
+    )
     run.add_argument("manifest", help="FineTuneJob YAML")
     run.add_argument("--local", action="store_true", help="on the embedded local cluster")
     run.add_argument("--data-dir", default=None, help="local cluster state (default: temp dir)")
-    run.add_argument("--timeout", type=float, default=1800.0, help="give up after N seconds")
-    run.add_argument("--nodes", type=int, default=4, help="virtual nodes in the local cluster")
+    run.add_argument("--timeout", type=_positive(float), default=1800.0,
+                     help="give up after N seconds")
+    run.add_argument("--nodes", type=_positive(int), default=4,
+                     help="virtual nodes in the local cluster")
     run.add_argument("--keep", action="store_true", help="keep the data dir afterwards")
     run.set_defaults(func=_cmd_run)
 
