@@ -84,19 +84,3 @@ def summarize(job: JobObject) -> str:
     lines.append(f"  restarts {status.get('restarts', 0)}")
     return "\n".join(lines)
 
-
-def failed_pods_report(pods: list[dict[str, Any]], tail: int = 15) -> str:
-    """Why each failed container ended: its exit code and the last lines of its termination
-    message (the trainer's report, or the log's tail under FallbackToLogsOnError), as
-    `kubectl describe pod` would show them; empty when no container failed."""
-    lines: list[str] = []
-    for pod in pods:
-        for container in pod.get("status", {}).get("containerStatuses") or []:
-            ended = (container.get("state") or {}).get("terminated") or {}
-            if not ended.get("exitCode"):
-                continue
-            lines.append(f"pod {pod['metadata']['name']} ({container.get('name')}): exit code "
-                         f"{ended['exitCode']}, {ended.get('reason') or 'Error'}")
-            message = str(ended.get("message") or "").rstrip().splitlines()
-            lines += [f"  | {line}" for line in message[-tail:]]
-    return "\n".join(lines)

@@ -21,9 +21,8 @@ from typing import Any, TextIO
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from finetune_local.progress_lines import ProgressTracker, failed_pods_report, summarize
+from finetune_local.progress_lines import ProgressTracker, summarize
 from finetune_local.session import LocalSession, is_finished, phase_of
-from finetune_operator.api.constants import LABEL_JOB
 from finetune_operator.api.manifest import ManifestError, load_manifest
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3
@@ -96,15 +95,6 @@ def run_local(
         return 128 + stop.signum
 
 
-def _report_failed_pods(session: LocalSession, name: str, namespace: str) -> None:
-    assert session.core is not None
-    pods = session.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={name}")
-    report = failed_pods_report(session.core.api_client.sanitize_for_serialization(pods)["items"])
-    if report:
-        print(report, file=sys.stderr)
-    print(f"pod logs: {session.data_dir / 'pods' / namespace}/<pod>/", file=sys.stderr)
-
-
 def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: str,
          data_dir: str | Path | None, timeout_seconds: float, nodes: int, keep: bool,
          out: TextIO) -> int:
@@ -134,8 +124,9 @@ def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: s
             return EXIT_TIMEOUT
         print(summarize(job), file=out)
         failed = phase_of(job) != "Succeeded"
-        if failed:
-            _report_failed_pods(session, name, namespace)
+        if failed:  # the operator deletes a failed job's pods; their logs stay on disk
+            print(f"pod logs: {session.data_dir / 'pods' / namespace}/<pod>-<uid>/*.log",
+                  file=sys.stderr)
         # A failed job's logs are what the user needs next: never removed.
         kept = keep or data_dir is not None or failed
         print(f"cluster state, pod logs and checkpoints: {session.data_dir}"

@@ -138,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         help="run a FineTuneJob",
-        epilog="exit status: 0 Succeeded; 1 Failed (the failed pods' last log lines are shown, "
-        "the cluster's directory kept); 2 refused, naming the field; 3 timed out; "
+        epilog="exit status: 0 Succeeded; 1 Failed (the cluster's directory and pod logs are "
+        "kept); 2 refused, naming the field; 3 timed out; "
         "128+N stopped by signal N (Ctrl-C: 130)",
     )
     run.add_argument("manifest", help="FineTuneJob YAML")

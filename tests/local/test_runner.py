@@ -11,7 +11,6 @@ import pytest
 import yaml
 
 from finetune_local import runner
-from finetune_local.progress_lines import failed_pods_report
 from finetune_operator.cli import main
 from tests.conftest import EXAMPLES
 
@@ -54,24 +53,3 @@ def test_run_refuses_non_positive_settings(
     assert exit_.value.code == 2
     assert f"argument {flag}: must be greater than 0" in capsys.readouterr().err
 
-
-def _pod(name: str, exit_code: int | None, message: str = "") -> dict[str, Any]:
-    state = {"terminated": {"exitCode": exit_code, "reason": "Error", "message": message}}
-    return {
-        "metadata": {"name": name},
-        "status": {"containerStatuses": [
-            {"name": "trainer", "state": state if exit_code is not None else {"running": {}}}
-        ]},
-    }  # fmt: skip
-
-
-def test_failed_pods_report_shows_exit_code_and_the_log_tail() -> None:
-    log = "\n".join(f"line {i}" for i in range(40)) + "\nFileNotFoundError: data/x.jsonl\n"
-    report = failed_pods_report([
-        _pod("job-worker-0", 1, log), _pod("job-worker-1", 0, "{}"), _pod("job-rdzv", None)
-    ], tail=3)  # fmt: skip
-    assert report.splitlines() == [
-        "pod job-worker-0 (trainer): exit code 1, Error",
-        "  | line 38", "  | line 39", "  | FileNotFoundError: data/x.jsonl",
-    ]  # fmt: skip
-    assert failed_pods_report([_pod("job-worker-1", 0)]) == ""

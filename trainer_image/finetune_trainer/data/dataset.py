@@ -49,7 +49,8 @@ def load_records(spec: DatasetSpec) -> datasets.Dataset:
         # A missing file is the job's error, not a crash to restart: every restart would fail
         # the same way, so refuse it (the operator then fails the job naming the field).
         if not glob.glob(path):
-            raise UnsupportedConfigError(f"dataset.uri {spec.uri!r}: no such file ({path})")
+            where = "" if path == spec.uri else f" ({path})"
+            raise UnsupportedConfigError(f"dataset.uri {spec.uri!r}: no such file{where}")
         builder = "json" if spec.format == "jsonl" else "parquet"
         return datasets.load_dataset(builder, data_files=path, split="train")
     if Path(path).is_dir():
