@@ -221,3 +221,15 @@ def test_plan_into_a_closed_pipe_exits_without_a_traceback() -> None:
         os.close(write_end)
     assert out.returncode == 141
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+def test_operator_without_a_cluster_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kubernetes.config import kube_config
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "none"))
+    assert main(["operator", "-A"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no Kubernetes cluster to run against") and "KUBECONFIG" in err

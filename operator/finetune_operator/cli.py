@@ -97,9 +97,13 @@ def _cmd_stragglers(args: argparse.Namespace) -> int:
 
 
 def _cmd_operator(args: argparse.Namespace) -> int:
-    from finetune_operator.handlers import run_operator
+    from finetune_operator.handlers import NoClusterError, run_operator
 
-    run_operator(settings_from_args(args, os.environ))
+    try:
+        run_operator(settings_from_args(args, os.environ))
+    except NoClusterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
