@@ -233,3 +233,38 @@ def test_operator_without_a_cluster_says_so(
     assert main(["operator", "-A"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no Kubernetes cluster to run against") and "KUBECONFIG" in err
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"training": {"optimizer": "adamw8bit"}}, "spec.training.optimizer"),
+        ({"model": {"attention": "flash"}}, "spec.model.attention"),
+        ({"dataset": {"uri": "s3://bucket/data.jsonl"}}, "spec.dataset.uri"),
+    ],
+    ids=["adamw8bit-on-cpu", "flash-on-cpu", "dataset-on-s3"],
+)
+def test_plan_refuses_what_the_operator_would_fail_as_unsupported(
+    change: dict[str, dict[str, str]], field: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`ftjob plan` must not say a job fits that the operator ends Failed/Unsupported."""
+    doc = _quickstart()
+    for section, values in change.items():
+        doc["spec"][section].update(values)
+    assert main(["plan", _write(tmp_path, doc)]) == 2
+    captured = capsys.readouterr()
+    assert "Verdict" in captured.out  # the plan is still shown
+    assert f"error: {field}: " in captured.err
+
+
+def test_plan_lists_every_unsupported_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _quickstart()
+    doc["spec"]["training"]["optimizer"] = "adamw8bit"
+    doc["spec"]["model"]["attention"] = "flash"
+    assert main(["plan", _write(tmp_path, doc)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: the trainer cannot run ")
+    assert [line.split(":")[0] for line in err[1:]] == [
+        "  spec.training.optimizer", "  spec.model.attention"
+    ]

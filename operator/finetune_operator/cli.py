@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
+from finetune_operator.api.capabilities import trainer_refusals
 from finetune_operator.api.crd import render_crd_yaml
 from finetune_operator.api.manifest import ManifestError, load_manifest
 from finetune_operator.settings import add_operator_arguments, settings_from_args
@@ -39,7 +40,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from finetune_operator.planner.trace import format_trace_comparison, trace_plan
 
         print(format_trace_comparison(plan, trace_plan(manifest.spec, plan)))
-    return 0 if plan.fits else 1
+    if not plan.fits:
+        return 1
+    # What the operator refuses next (the job would end Failed/Unsupported): the plan is
+    # shown, and the exit says the job cannot run as written.
+    refusals = trainer_refusals(manifest.spec, plan)
+    if len(refusals) == 1:
+        print(f"error: {refusals[0]}", file=sys.stderr)
+    elif refusals:  # one "field: reason" line each, as for an invalid manifest
+        lines = "".join(f"\n  {refusal}" for refusal in refusals)
+        print(f"error: the trainer cannot run {args.manifest}:{lines}", file=sys.stderr)
+    return 2 if refusals else 0
 
 
 def _local_runner() -> Callable[..., int] | None:
@@ -132,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="plan GPUs, strategy and memory for a FineTuneJob",
         epilog="exit status: 0 a plan fits; 1 valid, but no configuration fits; "
-        "2 invalid (refused as the API server would, or by the planner), naming the field",
+        "2 invalid (refused as the API server would, by the planner, or as something the "
+        "trainer does not implement: the operator would fail the job), naming the field",
     )
     plan.add_argument("manifest", help="FineTuneJob YAML")
     plan.add_argument("-o", "--output", choices=["table", "json"], default="table")
