@@ -99,6 +99,9 @@ def _cmd_stragglers(args: argparse.Namespace) -> int:
     except TraceError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not records:  # "no straggler" would be a verdict on nothing (an empty or wrong file)
+        print(f"error: {' '.join(args.traces)}: no step records to judge", file=sys.stderr)
+        return 2
     detection = find_stragglers(records, policy)
     if args.output == "json":
         print(json.dumps(detection_to_json(detection, policy, records=len(records)), indent=2))
