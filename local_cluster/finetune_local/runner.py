@@ -22,7 +22,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from finetune_local.progress_lines import ProgressTracker, summarize
-from finetune_local.session import LocalSession, is_finished, phase_of
+from finetune_local.session import LocalSession, default_data_dir, is_finished, phase_of
 from finetune_operator.api.manifest import ManifestError, load_manifest
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3
@@ -85,18 +85,20 @@ def run_local(
     # The object as the reader saw it (a `---` or a `kind: List` around it, timestamps kept
     # as strings), exactly what kubectl would send: never the file parsed a second way.
     doc = manifest.document
+    directory = Path(data_dir) if data_dir is not None else default_data_dir()
     try:
         with stop_signals_raise():
-            return _run(doc, manifest_path, manifest.name, manifest.namespace, data_dir,
-                        timeout_seconds, nodes, keep, out)
+            return _run(doc, manifest_path, manifest.name, manifest.namespace, directory,
+                        timeout_seconds, nodes, keep or data_dir is not None, out)
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
-        print(f"{name}: the local cluster and its pods were stopped", file=sys.stderr)
+        print(f"{name}: the local cluster and its pods were stopped; its state and pod logs "
+              f"are kept in {directory}", file=sys.stderr)
         return 128 + stop.signum
 
 
 def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: str,
-         data_dir: str | Path | None, timeout_seconds: float, nodes: int, keep: bool,
+         data_dir: Path, timeout_seconds: float, nodes: int, keep: bool,
          out: TextIO) -> int:
     with LocalSession(data_dir, nodes=nodes, namespaces=[namespace]) as session:
         print(f"local cluster: {session.data_dir} (kubeconfig: "
@@ -128,7 +130,7 @@ def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: s
             print(f"pod logs: {session.data_dir / 'pods' / namespace}/<pod>-<uid>/*.log",
                   file=sys.stderr)
         # A failed job's logs are what the user needs next: never removed.
-        kept = keep or data_dir is not None or failed
+        kept = keep or failed
         print(f"cluster state, pod logs and checkpoints: {session.data_dir}"
               + ("" if kept else " (removed now; --keep keeps them)"), file=out)
     if not kept:

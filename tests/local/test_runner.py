@@ -32,6 +32,7 @@ def test_submits_the_one_object_that_plan_accepts(
 ) -> None:
     """Whatever `ftjob plan` accepts, `run --local` submits the same FineTuneJob, as JSON."""
     submitted: list[dict[str, Any]] = []
+    monkeypatch.setenv("FTJOB_LOCAL_DIR", str(tmp_path / "runs"))
     monkeypatch.setattr(runner, "_run", lambda doc, *_: submitted.append(doc) or 0)
     path = tmp_path / "job.yaml"
     path.write_text(content)
