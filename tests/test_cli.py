@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,89 @@ def test_plan_does_not_import_the_local_cluster() -> None:
         "sys.exit(rc or (3 if bad else 0))"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_plan_error_names_the_field_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _quickstart()
+    doc["spec"]["training"]["microBatchSize"] = 3
+    assert main(["plan", _write(tmp_path, doc)]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: spec.training.microBatchSize: 3 does not divide globalBatchSize 8\n"
+
+
+def test_deprecated_field_warns_in_one_line(tmp_path: Path) -> None:
+    doc = _quickstart()
+    training = doc["spec"]["training"]
+    training["gradientCheckpointing"] = training.pop("activationCheckpointing")
+    out = subprocess.run(
+        [sys.executable, "-m", "finetune_operator.cli", "plan", _write(tmp_path, doc)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == (
+        "warning: training.gradientCheckpointing is deprecated: "
+        "use training.activationCheckpointing\n"
+    )
+
+
+def test_plan_into_a_closed_pipe_exits_without_a_traceback() -> None:
+    """`ftjob plan job.yaml | head -1`: the reader is gone before the plan is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "finetune_operator.cli", "plan", "-o", "json",
+             str(EXAMPLES / "quickstart.yaml")],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert out.returncode == 141
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+def test_operator_without_a_cluster_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kubernetes.config import kube_config
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "none"))
+    assert main(["operator", "-A"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no Kubernetes cluster to run against") and "KUBECONFIG" in err
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"training": {"optimizer": "adamw8bit"}}, "spec.training.optimizer"),
+        ({"model": {"attention": "flash"}}, "spec.model.attention"),
+        ({"dataset": {"uri": "s3://bucket/data.jsonl"}}, "spec.dataset.uri"),
+    ],
+    ids=["adamw8bit-on-cpu", "flash-on-cpu", "dataset-on-s3"],
+)
+def test_plan_refuses_what_the_operator_would_fail_as_unsupported(
+    change: dict[str, dict[str, str]], field: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`ftjob plan` must not say a job fits that the operator ends Failed/Unsupported."""
+    doc = _quickstart()
+    for section, values in change.items():
+        doc["spec"][section].update(values)
+    assert main(["plan", _write(tmp_path, doc)]) == 2
+    captured = capsys.readouterr()
+    assert "Verdict" in captured.out  # the plan is still shown
+    assert f"error: {field}: " in captured.err
+
+
+def test_plan_lists_every_unsupported_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _quickstart()
+    doc["spec"]["training"]["optimizer"] = "adamw8bit"
+    doc["spec"]["model"]["attention"] = "flash"
+    assert main(["plan", _write(tmp_path, doc)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: the trainer cannot run ")
+    assert [line.split(":")[0] for line in err[1:]] == [
+        "  spec.training.optimizer", "  spec.model.attention"
+    ]

@@ -3,57 +3,62 @@ cluster's lifetime, so two local clusters on one host never hand out the same po
 
 Pods of a local cluster share the host's network namespace and bind their own loopback
 address (`$POD_IP`), as pods in separate network namespaces would bind their one interface.
-The claim is an exclusive `flock` on `<lock_dir>/net-<n>.lock`: the kernel drops it when the
-process holding it dies, however it dies, so a crashed cluster never leaks its network.
+The claim lives where the addresses live, in the network namespace: it is a bound
+abstract-namespace Unix socket, `@finetune-local/net-<n>`. Abstract names belong to the
+network namespace, not to a filesystem, so every cluster that can reach the same loopback
+addresses sees the same claims, whatever its `$TMPDIR`, mount namespace (a container sharing
+the host's network), user or file permissions; a lock file under a temp directory missed all
+of these. The kernel frees the name when the socket closes, however its holder dies, so a
+crashed cluster never leaks its network and no stale-claim rule is needed.
 Within a cluster addresses are monotonic and never reused (a stale address cached by a peer
 never reaches a new pod); 64,000 pods per cluster lifetime.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
-import pathlib
-import tempfile
+import socket
 
 FIRST_NET, LAST_NET = 1, 254  # 127.0.0.0/16 is left to the host (127.0.0.1: the API server)
 PER_NET = 250 * 256
+CLAIM_PREFIX = "finetune-local"
 
 
 class AddressesExhaustedError(RuntimeError):
     """Every loopback /16 is held by another local cluster, or a cluster used all of its own."""
 
 
-def default_lock_dir() -> pathlib.Path:
-    return pathlib.Path(tempfile.gettempdir()) / "ftjob-local-nets"
+def claim_name(net: int, scope: str = "") -> str:
+    """The abstract socket name that holds `127.<net>.0.0/16`. `scope` separates claims that
+    must not meet real clusters' (tests of this module); clusters use the default."""
+    return f"\0{CLAIM_PREFIX}{'/' + scope if scope else ''}/net-{net}"
+
+
+def _bind(name: str) -> socket.socket | None:
+    """The socket bound to `name`, or None when another process holds the name."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inherited by pods (PEP 446)
+    try:
+        sock.bind(name)
+    except OSError:  # EADDRINUSE: claimed by a live cluster
+        sock.close()
+        return None
+    return sock
 
 
 class AddressPool:
     """A claimed `127.<net>.0.0/16`. `allocate()` hands out 127.<net>.<hi>.<lo>, lo in 2..251."""
 
-    def __init__(self, net: int, fd: int) -> None:
-        self.net, self._fd, self._next = net, fd, 0
+    def __init__(self, net: int, claim: socket.socket) -> None:
+        self.net, self._claim, self._next = net, claim, 0
 
     @classmethod
-    def claim(cls, lock_dir: pathlib.Path | None = None) -> AddressPool:
-        directory = lock_dir or default_lock_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            directory.chmod(0o1777)  # shared by every user's clusters, like /tmp
+    def claim(cls, scope: str = "") -> AddressPool:
         for net in range(FIRST_NET, LAST_NET + 1):
-            fd = os.open(directory / f"net-{net}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
-            return cls(net, fd)
+            held = _bind(claim_name(net, scope))
+            if held is not None:
+                return cls(net, held)
         raise AddressesExhaustedError(
             f"all loopback networks 127.{FIRST_NET}-{LAST_NET}.0.0/16 are held by other local "
-            f"clusters (locks in {directory})"
+            f"clusters on this host (`ss -xap | grep @{CLAIM_PREFIX}/` names their processes)"
         )
 
     def allocate(self) -> str:
@@ -64,6 +69,4 @@ class AddressPool:
         return f"127.{self.net}.{n // 250}.{n % 250 + 2}"
 
     def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # closing drops the flock
-            self._fd = -1
+        self._claim.close()  # closing frees the name (idempotent)

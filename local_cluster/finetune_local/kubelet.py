@@ -75,7 +75,7 @@ class KubeletConfig:
     # Per node name: environment its pods' processes get, standing for what that node's hardware
     # does to them (a slow GPU: FT_STEP_DELAY_SECONDS). A pod moved elsewhere runs normally.
     node_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    address_lock_dir: pathlib.Path | None = None  # where clusters claim their /16 (addresses.py)
+    address_scope: str = ""  # claims of this scope only (addresses.py); clusters use the default
 
 
 @dataclass
@@ -127,7 +127,7 @@ class Kubelet:
 
     async def start(self) -> None:
         await podrunner.probe_isolation(self.config.data_dir / "kubelet")
-        self.addresses = AddressPool.claim(self.config.address_lock_dir)
+        self.addresses = AddressPool.claim(self.config.address_scope)
         for name in self.config.node_names:
             await register_node(self.client, name, self.config.node_labels, self.config.node_capacity)
         for path, cache in ((resource_path("v1", "pods"), self.pods),

@@ -22,7 +22,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from finetune_local.progress_lines import ProgressTracker, summarize
-from finetune_local.session import LocalSession, is_finished, phase_of
+from finetune_local.session import LocalSession, default_data_dir, is_finished, phase_of
 from finetune_operator.api.manifest import ManifestError, load_manifest
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3
@@ -82,19 +82,23 @@ def run_local(
     except ManifestError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_REFUSED
-    doc: dict[str, Any] = yaml.safe_load(Path(manifest_path).read_text())
+    # The object as the reader saw it (a `---` or a `kind: List` around it, timestamps kept
+    # as strings), exactly what kubectl would send: never the file parsed a second way.
+    doc = manifest.document
+    directory = Path(data_dir) if data_dir is not None else default_data_dir()
     try:
         with stop_signals_raise():
-            return _run(doc, manifest_path, manifest.name, manifest.namespace, data_dir,
-                        timeout_seconds, nodes, keep, out)
+            return _run(doc, manifest_path, manifest.name, manifest.namespace, directory,
+                        timeout_seconds, nodes, keep or data_dir is not None, out)
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
-        print(f"{name}: the local cluster and its pods were stopped", file=sys.stderr)
+        print(f"{name}: the local cluster and its pods were stopped; its state and pod logs "
+              f"are kept in {directory}", file=sys.stderr)
         return 128 + stop.signum
 
 
 def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: str,
-         data_dir: str | Path | None, timeout_seconds: float, nodes: int, keep: bool,
+         data_dir: Path, timeout_seconds: float, nodes: int, keep: bool,
          out: TextIO) -> int:
     with LocalSession(data_dir, nodes=nodes, namespaces=[namespace]) as session:
         print(f"local cluster: {session.data_dir} (kubeconfig: "
@@ -117,10 +121,16 @@ def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: s
                 timeout=timeout_seconds, on_poll=show,
             )
         except TimeoutError as err:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {err}; cluster state and pod logs kept in {session.data_dir}",
+                  file=sys.stderr)
             return EXIT_TIMEOUT
         print(summarize(job), file=out)
-        kept = keep or data_dir is not None
+        failed = phase_of(job) != "Succeeded"
+        if failed:  # the operator deletes a failed job's pods; their logs stay on disk
+            print(f"pod logs: {session.data_dir / 'pods' / namespace}/<pod>-<uid>/*.log",
+                  file=sys.stderr)
+        # A failed job's logs are what the user needs next: never removed.
+        kept = keep or failed
         print(f"cluster state, pod logs and checkpoints: {session.data_dir}"
               + ("" if kept else " (removed now; --keep keeps them)"), file=out)
     if not kept:

@@ -7,9 +7,11 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
+from finetune_operator.api.capabilities import trainer_refusals
 from finetune_operator.api.crd import render_crd_yaml
 from finetune_operator.api.manifest import ManifestError, load_manifest
 from finetune_operator.settings import add_operator_arguments, settings_from_args
@@ -28,7 +30,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         plan = plan_job(manifest.spec)
     except PlanningError as err:
-        print(f"error: {err.field}: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)  # the message starts with the field
         return 2
     if args.output == "json":
         print(json.dumps(plan.to_json_dict(), indent=2))
@@ -38,7 +40,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from finetune_operator.planner.trace import format_trace_comparison, trace_plan
 
         print(format_trace_comparison(plan, trace_plan(manifest.spec, plan)))
-    return 0 if plan.fits else 1
+    if not plan.fits:
+        return 1
+    # What the operator refuses next (the job would end Failed/Unsupported): the plan is
+    # shown, and the exit says the job cannot run as written.
+    refusals = trainer_refusals(manifest.spec, plan)
+    if len(refusals) == 1:
+        print(f"error: {refusals[0]}", file=sys.stderr)
+    elif refusals:  # one "field: reason" line each, as for an invalid manifest
+        lines = "".join(f"\n  {refusal}" for refusal in refusals)
+        print(f"error: the trainer cannot run {args.manifest}:{lines}", file=sys.stderr)
+    return 2 if refusals else 0
 
 
 def _local_runner() -> Callable[..., int] | None:
@@ -87,6 +99,9 @@ def _cmd_stragglers(args: argparse.Namespace) -> int:
     except TraceError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not records:  # "no straggler" would be a verdict on nothing (an empty or wrong file)
+        print(f"error: {' '.join(args.traces)}: no step records to judge", file=sys.stderr)
+        return 2
     detection = find_stragglers(records, policy)
     if args.output == "json":
         print(json.dumps(detection_to_json(detection, policy, records=len(records)), indent=2))
@@ -96,10 +111,28 @@ def _cmd_stragglers(args: argparse.Namespace) -> int:
 
 
 def _cmd_operator(args: argparse.Namespace) -> int:
-    from finetune_operator.handlers import run_operator
+    from finetune_operator.handlers import NoClusterError, run_operator
 
-    run_operator(settings_from_args(args, os.environ))
+    try:
+        run_operator(settings_from_args(args, os.environ))
+    except NoClusterError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:  # also NaN
+            raise argparse.ArgumentTypeError(f"must be greater than 0, not {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,19 +146,28 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="plan GPUs, strategy and memory for a FineTuneJob",
         epilog="exit status: 0 a plan fits; 1 valid, but no configuration fits; "
-        "2 invalid (refused as the API server would, or by the planner), naming the field",
+        "2 invalid (refused as the API server would, by the planner, or as something the "
+        "trainer does not implement: the operator would fail the job), naming the field",
     )
     plan.add_argument("manifest", help="FineTuneJob YAML")
     plan.add_argument("-o", "--output", choices=["table", "json"], default="table")
     plan.add_argument("--trace", action="store_true", help="also trace the step with PyTorch")
     plan.set_defaults(func=_cmd_plan)
 
-    run = sub.add_parser("run", help="run a FineTuneJob")
+    run = sub.add_parser(
+        "run",
+        help="run a FineTuneJob",
+        epilog="exit status: 0 Succeeded; 1 Failed (the cluster's directory and pod logs are "
+        "kept); 2 refused, naming the field; 3 timed out; "
+        "128+N stopped by signal N (Ctrl-C: 130)",
+    )
     run.add_argument("manifest", help="FineTuneJob YAML")
     run.add_argument("--local", action="store_true", help="on the embedded local cluster")
     run.add_argument("--data-dir", default=None, help="local cluster state (default: temp dir)")
-    run.add_argument("--timeout", type=float, default=1800.0, help="give up after N seconds")
-    run.add_argument("--nodes", type=int, default=4, help="virtual nodes in the local cluster")
+    run.add_argument("--timeout", type=_positive(float), default=1800.0,
+                     help="give up after N seconds")
+    run.add_argument("--nodes", type=_positive(int), default=4,
+                     help="virtual nodes in the local cluster")
     run.add_argument("--keep", action="store_true", help="keep the data dir afterwards")
     run.set_defaults(func=_cmd_run)
 
@@ -145,16 +187,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> str:
+    """A deprecation in a manifest is the user's to fix: one line, not Python's source line."""
+    return f"warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = _show_warning
     try:
         result: int = args.func(args)
+        sys.stdout.flush()
     except ManifestError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: no traceback (`run --local` cleans up on its own)
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ftjob plan job.yaml | head`: the reader left, as with any tool
+        # Python would flush stdout again at exit and print a second error: point it nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     return result
 
 

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+from kubernetes import config as k8s_config
 
 from finetune_operator import metrics
 from finetune_operator.api.constants import (
@@ -324,6 +325,18 @@ async def operate(
     )
 
 
+class NoClusterError(RuntimeError):
+    """No credentials to reach a cluster: neither in-cluster nor a kubeconfig."""
+
+
 def run_operator(settings: OperatorSettings, *, kubeconfig: str | None = None) -> None:
     """Blocking entry point (`ftjob operator`)."""
+    # Checked before kopf starts: its startup activity would retry a traceback every minute.
+    try:
+        load_api_client(kubeconfig)
+    except k8s_config.ConfigException as err:
+        raise NoClusterError(
+            f"no Kubernetes cluster to run against: {err} (in a pod the operator uses its "
+            "ServiceAccount; elsewhere set KUBECONFIG or write ~/.kube/config)"
+        ) from None
     asyncio.run(operate(settings, kubeconfig=kubeconfig))

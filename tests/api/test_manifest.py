@@ -80,6 +80,28 @@ def test_invalid_manifest_names_field(
     assert expected_path in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("cpu", "memory"), [(8, 2147483648), ("500m", "64Gi"), (0, "1G")], ids=["ints", "strings", "zero"]
+)
+def test_resource_quantities_are_int_or_string_as_in_a_pod(cpu: Any, memory: Any) -> None:
+    """`cpu: 8` is what most Kubernetes users write; the pod gets the same quantity as text."""
+    doc = _set(_set(_quickstart(), "spec.resources.cpu", cpu), "spec.resources.memory", memory)
+    resources = parse_manifest(doc).spec.resources
+    assert (resources.cpu, resources.memory) == (str(cpu), str(memory))
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [(-1, "non-negative integer"), ("9" * 300, "at most 256 characters"), (1.5, "integer or string"),
+     (True, "integer or string")],
+    ids=["negative", "too-long", "float", "bool"],
+)  # fmt: skip
+def test_bad_resource_quantities_name_the_field(value: Any, reason: str) -> None:
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(_set(_quickstart(), "spec.resources.cpu", value))
+    assert reason in dict(err.value.problems)["spec.resources.cpu"]
+
+
 def test_wrong_kind_and_missing_name() -> None:
     doc = _quickstart()
     doc["kind"] = "Job"

@@ -113,6 +113,15 @@ def test_missing_path_and_empty_directory_exit_2(
     assert code == 2 and "no *.jsonl" in err
 
 
+def test_trace_files_without_records_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "rank-0.jsonl").write_text("")
+    (tmp_path / "rank-1.jsonl").write_text("\n")
+    code, out, err = replay(capsys, str(tmp_path))
+    assert code == 2 and "no step records" in err and "no straggler" not in out
+
+
 def test_binary_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "rank-0.jsonl").write_bytes(b"\xff\xfe\x00garbage")
     code, _, err = replay(capsys, str(tmp_path))

@@ -71,6 +71,14 @@ def test_missing_text_field_is_named(tmp_path: Path) -> None:
         build_dataset(DatasetSpec(uri=str(tmp_path / "d.jsonl")), build_byte_tokenizer(), 8)
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_missing_dataset_file_is_refused_not_crashed(fmt: str, tmp_path: Path) -> None:
+    """A refusal fails the job at once naming the field; a crash would be restarted in vain."""
+    spec = DatasetSpec(uri=str(tmp_path / f"missing.{fmt}"), format=fmt)
+    with pytest.raises(UnsupportedConfigError, match=r"dataset.uri '.*missing.*': no such file"):
+        build_dataset(spec, build_byte_tokenizer(), 8)
+
+
 def test_inline_model_and_lora() -> None:
     job = make_job()
     tok = build_byte_tokenizer()

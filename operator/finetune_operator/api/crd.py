@@ -24,7 +24,7 @@ from finetune_operator.api.constants import (
     SINGULAR,
     VERSION,
 )
-from finetune_operator.api.limits import MAX_MICRO_BATCH
+from finetune_operator.api.limits import MAX_MICRO_BATCH, MAX_SHORT_STRING
 from finetune_operator.api.spec import NO_PARENT_SEGMENTS_RULE, FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
 
@@ -110,6 +110,13 @@ INT_OR_AUTO_RULE = {
     "message": f"must be an integer from 1 to {MAX_MICRO_BATCH} or 'auto'",
 }
 
+# A quantity's bounds (int-or-string takes no type-specific keywords: CEL says them).
+QUANTITY_RULE = {
+    "rule": f"type(self) == int ? self >= 0 : size(self) <= {MAX_SHORT_STRING}",
+    "message": f"must be a non-negative integer or a quantity string of at most "
+    f"{MAX_SHORT_STRING} characters",
+}
+
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "GPUs", "type": "integer", "jsonPath": ".status.worldSize"},
@@ -148,6 +155,14 @@ def _is_int_or_auto(node: Schema) -> bool:
     return types == {"integer", "string"} and consts == ["auto"]
 
 
+def _is_int_or_string(node: Schema) -> bool:
+    """A Kubernetes quantity: integer or string, no constant."""
+    options = [o for o in node.get("anyOf", []) if o.get("type") != "null"]
+    return {o.get("type") for o in options} == {"integer", "string"} and not any(
+        "const" in o for o in options
+    )
+
+
 def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
     # The field's own description/default win over those of the model it refers to.
     field_meta: Schema = {k: node[k] for k in ("description", "default") if k in node}
@@ -156,10 +171,11 @@ def _convert(node: Schema, defs: dict[str, Schema]) -> Schema:
     node, inner_name = _resolve(node, defs) if "$ref" in node else (node, None)
     def_name = def_name or inner_name
     node = {**node, **field_meta}
-    if _is_int_or_auto(node):
-        out: Schema = {"x-kubernetes-int-or-string": True, "x-kubernetes-validations": [INT_OR_AUTO_RULE]}
+    if _is_int_or_auto(node) or _is_int_or_string(node):
+        rule = INT_OR_AUTO_RULE if _is_int_or_auto(node) else QUANTITY_RULE
+        out: Schema = {"x-kubernetes-int-or-string": True, "x-kubernetes-validations": [dict(rule)]}
         for key in ("description", "default"):
-            if key in node:
+            if node.get(key) is not None:
                 out[key] = node[key]
         return out
 

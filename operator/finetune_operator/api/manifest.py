@@ -58,6 +58,7 @@ class Manifest:
     namespace: str
     spec: FineTuneJobSpec
     metadata: dict[str, Any] = field(default_factory=dict)
+    document: dict[str, Any] = field(default_factory=dict)  # the object as read: what kubectl sends
 
 
 # pydantic puts the union member tried into the error location ("int", "literal['auto']");
@@ -170,6 +171,7 @@ def parse_manifest(doc: Any, source: str = "manifest") -> Manifest:
         namespace=str(metadata.get("namespace") or "default"),
         spec=spec,
         metadata=dict(metadata),
+        document=doc,
     )
 
 

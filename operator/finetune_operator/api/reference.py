@@ -7,12 +7,12 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from finetune_operator.api.crd import build_crd
+from finetune_operator.api.crd import INT_OR_AUTO_RULE, build_crd
 
 
 def _type_of(node: dict[str, Any]) -> str:
     if node.get("x-kubernetes-int-or-string"):
-        return "int or `auto`"
+        return "int or `auto`" if INT_OR_AUTO_RULE in node["x-kubernetes-validations"] else "int or string"
     kind = str(node.get("type", "object"))
     if "enum" in node:
         return " \\| ".join(f"`{v}`" for v in node["enum"])

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, WithJsonSchema, model_validator
 
 from finetune_operator.api import limits as lim
 from finetune_operator.api.base import SpecModel
@@ -15,6 +15,24 @@ from finetune_operator.api.spec_types import (
     Offload,
     StrategyType,
 )
+
+
+def _quantity_text(value: Any) -> Any:
+    """`cpu: 8` is as valid as `cpu: "8"` in a pod (a quantity is int-or-string): kept as text."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    return value
+
+
+# A Kubernetes quantity: what the pod's resources take, an integer or a string ("8", 64Gi).
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity_text),
+    Field(max_length=lim.MAX_SHORT_STRING),
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "maxLength": lim.MAX_SHORT_STRING}]}
+    ),
+]
 
 
 class GpuSpec(SpecModel):
@@ -58,15 +76,11 @@ class ResourcesSpec(SpecModel):
     max_nodes: int | None = Field(
         None, ge=1, le=lim.MAX_NODES, description="Elastic maximum of worker pods."
     )
-    cpu: str | None = Field(
-        None,
-        max_length=lim.MAX_SHORT_STRING,
-        description="CPU request/limit per worker pod, e.g. '8'.",
+    cpu: Quantity | None = Field(
+        None, description="CPU request/limit per worker pod, e.g. 8 or 500m."
     )
-    memory: str | None = Field(
-        None,
-        max_length=lim.MAX_SHORT_STRING,
-        description="Memory request/limit per worker pod, e.g. 64Gi.",
+    memory: Quantity | None = Field(
+        None, description="Memory request/limit per worker pod, e.g. 64Gi."
     )
     node_selector: dict[str, str] = Field(
         default_factory=dict, max_length=lim.MAX_LIST_ITEMS, description="Worker nodeSelector."

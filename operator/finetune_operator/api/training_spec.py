@@ -23,7 +23,8 @@ class DatasetSpec(SpecModel):
         ...,
         min_length=1,
         max_length=lim.MAX_URI_LENGTH,
-        description="Path, s3:// URI or HF dataset id.",
+        description="A file (jsonl/parquet) or directory on a volume of spec.storage, a "
+        "Hugging Face dataset id (format hf), or builtin://quickstart; not object storage yet.",
     )
     format: Literal["jsonl", "parquet", "hf"] = Field("jsonl", description="Dataset format.")
     text_field: str | None = Field(

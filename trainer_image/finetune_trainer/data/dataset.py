@@ -3,6 +3,7 @@ tokenize a text field or chat messages, and pack them into fixed-length blocks."
 
 from __future__ import annotations
 
+import glob
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,11 @@ def resolve_uri(uri: str) -> str:
 def load_records(spec: DatasetSpec) -> datasets.Dataset:
     path = resolve_uri(spec.uri)
     if spec.format in ("jsonl", "parquet"):
+        # A missing file is the job's error, not a crash to restart: every restart would fail
+        # the same way, so refuse it (the operator then fails the job naming the field).
+        if not glob.glob(path):
+            where = "" if path == spec.uri else f" ({path})"
+            raise UnsupportedConfigError(f"dataset.uri {spec.uri!r}: no such file{where}")
         builder = "json" if spec.format == "jsonl" else "parquet"
         return datasets.load_dataset(builder, data_files=path, split="train")
     if Path(path).is_dir():

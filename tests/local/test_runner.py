@@ -1,0 +1,56 @@
+"""`ftjob run --local` before and after the cluster: what it submits and what it says when the
+job failed (no cluster is started here: the cluster part is the end-to-end tests')."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from finetune_local import runner
+from finetune_operator.cli import main
+from tests.conftest import EXAMPLES
+
+QUICKSTART = (EXAMPLES / "quickstart.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        QUICKSTART + "---\n",
+        "---\n" + QUICKSTART + "\n---\n---\n",
+        yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [yaml.safe_load(QUICKSTART)]}),
+        QUICKSTART.replace("source: inline", "source: inline\n    revision: 2024-01-01"),
+    ],
+    ids=["trailing-separator", "separators", "single-item-list", "date-like-string"],
+)
+def test_submits_the_one_object_that_plan_accepts(
+    content: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever `ftjob plan` accepts, `run --local` submits the same FineTuneJob, as JSON."""
+    submitted: list[dict[str, Any]] = []
+    monkeypatch.setenv("FTJOB_LOCAL_DIR", str(tmp_path / "runs"))
+    monkeypatch.setattr(runner, "_run", lambda doc, *_: submitted.append(doc) or 0)
+    path = tmp_path / "job.yaml"
+    path.write_text(content)
+    assert runner.run_local(path) == 0
+    assert submitted[0]["kind"] == "FineTuneJob"
+    assert submitted[0]["metadata"]["name"] == "quickstart"
+    json.dumps(submitted[0])  # kubectl's JSON: a YAML date would not serialise
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--nodes", "0"), ("--nodes", "-2"), ("--timeout", "0"), ("--timeout", "nan")]
+)
+def test_run_refuses_non_positive_settings(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runner, "_run", lambda *_: 0)  # no cluster, whatever happens
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--local", str(EXAMPLES / "quickstart.yaml"), flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must be greater than 0" in capsys.readouterr().err
+
