@@ -2,20 +2,30 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# torch first, pinned: an open torch range asked for before it is installed pulls a CUDA build.
-TORCH  := torch==2.13.0
+# torch first, pinned (constraints.txt): an open torch range asked for before it is installed
+# pulls a CUDA build.
+TORCH  := $(shell sed -n 's/^\(torch==[^ ]*\).*/\1/p' constraints.txt)
+# uv (from PyPI) resolves and installs the rest in parallel: minutes of pip's resolving and
+# serial downloads become seconds.
+UV     := uv==0.13.8
 PYTEST_ARGS ?=
 
 .PHONY: setup helm promtool lint test test-fast quickstart crd clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# torch by pip, which takes the CPU build where pip's configuration finds one on local disk (uv
+# reads no pip configuration). The rest by uv, torch held at the installed build by
+# constraints.txt. Both write bytecode at install (uv's --compile-bytecode, on every core, only
+# for what uv installs): where PYTHONDONTWRITEBYTECODE is set, every test process would compile
+# torch and transformers again at import. DS_BUILD_OPS=0: DeepSpeed (trainer extra, an sdist)
+# builds without compiling its C++/CUDA ops. --system-certs: uv trusts the machine's certificate
+# store, as pip does by its configuration (uv's own roots are refused where TLS is intercepted).
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
-	# DS_BUILD_OPS=0: DeepSpeed (trainer extra) installs without compiling its C++/CUDA ops.
-	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[trainer,local,dev]'
+	$(BIN)/pip install -q $(TORCH) $(UV)
+	DS_BUILD_OPS=0 $(BIN)/uv pip install -q --system-certs --compile-bytecode \
+		--python $(BIN)/python -c constraints.txt -e '.[trainer,local,dev]'
 	touch $@
 
 helm:

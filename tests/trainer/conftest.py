@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +137,40 @@ def trainer_env(pod_ip: str, **extra: str) -> dict[str, str]:
     }
 
 
-def standalone_args(nproc: int, config: Path, port: int) -> list[str]:
+# What the launcher runs on each rank: the trainer's module, as the worker pod does.
+TRAINER_PROGRAM = ("-m", "finetune_trainer")
+
+
+def standalone_args(
+    nproc: int, config: Path, port: int, program: Sequence[str] = TRAINER_PROGRAM
+) -> list[str]:
     return [
         *LAUNCHER, "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=standalone", "--max-restarts=0",
-        "-m", "finetune_trainer", "--config", str(config),
+        *program, "--config", str(config),
     ]
+
+
+def launch_standalone(
+    config: Path,
+    *,
+    cwd: Path,
+    log: Path,
+    nproc: int = 2,
+    program: Sequence[str] = TRAINER_PROGRAM,
+    pod_ip: str = "127.0.0.1",
+    procs: list[Proc] | None = None,
+    **env: str,
+) -> Proc:
+    """One node of `nproc` ranks behind the trainer's launcher, on a free rendezvous port:
+    the trainer (or `program`, a worker script replacing the trainer's `-m finetune_trainer`)
+    on `config`, with the pod's environment plus `env`. Added to `procs` (the fixture that
+    kills what is left at teardown) when given."""
+    p = Proc(standalone_args(nproc, config, free_port(), program), cwd=cwd, log=log,
+             env=trainer_env(pod_ip, **env))  # fmt: skip
+    if procs is not None:
+        procs.append(p)
+    return p
 
 
 # Rendezvous timing knobs on top of the operator's `is_host=false`: a dead node's keep-alive

@@ -14,12 +14,10 @@ from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import MethodSpec
 from tests.trainer.conftest import (
     Proc,
-    free_port,
+    launch_standalone,
     make_job,
-    standalone_args,
     step_lines,
     tail,
-    trainer_env,
 )
 from tests.trainer.conftest import write_job as write
 
@@ -37,9 +35,8 @@ def lora_job() -> JobConfig:
 
 def train(cwd: Path, procs: list[Proc]) -> list[dict[str, float]]:
     cwd.mkdir(exist_ok=True)
-    p = Proc(standalone_args(2, write(cwd / "job.json", lora_job()), free_port()), cwd=cwd,
-             log=cwd / "train.log", env=trainer_env("127.0.0.1"))
-    procs.append(p)
+    p = launch_standalone(write(cwd / "job.json", lora_job()), cwd=cwd, log=cwd / "train.log",
+                          procs=procs)
     assert p.wait(240) == 0, tail(p.log)
     return step_lines(p.log)
 

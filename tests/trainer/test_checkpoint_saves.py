@@ -13,12 +13,10 @@ import pytest
 from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
 from tests.trainer.conftest import (
     Proc,
-    free_port,
+    launch_standalone,
     make_job,
-    standalone_args,
     step_lines,
     tail,
-    trainer_env,
 )
 from tests.trainer.conftest import write_job as write_job_file
 
@@ -42,14 +40,9 @@ def test_saves_commit_failures_are_visible_and_a_failed_final_save_is_no_clean_f
             training={"maxSteps": max_steps}, checkpoint={"intervalSteps": 2, "keep": 10}
         )
         path = write_job_file(tmp_path / f"{name}.json", job)
-        p = Proc(
-            standalone_args(2, path, free_port()),
-            cwd=tmp_path,
-            log=tmp_path / f"{name}.log",
-            env=trainer_env("127.0.0.1", **env),
+        return launch_standalone(
+            path, cwd=tmp_path, log=tmp_path / f"{name}.log", procs=procs, **env
         )
-        procs.append(p)
-        return p
 
     p = launch("clean", 8)
     assert p.wait(150) == 0, tail(p.log)

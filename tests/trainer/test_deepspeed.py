@@ -20,7 +20,7 @@ import json
 import math
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,12 @@ from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import MethodSpec
 from tests.trainer.conftest import (
     REPO,
+    TRAINER_PROGRAM,
     Proc,
-    free_port,
+    launch_standalone,
     make_job,
-    standalone_args,
     step_lines,
     tail,
-    trainer_env,
     wait_until,
     write_job,
 )
@@ -66,12 +65,12 @@ def ds_job(
     return job.model_copy(update={"spec": spec, "plan": plan})
 
 
-def launch(tmp: Path, name: str, job: JobConfig, nproc: int, *extra: str, **env: str) -> Proc:
-    args = standalone_args(nproc, write_job(tmp / f"{name}.json", job), free_port())
-    if extra:  # a worker script instead of `-m finetune_trainer`
-        i = len(args) - 1 - args[::-1].index("-m")  # the trainer's, not the launcher's
-        args[i : i + 2] = list(extra)
-    return Proc(args, cwd=tmp, log=tmp / f"{name}.log", env=trainer_env("127.0.0.1", **env))
+def launch(
+    tmp: Path, name: str, job: JobConfig, nproc: int,
+    program: Sequence[str] = TRAINER_PROGRAM, **env: str,
+) -> Proc:  # fmt: skip
+    return launch_standalone(write_job(tmp / f"{name}.json", job), cwd=tmp,
+                             log=tmp / f"{name}.log", nproc=nproc, program=program, **env)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +166,7 @@ def test_fp16_overflow_step_is_skipped_and_training_recovers(
     lora = MethodSpec.model_validate({"type": "lora", "lora": {"rank": 4, "alpha": 8}})
     job = job.model_copy(update={"spec": job.spec.model_copy(update={"method": lora})})
     micro = job.spec.training.global_batch_size // job.plan.micro_batch_size  # one rank
-    p = launch(tmp_path, "fp16", job, 1, str(FP16_WORKER), "--config", str(tmp_path / "fp16.json"),
-               FT_TEST_MICRO_BATCHES=str(micro))  # fmt: skip
+    p = launch(tmp_path, "fp16", job, 1, [str(FP16_WORKER)], FT_TEST_MICRO_BATCHES=str(micro))
     procs.append(p)
     assert p.wait(180) == 0, tail(p.log)
     log = p.log.read_text()

@@ -37,10 +37,9 @@ from tests.objectstore import MotoServer
 from tests.trainer.conftest import (
     Proc,
     free_port,
+    launch_standalone,
     make_job,
-    standalone_args,
     tail,
-    trainer_env,
     write_job,
 )
 
@@ -262,9 +261,8 @@ def test_fsdp_two_ranks_export_matches_the_final_checkpoint(
 ) -> None:
     job = with_output(make_job(strategy="fsdp-full-shard", training={"maxSteps": 6},
                                checkpoint={"intervalSteps": 6}), "output/model", method, merge)
-    p = Proc(standalone_args(2, write_job(tmp_path / "job.json", job), free_port()),
-             cwd=tmp_path, log=tmp_path / "fsdp.log", env=trainer_env("127.0.0.1"))
-    procs.append(p)
+    p = launch_standalone(write_job(tmp_path / "job.json", job), cwd=tmp_path,
+                          log=tmp_path / "fsdp.log", procs=procs)
     assert p.wait(180) == 0, tail(p.log)
 
     out = tmp_path / "output" / "model"

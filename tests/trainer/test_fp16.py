@@ -24,11 +24,10 @@ from finetune_trainer.state import TrainState
 from tests.trainer.conftest import (
     Proc,
     free_port,
+    launch_standalone,
     make_job,
-    standalone_args,
     step_lines,
     tail,
-    trainer_env,
     write_job,
 )
 
@@ -120,10 +119,8 @@ def test_fp16_two_ranks_skip_the_same_overflowing_step(
     job = make_job(strategy=strategy, training={"maxSteps": 16, "precision": "fp16"},
                    checkpoint={"intervalSteps": 100})
     path = write_job(tmp_path / "job.json", job)
-    p = Proc(standalone_args(2, path, free_port()), cwd=tmp_path, log=tmp_path / "fp16.log",
-             env=trainer_env("127.0.0.1", FT_GRAD_OVERFLOW_AT_STEP="5",
-                             FT_GRAD_OVERFLOW_RANK="1"))
-    procs.append(p)
+    p = launch_standalone(path, cwd=tmp_path, log=tmp_path / "fp16.log", procs=procs,
+                          FT_GRAD_OVERFLOW_AT_STEP="5", FT_GRAD_OVERFLOW_RANK="1")
     assert p.wait(300) == 0, tail(p.log)
     skips = sorted((int(r), int(s)) for r, s in SKIP.findall(p.log.read_text(errors="replace")))
     assert skips == [(0, 5), (1, 5)], tail(p.log)

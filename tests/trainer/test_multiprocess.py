@@ -14,11 +14,10 @@ from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
 from tests.trainer.conftest import (
     Proc,
     free_port,
+    launch_standalone,
     make_job,
-    standalone_args,
     step_lines,
     tail,
-    trainer_env,
     wait_until,
     write_job,
 )
@@ -37,19 +36,16 @@ def committed(root: Path) -> dict[int, dict[str, object]]:
 
 def run(tmp_path: Path, procs: list[Proc], name: str, job_path: Path, nproc: int,
         **env: str) -> Proc:
-    p = Proc(standalone_args(nproc, job_path, free_port()), cwd=tmp_path,
-             log=tmp_path / f"{name}.log", env=trainer_env("127.0.0.1", **env))
-    procs.append(p)
-    return p
+    return launch_standalone(job_path, cwd=tmp_path, log=tmp_path / f"{name}.log", nproc=nproc,
+                             procs=procs, **env)
 
 
 def test_ddp_two_ranks_loss_goes_down_and_metrics_served(tmp_path: Path, procs: list[Proc]) -> None:
     job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 40},
                                                      checkpoint={"intervalSteps": 20}))
     port, ip = free_port("127.0.0.6"), "127.0.0.6"
-    p = Proc(standalone_args(2, job, free_port()), cwd=tmp_path, log=tmp_path / "ddp.log",
-             env=trainer_env(ip, FT_METRICS_BASE_PORT=str(port), FT_STEP_DELAY_SECONDS="0.1"))
-    procs.append(p)
+    p = launch_standalone(job, cwd=tmp_path, log=tmp_path / "ddp.log", pod_ip=ip, procs=procs,
+                          FT_METRICS_BASE_PORT=str(port), FT_STEP_DELAY_SECONDS="0.1")
 
     def scraped() -> str:
         try:

@@ -22,11 +22,9 @@ from finetune_trainer.ownership import (
 from tests.objectstore import MotoServer
 from tests.trainer.conftest import (
     Proc,
-    free_port,
+    launch_standalone,
     make_job,
-    standalone_args,
     tail,
-    trainer_env,
     write_job,
 )
 
@@ -126,9 +124,8 @@ def test_the_trainer_refuses_another_jobs_checkpoints_and_reports_it(
     report = tmp_path / "termination-log"
     report.touch()
     job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 6}))
-    p = Proc(standalone_args(1, job, free_port()), cwd=tmp_path, log=tmp_path / "t.log",
-             env=trainer_env("127.0.0.1", FT_TERMINATION_LOG=str(report)))  # fmt: skip
-    procs.append(p)
+    p = launch_standalone(job, cwd=tmp_path, log=tmp_path / "t.log", nproc=1, procs=procs,
+                          FT_TERMINATION_LOG=str(report))
     assert p.wait(180) != 0, tail(p.log)
     error = parse_trainer_error(report.read_text())
     assert error is not None and "belongs to job default/other (uid other-uid)" in error

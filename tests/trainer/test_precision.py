@@ -27,11 +27,10 @@ from finetune_trainer.trainer import precision_context
 from tests.trainer.conftest import (
     Proc,
     free_port,
+    launch_standalone,
     make_job,
-    standalone_args,
     step_lines,
     tail,
-    trainer_env,
     write_job,
 )
 
@@ -193,9 +192,7 @@ def test_fsdp_bf16_two_ranks_loss_goes_down(tmp_path: Path, procs: list[Proc]) -
     job = write_job(tmp_path / "job.json", make_job(
         strategy="fsdp-full-shard", training={"maxSteps": 40, "precision": "bf16"},
         checkpoint={"intervalSteps": 40}))
-    p = Proc(standalone_args(2, job, free_port()), cwd=tmp_path, log=tmp_path / "fsdp.log",
-             env=trainer_env("127.0.0.1"))
-    procs.append(p)
+    p = launch_standalone(job, cwd=tmp_path, log=tmp_path / "fsdp.log", procs=procs)
     assert p.wait(180) == 0, tail(p.log)
     losses = [s["loss"] for s in step_lines(p.log)]
     assert len(losses) == 40
