@@ -44,8 +44,18 @@ lint: setup
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile trainer_image/Dockerfile
 
+# Two pytest runs side by side: the quick tests beside the slow ones (multi-process and end to
+# end), which spend much of their time waiting (step delays, restarts, rendezvous). The slow run
+# takes its end-to-end tests last (tests/conftest.py): the quick run is over before the first
+# local cluster starts. Its output is printed after; exit 5 (nothing selected by PYTEST_ARGS in
+# one half) is not a failure.
 test: setup helm promtool lint
-	$(BIN)/python -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
+	@log=$$(mktemp); \
+	$(BIN)/python -m pytest -q -ra --durations=10 -m "not slow" $(PYTEST_ARGS) >$$log 2>&1 & quick=$$!; \
+	$(BIN)/python -m pytest -q -ra --durations=25 -m slow $(PYTEST_ARGS); slow=$$?; \
+	wait $$quick; fast=$$?; echo "== quick tests (-m 'not slow'), run beside the slow ones:"; \
+	cat $$log; rm -f $$log; \
+	{ [ $$slow -eq 0 ] || [ $$slow -eq 5 ]; } && { [ $$fast -eq 0 ] || [ $$fast -eq 5 ]; }
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -18,6 +18,20 @@ CRD_PATH = REPO / "crds" / "finetunejobs.finetune.dev.yaml"
 T = TypeVar("T")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """End-to-end tests last, the straggler module (the most load-sensitive) at the very end.
+    `make test` runs the quick tests (`-m "not slow"`) in a second pytest beside the slow ones:
+    this order keeps them beside the multi-process tests, long over before the first local
+    cluster starts."""
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("e2e") is None:
+            return 0
+        return 2 if item.path.name == "test_stragglers.py" else 1
+
+    items.sort(key=rank)  # stable: collection order within each rank
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO

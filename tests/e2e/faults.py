@@ -24,6 +24,9 @@ from tests.e2e.conftest import committed_steps, step_records
 
 INTERVAL = 5  # checkpoint every 5 steps (1 s at 0.2 s a step)
 FAULTS_JOB = "ft-faults"
+# Long enough for every drill with room to spare: the drills end near step 60-65 (three runs
+# seen), and training past that is only paid for, never asserted on.
+FAULTS_STEPS = 120
 RESUMED_LINE = re.compile(r"resumed from checkpoint step (\d+)")
 
 
@@ -149,7 +152,9 @@ def _corrupt_in_place(file: Path) -> None:
     file.write_bytes(bytes(data))
 
 
-def faults_job(doc: dict[str, Any], name: str = FAULTS_JOB, steps: int = 200) -> dict[str, Any]:
+def faults_job(
+    doc: dict[str, Any], name: str = FAULTS_JOB, steps: int = FAULTS_STEPS
+) -> dict[str, Any]:
     """The quickstart as the long job the drills run on."""
     doc = {**doc, "metadata": {"name": name}, "spec": dict(doc["spec"])}
     doc["spec"]["training"] = {**doc["spec"]["training"], "maxSteps": steps}

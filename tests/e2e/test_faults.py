@@ -22,7 +22,7 @@ from finetune_local.session import LocalSession, is_finished, phase_of
 from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
 from tests.conftest import wait_until
 from tests.e2e.conftest import committed_steps, slowed_session
-from tests.e2e.faults import FAULTS_JOB, faults_job, run_drills
+from tests.e2e.faults import FAULTS_JOB, FAULTS_STEPS, faults_job, run_drills
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -43,10 +43,10 @@ def test_fault_sequence_on_one_long_job(session: LocalSession, quickstart_doc: d
     job = session.wait_for(FAULTS_JOB, is_finished, timeout=300)
     status = job["status"]
     assert phase_of(job) == "Succeeded", status
-    assert status["restarts"] == 1 and status["step"] == 200, status
+    assert status["restarts"] == 1 and status["step"] == FAULTS_STEPS, status
     assert status["preemptions"] >= 1, status
     root = session.data_dir / "shared" / "checkpoints" / FAULTS_JOB
-    assert committed_steps(root)[-1] == 200
+    assert committed_steps(root)[-1] == FAULTS_STEPS
 
     other = session.wait_for("ft-second", is_finished, timeout=120)
     assert phase_of(other) == "Succeeded", other.get("status")
@@ -69,7 +69,7 @@ def test_fault_sequence_on_one_long_job(session: LocalSession, quickstart_doc: d
         ]
 
     wait_until(lambda: not remaining(), "the job's objects to be deleted", 60, 0.5, detail=lambda: str(remaining()))
-    assert committed_steps(root)[-1] == 200
+    assert committed_steps(root)[-1] == FAULTS_STEPS
 
 
 def test_invalid_manifest_refused_with_field(session: LocalSession, quickstart_doc: dict[str, Any]) -> None:

@@ -13,6 +13,9 @@ from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
 from tests.e2e.conftest import resumed_steps, slowed_session
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# Room for the suspend (after the checkpoint at step 10) or the operator restart (after step
+# 5) to land mid-run, with steps to go after it; no more: each step costs 0.2 s or more.
+STEPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,7 @@ def _checkpoint(job: dict[str, Any]) -> int:
 def _submit(session: LocalSession, doc: dict[str, Any], name: str) -> None:
     doc["metadata"]["name"] = name
     doc["spec"]["checkpoint"]["uri"] = f"checkpoints/{name}"
+    doc["spec"]["training"]["maxSteps"] = STEPS
     doc["spec"].pop("output", None)
     session.submit(doc)
 
@@ -63,7 +67,7 @@ def test_suspend_then_resume_continues_from_checkpoint(
     _set_suspend(session, "ft-suspend", False)
     job = session.wait_for("ft-suspend", is_finished, timeout=300)
     assert phase_of(job) == "Succeeded", _status(job)
-    assert _status(job)["step"] == 60
+    assert _status(job)["step"] == STEPS
     log = session.cluster.pod_log_path("default", "ft-suspend-worker-0")
     assert log is not None and max(resumed_steps(log)) >= saved > 0
 
@@ -79,7 +83,7 @@ def test_operator_restart_loses_nothing(
     job = session.wait_for("ft-oprestart", is_finished, timeout=300)
     assert phase_of(job) == "Succeeded", _status(job)
     status = _status(job)
-    assert status["step"] == 60 and status["restarts"] == 0
+    assert status["step"] == STEPS and status["restarts"] == 0
     # The new operator adopted the running pods: it created no second set of workers.
     workers = {p.metadata.uid for p in _pods(session, "ft-oprestart") if "worker" in p.metadata.name}
     assert workers <= pods_before
