@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune_local.session import LocalSession, phase_of
+from finetune_operator.api.constants import LABEL_JOB
 from tests.conftest import wait_until
 from tests.e2e.conftest import committed_steps, step_records
 
@@ -227,7 +228,14 @@ def run_drills(session: LocalSession, name: str = FAULTS_JOB) -> list[Recovery]:
                           lambda: core.delete_namespaced_pod(f"{name}-rdzv", "default"))  # fmt: skip
         assert r.restarts == 0, r
 
+    def pod_uids() -> dict[str, str]:
+        pods = core.list_namespaced_pod("default", label_selector=f"{LABEL_JOB}={name}").items
+        return {p.metadata.name: p.metadata.uid for p in pods}
+
+    before_restart: dict[str, str] = {}
+
     def operator_down_while_worker_dies() -> None:
+        before_restart.update(pod_uids())
         session.stop_operator()
         cluster.kill_pod_processes("default", worker[1])  # SIGKILL: a real failure
         time.sleep(3)
@@ -235,4 +243,11 @@ def run_drills(session: LocalSession, name: str = FAULTS_JOB) -> list[Recovery]:
 
     r = runner.inject("operator down while a worker dies", operator_down_while_worker_dies)
     assert r.restarts == 1, r  # counted once, by the operator that came back
+    # It adopted what still ran (nothing lost in an operator restart): the rendezvous and the
+    # surviving worker are the same pods; only the failed worker was replaced.
+    after_restart = pod_uids()
+    for pod in (f"{name}-rdzv", worker[0]):
+        assert pod in before_restart and after_restart.get(pod) == before_restart[pod], (
+            pod, before_restart, after_restart)  # fmt: skip
+    assert after_restart.get(worker[1]) not in (None, before_restart.get(worker[1]))
     return runner.results
