@@ -304,6 +304,17 @@ def test_report_is_aligned_table_in_gib() -> None:
     assert len(rows) == 2 and len({len(r) for r in rows}) == 1  # right-aligned numbers
 
 
+def test_report_counts_configurations_in_words() -> None:
+    """One configuration is "1 configuration", several are plural."""
+    import re
+
+    for plan in (plan_job(make_spec()), plan_job(make_spec()).model_copy(update={"candidates_evaluated": 1})):
+        n = plan.candidates_evaluated
+        line = next(x for x in render_plan(plan).splitlines() if x.startswith("Evaluated"))
+        assert re.search(rf"\b{n} configurations?$", line)
+        assert line.endswith("configuration" if n == 1 else "configurations"), line
+
+
 def test_plan_carries_the_resolved_architecture_for_the_trainer() -> None:
     """One resolution: the catalog entry the planner sized is what an inline job builds."""
     from finetune_operator.api.capabilities import trainer_refusals

@@ -107,10 +107,11 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
     assert sm is not None  # plan_job refuses earlier when nothing was evaluated
     limit = p.acc.memory_bytes * (1 - MIN_HEADROOM)
     sizes = ", ".join(str(n) for n in sorted(result.tried))
+    configurations = f"{result.evaluated} configuration" + ("" if result.evaluated == 1 else "s")
     parts = [
         f"Nothing fits in {_gib(p.acc.memory_bytes)} per {_device(p)} with "
         f"{MIN_HEADROOM:.0%} headroom (limit {_gib(limit)}). Tried world sizes {sizes} "
-        f"({result.evaluated} configurations); the smallest need was {_gib(sm.est.breakdown.total)} "
+        f"({configurations}); the smallest need was {_gib(sm.est.breakdown.total)} "
         f"at {sm.cand.world_size} ranks with {_config(sm)} (peak at {sm.est.peak_phase})."
     ]
     if sm.est.host_bytes > p.host_budget:

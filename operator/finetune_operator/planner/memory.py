@@ -359,6 +359,9 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     tokens = shape.micro_batch_size * shape.seq_len
     full = shape.method == "full"
     autocast, lora_compute = _compute_regime(shape, cand)
+    # DDP in bf16/fp16 runs its forward under torch.autocast, full or LoRA (`autocast` above
+    # is only whether the residual stream is fp32, which LoRA's frozen bf16 base is not).
+    forward_under_autocast = lora_compute == "autocast"
     act = activation_model(
         m,
         tokens=tokens,
@@ -373,7 +376,7 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
         # Under torch.autocast (DDP mixed precision) the H100 runs kept more than the
         # partitioner's saved set (bench/results/gpu-h100.md: -6.7% / -7.4% peak on two of
         # three DDP rows), so those keep the eager count, which over-predicts them.
-        compiled=compiles_blocks(shape, cand) and lora_compute != "autocast",
+        compiled=compiles_blocks(shape, cand) and not forward_under_autocast,
     )
     st = _model_states(m, shape, cand)
     layers = m.arch.num_hidden_layers

@@ -19,6 +19,10 @@ _MEMORY_ROWS = (
 )
 
 
+def _configurations(n: int) -> str:
+    return f"{n} configuration" + ("" if n == 1 else "s")
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
@@ -43,7 +47,7 @@ def render_plan(plan: Plan, width: int = 88) -> str:
         ("Step time", f"{plan.estimated_step_seconds:.3f} s (modelled)"),
         ("Throughput", f"{plan.tokens_per_second:,.0f} tokens/s"),
         ("GPU-hours", f"{plan.gpu_hours:,.1f}"),
-        ("Evaluated", f"{plan.candidates_evaluated} configurations"),
+        ("Evaluated", _configurations(plan.candidates_evaluated)),
     ]
     key_w = max(len(k) for k, _ in facts)
     lines = [f"{k:<{key_w}}  {v}" for k, v in facts]
