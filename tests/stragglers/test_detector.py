@@ -241,6 +241,24 @@ def test_survivors_of_a_scale_up_carry_over_into_the_new_epoch() -> None:
     assert [(v.rank, v.pod) for v in d.verdicts] == [(1, "pod-1")]
 
 
+def test_a_reform_that_only_adds_a_node_is_a_new_epoch_by_process_start() -> None:
+    """Two ranks run to step 90 and saved at 80; a third node joins. torchelastic restarts
+    both survivors on the same pods, ranks and restart count and they resume from 80 with the
+    newcomer on rank 2. Rank 1 is slow for two windows before the join and one after: as in
+    any re-form the streak starts again (2 + 1 is no verdict), and the new epoch starts at 81.
+    Only the trace's process start tells the survivors' two runs apart."""
+    before = sync_job(90, slow_rank(1, 2.0, since=ORIGIN + 40), ranks=2)  # windows 2, 3 slow
+    after = sync_job(40, slow_rank(1, 2.0), ranks=3, first=81)  # warm-up, 1 window, partial
+    trace = [replace(x, started=100.0) for x in before] + [replace(x, started=200.0) for x in after]
+    d = find_stragglers(trace, POLICY)
+    assert d.epoch_start_step == 81 and d.verdicts == () and d.streaks[1] == 1
+    assert set(d.pods) == {0, 1, 2}
+    # Without process starts the survivors' re-run steps 81..90 overwrite the first run's and
+    # the streak runs on across the join: the reason the trainer writes `started`.
+    blind = find_stragglers(before + after, POLICY)
+    assert blind.epoch_start_step == 1 and [v.rank for v in blind.verdicts] == [1]
+
+
 # ---- synthetic traces (reduced versions of bench/stragglers.py) --------------------------
 
 QUIET_SYNTHETIC = [

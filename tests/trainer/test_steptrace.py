@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,11 @@ def test_each_step_is_on_disk_as_soon_as_it_is_recorded(tmp_path: Path) -> None:
     trace.record(stats(41, 0.5, 0.1), checkpoint=False)
     trace.record(stats(42, 0.6, 0.0), checkpoint=True)
     # Read before close: a pod killed mid-run leaves its steps behind.
-    lines = (tmp_path / "trace" / "rank-3.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines][1] == {
+    lines = [json.loads(line) for line in (tmp_path / "trace" / "rank-3.jsonl").read_text().splitlines()]
+    # The process's start: the same on every line of this run, a different one for the next.
+    started = {line.pop("started") for line in lines}
+    assert len(started) == 1 and abs(started.pop() - time.time()) < 60
+    assert lines[1] == {
         "step": 42, "rank": 3, "pod": "job-worker-2", "node": "gpu-7", "restart": 2,
         "computeSeconds": 0.6, "waitSeconds": 0.0, "checkpoint": True,
     }  # fmt: skip
@@ -58,6 +62,7 @@ def test_each_step_is_on_disk_as_soon_as_it_is_recorded(tmp_path: Path) -> None:
     assert [(r.step, r.checkpoint, r.restart, r.node) for r in records] == [
         (41, False, 2, "gpu-7"), (42, True, 2, "gpu-7")
     ]  # fmt: skip
+    assert records[0].started is not None and records[0].started == records[1].started
 
 
 @pytest.mark.slow

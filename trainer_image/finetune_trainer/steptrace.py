@@ -10,6 +10,7 @@ detector tells the runs apart by pod and restart count. Disabled, it is a no-op 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -32,14 +33,26 @@ class NoOpStepTrace:
 
 class JsonlStepTrace:
     def __init__(
-        self, directory: Path, *, rank: int, pod: str | None, node: str | None, restart: int
+        self,
+        directory: Path,
+        *,
+        rank: int,
+        pod: str | None,
+        node: str | None,
+        restart: int,
+        started: float | None = None,
     ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"rank-{rank}.jsonl"
         # Line-buffered: each step's line reaches the file when written, so a pod killed
         # mid-run leaves every completed step behind.
         self._fh = self.path.open("a", buffering=1, encoding="utf-8")
-        self._fixed = {"rank": rank, "pod": pod, "node": node, "restart": restart}
+        # `started` tells this process's run apart from an earlier one of the same rank, pod
+        # and restart count (a re-form that only added nodes keeps all three).
+        self._fixed = {
+            "rank": rank, "pod": pod, "node": node, "restart": restart,
+            "started": round(started if started is not None else time.time(), 3),
+        }  # fmt: skip
 
     def record(self, stats: StepStats, *, checkpoint: bool) -> None:
         line = {

@@ -29,6 +29,7 @@ from finetune_operator.stragglers.epochs import (
     Incarnation,
     IncarnationKey,
     group_incarnations,
+    incarnation_key,
     split_epochs,
 )
 from finetune_operator.stragglers.types import Detection, Policy, StepRecord, Verdict
@@ -146,7 +147,7 @@ def _bucket(
             stop = math.inf if m.stop is None else m.stop
             places.setdefault(m.incarnation.key, []).append((win, rank, m.start, stop))
     for r in records:
-        key = (r.pod, r.restart, r.rank)
+        key = incarnation_key(r)
         step = r.step
         if r.checkpoint or incarnations[key].by_step[step] is not r:
             continue  # a checkpoint step, or a duplicate that a later copy replaced

@@ -4,7 +4,9 @@ A rank is compared with its peers only within one epoch, because after a re-form
 run on another pod and node, and the steps since the last checkpoint run a second time.
 
 An *incarnation* is one worker process's run: the records with the same (pod, restart count,
-rank). A new epoch begins where an incarnation claims a rank (or a pod) that another
+rank, process start). The process start (in traces; the live buffer is dropped at a re-form
+instead) tells apart the runs of a re-form that only added nodes: torchelastic restarts every
+worker then but keeps the restart count, and a survivor often keeps its rank. A new epoch begins where an incarnation claims a rank (or a pod) that another
 incarnation already holds in the current epoch, in the order of their first steps: after a
 failure the survivors come back with a higher torchelastic restart count and a replacement
 pod comes in with its own name; both resume from the same checkpoint. An incarnation whose
@@ -25,7 +27,7 @@ from itertools import pairwise
 
 from finetune_operator.stragglers.types import StepRecord
 
-IncarnationKey = tuple[str | None, int, int]  # (pod, restart, rank)
+IncarnationKey = tuple[str | None, int, int, float | None]  # (pod, restart, rank, started)
 
 
 @dataclass
@@ -33,13 +35,14 @@ class Incarnation:
     pod: str | None
     restart: int
     rank: int
+    started: float | None = None
     by_step: dict[int, StepRecord] = field(default_factory=dict)  # a duplicate step: last wins
     first: int = 0  # first step covered (a record averaging n steps covers n)
     last: int = 0
 
     @property
     def key(self) -> IncarnationKey:
-        return (self.pod, self.restart, self.rank)
+        return (self.pod, self.restart, self.rank, self.started)
 
 
 @dataclass
@@ -82,7 +85,7 @@ def group_incarnations(records: Iterable[StepRecord]) -> dict[IncarnationKey, In
         key = incarnation_key(r)
         inc = incs.get(key)
         if inc is None:
-            inc = incs[key] = Incarnation(pod=r.pod, restart=r.restart, rank=r.rank)
+            inc = incs[key] = Incarnation(pod=r.pod, restart=r.restart, rank=r.rank, started=r.started)
         inc.by_step[r.step] = r
     for inc in incs.values():
         inc.first = min(r.step - r.steps + 1 for r in inc.by_step.values())
@@ -91,7 +94,7 @@ def group_incarnations(records: Iterable[StepRecord]) -> dict[IncarnationKey, In
 
 
 def incarnation_key(r: StepRecord) -> IncarnationKey:
-    return (r.pod, r.restart, r.rank)
+    return (r.pod, r.restart, r.rank, r.started)
 
 
 def _stale(inc: Incarnation, epoch: Epoch) -> bool:
@@ -117,7 +120,8 @@ def split_epochs(incarnations: Iterable[Incarnation]) -> list[Epoch]:
     """The epochs in order; the last one is the group as it runs now. Arrival order does not
     matter: incarnations are taken in the order of their first steps."""
     epochs: list[Epoch] = []
-    for inc in sorted(incarnations, key=lambda i: (i.first, i.restart, i.rank, i.pod or "")):
+    order = sorted(incarnations, key=lambda i: (i.first, i.restart, i.rank, i.pod or "", i.started or 0.0))
+    for inc in order:
         cur = epochs[-1] if epochs else None
         claims = cur is not None and (
             inc.rank in cur.members or (inc.pod is not None and inc.pod in cur.native_pods)

@@ -2,9 +2,12 @@
 reader, for `ftjob stragglers`:
 
     {"step": 120, "rank": 3, "pod": "job-worker-1", "node": "gpu-7", "computeSeconds": 0.41,
-     "waitSeconds": 0.02, "restart": 0, "checkpoint": false}
+     "waitSeconds": 0.02, "restart": 0, "started": 1795430000.12, "checkpoint": false}
 
 `step`, `rank` and `computeSeconds` are required; unknown keys are ignored (room to grow).
+`started` (when the trainer process started, unix seconds) tells apart two runs of one rank on
+one pod with one restart count: a re-form that only added nodes restarts every process but
+keeps the restart count.
 A malformed line is a `TraceError` naming the file and line number.
 """
 
@@ -49,6 +52,10 @@ def _seconds(obj: dict[str, Any], key: str, default: float | None) -> float:
     return float(value)
 
 
+def _optional_seconds(obj: dict[str, Any], key: str) -> float | None:
+    return None if obj.get(key) is None else _seconds(obj, key, None)
+
+
 def _text(obj: dict[str, Any], key: str) -> str | None:
     value = obj.get(key)
     if value is not None and not isinstance(value, str):
@@ -75,6 +82,7 @@ def parse_record(text: str) -> StepRecord:
         pod=_text(obj, "pod"),
         node=_text(obj, "node"),
         restart=_int(obj, "restart", 0, 0),
+        started=_optional_seconds(obj, "started"),
         checkpoint=checkpoint,
         steps=_int(obj, "steps", 1, 1),
     )
@@ -137,4 +145,6 @@ def record_to_json(r: StepRecord) -> dict[str, Any]:
     }
     if r.steps != 1:
         out["steps"] = r.steps
+    if r.started is not None:
+        out["started"] = r.started
     return out

@@ -20,6 +20,9 @@ class StepRecord:
     pod: str | None = None
     node: str | None = None
     restart: int = 0  # torchelastic restart count: a change means the group re-formed
+    # When the trainer process started (unix seconds; traces only). A re-form that only adds
+    # nodes keeps each survivor's pod, rank and restart count, but not its process.
+    started: float | None = None
     checkpoint: bool = False  # this step saved a checkpoint
     steps: int = 1  # how many steps the record averages (1 in a trace)
 
