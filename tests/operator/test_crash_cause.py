@@ -42,6 +42,9 @@ finetune_trainer FAILED
 """
 
 
+STEP_LINES = '{"step": 60, "loss": 2.1}\n{"step": 61, "loss": 2.0}\n'
+
+
 @pytest.mark.parametrize(
     ("message", "reason", "limit", "expected"),
     [
@@ -61,12 +64,26 @@ finetune_trainer FAILED
         (json.dumps({"step": 14, "checkpointStep": 12}), "Error", None, None),
         (json.dumps({"rank": 0, "error": "strategy x is not supported"}), "Error", None, None),
         (None, "Error", None, None),
+        (STEP_LINES, "Error", None, None),
     ],
     ids=["exception", "accelerator-oom", "signal", "oom-killed-and-report", "oom-killed",
-         "log-tail-import-error", "log-tail-last-line", "final-report", "config-error", "nothing"],
+         "log-tail-import-error", "log-tail-last-line", "final-report", "config-error", "nothing",
+         "log-tail-of-step-lines"],
 )  # fmt: skip
 def test_crash_cause(message: str | None, reason: str, limit: str | None, expected: str | None) -> None:
-    assert crash_cause(message, reason, limit) == expected
+    assert crash_cause(message, reason, limit, exit_code=1) == expected
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "expected"),
+    [(STEP_LINES + "training step 62\n", 137, "killed by SIGKILL"),
+     ("", 139, "killed by SIGSEGV"),
+     (IMPORT_TAIL, 137, "ModuleNotFoundError: No module named 'flash_attn'"),
+     ("", 1, None)],
+    ids=["sigkill-log-tail-is-not-why", "sigsegv", "exception-line-still-wins", "plain-exit"],
+)  # fmt: skip
+def test_a_killed_container_says_the_signal(message: str, code: int, expected: str | None) -> None:
+    assert crash_cause(message, "Error", None, exit_code=code) == expected
 
 
 def test_a_huge_cause_is_one_bounded_line_that_keeps_the_location() -> None:
@@ -125,6 +142,23 @@ def test_restarting_and_failed_conditions_and_events_name_the_root_cause() -> No
     assert failed_cond is not None and failed_cond.reason == "BackoffLimitExceeded"
     assert cause in failed_cond.message and len(failed_cond.message) < 1024
     assert any(e.reason == "BackoffLimitExceeded" and cause in e.message for e in out.events)
+
+
+def test_failed_names_the_pod_that_raised_not_the_one_that_lost_its_peer() -> None:
+    job = JobRef(name="qs", namespace="ns", uid=UID, generation=1)
+    lost = report(rank=0, kind="PeerLost", message="RuntimeError: [gloo] Connection closed by peer")
+    raised = report(rank=1, kind="Exception", message="ValueError: bad row", location="data.py:9")
+    spec = quickstart_raw()
+    spec["faultTolerance"]["maxRestarts"] = 0
+    for early, late in ((0, 1), (1, 0)):  # either may finish first
+        times = {early: T0, late: T0 + timedelta(seconds=1)}
+        pods = [_rdzv(), _worker(0, "Failed", exit_code=1, message=lost, finished=times[0]),
+                _worker(1, "Failed", exit_code=1, message=raised, finished=times[1])]  # fmt: skip
+        out = reconcile_job(job, spec, FineTuneJobStatus(), pods, T0 + timedelta(seconds=5),
+                            planner=lambda _: make_plan(2), ensured_generation=1)  # fmt: skip
+        failed = find(out.status.conditions, COND_FAILED)
+        assert failed is not None and failed.status == "True"
+        assert failed.message.startswith("pod qs-worker-1 failed") and "ValueError: bad row" in failed.message
 
 
 def test_oom_killed_names_the_memory_limit() -> None:

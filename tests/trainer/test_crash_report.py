@@ -17,6 +17,7 @@ from finetune_trainer.crash import (
     KIND_EXCEPTION,
     KIND_EXIT,
     KIND_OUT_OF_MEMORY,
+    KIND_PEER_LOST,
     KIND_SIGNAL,
     MAX_REPORT_BYTES,
     RankFailure,
@@ -114,6 +115,12 @@ def test_signal_death_beats_the_peers_it_took_down(tmp_path: Path) -> None:
 )  # fmt: skip
 def test_root_cause(failures: list[RankFailure], root: int) -> None:
     assert root_cause(failures).rank == root
+
+
+def test_a_group_that_only_lost_a_peer_says_so(tmp_path: Path) -> None:
+    file = _error_file(tmp_path, RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    error = ChildFailedError("trainer", {0: ProcessFailure(0, 3, 1, file)})
+    assert crash_report(_failures(error))["crash"]["kind"] == KIND_PEER_LOST
 
 
 def test_exit_without_error_file_points_at_the_log() -> None:

@@ -10,7 +10,9 @@ turns into the job's Restarting/Failed message (reconcile/crash.py).
 Report: {"crash": {"rank", "kind", "message", "exception"?, "location"?, "traceback"?,
 "exitCode", "signal"?, "time", "failedRanks"}}, beside whatever final report a trainer left. Kinds: `OutOfMemory` (an accelerator OOM; the
 message adds the plan's predicted peak), `Signal` (a rank killed by a signal: SIGKILL from the
-kernel's OOM killer, SIGSEGV...), `Exception` (any other exception), `Exit` (a non-zero exit
+kernel's OOM killer, SIGSEGV...), `Exception` (any other exception), `PeerLost` (every rank
+here failed only because a peer elsewhere vanished: the cause is in another pod's report),
+`Exit` (a non-zero exit
 with no error file: it failed before its handler ran, or exited with a code of its own after
 writing its own report; the launcher then leaves the termination log alone, so the trainer's
 report stands or, on an empty one, the kubelet's `FallbackToLogsOnError` takes the log's tail,
@@ -32,6 +34,7 @@ KIND_OUT_OF_MEMORY = "OutOfMemory"
 KIND_SIGNAL = "Signal"
 KIND_EXCEPTION = "Exception"
 KIND_EXIT = "Exit"
+KIND_PEER_LOST = "PeerLost"
 
 MAX_REPORT_BYTES = 4096  # what the kubelet keeps of a termination message
 MAX_FAILED_RANKS = 16
@@ -172,7 +175,8 @@ def crash_report(
         message = root.message
         if oom and planned:
             message = f"{message} [{planned}]"
-        crash.update(kind=KIND_OUT_OF_MEMORY if oom else KIND_EXCEPTION, message=message)
+        kind = KIND_OUT_OF_MEMORY if oom else KIND_PEER_LOST if root.peer_loss else KIND_EXCEPTION
+        crash.update(kind=kind, message=message)
         if exception:
             crash["exception"] = exception
         where = locate(root.traceback)

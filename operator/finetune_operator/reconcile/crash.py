@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from typing import Any
 
 MAX_CAUSE_CHARS = 400
 REASON_OOM_KILLED = "OOMKilled"
+KIND_PEER_LOST = "PeerLost"  # finetune_trainer/crash.py: its ranks only lost a peer
 # The last line of a Python traceback: `pkg.ErrorType: message` (or a bare type).
 _EXCEPTION_LINE = re.compile(
     r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure))(?::\s*(?P<text>.*))?$"
@@ -31,12 +33,17 @@ def shorten(text: str, limit: int = MAX_CAUSE_CHARS) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def _crash(message: str | None) -> dict[str, Any] | None:
+def _report(message: str | None) -> dict[str, Any] | None:
+    """The trainer's JSON report, if `message` is one (a log's tail is not)."""
     try:
         data = json.loads(message or "")
     except ValueError:
         return None
-    crash = data.get("crash") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def _crash(message: str | None) -> dict[str, Any] | None:
+    crash = (_report(message) or {}).get("crash")
     return crash if isinstance(crash, dict) else None
 
 
@@ -50,14 +57,23 @@ def describe_crash_report(crash: dict[str, Any]) -> str:
     return shorten(line, MAX_CAUSE_CHARS - len(suffix)) + suffix
 
 
-def describe_log_tail(tail: str) -> str | None:
-    """The last exception a log's tail shows (a traceback's last line), else its last line."""
+def describe_log_tail(tail: str, *, last_line: bool = True) -> str | None:
+    """The last exception a log's tail shows (a traceback's last line), else (`last_line`)
+    its last line that is not a JSON record (the trainer's step lines say nothing of a crash)."""
     lines = [line.strip() for line in tail.splitlines() if line.strip()]
     for line in reversed(lines):
         match = _EXCEPTION_LINE.match(line)
         if match and not match["type"].endswith(_WRAPPERS):
             return shorten(line)
-    return shorten(lines[-1]) if lines else None
+    text = [line for line in lines if not line.startswith("{")]
+    return shorten(text[-1]) if text and last_line else None
+
+
+def is_peer_loss(message: str | None) -> bool:
+    """The pod's ranks failed only because a peer in another pod vanished: a consequence,
+    never the job's root cause while another pod's report names one."""
+    crash = _crash(message)
+    return crash is not None and crash.get("kind") == KIND_PEER_LOST
 
 
 def describe_oom_kill(memory_limit: str | None) -> str:
@@ -65,20 +81,35 @@ def describe_oom_kill(memory_limit: str | None) -> str:
     return f"{REASON_OOM_KILLED}: the pod exceeded resources.memory{limit}"
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def crash_cause(
-    message: str | None, reason: str | None = None, memory_limit: str | None = None
+    message: str | None,
+    reason: str | None = None,
+    memory_limit: str | None = None,
+    exit_code: int | None = None,
 ) -> str | None:
-    """Why the container failed, from its termination `message` and `reason`; None when
-    neither says more than the exit code."""
+    """Why the container failed, from its termination `message`, `reason` and `exit_code`;
+    None when they say nothing more than the exit code."""
     parts: list[str] = []
+    # 128 + N: the container's main process was killed by signal N (the pod's processes
+    # SIGKILLed, say): the log's last line is whatever it was doing, not why it ended.
+    killed = exit_code is not None and 128 < exit_code < 160
     if reason == REASON_OOM_KILLED:
         parts.append(describe_oom_kill(memory_limit))
     crash = _crash(message)
     if crash is not None:
         parts.append(describe_crash_report(crash))
-    elif message and not message.lstrip().startswith("{"):
-        # Not a report (a final report or a configuration error is JSON): a log's tail.
-        cause = describe_log_tail(message)
+    elif message and _report(message) is None:
+        # Not a report (a final report or a configuration error): a log's tail.
+        cause = describe_log_tail(message, last_line=not killed)
         if cause:
             parts.append(cause)
+    if not parts and killed and exit_code is not None:
+        parts.append(f"killed by {_signal_name(exit_code - 128)}")
     return "; ".join(parts) or None

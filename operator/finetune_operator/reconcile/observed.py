@@ -63,7 +63,9 @@ class PodView:
         if self.reason and self.reason != REASON_OOM_KILLED:  # the cause says it, with the limit
             detail += f", {self.reason}"
         where = f" on node {self.node}" if self.node else ""
-        cause = crash_cause(self.termination_message, self.reason, self.memory_limit)
+        cause = crash_cause(
+            self.termination_message, self.reason, self.memory_limit, self.exit_code
+        )
         return f"pod {self.name} failed{where} ({detail})" + (f": {cause}" if cause else "")
 
 
