@@ -26,7 +26,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
-from finetune_operator.api.constants import CONFIG_PATH
 from finetune_trainer.crash import (
     KIND_EXIT,
     crash_report,
@@ -40,6 +39,9 @@ EXIT_FAILED = 1  # what torchrun exits with on a failed worker group
 
 def config_path(argv: list[str]) -> str:
     """The trainer's `--config` among torchrun's arguments (the last one: the program's)."""
+    # Only on a crash: the API package imports pydantic, which the agent does not need.
+    from finetune_operator.api.constants import CONFIG_PATH
+
     path = CONFIG_PATH
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
