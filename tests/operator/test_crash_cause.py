@@ -50,8 +50,8 @@ STEP_LINES = '{"step": 60, "loss": 2.1}\n{"step": 61, "loss": 2.0}\n'
     [
         (report(rank=3, kind="Exception", message="RuntimeError: expected Float", location="trainer.py:212"),
          "Error", None, "rank 3: RuntimeError: expected Float (trainer.py:212)"),
-        (report(rank=0, kind="OutOfMemory", message="OutOfMemoryError: CUDA out of memory [planned 61.2 GiB per GPU of 79.1 GiB]",
-                location="trainer.py:290"),
+        (report(rank=0, kind="OutOfMemory", message="OutOfMemoryError: CUDA out of memory",
+                planned="planned 61.2 GiB per GPU of 79.1 GiB", location="trainer.py:290"),
          "Error", None, "rank 0: OutOfMemoryError: CUDA out of memory [planned 61.2 GiB per GPU of 79.1 GiB] (trainer.py:290)"),
         (report(rank=1, kind="Signal", signal="SIGSEGV", message="died of SIGSEGV"),
          "Error", None, "rank 1: died of SIGSEGV"),
@@ -91,6 +91,26 @@ def test_a_huge_cause_is_one_bounded_line_that_keeps_the_location() -> None:
     cause = crash_cause(message)
     assert cause is not None and len(cause) <= MAX_CAUSE_CHARS and "\n" not in cause
     assert cause.startswith("rank 2: ValueError: row row") and cause.endswith("… (data.py:7)")
+
+
+# torch's own CUDA OOM message, as long as it is: the plan's figure must survive the cut.
+CUDA_OOM = (
+    "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+    "of 79.19 GiB of which 1.21 GiB is free. Including non-PyTorch memory, this process has 77.97 "
+    "GiB memory in use. Of the allocated memory 75.02 GiB is allocated by PyTorch, and 1.48 GiB is "
+    "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation "
+    "for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+
+
+def test_a_long_cuda_oom_keeps_the_planned_figure_and_location() -> None:
+    message = report(rank=4, kind="OutOfMemory", message=CUDA_OOM, location="trainer.py:290",
+                     planned="planned 61.2 GiB per GPU of 79.1 GiB")  # fmt: skip
+    cause = crash_cause(message)
+    assert cause is not None and len(cause) <= MAX_CAUSE_CHARS
+    assert cause.startswith("rank 4: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.")
+    assert cause.endswith("… [planned 61.2 GiB per GPU of 79.1 GiB] (trainer.py:290)")
 
 
 def _worker(index: int, phase: str, *, exit_code: int | None = None, message: str | None = None,

@@ -83,7 +83,7 @@ def test_accelerator_oom_says_what_was_planned(tmp_path: Path) -> None:
     crash = crash_report(_failures(error), planned="planned 61.2 GiB per GPU of 79.1 GiB")["crash"]
     assert crash["kind"] == KIND_OUT_OF_MEMORY
     assert crash["exception"] == "torch.OutOfMemoryError"  # qualified, from the traceback
-    assert crash["message"].endswith("[planned 61.2 GiB per GPU of 79.1 GiB]")
+    assert crash["planned"] == "planned 61.2 GiB per GPU of 79.1 GiB"
 
 
 def test_signal_death_beats_the_peers_it_took_down(tmp_path: Path) -> None:

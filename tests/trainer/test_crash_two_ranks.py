@@ -35,7 +35,7 @@ def test_a_rank_that_raises_is_named_in_the_termination_log(
     assert crash["rank"] == 1, crash  # not rank 0, which only lost its peer
     assert crash["kind"] == "OutOfMemory" and crash["exception"] == "torch.OutOfMemoryError"
     assert "injected at step 3" in crash["message"], crash
-    assert crash["message"].endswith("[planned 7.0 GiB per GPU of 2.0 GiB]"), crash
+    assert crash["planned"] == "planned 7.0 GiB per GPU of 2.0 GiB", crash
     assert crash["location"].startswith("faults.py:"), crash
     assert "self._crash(step)" in crash["traceback"], crash  # the caller's line, kept
     log = p.log.read_text(errors="replace")

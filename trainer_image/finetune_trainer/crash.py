@@ -8,8 +8,8 @@ launcher (launch.py) picks the root cause and writes the report built here, whic
 turns into the job's Restarting/Failed message (reconcile/crash.py).
 
 Report: {"crash": {"rank", "kind", "message", "exception"?, "location"?, "traceback"?,
-"exitCode", "signal"?, "time", "failedRanks"}}, beside whatever final report a trainer left. Kinds: `OutOfMemory` (an accelerator OOM; the
-message adds the plan's predicted peak), `Signal` (a rank killed by a signal: SIGKILL from the
+"planned"?, "exitCode", "signal"?, "time", "failedRanks"}}, beside whatever final report a trainer left. Kinds: `OutOfMemory` (an accelerator OOM; `planned`
+says what the plan predicted per GPU), `Signal` (a rank killed by a signal: SIGKILL from the
 kernel's OOM killer, SIGSEGV...), `Exception` (any other exception), `PeerLost` (every rank
 here failed only because a peer elsewhere vanished: the cause is in another pod's report),
 `Exit` (a non-zero exit
@@ -172,11 +172,10 @@ def crash_report(
     else:
         exception = qualified_type(root)
         oom = is_out_of_memory(exception, root.message)
-        message = root.message
-        if oom and planned:
-            message = f"{message} [{planned}]"
         kind = KIND_OUT_OF_MEMORY if oom else KIND_PEER_LOST if root.peer_loss else KIND_EXCEPTION
-        crash.update(kind=kind, message=message)
+        crash.update(kind=kind, message=root.message)
+        if oom and planned:
+            crash["planned"] = planned  # its own key: a long CUDA message is cut, never this
         if exception:
             crash["exception"] = exception
         where = locate(root.traceback)

@@ -48,13 +48,15 @@ def _crash(message: str | None) -> dict[str, Any] | None:
 
 
 def describe_crash_report(crash: dict[str, Any]) -> str:
-    """"rank 3: RuntimeError: expected ... (trainer.py:212)"."""
+    """"rank 3: RuntimeError: expected ... (trainer.py:212)"; an accelerator OOM adds what the
+    plan predicted ("[planned 61.2 GiB per GPU of 79.1 GiB]"). Only the message is cut."""
     rank = crash.get("rank")
     text = str(crash.get("message") or crash.get("kind") or "crashed")
-    where = crash.get("location")
-    line = f"rank {rank}: {text}" if isinstance(rank, int) else text
-    suffix = f" ({where})" if isinstance(where, str) and where else ""
-    return shorten(line, MAX_CAUSE_CHARS - len(suffix)) + suffix
+    prefix = f"rank {rank}: " if isinstance(rank, int) else ""
+    planned, where = crash.get("planned"), crash.get("location")
+    suffix = f" [{shorten(planned, 100)}]" if isinstance(planned, str) and planned else ""
+    suffix += f" ({shorten(where, 100)})" if isinstance(where, str) and where else ""
+    return prefix + shorten(text, MAX_CAUSE_CHARS - len(prefix) - len(suffix)) + suffix
 
 
 def describe_log_tail(tail: str, *, last_line: bool = True) -> str | None:
