@@ -172,6 +172,10 @@ def test_crash_report_joins_a_final_report_and_yields_to_a_configuration_error(
     merged = json.loads(text)
     assert len(text.encode()) <= MAX_REPORT_BYTES
     assert merged["checkpointStep"] == 12 and merged["crash"]["rank"] == 1
+    # A final report too big to leave room: the crash alone, whole JSON the kubelet keeps.
+    log.write_text(json.dumps({"step": 3, "output": "o" * 4050}))
+    assert write_crash_report(report, str(log))
+    assert json.loads(log.read_text()).keys() == {"crash"}
     write_error_report("strategy deepspeed needs ...", rank=0, path=str(log))
     assert not write_crash_report(report, str(log))  # the refusal is what the operator needs
     assert json.loads(log.read_text())["error"].startswith("strategy deepspeed")

@@ -99,8 +99,10 @@ def write_crash_report(report: dict[str, Any], path: str | None = None) -> bool:
         existing.pop("crash", None)
         # {**a, **b} as JSON is len(a) + len(b) bytes (", " replaces "}{"): b gets the rest.
         room = MAX_BYTES - (len(json.dumps(existing).encode()) if existing else 0)
-        merged = {**existing, **fit_report(report, limit=room)}
-        target.write_text(json.dumps(merged))
+        text = json.dumps({**existing, **fit_report(report, limit=room)})
+        if len(text.encode()) > MAX_BYTES:  # no room beside it: the crash alone, still valid JSON
+            text = json.dumps(fit_report(report))
+        target.write_text(text)
     except OSError as e:
         log.warning("could not write the crash report to %s: %s", target, e)
         return False
