@@ -187,3 +187,15 @@ def test_oom_killed_names_the_memory_limit() -> None:
         "pod qs-worker-0 failed on node node-a (exit code 137): "
         "OOMKilled: the pod exceeded resources.memory (64Gi)"
     )
+
+
+def test_every_container_falls_back_to_its_log_on_error(owner: Any, quickstart_spec: Any) -> None:
+    """A crash before the trainer's handler (an import error, torchrun's own failure, a store
+    that dies) still reaches the operator: the kubelet puts the log's tail in the message."""
+    from finetune_operator.resources import build_rendezvous_pod, build_worker_pod
+
+    pods = [build_worker_pod(owner, quickstart_spec, make_plan(2), 0),
+            build_rendezvous_pod(owner, quickstart_spec)]  # fmt: skip
+    for pod in pods:
+        for container in pod["spec"]["containers"]:
+            assert container["terminationMessagePolicy"] == "FallbackToLogsOnError", container["name"]
