@@ -48,7 +48,7 @@ from finetune_local.podstatus import conditions as pod_conditions
 from finetune_local.podstatus import container_base, now, running_status, waiting
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
 from finetune_local.scheduler import pick_node
-from finetune_local.termination import read_message, termination_mount
+from finetune_local.termination import begin_instance, read_message, termination_mount
 
 logger = logging.getLogger(__name__)
 PodKey = ObjectKey
@@ -90,6 +90,7 @@ class PodRun:
     process: asyncio.subprocess.Process | None = None
     started_at: str = ""
     restart_count: int = 0
+    log_start: int = 0  # where the current container instance's output begins in the log
     terminating: bool = False
     finished: bool = False
     hosts_text: str = ""
@@ -308,6 +309,7 @@ class Kubelet:
                       "argv": argv, "keepVisible": podrunner.image_paths(self.config.data_dir)}
         run.env = env
         self.runs[key] = run
+        run.log_start = begin_instance(run.termination_file, run.log_path)
         run.process = await podrunner.spawn(run.launch, directory / "launch.json", env, run.log_path)
         run.started_at = now()
         await self._patch_status(key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container))
@@ -329,12 +331,14 @@ class Kubelet:
             if run.terminating or key not in self.runs:
                 await self._finish(key, run, code, "")
                 return
+            run.log_start = begin_instance(run.termination_file, run.log_path)  # a new container
             run.process = await podrunner.spawn(run.launch, run.directory / "launch.json", run.env, run.log_path)
             run.started_at = now()
             await self._patch_status(key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container))
             await self._watch_process(key, pod, container)
             return
-        await self._finish(key, run, code, read_message(container, run.termination_file, run.log_path, code))
+        message = read_message(container, run.termination_file, run.log_path, code, run.log_start)
+        await self._finish(key, run, code, message)
 
     async def _finish(self, key: PodKey, run: PodRun, code: int, message: str) -> None:
         run.finished = True

@@ -180,7 +180,7 @@ def test_volume_over_tmp_keeps_image_paths_visible(cluster: LocalCluster, core: 
     ("script", "policy", "phase", "expected"),
     [
         ('echo \'{"step": 7}\' > /dev/termination-log', None, "Succeeded", '{"step": 7}\n'),
-        ("echo boom; exit 2", "FallbackToLogsOnError", "Failed", "boom"),
+        ("echo boom; exit 2", "FallbackToLogsOnError", "Failed", "boom\n"),
         ("echo boom; exit 2", None, "Failed", None),
     ],
     ids=["file", "fallback-to-logs", "file-policy-empty"],

@@ -12,6 +12,7 @@ import time
 
 from finetune_operator.api.constants import CONFIG_PATH
 from finetune_trainer.config import RuntimeEnv, load_job_config
+from finetune_trainer.crash import record_exception, recorded
 from finetune_trainer.distributed import destroy_distributed
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.termination_log import write_error_report
@@ -35,6 +36,7 @@ def exit_when_orphaned(interval: float = 1.0) -> None:
     threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
 
 
+@recorded  # torchelastic's error file: what torchrun's ChildFailedError carries to launch.py
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="finetune_trainer", description=__doc__)
     parser.add_argument("--config", default=CONFIG_PATH, help="job.json written by the operator")
@@ -59,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         log.error("unsupported job configuration: %s", e)
         write_error_report(str(e), rank=env.rank)
         code = EXIT_CONFIG_ERROR
-    except Exception:
-        # Typically a peer vanished mid-collective: torchrun restarts the group. Background
-        # save threads may be stuck on the same peer, so do not wait for them on the way out.
+    except Exception as e:
+        # A bug, a bad data row, an OOM, or a peer vanished mid-collective: torchrun restarts
+        # the group. Background save threads may be stuck on the same peer, so do not wait for
+        # them on the way out; os._exit skips `record`, so write the error file here.
         log.exception("training failed")
+        record_exception(e)
         code, failed = 1, True
     finally:
         hard = failed or (trainer is not None and trainer.hard_exit)

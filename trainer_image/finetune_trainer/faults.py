@@ -13,10 +13,18 @@ calls it unconditionally (no `if` in the hot path).
   after backward and the gradient reduction, that rank writes inf into one element of its own
   gradient (its shard under FSDP): an fp16 overflow only this rank sees. Loss scaling must
   make every rank skip the step (finetune_trainer.loss_scale); without it the run diverges.
+- `FT_CRASH_AT_STEP` (int), `FT_CRASH_RANK` (int, default 0) and `FT_CRASH_KIND`
+  (`exception`, the default: a RuntimeError, as a bug or a bad data row raises; `oom`: a
+  `torch.OutOfMemoryError`, as the caching allocator raises when the GPU is full; `kill`:
+  SIGKILL to itself, as the kernel's OOM killer does): in that step's first micro-batch that
+  rank fails, every time it gets there (a persistent fault). What the job's status then says
+  is the subject (finetune_trainer/crash.py).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +35,7 @@ import torch
 from torch import nn
 
 DEFAULT_HANG_MARKER = ".ft-hang-marker"
+CRASH_KINDS = ("exception", "oom", "kill")
 
 
 def env_number(
@@ -52,18 +61,28 @@ class FaultConfig:
     hang_marker: Path = Path(DEFAULT_HANG_MARKER)
     overflow_at_step: int | None = None
     overflow_rank: int = 0
+    crash_at_step: int | None = None
+    crash_rank: int = 0
+    crash_kind: str = "exception"
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> FaultConfig:
         delay = env_number(env, "FT_STEP_DELAY_SECONDS", float)
         hang = env_number(env, "FT_HANG_AT_STEP", int)
         overflow = env_number(env, "FT_GRAD_OVERFLOW_AT_STEP", int)
+        crash = env_number(env, "FT_CRASH_AT_STEP", int)
+        kind = env.get("FT_CRASH_KIND", "").strip() or "exception"
+        if kind not in CRASH_KINDS:
+            raise ValueError(f"environment variable FT_CRASH_KIND={kind!r} must be one of {CRASH_KINDS}")
         return cls(
             step_delay_seconds=float(delay or 0.0),
             hang_at_step=int(hang) if hang is not None else None,
             hang_marker=Path(env.get("FT_HANG_MARKER") or DEFAULT_HANG_MARKER),
             overflow_at_step=int(overflow) if overflow is not None else None,
             overflow_rank=int(env_number(env, "FT_GRAD_OVERFLOW_RANK", int) or 0),
+            crash_at_step=int(crash) if crash is not None else None,
+            crash_rank=int(env_number(env, "FT_CRASH_RANK", int) or 0),
+            crash_kind=kind,
         )
 
     @property
@@ -72,6 +91,7 @@ class FaultConfig:
             self.step_delay_seconds > 0
             or self.hang_at_step is not None
             or self.overflow_at_step is not None
+            or self.crash_at_step is not None
         )
 
 
@@ -110,11 +130,23 @@ class InjectedFaults:
                 return
 
     def after_micro_batch(self, step: int, micro_batches: int) -> None:
+        if step == self.config.crash_at_step and self.rank == self.config.crash_rank:
+            self._crash(step)
         if self.config.step_delay_seconds:
             time.sleep(self.config.step_delay_seconds / max(micro_batches, 1))
         if step == self.config.hang_at_step and self._claim_hang():
             while True:  # SIGTERM only sets the stop flag: like a stuck kernel, only SIGKILL ends it
                 time.sleep(3600)
+
+    def _crash(self, step: int) -> None:
+        kind = self.config.crash_kind
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "oom":
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate 2.00 GiB (injected at step {step})"
+            )
+        raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
 
     def _claim_hang(self) -> bool:
         try:

@@ -1,4 +1,5 @@
-"""The worker pod's command: torchrun (`torch.distributed.run`), stopping quietly on a signal.
+"""The worker pod's command: torchrun (`torch.distributed.run`), stopping quietly on a signal
+and saying why on a crash.
 
     python -m finetune_trainer.launch <torchrun arguments> -m finetune_trainer --config ...
 
@@ -7,8 +8,13 @@ torchrun turns SIGTERM (every graceful pod delete, drain or preemption) into a
 exception escape: a traceback in the pod's log and exit code 1 for what is an orderly stop.
 Here that stop ends with one log line and 128 + the signal (143 for SIGTERM), the code the
 trainer itself exits with when stopped (`trainer.EXIT_STOPPED`) and that
-`reconcile/disposition.py` reads as a preemption. Any other failure is torchrun's own,
-unchanged.
+`reconcile/disposition.py` reads as a preemption.
+
+A failed worker group ends torchrun with a `ChildFailedError` carrying each failed rank's
+error file (the trainer runs under torchelastic's `record`) or the signal that killed it.
+Its root cause goes to the container's termination log (finetune_trainer/crash.py), where
+the operator reads it for the job's status and Events; torchrun's own summary of the failures
+goes to the log, and the exit code stays 1. Any other failure is torchrun's own, unchanged.
 """
 
 from __future__ import annotations
@@ -17,17 +23,70 @@ import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
+
+from finetune_trainer.crash import (
+    KIND_EXIT,
+    crash_report,
+    failure_from_process,
+    planned_memory_note,
+)
+from finetune_trainer.termination_log import write_crash_report
+
+EXIT_FAILED = 1  # what torchrun exits with on a failed worker group
+
+
+def config_path(argv: list[str]) -> str:
+    """The trainer's `--config` among torchrun's arguments (the last one: the program's)."""
+    # Only on a crash: the API package imports pydantic, which the agent does not need.
+    from finetune_operator.api.constants import CONFIG_PATH
+
+    path = CONFIG_PATH
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    return path
+
+
+def _planned(argv: list[str]) -> str | None:
+    try:
+        from finetune_trainer.config import load_job_config
+
+        return planned_memory_note(load_job_config(config_path(argv)).plan)
+    except Exception:  # a crash report without the plan's figure is still one
+        return None
+
+
+def report_crash(error: ChildFailedError, argv: list[str]) -> None:
+    failures = [failure_from_process(rank, f) for rank, f in error.failures.items()]
+    report = crash_report(failures, planned=_planned(argv))
+    crash = report["crash"]
+    # No error file and no signal: a trainer that failed before `record` ran (an import
+    # error: the log's tail has it, FallbackToLogsOnError) or that exited with a code of its
+    # own after writing its own report. Either says more than "exited with code N".
+    if crash["kind"] == KIND_EXIT or not write_crash_report(report):
+        return
+    print(f"crash report: rank {crash['rank']}: {crash['message']}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
     try:
-        torchrun_main(argv)
+        torchrun_main(args)
     except SignalException as e:
         name = signal.Signals(e.sigval).name
         # torchrun already logged the signal and shut its workers down, waiting for them.
         print(f"torchrun stopped by {name}: worker group shut down", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        report_crash(e, args)
+        # torchrun's own summary (each failed rank's traceback, the root cause), as it would
+        # print it, without the launcher's frames around it.
+        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     return 0
 
 

@@ -8,7 +8,8 @@ checkpointStep), output?, resumedFromStep?, skippedCheckpoints? (committed steps
 at start), stopReason? ("Signal": the trainer stopped because it was told to, e.g. its pod is
 being preempted; the operator does not count that as a failure), error? (a configuration error,
 `UnsupportedConfigError`: the operator fails the job with it instead of restarting pods that
-would refuse again). Readers ignore keys they do not know."""
+would refuse again), crash? (a failed worker group's root cause, written by the launcher:
+finetune_trainer/crash.py). Readers ignore keys they do not know."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
+
+from finetune_trainer.crash import fit_report
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,39 @@ def write_error_report(message: str, *, rank: int, path: str | None = None) -> b
         log.warning("could not write the termination report to %s: %s", target, e)
         return False
     return True
+
+
+def write_crash_report(report: dict[str, Any], path: str | None = None) -> bool:
+    """Add a crash report (crash.crash_report) to what the log holds; never raises. A final
+    report a trainer left stays beside it (its step and checkpoint are still true), within
+    MAX_BYTES; a configuration `error` stays alone: it is the more specific report, and the
+    operator fails the job on it instead of restarting."""
+    target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
+    if not target.exists():
+        return False
+    try:
+        existing = _read_report(target)
+        if "error" in existing:
+            return False
+        existing.pop("crash", None)
+        # {**a, **b} as JSON is len(a) + len(b) bytes (", " replaces "}{"): b gets the rest.
+        room = MAX_BYTES - (len(json.dumps(existing).encode()) if existing else 0)
+        text = json.dumps({**existing, **fit_report(report, limit=room)})
+        if len(text.encode()) > MAX_BYTES:  # no room beside it: the crash alone, still valid JSON
+            text = json.dumps(fit_report(report))
+        target.write_text(text)
+    except OSError as e:
+        log.warning("could not write the crash report to %s: %s", target, e)
+        return False
+    return True
+
+
+def _read_report(target: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(target.read_text() or "{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def clear_final_report(path: str | None = None) -> None:

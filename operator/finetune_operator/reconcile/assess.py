@@ -16,6 +16,7 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.conditions import find, is_true
+from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
 from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import FAILED, RUNNING, SUCCEEDED, PodView
@@ -146,6 +147,9 @@ def assess(
     replace_now, waiting, restarts, exhausted = _walk_failures(ev, status, failed, now)
     if exhausted is not None:
         used = ev.spec.fault_tolerance.max_restarts
-        msg = f"{exhausted.describe_failure()}; all {used} replacements allowed are used"
+        # Say the root cause: a pod whose ranks only lost their peer is a consequence of
+        # another's failure (finished at the same moment, in any order).
+        culprit = min(failed, key=lambda p: (is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name))
+        msg = shorten(f"{culprit.describe_failure()}; all {used} replacements allowed are used", 1000)
         return replace(seen, mode=Mode.FAILED, restarts=restarts, message=msg)
     return replace(seen, replace_now=tuple(replace_now), waiting=tuple(waiting), restarts=restarts)

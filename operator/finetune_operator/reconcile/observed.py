@@ -15,6 +15,7 @@ from finetune_operator.api.constants import (
     ROLE_RENDEZVOUS,
     ROLE_WORKER,
 )
+from finetune_operator.reconcile.crash import REASON_OOM_KILLED, crash_cause
 
 PENDING, RUNNING, SUCCEEDED, FAILED = "Pending", "Running", "Succeeded", "Failed"
 
@@ -40,6 +41,7 @@ class PodView:
     # Why the container cannot start, as the kubelet says ("CreateContainerConfigError: secret
     # \"s3\" not found"); None while it is merely being created.
     blocked: str | None = None
+    memory_limit: str | None = None  # the container's resources.limits.memory, for OOMKilled
 
     @property
     def is_worker(self) -> bool:
@@ -55,11 +57,16 @@ class PodView:
         return not self.terminating and self.phase in (PENDING, RUNNING)
 
     def describe_failure(self) -> str:
+        """"pod w-1 failed on node n (exit code 1, Error): rank 3: ValueError: ... (x.py:9)":
+        the root cause when the trainer's report, its log's tail or the kubelet gives one."""
         detail = f"exit code {self.exit_code}" if self.exit_code is not None else "no exit code"
-        if self.reason:
+        if self.reason and self.reason != REASON_OOM_KILLED:  # the cause says it, with the limit
             detail += f", {self.reason}"
         where = f" on node {self.node}" if self.node else ""
-        return f"pod {self.name} failed{where} ({detail})"
+        cause = crash_cause(
+            self.termination_message, self.reason, self.memory_limit, self.exit_code
+        )
+        return f"pod {self.name} failed{where} ({detail})" + (f": {cause}" if cause else "")
 
 
 def format_time(when: datetime) -> str:
@@ -101,6 +108,14 @@ DISRUPTION_REASONS = frozenset(
 
 # Waiting reasons of a container on its normal way to running: not worth reporting.
 STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+def _memory_limit(spec: Mapping[str, Any]) -> str | None:
+    for container in spec.get("containers") or []:
+        memory = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+        if memory:
+            return str(memory)
+    return None
 
 
 def _blocked(status: Mapping[str, Any]) -> str | None:
@@ -149,6 +164,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
         disruption=_disruption(status),
         created_at=parse_time(meta.get("creationTimestamp")),
         blocked=_blocked(status),
+        memory_limit=_memory_limit(spec),
     )
 
 

@@ -31,11 +31,14 @@ from finetune_operator.api.constants import (
 from finetune_operator.api.status import Condition, FineTuneJobStatus
 from finetune_operator.reconcile.assess import Assessment, Mode, assess
 from finetune_operator.reconcile.conditions import Want, derive_phase, find, set_condition
+from finetune_operator.reconcile.crash import shorten
 from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView, format_time
 from finetune_operator.reconcile.progress import TrainerProgress
 
 TERMINAL = (PHASE_FAILED, PHASE_SUCCEEDED)
+MAX_PODS_DESCRIBED = 2
+MAX_MESSAGE_CHARS = 1000  # condition messages: Kubernetes sets no limit, readers do
 # Condition order in status: stable, so an unchanged status compares (and patches) as equal.
 ORDER = (COND_PLANNED, COND_WORKERS_READY, COND_SUCCEEDED, COND_FAILED)
 
@@ -54,8 +57,14 @@ def _progress(a: Assessment) -> Want:
         msg = f"{pod.describe_failure()}; replacing it at {format_time(due)}"
         return Want("Unknown", REASON_RESTARTING, msg)
     if a.replace_now:
-        names = ", ".join(p.name for p in a.replace_now)
-        return Want("Unknown", REASON_RESTARTING, f"replacing failed pods: {names}")
+        # Each with its cause (reconcile/crash.py), the first few: what `kubectl describe`
+        # shows while the job restarts.
+        causes = "; ".join(p.describe_failure() for p in a.replace_now[:MAX_PODS_DESCRIBED])
+        more = len(a.replace_now) - MAX_PODS_DESCRIBED
+        msg = f"{causes}{f'; and {more} more' if more > 0 else ''}; replacing them"
+        if len(a.replace_now) == 1:
+            msg = f"{causes}; replacing it"
+        return Want("Unknown", REASON_RESTARTING, shorten(msg, MAX_MESSAGE_CHARS))
     if a.preempted_now:
         names = ", ".join(f"{p.name} ({v.why})" for p, v in a.preempted_now)
         return Want("Unknown", REASON_RESTARTING, f"replacing pods: {names}")

@@ -58,6 +58,9 @@ def build_rendezvous_pod(
                     "failureThreshold": 3,
                 },
                 "resources": RDZV_RESOURCES,
+                # A crashed store says why (its traceback's last line) in the job's Restarting
+                # condition, as a worker does (reconcile/crash.py).
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "securityContext": container_security_context(),
                 "volumeMounts": [tmp_mount],
             }

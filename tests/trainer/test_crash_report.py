@@ -1,0 +1,189 @@
+"""The crash report: torchelastic's failures (real error files, real ProcessFailure and
+ChildFailedError) → the root cause, classified and within the termination log's 4096 bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+from finetune_operator.api.constants import CONFIG_PATH
+from finetune_trainer.crash import (
+    KIND_EXCEPTION,
+    KIND_EXIT,
+    KIND_OUT_OF_MEMORY,
+    KIND_PEER_LOST,
+    KIND_SIGNAL,
+    MAX_REPORT_BYTES,
+    RankFailure,
+    crash_report,
+    failure_from_process,
+    fit_report,
+    locate,
+    root_cause,
+)
+from finetune_trainer.launch import config_path
+from finetune_trainer.termination_log import (
+    write_crash_report,
+    write_error_report,
+    write_final_report,
+)
+
+TRACEBACK = """Traceback (most recent call last):
+  File "/app/finetune_trainer/__main__.py", line 58, in main
+    code = trainer.train()
+  File "/app/finetune_trainer/trainer.py", line 212, in _step
+    loss = self.model(**batch).loss
+  File "/venv/torch/nn/modules/module.py", line 1775, in _call_impl
+    return forward_call(*args, **kwargs)
+RuntimeError: expected scalar type Float
+but found Half
+"""
+
+
+def _error_file(tmp_path: Path, error: BaseException, name: str = "error.json") -> str:
+    """What the trainer's `record` writes: the real ErrorHandler, inside the except block."""
+    path = tmp_path / name
+    os.environ["TORCHELASTIC_ERROR_FILE"] = str(path)
+    try:
+        try:
+            raise error
+        except BaseException as e:
+            ErrorHandler().record_exception(e)
+    finally:
+        del os.environ["TORCHELASTIC_ERROR_FILE"]
+    return str(path)
+
+
+def _failures(error: ChildFailedError) -> list[RankFailure]:
+    return [failure_from_process(rank, f) for rank, f in error.failures.items()]
+
+
+def test_exception_names_type_message_and_our_frame(tmp_path: Path) -> None:
+    file = _error_file(tmp_path, ValueError("bad data row 17"))
+    error = ChildFailedError("trainer", {3: ProcessFailure(1, 4242, 1, file)})
+    report = crash_report(_failures(error))
+    crash = report["crash"]
+    assert crash["rank"] == 3
+    assert crash["kind"] == KIND_EXCEPTION and crash["exception"] == "ValueError"
+    assert crash["message"] == "ValueError: bad data row 17"
+    assert crash["location"].startswith("test_crash_report.py:")  # where it was raised
+    assert "raise error" in crash["traceback"] and "ValueError" not in crash["traceback"]
+    assert crash["failedRanks"] == [3]
+
+
+def test_accelerator_oom_says_what_was_planned(tmp_path: Path) -> None:
+    file = _error_file(tmp_path, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    error = ChildFailedError("trainer", {0: ProcessFailure(0, 1, 1, file)})
+    crash = crash_report(_failures(error), planned="planned 61.2 GiB per GPU of 79.1 GiB")["crash"]
+    assert crash["kind"] == KIND_OUT_OF_MEMORY
+    assert crash["exception"] == "torch.OutOfMemoryError"  # qualified, from the traceback
+    assert crash["planned"] == "planned 61.2 GiB per GPU of 79.1 GiB"
+
+
+def test_signal_death_beats_the_peers_it_took_down(tmp_path: Path) -> None:
+    """A SIGKILLed rank leaves no error file, and torchrun stamps it when it notices: later
+    than the peer's 'Connection closed by peer'. The killed rank is still the root cause."""
+    peer = _error_file(tmp_path, RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1"))
+    killed = ProcessFailure(1, 7, -9, "<N/A>")
+    error = ChildFailedError("trainer", {0: ProcessFailure(0, 6, 1, peer), 1: killed})
+    report = crash_report(_failures(error))
+    assert report["crash"]["rank"] == 1
+    assert report["crash"]["kind"] == KIND_SIGNAL and report["crash"]["signal"] == "SIGKILL"
+    assert report["crash"]["message"].startswith("died of SIGKILL")
+    assert report["crash"]["failedRanks"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("failures", "root"),
+    [
+        ([RankFailure(rank=0, exitcode=1, message="RuntimeError: a", timestamp=10),
+          RankFailure(rank=1, exitcode=1, message="RuntimeError: b", timestamp=9)], 1),
+        ([RankFailure(rank=0, exitcode=1, message="DistNetworkError: Connection reset by peer", timestamp=10),
+          RankFailure(rank=1, exitcode=1, message="ValueError: x", timestamp=10)], 1),
+        ([RankFailure(rank=2, exitcode=1, message="RuntimeError: a", timestamp=10),
+          RankFailure(rank=1, exitcode=1, message="RuntimeError: b", timestamp=10)], 1),
+        ([RankFailure(rank=0, exitcode=1, message="RuntimeError: Connection closed by peer", timestamp=12),
+          RankFailure(rank=1, exitcode=1, message="RuntimeError: Connection closed by peer", timestamp=11)], 1),
+    ],
+    ids=["earliest", "peer-loss-is-a-consequence", "tie-lowest-rank", "all-peer-loss-earliest"],
+)  # fmt: skip
+def test_root_cause(failures: list[RankFailure], root: int) -> None:
+    assert root_cause(failures).rank == root
+
+
+def test_a_group_that_only_lost_a_peer_says_so(tmp_path: Path) -> None:
+    file = _error_file(tmp_path, RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    error = ChildFailedError("trainer", {0: ProcessFailure(0, 3, 1, file)})
+    assert crash_report(_failures(error))["crash"]["kind"] == KIND_PEER_LOST
+
+
+def test_exit_without_error_file_points_at_the_log() -> None:
+    error = ChildFailedError("trainer", {0: ProcessFailure(0, 9, 1, "<N/A>")})
+    crash = crash_report(_failures(error))["crash"]
+    assert crash["kind"] == KIND_EXIT and "exited with code 1" in crash["message"]
+
+
+def test_location_prefers_the_trainers_own_frame() -> None:
+    assert locate(TRACEBACK) == "trainer.py:212"
+    assert locate('  File "/venv/torch/x.py", line 3, in f\n') == "x.py:3"
+    assert locate("no frames here") is None
+
+
+def test_a_huge_message_is_cut_and_the_json_stays_valid() -> None:
+    failure = RankFailure(rank=5, exitcode=1, message="RuntimeError: " + "é\"x" * 5000,
+                          traceback=TRACEBACK * 40, timestamp=1, has_error_file=True)  # fmt: skip
+    report = crash_report([failure])
+    text = json.dumps(report)
+    assert len(text.encode()) <= MAX_REPORT_BYTES
+    crash = json.loads(text)["crash"]
+    assert crash["exception"] == "RuntimeError" and crash["location"] == "trainer.py:212"
+    assert crash["message"].startswith("RuntimeError: é") and crash["message"].endswith("…")
+
+
+def test_fit_keeps_the_traceback_tail_first() -> None:
+    report = {"crash": {"rank": 0, "kind": KIND_EXCEPTION, "message": "E: m",
+                                   "traceback": "\n".join(f"line {i}" for i in range(900))}}  # fmt: skip
+    fitted = fit_report(report, limit=1000)
+    assert len(json.dumps(fitted).encode()) <= 1000
+    assert fitted["crash"]["traceback"].endswith("line 899") and fitted["crash"]["message"] == "E: m"
+
+
+def test_crash_report_joins_a_final_report_and_yields_to_a_configuration_error(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "termination-log"
+    log.touch()
+    huge = RankFailure(rank=1, exitcode=1, message="RuntimeError: " + "x" * 9000,
+                       traceback=TRACEBACK, timestamp=1, has_error_file=True)  # fmt: skip
+    report = crash_report([huge])
+    assert write_crash_report(report, str(log))
+    assert json.loads(log.read_text()) == report
+    # A trainer's own final report (say, its final save failed) stays beside the crash.
+    write_final_report(step=14, loss=1.0, checkpoint_step=12, rank=0, path=str(log),
+                       checkpoint_failed_step=14, output="s3://b/" + "o" * 300)  # fmt: skip
+    assert write_crash_report(report, str(log))
+    text = log.read_text()
+    merged = json.loads(text)
+    assert len(text.encode()) <= MAX_REPORT_BYTES
+    assert merged["checkpointStep"] == 12 and merged["crash"]["rank"] == 1
+    # A final report too big to leave room: the crash alone, whole JSON the kubelet keeps.
+    log.write_text(json.dumps({"step": 3, "output": "o" * 4050}))
+    assert write_crash_report(report, str(log))
+    assert json.loads(log.read_text()).keys() == {"crash"}
+    write_error_report("strategy deepspeed needs ...", rank=0, path=str(log))
+    assert not write_crash_report(report, str(log))  # the refusal is what the operator needs
+    assert json.loads(log.read_text())["error"].startswith("strategy deepspeed")
+    assert not write_crash_report(report, str(tmp_path / "absent"))  # outside a pod
+
+
+def test_config_path_is_the_programs() -> None:
+    argv = ["--nnodes=1", "-m", "finetune_trainer", "--config", "/x/job.json"]
+    assert config_path(argv) == "/x/job.json"
+    assert config_path(["-m", "finetune_trainer", "--config=/y.json"]) == "/y.json"
+    assert config_path(["-m", "finetune_trainer"]) == CONFIG_PATH
