@@ -36,10 +36,10 @@ sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer_image")]
 import yaml  # noqa: E402
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-# What `finetune_trainer.trainer` imported at module level before it imported per job
-# (git 43f4905): datasets (jsonl now reads without it), the exporter (with transformers'
-# model classes and DCP's state_dict), the DeepSpeed/peft/bitsandbytes paths were already lazy.
-EAGER_BEFORE = ("datasets", "finetune_trainer.export")
+# What `finetune_trainer.trainer` imported at module level whatever the job, before it
+# imported per job (git 43f4905): `datasets` (jsonl and parquet now read without it). The
+# DeepSpeed, peft, bitsandbytes and s3fs paths were already imported only where used.
+EAGER_BEFORE = ("datasets",)
 STARTED = re.compile(r"rank(\d+) .*started in ([\d.]+) s: (.*)$")
 PHASES = ("imports", "group", "data", "model", "resume", "first step")
 
