@@ -36,7 +36,11 @@ print(json.dumps(sorted(m for m in {UNUSED!r} if m in sys.modules)))
 @pytest.mark.parametrize(
     ("stat", "uptime", "age"),
     [
-        ("4242 (python) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 1000 20 21", "12.50 3.0", 2.5),
+        (
+            "4242 (python) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 1000 20 21",
+            "12.50 3.0",
+            2.5,
+        ),
         ("7 (a b) c)) R 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 500 20 21", "5.00 1.0", 0.0),
     ],
     ids=["plain", "command-with-spaces-and-parens"],
@@ -75,4 +79,3 @@ def test_a_plain_job_imports_only_what_it_uses(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.splitlines()[-1]) == []
-
