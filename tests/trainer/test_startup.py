@@ -60,6 +60,7 @@ def test_phases_are_timed_from_the_process_start_in_order() -> None:
     assert clock.summary() == (
         "started in 6.25 s: imports 4.00, group 0.50, model 1.50, first step 0.25"
     )
+    assert clock.summary(cpu_seconds=3.5).startswith("started in 6.25 s (cpu 3.50 s): imports")
     with pytest.raises(ValueError, match="unknown startup phase 'load'"):
         clock.mark("load")
     assert PHASES[0] == "imports" and PHASES[-1] == "first step"

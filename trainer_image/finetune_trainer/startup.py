@@ -61,8 +61,11 @@ class StartupClock:
                 previous = self.marks[phase]
         return out
 
-    def summary(self) -> str:
+    def summary(self, cpu_seconds: float | None = None) -> str:
+        """`cpu_seconds`: the process's CPU time so far; far below the wall time, the start
+        waited (for peers, storage, or a CPU shared with other processes)."""
         durations = self.durations()
         total = sum(durations.values())
         parts = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in durations.items())
-        return f"started in {total:.2f} s: {parts}"
+        cpu = "" if cpu_seconds is None else f" (cpu {cpu_seconds:.2f} s)"
+        return f"started in {total:.2f} s{cpu}: {parts}"

@@ -226,7 +226,7 @@ class Trainer:
             self.step_trace.record(stats, checkpoint=saved)
             if "first step" not in self.startup.marks:
                 self.startup.mark("first step")
-                log.info("%s", self.startup.summary())
+                log.info("%s", self.startup.summary(cpu_seconds=time.process_time()))
         code = self._finish(stopped=stop)
         self.metrics.log_summary()
         # Only a completed run exports (collective); a stopped one resumes and exports later,
