@@ -113,7 +113,7 @@ def load_records(spec: DatasetSpec) -> Records:
         if not paths:
             where = "" if path == spec.uri else f" ({path})"
             raise UnsupportedConfigError(f"dataset.uri {spec.uri!r}: no such file{where}")
-        # Read without `datasets` (its import, pandas and all, is ~1.7 s of every rank's start,
+        # Read without `datasets` (its import, pandas and all, is ~1 s CPU of every rank's start,
         # paid again on each recovery) and without writing its cache.
         if spec.format == "jsonl":
             return Records.of_rows(_read_jsonl(spec.uri, paths))
