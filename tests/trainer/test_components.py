@@ -11,7 +11,7 @@ import torch
 from prometheus_client import generate_latest
 
 from finetune_operator.api.spec import DatasetSpec, MethodSpec, StrategySpec
-from finetune_trainer.data import build_dataset, pack, resolve_uri
+from finetune_trainer.data import build_dataset, load_records, pack, resolve_uri
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model, decoder_layers
@@ -77,6 +77,40 @@ def test_missing_dataset_file_is_refused_not_crashed(fmt: str, tmp_path: Path) -
     spec = DatasetSpec(uri=str(tmp_path / f"missing.{fmt}"), format=fmt)
     with pytest.raises(UnsupportedConfigError, match=r"dataset.uri '.*missing.*': no such file"):
         build_dataset(spec, build_byte_tokenizer(), 8)
+
+
+def test_jsonl_files_read_as_written_with_missing_columns_none(tmp_path: Path) -> None:
+    """Read without `datasets`, as `datasets` 4 gives them: every column on every row (None
+    where a row lacks it), nested values as written, files of a glob in name order."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "name": "x"}]
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "second", "id": 2}) + "\n")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "first", "messages": chat}) + "\n\n")
+    records = load_records(DatasetSpec(uri=str(tmp_path / "*.jsonl")))
+    assert records.column_names == ["text", "messages", "id"]
+    assert records.column("text") == ["first", "second"]
+    assert list(records.rows()) == [
+        {"text": "first", "messages": chat, "id": None},
+        {"text": "second", "messages": None, "id": 2},
+    ]
+
+
+@pytest.mark.parametrize(("line", "why"), [("{oops", "is not JSON"), ("[1, 2]", "is not a JSON object")])
+def test_jsonl_line_that_is_no_record_is_refused_naming_it(
+    line: str, why: str, tmp_path: Path
+) -> None:
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(UnsupportedConfigError, match=rf"dataset.uri .*d.jsonl line 2 {why}"):
+        load_records(DatasetSpec(uri=str(tmp_path / "d.jsonl")))
+
+
+def test_parquet_records(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["hello world " * 20] * 4, "n": [1, 2, 3, 4]}), tmp_path / "d.parquet")
+    spec = DatasetSpec(uri=str(tmp_path / "d.parquet"), format="parquet")
+    assert load_records(spec).column("n") == [1, 2, 3, 4]
+    assert len(build_dataset(spec, build_byte_tokenizer(), 64)) == 4 * 242 // 64
 
 
 def test_inline_model_and_lora() -> None:

@@ -83,6 +83,9 @@ def test_fsdp_two_ranks_checkpoint_loads_at_world_one(tmp_path: Path, procs: lis
     log = q.log.read_text()
     assert "world 1, micro-batch 2, grad accumulation 4" in log
     assert "resumed from checkpoint step 20" in log
+    # The cold start by phase, logged once at the first step (finetune_trainer.startup).
+    assert re.search(r"rank0 INFO .*started in [\d.]+ s \(cpu [\d.]+ s\): imports [\d.]+, group [\d.]+, "
+                     r"data [\d.]+, model [\d.]+, resume [\d.]+, first step [\d.]+$", log, re.M)
     steps = step_lines(q.log)
     assert [s["step"] for s in steps] == list(range(21, 31))
     assert abs(steps[0]["loss"] - loss20) < 0.4, (steps[0]["loss"], loss20)  # not a fresh model

@@ -27,6 +27,7 @@ from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import check_precision
 from finetune_trainer.sampler import StepSampler
+from finetune_trainer.startup import StartupClock
 from finetune_trainer.steptrace import build_step_trace
 from finetune_trainer.termination_log import clear_final_report, write_final_report
 from finetune_trainer.tokenizer import build_tokenizer
@@ -92,6 +93,8 @@ def precision_context(
 
 class Trainer:
     def __init__(self, job: JobConfig, env: RuntimeEnv) -> None:
+        self.startup = StartupClock()
+        self.startup.mark("imports")
         check_torch(torch.__version__)  # before anything that would fail less clearly
         self.job, self.env, spec = job, env, job.spec
         self.stop_signal = StopSignal()
@@ -99,6 +102,7 @@ class Trainer:
         self.device = select_device(spec.resources.device, env)
         select_accelerator(self.device)  # before anything imports deepspeed
         self.dist = init_distributed(self.device, env)
+        self.startup.mark("group")
         world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
         self.grad_accum = gradient_accumulation(
             spec.training.global_batch_size, world, micro_batch_size
@@ -108,6 +112,7 @@ class Trainer:
 
         tokenizer = build_tokenizer(spec.model)
         self.data = build_dataset(spec.dataset, tokenizer, spec.training.sequence_length)
+        self.startup.mark("data")
         self.parallel = load_parallel_model(
             job,
             tokenizer,
@@ -195,6 +200,7 @@ class Trainer:
             self.total_steps,
             self.parallel.strategy,
         )
+        self.startup.mark("model")
 
     def train(self) -> int:
         """Run to `total_steps` or until stopped; returns the process exit code."""
@@ -202,6 +208,7 @@ class Trainer:
             clear_final_report()
         self.state.step = self.checkpointer.load()
         self.checkpointer.prepare()
+        self.startup.mark("resume")
         # Report the resumed step from the first scrape on: a restarted rank must not look
         # as if the job went back to step 0.
         self.metrics.step.set(self.state.step)
@@ -217,6 +224,9 @@ class Trainer:
                 self.state.step, force=stop or last, time_due=time_due
             )
             self.step_trace.record(stats, checkpoint=saved)
+            if "first step" not in self.startup.marks:
+                self.startup.mark("first step")
+                log.info("%s", self.startup.summary(cpu_seconds=time.process_time()))
         code = self._finish(stopped=stop)
         self.metrics.log_summary()
         # Only a completed run exports (collective); a stopped one resumes and exports later,

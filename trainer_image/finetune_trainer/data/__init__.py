@@ -4,6 +4,7 @@ trainer (`quickstart.jsonl`, written by `generate_quickstart.py`)."""
 
 from finetune_trainer.data.dataset import (
     IGNORE_INDEX,
+    Records,
     TokenBlocks,
     build_dataset,
     load_records,
@@ -14,6 +15,7 @@ from finetune_trainer.data.dataset import (
 
 __all__ = [
     "IGNORE_INDEX",
+    "Records",
     "TokenBlocks",
     "build_dataset",
     "load_records",

@@ -4,17 +4,22 @@ tokenize a text field or chat messages, and pack them into fixed-length blocks."
 from __future__ import annotations
 
 import glob
+import json
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from finetune_operator.api.spec import DatasetSpec
 from finetune_trainer.errors import UnsupportedConfigError
+
+if TYPE_CHECKING:
+    import datasets
+    import pyarrow as pa
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +48,87 @@ def resolve_uri(uri: str) -> str:
     return uri
 
 
-def load_records(spec: DatasetSpec) -> datasets.Dataset:
+@dataclass(frozen=True)
+class Records:
+    """The loaded records, whatever read them: column names, one column, or every row."""
+
+    column_names: list[str]
+    column: Callable[[str], list[Any]]
+    rows: Callable[[], Iterable[dict[str, Any]]]
+
+    @classmethod
+    def of_rows(cls, rows: list[dict[str, Any]]) -> Records:
+        """Rows as read, each with every column (None where a row lacks it), as `datasets`
+        gives them; nested values stay as written."""
+        names = list(dict.fromkeys(k for row in rows for k in row))
+        return cls(
+            names,
+            lambda f: [row.get(f) for row in rows],
+            lambda: ({k: row.get(k) for k in names} for row in rows),
+        )
+
+    @classmethod
+    def of_table(cls, table: pa.Table) -> Records:
+        return cls(table.column_names, lambda f: table.column(f).to_pylist(), table.to_pylist)
+
+    @classmethod
+    def of_dataset(cls, ds: datasets.Dataset) -> Records:
+        return cls(ds.column_names, lambda f: list(ds[f]), lambda: iter(ds))
+
+
+def _read_jsonl(uri: str, paths: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UnsupportedConfigError(
+                        f"dataset.uri {uri!r}: {path} line {n} is not JSON ({e.msg})"
+                    ) from None
+                if not isinstance(row, dict):
+                    raise UnsupportedConfigError(
+                        f"dataset.uri {uri!r}: {path} line {n} is not a JSON object"
+                    )
+                rows.append(row)
+    return rows
+
+
+def _read_parquet(paths: list[str]) -> pa.Table:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pa.concat_tables([pq.read_table(p) for p in paths], promote_options="default")
+
+
+def load_records(spec: DatasetSpec) -> Records:
     path = resolve_uri(spec.uri)
     if spec.format in ("jsonl", "parquet"):
         # A missing file is the job's error, not a crash to restart: every restart would fail
         # the same way, so refuse it (the operator then fails the job naming the field).
-        if not glob.glob(path):
+        paths = sorted(glob.glob(path))
+        if not paths:
             where = "" if path == spec.uri else f" ({path})"
             raise UnsupportedConfigError(f"dataset.uri {spec.uri!r}: no such file{where}")
-        builder = "json" if spec.format == "jsonl" else "parquet"
-        return datasets.load_dataset(builder, data_files=path, split="train")
+        # Read without `datasets` (its import, pandas and all, is ~1 s CPU of every rank's start,
+        # paid again on each recovery) and without writing its cache.
+        if spec.format == "jsonl":
+            return Records.of_rows(_read_jsonl(spec.uri, paths))
+        return Records.of_table(_read_parquet(paths))
+    import datasets  # HF dataset ids and save_to_disk directories only
+
     if Path(path).is_dir():
         loaded = datasets.load_from_disk(path)
-        return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-    return datasets.load_dataset(path, split="train")
+        ds = loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
+        return Records.of_dataset(ds)
+    return Records.of_dataset(datasets.load_dataset(path, split="train"))
 
 
 def _token_lists(
-    records: datasets.Dataset, spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase
+    records: Records, spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase
 ) -> list[list[int]]:
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -69,7 +137,7 @@ def _token_lists(
         if field not in records.column_names:
             raise UnsupportedConfigError(f"dataset.messagesField {field!r} not in the records")
         out: list[list[int]] = []
-        for row in records:
+        for row in records.rows():
             ids: Any = tokenizer.apply_chat_template(row[field], tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
@@ -80,7 +148,7 @@ def _token_lists(
         raise UnsupportedConfigError(
             f"dataset.textField {field!r} not in the records (columns: {records.column_names})"
         )
-    texts = [str(t) for t in records[field]]
+    texts = [str(t) for t in records.column(field)]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return [[*bos, *ids, *eos] for ids in encoded]
 
