@@ -342,11 +342,37 @@ def test_load_peak_is_the_shards_plus_one_module_and_below_the_step(
 ) -> None:
     from finetune_operator.planner.loading import largest_module_parameters
 
-    spec = make_spec(**sections)
+    # The torch backend's rows (DeepSpeed's: the test below).
+    spec = make_spec(**{"strategy": {"backend": "fsdp"}, **sections})
     plan = plan_job(spec)
-    assert plan.architecture is not None
+    assert plan.architecture is not None and plan.backend == "fsdp"
     from finetune_operator.planner import shape_of
 
     module = largest_module_parameters(shape_of(plan.architecture)) * 4
     assert plan.load_peak_bytes == plan.memory.parameters + module
     assert plan.load_peak_bytes < plan.memory.peak
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_load_peak_zero3_partitions_zero12_full_replica(stage: int) -> None:
+    """ZeRO-3 builds partitioned (zero.Init): its partitions plus one module gathered in the
+    partition dtype and its fp32 init, well under the whole model; ZeRO-1/2 keep a full
+    replica, built fp32 for full fine-tuning."""
+    from finetune_operator.planner import shape_of
+    from finetune_operator.planner.loading import largest_module_parameters
+
+    spec = make_spec(strategy={"type": f"zero{stage}", "backend": "deepspeed"},
+                     resources={"gpusPerNode": 8, "maxGPUs": 8})  # fmt: skip
+    plan = plan_job(spec)
+    assert plan.fits and plan.backend == "deepspeed"
+    assert plan.architecture is not None
+    m = shape_of(plan.architecture)
+    module = largest_module_parameters(m)
+    e = {"bf16": 2, "fp16": 2, "fp32": 4}[spec.training.precision]
+    if stage == 3:
+        assert plan.load_peak_bytes == plan.memory.parameters + module * (e + 4)
+        assert plan.load_peak_bytes < m.total * e / 2  # nowhere near a whole model
+        assert plan.load_peak_bytes < plan.memory.peak
+    else:
+        assert plan.load_peak_bytes == m.total * 4 + module * 4
+        assert plan.load_peak_bytes > plan.memory.parameters  # the fp32 build, then cast

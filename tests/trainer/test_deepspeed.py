@@ -9,6 +9,8 @@ several properties at once to keep the multi-process time down:
 - ZeRO-2, 2 ranks, stopped mid-run by SIGTERM (its final save); resumed as ZeRO-3 with
   parameter and optimizer offload on 1 rank: resume at another world size (and stage), the
   loss going on as DDP's does;
+- ZeRO-3, 2 ranks, built partitioned under zero.Init: the curve (the initial weights are the
+  torch path's);
 - fp16 LoRA on ZeRO-2: one overflowing step is skipped and the loss scale lowered, training
   goes on; the user's deepspeedConfig is merged (hysteresis kept, a contradicting key
   overridden); the adapters are exported.
@@ -184,3 +186,23 @@ def test_fp16_overflow_step_is_skipped_and_training_recovers(
     assert losses[6] < losses[1], losses
     # Only the adapters are exported for LoRA, gathered out of ZeRO's partitions.
     assert (tmp_path / "output" / "quickstart" / "adapter_model.safetensors").is_file()
+
+
+def test_zero3_two_ranks_built_partitioned_matches_ddp(
+    tmp_path: Path, procs: list[Proc], ddp_losses: list[float]
+) -> None:
+    """ZeRO-3 at 2 ranks builds under zero.Init (deepspeed_loading) from the torch path's
+    initial weights: the same loss curve as DDP's. The optimizer groups the matrices by their
+    real shape (a grouping by the empty partition placeholders left an empty group, which
+    broke the LR scheduler at the first step)."""
+    job = ds_job("zero3", checkpoint={"enabled": False})
+    p = launch(tmp_path, "zero3-2", job, 2)
+    procs.append(p)
+    assert p.wait(180) == 0, tail(p.log)
+    assert deepspeed_config_logged(p.log)["zero_optimization"]["stage"] == 3
+    # The real parameter count, not the partitions' empty placeholders.
+    counts = re.findall(r"model tiny-llama: (\d+) parameters", p.log.read_text())
+    assert counts and all(int(c) > 100_000 for c in counts), counts
+    losses = {s["step"]: s["loss"] for s in step_lines(p.log)}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert_matches(losses, ddp_losses)

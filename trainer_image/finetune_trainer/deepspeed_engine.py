@@ -21,10 +21,13 @@ optimizer step. The hooks map it onto DeepSpeed's engine:
   backward's hooks (ZeRO-2/3 buckets, ZeRO-3 gathers) and the post-step all-gather of
   ZeRO-1/2 still count as compute: a slow peer inflates every rank's compute a little there.
 
+Loading: ZeRO-3 models arrive partitioned (built under `deepspeed.zero.Init` and filled one
+module at a time: deepspeed_loading.py); ZeRO-1/2 keep a full replica by definition and arrive
+materialised whole.
+
 Not here: DeepSpeed's own checkpoints (deepspeed_checkpoint.py writes the trainer's committed
-DCP checkpoints instead), loading at scale (a ZeRO-3 model is materialised whole on each rank
-before `initialize` partitions it; `deepspeed.zero.Init` is not used), DeepSpeedCPUAdam (it needs
-a compiled op; offload runs torch's AdamW on the host).
+DCP checkpoints instead), DeepSpeedCPUAdam (it needs a compiled op; offload runs torch's AdamW
+on the host).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class _EngineBox:
     epilogue_seconds: float = 0.0
 
 
-def _check(job: JobConfig) -> None:
+def check_supported(job: JobConfig) -> None:
     spec, plan = job.spec, job.plan
     if plan.offload == "nvme":
         raise UnsupportedConfigError("strategy.offload nvme is not implemented; use cpu")
@@ -91,8 +94,9 @@ def _check(job: JobConfig) -> None:
 
 def deepspeed_parallel(model: nn.Module, job: JobConfig, device: torch.device) -> Parallel:
     """A `Parallel` whose engine is created by `attach_optimizer` (DeepSpeed needs the
-    optimizer at initialize). `model` is materialised (DeepSpeed partitions a real module)."""
-    _check(job)
+    optimizer at initialize). `model` is materialised: whole on every rank (ZeRO-1/2), or
+    already partitioned by zero.Init (ZeRO-3: finetune_trainer.deepspeed_loading)."""
+    check_supported(job)
     stage = zero_stage(job.plan.strategy)
     box = _EngineBox()
     parallel = Parallel(
@@ -148,7 +152,9 @@ def deepspeed_parallel(model: nn.Module, job: JobConfig, device: torch.device) -
     return parallel
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, job: JobConfig) -> Any:
+def import_deepspeed() -> Any:
+    """deepspeed, with its shared-memory comm op switched off (below): call before DeepSpeed's
+    comm starts (zero.Init or initialize)."""
     import deepspeed
     import deepspeed.ops
 
@@ -158,12 +164,21 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, job: JobConfi
     # cache is under $HOME, which a pod does not keep), and hung pods on the local cluster.
     # Marked incompatible, DeepSpeed skips it (deepspeed.comm.torch.build_shm_op).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def job_deepspeed_config(job: JobConfig) -> tuple[dict[str, Any], list[str]]:
+    """The DeepSpeed config of `job` at the world size it runs at now, and the user's keys
+    the plan overrode."""
     world = dist.get_world_size()
     micro = job.plan.micro_batch_size
     grad_accum = job.spec.training.global_batch_size // (world * micro)
-    config, overridden = deepspeed_config(
-        job.spec, job.plan, world_size=world, grad_accum=grad_accum
-    )
+    return deepspeed_config(job.spec, job.plan, world_size=world, grad_accum=grad_accum)
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, job: JobConfig) -> Any:
+    deepspeed = import_deepspeed()
+    config, overridden = job_deepspeed_config(job)
     rank = dist.get_rank()
     if overridden and rank == 0:
         log.warning(

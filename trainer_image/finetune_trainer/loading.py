@@ -4,7 +4,9 @@ at its shards plus one module (DESIGN.md §6, loading at scale).
 1. build on the meta device (finetune_trainer.model.build_meta_model): shapes only;
 2. sharded strategies: wrap first (`fully_shard` on meta tensors only records the sharding),
    then materialise, so each rank allocates and fills only its shards;
-3. DDP: materialise first (a full replica per rank is what DDP is), then wrap.
+3. DDP: materialise first (a full replica per rank is what DDP is), then wrap;
+4. DeepSpeed ZeRO-3: built partitioned under `deepspeed.zero.Init` and filled one module at a
+   time (finetune_trainer.deepspeed_loading); ZeRO-1/2 keep a full replica, like DDP.
 QLoRA's base is quantised while loading and arrives materialised."""
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def load_parallel_model(
     """Build on meta, shard, materialise (see the module docstring); `compile_model` compiles
     the decoder blocks (parallelize.compile_blocks: lazy, so the meta model is fine)."""
     spec = job.spec
+    if uses_deepspeed(job.plan):
+        return _deepspeed_model(job, tokenizer, device)
     model = build_meta_model(
         spec.model,
         spec.method,
@@ -59,12 +63,6 @@ def load_parallel_model(
         if is_meta(m):
             materialize(m, init_device, seed=seed, weights=weights_dir(spec.model))
 
-    if uses_deepspeed(job.plan):
-        # DeepSpeed partitions a materialised module at initialize (deepspeed_engine).
-        from finetune_trainer.deepspeed_engine import deepspeed_parallel
-
-        fill(model)
-        return deepspeed_parallel(model, job, device)
     sharded = shards_parameters(job.plan)
     if not sharded:
         fill(model)
@@ -80,3 +78,31 @@ def load_parallel_model(
     if sharded:
         fill(parallel.model)
     return parallel
+
+
+def _deepspeed_model(
+    job: JobConfig, tokenizer: PreTrainedTokenizerBase, device: torch.device
+) -> Parallel:
+    """ZeRO-3: built partitioned under zero.Init and filled module by module
+    (deepspeed_loading); ZeRO-1/2 hold a full replica on every rank by definition:
+    materialised whole, like DDP. The engine is created at attach_optimizer."""
+    from finetune_operator.api.deepspeed_config import zero_stage
+    from finetune_trainer.deepspeed_engine import deepspeed_parallel
+
+    spec = job.spec
+    if zero_stage(job.plan.strategy) == 3:
+        from finetune_trainer.deepspeed_loading import load_zero3_model
+
+        return deepspeed_parallel(load_zero3_model(job, tokenizer, device), job, device)
+    model = build_meta_model(
+        spec.model,
+        spec.method,
+        tokenizer,
+        device,
+        architecture=spec.model.architecture or job.plan.architecture,
+        activation_checkpointing=job.plan.activation_checkpointing,
+        precision=spec.training.precision,
+    )
+    if is_meta(model):
+        materialize(model, device, seed=spec.training.seed, weights=weights_dir(spec.model))
+    return deepspeed_parallel(model, job, device)

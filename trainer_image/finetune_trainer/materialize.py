@@ -17,8 +17,8 @@ first (finetune_trainer.pretrained) and skipped here."""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
@@ -29,6 +29,17 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from finetune_trainer.pretrained import hf_model, load_safetensors
 
 INIT_DTYPE = torch.float32
+
+# How a module's parameters are made whole while it is initialised: a context over the
+# parameters that yields whether this rank's values are the ones kept. Plain and FSDP
+# parameters need nothing (`_local`: every rank writes its own slice); ZeRO-3's partitioned
+# ones are gathered and re-partitioned around it (deepspeed_loading.gather_for_init).
+Gather = Callable[[list[nn.Parameter]], AbstractContextManager[bool]]
+
+
+@contextmanager
+def _local(params: list[nn.Parameter]) -> Iterator[bool]:
+    yield True
 
 
 def _lora_adapters(module: nn.Module) -> list[str]:
@@ -88,8 +99,17 @@ def _needs_init(module: nn.Module, done: set[int]) -> bool:
     return has_buffers or any(id(p) not in done for p in params)
 
 
-def initialize(model: nn.Module, device: torch.device, *, seed: int, done: set[int]) -> None:
-    """Fill every parameter not in `done` (ids) and every buffer, module by module."""
+def _direct_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    return [p for m in modules for p in m._parameters.values() if p is not None]
+
+
+def initialize(
+    model: nn.Module, device: torch.device, *, seed: int, done: set[int], gather: Gather = _local
+) -> None:
+    """Fill every parameter not in `done` (ids) and every buffer, module by module, each one
+    made whole by `gather` around its initialisation (see `Gather`). A rank whose values are
+    not kept skips the random init of parameters (the kept rank's replace them); buffers are
+    never partitioned, so every rank computes those."""
     base = hf_model(model)
     init_weights = base._init_weights  # type: ignore[operator]
     for name, module in base.named_modules():
@@ -102,15 +122,24 @@ def initialize(model: nn.Module, device: torch.device, *, seed: int, done: set[i
                 for adapter in adapters
                 for m in (module.lora_A[adapter], module.lora_B[adapter])  # type: ignore[index]
             ]
-            torch.manual_seed(_module_seed(seed, name + ".lora"))
-            with _full_params(owners, device, done):
-                for adapter in adapters:
-                    module.reset_lora_parameters(adapter, True)  # type: ignore[operator]
+            with gather(_direct_params(owners)) as kept:
+                if not kept:
+                    done.update(id(p) for p in _direct_params(owners))
+                else:
+                    torch.manual_seed(_module_seed(seed, name + ".lora"))
+                    with _full_params(owners, device, done):
+                        for adapter in adapters:
+                            module.reset_lora_parameters(adapter, True)  # type: ignore[operator]
         if not _needs_init(module, done):
             continue
-        torch.manual_seed(_module_seed(seed, name))
-        with _full_params([module], device, done):
-            init_weights(module)
+        has_buffers = any(b is not None for b in module._buffers.values())
+        with gather(_direct_params([module])) as kept:
+            if not (kept or has_buffers):
+                done.update(id(p) for p in _direct_params([module]))
+                continue
+            torch.manual_seed(_module_seed(seed, name))
+            with _full_params([module], device, done):
+                init_weights(module)
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

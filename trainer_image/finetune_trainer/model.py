@@ -161,9 +161,13 @@ def build_meta_model(
     architecture: ModelArchitecture | None,
     activation_checkpointing: bool,
     precision: Precision,
+    construct_in: contextlib.AbstractContextManager[object] | None = None,
 ) -> nn.Module:
     """The model with LoRA adapters, on the meta device: shapes and dtypes only, no memory.
-    Shard it (parallelize), then `materialize` it; QLoRA is built loaded (see above)."""
+    Shard it (parallelize), then `materialize` it; QLoRA is built loaded (see above).
+    `construct_in`: the context the base model is constructed in instead of the meta device
+    (DeepSpeed ZeRO-3's `zero.Init`, which partitions each module as it is created:
+    deepspeed_loading); the adapters are then created outside it, whole."""
     if method.type == "qlora" and device.type != "cuda":
         raise UnsupportedConfigError(
             "method.type qlora needs a CUDA GPU (bitsandbytes 4-bit weights); "
@@ -176,7 +180,7 @@ def build_meta_model(
         attn = _attention(spec, device)
         # dtype explicitly: transformers 5 defaults to "auto" (the checkpoint's own dtype),
         # which would silently drop full fine-tuning's fp32 master weights.
-        with torch.device("meta"):
+        with construct_in if construct_in is not None else torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 config, attn_implementation=attn, dtype=base_dtype(method, precision)
             )
@@ -184,10 +188,12 @@ def build_meta_model(
         # Non-reentrant: composes with FSDP2 and with frozen (LoRA) base weights.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if method.type in ("lora", "qlora"):
-        with torch.device("meta") if method.type == "lora" else contextlib.nullcontext():
+        on_meta = method.type == "lora" and construct_in is None
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
             model = _add_lora(model, method)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    # A ZeRO-3 partitioned parameter is an empty placeholder; `ds_numel` is its real size.
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     log.info("model %s: %d parameters, %d trainable", spec.name, total, trainable)
     return model
 

@@ -30,11 +30,12 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str) -> float:
 
 
 def _param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, object]]:
-    # Matrices decay; norms and biases (1-D) do not.
+    # Matrices decay; norms and biases (1-D) do not. A ZeRO-3 parameter built under zero.Init
+    # is an empty partition placeholder: its real shape is `ds_shape`.
     decay, no_decay = [], []
     for p in params:
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

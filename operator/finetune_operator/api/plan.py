@@ -78,7 +78,9 @@ class Plan(ApiModel):
         ge=0,
         description=(
             "Device bytes per GPU while loading: the rank's parameter shards plus the largest "
-            "module in fp32 (the model is built on meta, sharded, then materialised)."
+            "module in fp32 (the model is built on meta, sharded, then materialised; "
+            "DeepSpeed ZeRO-3: partitions under zero.Init plus that module gathered; "
+            "ZeRO-1/2: the whole replica as built)."
         ),
     )
     architecture: ModelArchitecture | None = Field(

@@ -8,6 +8,15 @@ slice read from safetensors (never larger). So the peak is the resident shards p
 largest module's parameters in fp32; nothing else of the model is ever whole on a rank. It is
 reported as `Plan.loadPeakBytes` and always lies below the step's own peak (which holds those
 shards plus gradients, optimizer states, a gathered layer and activations): a test keeps it so.
+
+DeepSpeed (finetune_trainer.deepspeed_loading, `zero_load_peak_bytes`):
+- ZeRO-3 builds under `deepspeed.zero.Init`: the partitions in the partition dtype (the
+  breakdown's `parameters`; none on the GPU with parameter offload), then one module at a
+  time gathered whole in that dtype on every rank beside its fp32 init (rank 0, the
+  modifier). A tied head adds its dropped partition (1/N of the head; not counted).
+- ZeRO-1/2 keep a full replica: the whole model as built (fp32 for full fine-tuning, which
+  the engine casts to the working dtype at initialize; a LoRA base in its dtype and fp32
+  adapters) plus one module's fp32 init. That fp32 replica can exceed a sharded step's peak.
 """
 
 from __future__ import annotations
@@ -28,3 +37,21 @@ def largest_module_parameters(m: ModelShape) -> int:
 
 def load_peak_bytes(m: ModelShape, resident_parameter_bytes: int) -> int:
     return resident_parameter_bytes + largest_module_parameters(m) * FP32
+
+
+def zero_load_peak_bytes(
+    m: ModelShape,
+    stage: int,
+    resident_parameter_bytes: int,
+    *,
+    method: str,
+    partition_dtype_bytes: int,
+) -> int:
+    """Load peak of a DeepSpeed ZeRO `stage` rank (see the module docstring);
+    `resident_parameter_bytes`: the breakdown's `parameters`; `partition_dtype_bytes`: the
+    bytes per element of the training precision (the partitions' dtype)."""
+    module = largest_module_parameters(m)
+    if stage == 3:
+        return resident_parameter_bytes + module * (partition_dtype_bytes + FP32)
+    replica = m.total * FP32 if method == "full" else resident_parameter_bytes
+    return replica + module * FP32

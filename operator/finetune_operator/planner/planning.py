@@ -8,13 +8,13 @@ from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.storage import object_store_problems, unmounted_paths
 from finetune_operator.api.strategies import STRATEGIES, StrategyTable
-from finetune_operator.planner.architecture import resolve_model
+from finetune_operator.planner.architecture import ModelShape, resolve_model
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.planner.explain import explain_choice, explain_refusal
 from finetune_operator.planner.hardware import accelerator_for, host_bytes_per_process
-from finetune_operator.planner.loading import load_peak_bytes
+from finetune_operator.planner.loading import load_peak_bytes, zero_load_peak_bytes
 from finetune_operator.planner.lora import expand_targets
-from finetune_operator.planner.memory import TrainingShape, compiles_blocks
+from finetune_operator.planner.memory import PRECISION_BYTES, TrainingShape, compiles_blocks
 from finetune_operator.planner.search import (
     Evaluated,
     Problem,
@@ -137,6 +137,19 @@ def _search(p: Problem) -> tuple[SearchResult, int | None]:
     return result, launch_n
 
 
+def _load_peak(m: ModelShape, ev: Evaluated) -> int:
+    parameters = ev.est.breakdown.parameters
+    if ev.row.backend != "deepspeed":
+        return load_peak_bytes(m, parameters)
+    return zero_load_peak_bytes(
+        m,
+        ev.row.zero_stage,
+        parameters,
+        method=ev.shape.method,
+        partition_dtype_bytes=PRECISION_BYTES[ev.shape.precision],
+    )
+
+
 def _to_plan(
     p: Problem, ev: Evaluated, fits: bool, reason: str, launch_n: int, evaluated: int
 ) -> Plan:
@@ -169,7 +182,7 @@ def _to_plan(
         memory=b,
         candidates_evaluated=evaluated,
         architecture=p.model.arch,
-        load_peak_bytes=load_peak_bytes(p.model, b.parameters),
+        load_peak_bytes=_load_peak(p.model, ev),
     )
 
 

@@ -1,0 +1,143 @@
+"""Run under torchrun by test_zero3_loading.py and bench/model_loading.py: load a DeepSpeed
+job's model the way the trainer does (finetune_trainer.loading: ZeRO-3 partitioned under
+zero.Init), then report.
+
+Modes:
+  model   OUT JOB   rank 0 writes {"state": every parameter gathered whole, "buffers",
+                    "tied", "peaks": per rank, the most bytes of tensors alive at once while
+                    loading, "partition_bytes": per rank} to OUT (torch.save)
+  memory  OUT JOB [--old]   peak RSS while loading, per rank, appended as JSON lines to OUT
+                    (--old: the previous path, the whole model on every rank, then
+                    partitioned as `deepspeed.initialize` did)
+
+The live-tensor count (`LiveBytes`) sees every tensor storage an aten op creates on this
+rank and when it is freed, so its peak is the load's own allocation peak, without the
+allocator's and Python's noise that RSS carries (which needs a large model to see).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer.deepspeed_engine import (
+    import_deepspeed,
+    job_deepspeed_config,
+    select_accelerator,
+)
+from finetune_trainer.loading import load_parallel_model
+from finetune_trainer.model import build_model
+from finetune_trainer.pretrained import hf_model
+from finetune_trainer.tokenizer import build_tokenizer
+from tests.trainer.loading_worker import rss_bytes
+
+CPU = torch.device("cpu")
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages alive, counted as ops create them and freed by a finalizer
+    on the storage (views of one storage count once); `peak` the most at any time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key in self.live:
+                    continue
+                self.live[key] = storage.nbytes()
+                self.current += self.live[key]
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+
+def partition_bytes(model: torch.nn.Module) -> int:
+    total = 0
+    for p in model.parameters():
+        local = getattr(p, "ds_tensor", p)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def old_path(job: JobConfig, tok: Any) -> torch.nn.Module:
+    """The loading before zero.Init: the whole model on every rank, partitioned after (what
+    `deepspeed.initialize` does to a materialised module, up to its optimizer)."""
+    spec = job.spec
+    model = build_model(spec.model, spec.method, tok, CPU, activation_checkpointing=False,
+                        precision=spec.training.precision, architecture=job.plan.architecture,
+                        seed=spec.training.seed)  # fmt: skip
+    config, _ = job_deepspeed_config(job)
+    deepspeed = import_deepspeed()
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)
+    return model
+
+
+def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    deepspeed = import_deepspeed()
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p] if hasattr(p, "ds_id") else []):
+            out[name] = p.detach().clone()
+    return out
+
+
+def main() -> None:
+    mode, out, job_path = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    old = "--old" in sys.argv
+    select_accelerator(CPU)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    job = JobConfig.model_validate_json(job_path.read_text())
+    tok = build_tokenizer(job.spec.model)
+    import_deepspeed()  # its import is not the load's
+    base = rss_bytes()
+    counter = LiveBytes()
+    t0 = time.perf_counter()
+    with counter:
+        model = old_path(job, tok) if old else load_parallel_model(job, tok, CPU, world).model
+    seconds = time.perf_counter() - t0
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mine = {"rank": rank, "world": world, "path": "old" if old else "new", "base_rss": base,
+            "peak_rss": peak_rss, "shard_bytes": partition_bytes(model),
+            "live_peak": counter.peak, "seconds": round(seconds, 2)}  # fmt: skip
+    rows: list[Any] = [None] * world
+    dist.all_gather_object(rows, mine)
+    if mode == "memory":
+        if rank == 0:
+            with out.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+    else:
+        state = gathered(model)
+        base_model = hf_model(model)
+        tied = base_model.get_output_embeddings().weight is base_model.get_input_embeddings().weight
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        if rank == 0:
+            torch.save({"state": state, "buffers": buffers, "tied": tied, "rows": rows}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
