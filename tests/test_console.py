@@ -11,9 +11,13 @@ import tomllib
 from tests.conftest import REPO
 
 # Raise SIGINT (Python's default handler turns it into KeyboardInterrupt) once pydantic starts
-# importing: the moment a user's Ctrl-C lands in during `ftjob`'s first ~0.3 s.
+# importing: the moment a user's Ctrl-C lands in during `ftjob`'s first ~0.3 s. A process
+# started in the background by a non-interactive shell (a CI runner) inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler; a user's terminal never does that, so the
+# prelude restores the disposition `ftjob` gets there.
 INTERRUPT_DURING_IMPORTS = """
 import importlib.abc, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 class Interrupt(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "pydantic":
