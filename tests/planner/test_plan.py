@@ -357,7 +357,7 @@ def test_load_peak_is_the_shards_plus_one_module_and_below_the_step(
 def test_deepspeed_load_peak_zero3_partitions_zero12_full_replica(stage: int) -> None:
     """ZeRO-3 builds partitioned (zero.Init): its partitions plus one module gathered in the
     partition dtype and its fp32 init, well under the whole model; ZeRO-1/2 keep a full
-    replica, built fp32 for full fine-tuning."""
+    replica, built in the training dtype (as DDP), plus one module's fp32 init."""
     from finetune_operator.planner import shape_of
     from finetune_operator.planner.loading import largest_module_parameters
 
@@ -374,5 +374,6 @@ def test_deepspeed_load_peak_zero3_partitions_zero12_full_replica(stage: int) ->
         assert plan.load_peak_bytes < m.total * e / 2  # nowhere near a whole model
         assert plan.load_peak_bytes < plan.memory.peak
     else:
-        assert plan.load_peak_bytes == m.total * 4 + module * 4
-        assert plan.load_peak_bytes > plan.memory.parameters  # the fp32 build, then cast
+        assert plan.memory.parameters == m.total * e  # a whole replica per rank
+        assert plan.load_peak_bytes == plan.memory.parameters + module * 4
+        assert plan.load_peak_bytes < m.total * 4  # never an fp32 replica

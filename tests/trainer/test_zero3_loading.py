@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-3 loading at scale (finetune_trainer.deepspeed_loading) under real torchrun,
-2 ranks on CPU/gloo (slow): built partitioned under zero.Init, filled one module at a time.
+"""DeepSpeed loading at scale under real torchrun on CPU/gloo (slow). ZeRO-3
+(finetune_trainer.deepspeed_loading), 2 ranks: built partitioned under zero.Init, filled one
+module at a time:
 
 - inline: the initial weights equal the torch path's (build_model, the weights DDP/FSDP start
   from) for the same seed, exactly; the tied head stays tied; rotary buffers are fp32 and
@@ -8,6 +9,10 @@
   (which every rank held before);
 - pretrained safetensors (sharded files, tied) with LoRA on top: the base equals the files,
   the adapters equal the torch path's.
+
+ZeRO-2 under bf16 (finetune_trainer.loading), 1 rank (the replica is the same at any world
+size): built in the engine's dtype, so the load never holds an fp32 replica, with the torch
+path's weights rounded to bf16 (what the engine's own cast gave) and fp32 buffers.
 """
 
 from __future__ import annotations
@@ -33,19 +38,20 @@ WORKER = REPO / "tests" / "trainer" / "zero3_loading_worker.py"
 SLACK_BYTES = 32 * 2**10
 
 
-def zero3(job: JobConfig) -> JobConfig:
+def zero3(job: JobConfig, stage: int = 3) -> JobConfig:
+    strategy = f"zero{stage}"
     spec = job.spec.model_copy(update={"strategy": job.spec.strategy.model_copy(
-        update={"type": "zero3", "backend": "deepspeed"})})  # fmt: skip
-    plan = job.plan.model_copy(update={"strategy": "zero3", "backend": "deepspeed",
+        update={"type": strategy, "backend": "deepspeed"})})  # fmt: skip
+    plan = job.plan.model_copy(update={"strategy": strategy, "backend": "deepspeed",
                                        "device": "cpu"})  # fmt: skip
     return job.model_copy(update={"spec": spec, "plan": plan})
 
 
-def run(tmp_path: Path, job: JobConfig, name: str) -> dict[str, Any]:
+def run(tmp_path: Path, job: JobConfig, name: str, ranks: int = 2) -> dict[str, Any]:
     cfg = write_job(tmp_path / f"{name}.json", job)
     out = tmp_path / f"{name}.pt"
-    args = [TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "model", str(out),
-            str(cfg)]  # fmt: skip
+    args = [TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", str(WORKER), "model",
+            str(out), str(cfg)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -104,3 +110,30 @@ def test_pretrained_safetensors_with_lora_land_in_the_partitions(tmp_path: Path)
     assert adapters
     for name in adapters:
         assert torch.equal(state[name], ref[name].detach()), name
+
+
+def test_zero2_bf16_replica_is_built_in_bf16_never_in_fp32(tmp_path: Path) -> None:
+    inline = inline_job(strategy="ddp", tied=True)
+    training = inline.spec.training.model_copy(update={"precision": "bf16"})
+    job = zero3(inline.model_copy(update={"spec": inline.spec.model_copy(
+        update={"training": training})}), stage=2)  # fmt: skip
+    got = run(tmp_path, job, "zero2", ranks=1)
+    ref = reference(job)
+    state = got["state"]
+    assert set(state) == {n for n, _ in ref.named_parameters()}
+    for name, p in ref.named_parameters():
+        assert state[name].dtype == torch.bfloat16, name
+        assert torch.equal(state[name], p.detach().to(torch.bfloat16)), name
+    assert got["tied"]
+    for name, b in ref.named_buffers():  # the engine keeps buffers (rotary inv_freq) fp32
+        assert got["buffers"][name].dtype == torch.float32, name
+        assert torch.equal(got["buffers"][name], b), name
+
+    whole_fp32 = sum(p.numel() * 4 for p in ref.parameters())
+    largest = max(p.numel() * 4 for p in ref.parameters())
+    (row,) = got["rows"]
+    assert row["shard_bytes"] == whole_fp32 // 2
+    # The bf16 replica plus one module's fp32 init and its bf16 copy-out; the fp32 replica
+    # that the old path built (and the engine then cast) would be whole_fp32 on its own.
+    assert row["live_peak"] <= whole_fp32 // 2 + 2 * largest + SLACK_BYTES, (row, largest)
+    assert row["live_peak"] < whole_fp32, (row, whole_fp32)

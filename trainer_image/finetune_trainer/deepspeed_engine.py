@@ -23,7 +23,8 @@ optimizer step. The hooks map it onto DeepSpeed's engine:
 
 Loading: ZeRO-3 models arrive partitioned (built under `deepspeed.zero.Init` and filled one
 module at a time: deepspeed_loading.py); ZeRO-1/2 keep a full replica by definition and arrive
-materialised whole.
+materialised whole, already in the engine's parameter dtype (`param_dtype`), so no rank ever
+holds the replica in fp32.
 
 Not here: DeepSpeed's own checkpoints (deepspeed_checkpoint.py writes the trainer's committed
 DCP checkpoints instead), DeepSpeedCPUAdam (it needs a compiled op; offload runs torch's AdamW
@@ -174,6 +175,27 @@ def job_deepspeed_config(job: JobConfig) -> tuple[dict[str, Any], list[str]]:
     micro = job.plan.micro_batch_size
     grad_accum = job.spec.training.global_batch_size // (world * micro)
     return deepspeed_config(job.spec, job.plan, world_size=world, grad_accum=grad_accum)
+
+
+def param_dtype(config: dict[str, Any]) -> torch.dtype:
+    """The dtype the engine keeps module parameters in: the config's half precision, else
+    fp32 (what `deepspeed.initialize` casts a materialised model's parameters to, and what
+    zero.Init partitions are created in)."""
+    if config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def cast_whole_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give every floating parameter that is not a ZeRO-3 partition `dtype`, one parameter at
+    a time, in place (`p.data`, so ties and optimizer references hold), as the engine's own
+    mixed-precision cast does; buffers keep theirs (the engine keeps rotary `inv_freq` fp32).
+    On meta parameters it costs nothing."""
+    for p in model.parameters():
+        if not hasattr(p, "ds_id") and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer, job: JobConfig) -> Any:

@@ -43,9 +43,11 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_trainer.deepspeed_engine import (
+    cast_whole_parameters,
     check_supported,
     import_deepspeed,
     job_deepspeed_config,
+    param_dtype,
 )
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.materialize import initialize
@@ -53,16 +55,6 @@ from finetune_trainer.model import build_meta_model, weights_dir
 from finetune_trainer.pretrained import checkpoint_keys, has_safetensors, hf_model
 
 MODIFIER_RANK = 0
-
-
-def partition_dtype(config: dict[str, Any]) -> torch.dtype:
-    """The dtype ZeRO-3 keeps its parameter partitions in: the config's half precision, else
-    fp32 (the same the engine casts a materialised model to)."""
-    if config.get("bf16", {}).get("enabled"):
-        return torch.bfloat16
-    if config.get("fp16", {}).get("enabled"):
-        return torch.float16
-    return torch.float32
 
 
 def _is_partitioned(param: torch.Tensor) -> bool:
@@ -97,7 +89,7 @@ def partitioned_construction(config: dict[str, Any]) -> Iterator[None]:
     # index fails there); materialize's per-module init fills them instead.
     with (
         no_init_weights(),
-        # dtype from the config (partition_dtype's rule), not the `dtype` argument: in
+        # dtype from the config (deepspeed_engine.param_dtype's rule), not the `dtype` argument: in
         # DeepSpeed 0.19.8 an explicit dtype is ignored on an accelerator without fp16 (the
         # CPU one), which gets bf16 whatever is asked (`Init._set_dtype`).
         deepspeed.zero.Init(
@@ -118,14 +110,6 @@ def _fp32_buffers(model: nn.Module) -> None:
                 module._buffers[name] = torch.empty(
                     buf.shape, dtype=torch.float32, device=buf.device
                 )
-
-
-def _cast_whole_parameters(model: nn.Module, dtype: torch.dtype) -> None:
-    # The engine casts nothing of a zero.Init model: parameters created outside it (the
-    # adapters) are given the partitions' dtype here, as the engine gives a materialised one.
-    for p in model.parameters():
-        if not _is_partitioned(p) and p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
 
 
 def _safetensors_index(path: Path) -> dict[str, Path]:
@@ -215,5 +199,7 @@ def load_zero3_model(
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         done = load_safetensors_zero3(model, weights) if weights is not None else set()
         initialize(model, device, seed=spec.training.seed, done=done, gather=gather_for_init)
-    _cast_whole_parameters(model, partition_dtype(config))
+    # The engine casts nothing of a zero.Init model: parameters created outside it (the
+    # adapters) are given the partitions' dtype here, as the engine gives a materialised one.
+    cast_whole_parameters(model, param_dtype(config))
     return model

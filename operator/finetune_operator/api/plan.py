@@ -80,7 +80,7 @@ class Plan(ApiModel):
             "Device bytes per GPU while loading: the rank's parameter shards plus the largest "
             "module in fp32 (the model is built on meta, sharded, then materialised; "
             "DeepSpeed ZeRO-3: partitions under zero.Init plus that module gathered; "
-            "ZeRO-1/2: the whole replica as built)."
+            "ZeRO-1/2: the whole replica, in the training dtype, plus that module)."
         ),
     )
     architecture: ModelArchitecture | None = Field(

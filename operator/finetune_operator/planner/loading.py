@@ -14,9 +14,8 @@ DeepSpeed (finetune_trainer.deepspeed_loading, `zero_load_peak_bytes`):
   breakdown's `parameters`; none on the GPU with parameter offload), then one module at a
   time gathered whole in that dtype on every rank beside its fp32 init (rank 0, the
   modifier). A tied head adds its dropped partition (1/N of the head; not counted).
-- ZeRO-1/2 keep a full replica: the whole model as built (fp32 for full fine-tuning, which
-  the engine casts to the working dtype at initialize; a LoRA base in its dtype and fp32
-  adapters) plus one module's fp32 init. That fp32 replica can exceed a sharded step's peak.
+- ZeRO-1/2 keep a full replica, built directly in the engine's parameter dtype (the
+  breakdown's `parameters`), plus one module's fp32 init: the same rule as DDP's.
 """
 
 from __future__ import annotations
@@ -44,14 +43,12 @@ def zero_load_peak_bytes(
     stage: int,
     resident_parameter_bytes: int,
     *,
-    method: str,
     partition_dtype_bytes: int,
 ) -> int:
     """Load peak of a DeepSpeed ZeRO `stage` rank (see the module docstring);
     `resident_parameter_bytes`: the breakdown's `parameters`; `partition_dtype_bytes`: the
     bytes per element of the training precision (the partitions' dtype)."""
-    module = largest_module_parameters(m)
     if stage == 3:
+        module = largest_module_parameters(m)
         return resident_parameter_bytes + module * (partition_dtype_bytes + FP32)
-    replica = m.total * FP32 if method == "full" else resident_parameter_bytes
-    return replica + module * FP32
+    return load_peak_bytes(m, resident_parameter_bytes)

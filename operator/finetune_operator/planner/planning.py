@@ -145,7 +145,6 @@ def _load_peak(m: ModelShape, ev: Evaluated) -> int:
         m,
         ev.row.zero_stage,
         parameters,
-        method=ev.shape.method,
         partition_dtype_bytes=PRECISION_BYTES[ev.shape.precision],
     )
 
