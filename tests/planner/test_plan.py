@@ -304,6 +304,13 @@ def test_report_is_aligned_table_in_gib() -> None:
     assert len(rows) == 2 and len({len(r) for r in rows}) == 1  # right-aligned numbers
 
 
+def test_report_names_the_backend_as_such() -> None:
+    """"ddp (fsdp)" read as DDP inside FSDP; the backend is labelled."""
+    plan = plan_job(make_spec(strategy={"type": "ddp"}))
+    line = next(x for x in render_plan(plan).splitlines() if x.startswith("Strategy"))
+    assert line.split(None, 1)[1] == f"ddp, backend {plan.backend}, offload {plan.offload}"
+
+
 def test_report_counts_configurations_in_words() -> None:
     """One configuration is "1 configuration", several are plural."""
     import re

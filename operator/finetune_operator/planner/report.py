@@ -36,7 +36,7 @@ def render_plan(plan: Plan, width: int = 88) -> str:
         ("Verdict", verdict),
         ("World size", f"{plan.world_size} ({plan.nodes} nodes x {plan.gpus_per_node})"),
         ("Objective", plan.objective if plan.objective != "fixed" else "none (world size fixed)"),
-        ("Strategy", f"{plan.strategy} ({plan.backend}), offload {plan.offload}"),
+        ("Strategy", f"{plan.strategy}, backend {plan.backend}, offload {plan.offload}"),
         ("Micro-batch", f"{plan.micro_batch_size} x {ga} accumulation steps"),
         ("Activation checkpointing", "full" if plan.activation_checkpointing else "none"),
         (
