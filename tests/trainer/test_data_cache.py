@@ -312,3 +312,26 @@ def test_runtime_env_and_startup_line() -> None:
     clock.mark("imports", at=3.0)
     clock.mark("data", at=3.01, note="cache hit")
     assert clock.summary() == "started in 3.01 s: imports 3.00, data 0.01 (cache hit)"
+
+
+class _Vocab:
+    def __init__(self, size: int, largest: int) -> None:
+        self.size, self.largest = size, largest
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"a": 0, "b": self.largest}
+
+
+@pytest.mark.parametrize(
+    ("size", "largest", "dtype"),
+    [(259, 258, np.uint16), (65536, 65535, np.uint16), (32000, 70000, np.uint32),
+     (128256, 128255, np.uint32)],
+    ids=["bytes", "full-16-bit", "id-beyond-length", "llama3"],
+)  # fmt: skip
+def test_token_width_holds_every_id(size: int, largest: int, dtype: Any) -> None:
+    from finetune_trainer.data.blocks import token_dtype
+
+    assert token_dtype(_Vocab(size, largest)) == np.dtype(dtype)  # type: ignore[arg-type]

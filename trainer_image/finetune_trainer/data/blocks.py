@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 def token_dtype(tokenizer: PreTrainedTokenizerBase) -> np.dtype[Any]:
     """The narrowest unsigned type that holds every id: 2 bytes a token for vocabularies up
-    to 65,536 (Llama 2, Mistral, Phi: half the memory and cache), else 4."""
-    return np.dtype(np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32)
+    to 65,536 ids (Llama 2, Mistral, Phi: half the memory and cache), else 4. The largest id
+    is taken from the vocabulary, not only its length: some leave gaps."""
+    largest = max([len(tokenizer) - 1, *tokenizer.get_vocab().values()])
+    return np.dtype(np.uint16 if largest < 1 << 16 else np.uint32)
 
 
 class BlockPacker:

@@ -118,14 +118,22 @@ def build_dataset(
     dtype = token_dtype(tokenizer)
     blocks: Blocks | None = None
     source = "tokenized"
-    if cache is not None:
-        blocks, source = _cached(cache, spec, tokenizer, BlockPacker(seq_len, dtype, pad_id))
     packer = BlockPacker(seq_len, dtype, pad_id)
+    if cache is not None:
+        blocks, source = _cached(cache, spec, tokenizer, packer)
     if blocks is None:
+        packer = BlockPacker(seq_len, dtype, pad_id)
         blocks = _in_memory(spec, tokenizer, packer)
     if len(blocks) == 0:
         raise UnsupportedConfigError(
             f"dataset {spec.uri!r} yields no block of training.sequenceLength {seq_len} tokens"
         )
-    log.info("dataset %s: %d blocks of %d (%s)", spec.uri, len(blocks), seq_len, source)
+    log.info(
+        "dataset %s: %d records -> %d blocks of %d (%s)",
+        spec.uri,
+        packer.samples,
+        len(blocks),
+        seq_len,
+        source,
+    )
     return TokenBlocks(blocks=blocks, pad_id=pad_id, source=source)
