@@ -1,6 +1,6 @@
 """The data phase of a rank's start, with and without the per-pod cache of packed blocks.
 
-    python bench/data_cache.py [--mb 24] [--seq-len 512] [--ranks 1 2]
+    python bench/data_cache.py [--mb 20] [--seq-len 512] [--ranks 1 2]
 
 A jsonl corpus of `--mb` MB is generated into a temporary directory (words of the shipped
 quickstart corpus in random order: never committed) and read with the byte-level tokenizer
@@ -119,7 +119,7 @@ def mib(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mb", type=float, default=24.0)
+    parser.add_argument("--mb", type=float, default=20.0)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
