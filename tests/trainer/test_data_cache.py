@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +248,38 @@ def test_a_build_that_fails_leaves_no_entry(corpus: Path, tmp_path: Path) -> Non
     (leftover / BLOCKS_FILE).write_bytes(b"\0" * 64)
     assert build(spec, tmp_path / "cache").source == "cache built"
     assert not leftover.exists()
+
+
+def _build_until_killed(cache: str, corpus: str, ready: Any) -> None:
+    from finetune_trainer.data import cache as cache_module
+
+    write = cache_module.EntryWriter.write
+
+    def write_then_hang(self: Any, blocks: Any) -> None:
+        write(self, blocks)
+        self.file.flush()
+        ready.set()  # blocks on disk, no meta, not renamed: SIGKILL lands here
+        time.sleep(60)
+
+    cache_module.EntryWriter.write = write_then_hang  # type: ignore[method-assign]
+    build(DatasetSpec(uri=corpus), Path(cache))
+
+
+def test_a_builder_killed_mid_write_leaves_nothing_that_is_read(corpus: Path, tmp_path: Path) -> None:
+    """SIGKILL (torchelastic stopping a worker group, the OOM killer) in the middle of a
+    build: the next start finds no entry, clears the half-written one and builds it again."""
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    builder = ctx.Process(target=_build_until_killed, args=(str(tmp_path / "c"), str(corpus), ready))
+    builder.start()
+    assert ready.wait(60), "the builder never wrote"
+    os.kill(builder.pid, signal.SIGKILL)
+    builder.join(30)
+    (partial,) = (tmp_path / "c").glob("*.tmp-*")
+    assert (partial / BLOCKS_FILE).stat().st_size > 0 and not (partial / META_FILE).exists()
+    again = build(DatasetSpec(uri=str(corpus)), tmp_path / "c")  # the kernel dropped its lock
+    assert again.source == "cache built" and not partial.exists()
+    assert np.array_equal(again.blocks, build(DatasetSpec(uri=str(corpus)), None).blocks)
 
 
 def test_missing_field_is_refused_naming_it_and_caches_nothing(corpus: Path, tmp_path: Path) -> None:
