@@ -111,7 +111,7 @@ import os, sys, tempfile, time
 os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp()
 import datasets
 from finetune_operator.api.spec import DatasetSpec
-from finetune_trainer.data.dataset import load_records, resolve_uri
+from finetune_trainer.data.records import load_records, resolve_uri
 spec = DatasetSpec(uri="builtin://quickstart")
 def timed(f):
     t0 = time.perf_counter(); f(); return time.perf_counter() - t0

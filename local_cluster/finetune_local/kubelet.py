@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune_local import podrunner
+from finetune_local import emptydir, podrunner
 from finetune_local.addresses import AddressPool
 from finetune_local.informer import Cache, ObjectKey, key_of, list_and_watch, remember
 from finetune_local.nodes import register_node
@@ -96,6 +96,9 @@ class PodRun:
     hosts_text: str = ""
     launch: dict[str, Any] = field(default_factory=dict)  # podinit spec, reused on restarts
     env: dict[str, str] = field(default_factory=dict)
+    size_limits: list[emptydir.SizeLimit] = field(default_factory=list)
+    usage_checked_at: float = 0.0
+    evicted: str = ""  # the eviction message, once evicted
 
     @property
     def pid(self) -> int:
@@ -200,6 +203,7 @@ class Kubelet:
             elif node in ours and key not in self.runs and pod.get("status", {}).get("phase") == "Pending":
                 self._spawn_step(key, self._start(key, pod))
         self._refresh_hosts_files()
+        self._enforce_size_limits()
 
     def _spawn_step(self, key: PodKey, step: Any) -> None:
         self._busy.add(key)
@@ -223,6 +227,29 @@ class Kubelet:
         run = self.runs.pop(key)
         if run.process is not None and run.process.returncode is None:
             podrunner.signal_group(run.process.pid, signal.SIGKILL)
+        emptydir.remove_pod_volumes(run.directory)
+
+    def _enforce_size_limits(self) -> None:
+        """Evicts a running pod whose emptyDir outgrew its sizeLimit, as the eviction manager
+        does (checked every few seconds, not on each write)."""
+        clock = asyncio.get_running_loop().time()
+        for run in self.runs.values():
+            if not run.size_limits or run.finished or run.evicted or run.terminating:
+                continue
+            if clock - run.usage_checked_at < emptydir.CHECK_INTERVAL_SECONDS:
+                continue
+            run.usage_checked_at = clock
+            usage = {limit.volume: emptydir.disk_usage(limit.path) for limit in run.size_limits}
+            message = emptydir.over_limit(run.size_limits, usage)
+            if message and run.process is not None and run.process.returncode is None:
+                run.evicted = message
+                logger.info("evicting pod (uid %s): %s", run.uid, message)
+                podrunner.signal_group(run.process.pid, signal.SIGTERM)
+                self._spawn_child(self._kill_after(run.process.pid, emptydir.EVICTION_GRACE_SECONDS))
+
+    async def _kill_after(self, pid: int, grace: float) -> None:
+        await asyncio.sleep(grace)
+        await podrunner.kill_pod_processes(pid, 10)
 
     async def _patch_status(self, key: PodKey, status: dict[str, Any]) -> None:
         path = resource_path("v1", "pods", key[0], key[1], "status")
@@ -308,6 +335,7 @@ class Kubelet:
         run.launch = {"hostname": env["HOSTNAME"], "mounts": mounts, "workingDir": str(workdir),
                       "argv": argv, "keepVisible": podrunner.image_paths(self.config.data_dir)}
         run.env = env
+        run.size_limits = emptydir.size_limits(pod, directory)
         self.runs[key] = run
         run.log_start = begin_instance(run.termination_file, run.log_path)
         run.process = await podrunner.spawn(run.launch, directory / "launch.json", env, run.log_path)
@@ -325,7 +353,8 @@ class Kubelet:
         assert run.process is not None
         code = podrunner.exit_code(await run.process.wait())
         policy = pod.get("spec", {}).get("restartPolicy", "Always")
-        if not run.terminating and (policy == "Always" or (policy == "OnFailure" and code != 0)):
+        restart = policy == "Always" or (policy == "OnFailure" and code != 0)
+        if restart and not run.terminating and not run.evicted:
             run.restart_count += 1
             await asyncio.sleep(min(30.0, 2.0 ** (run.restart_count - 1)))  # crash-loop backoff
             if run.terminating or key not in self.runs:
@@ -350,11 +379,13 @@ class Kubelet:
                       "containerID": f"local://{run.pid}"}
         if message:
             terminated["message"] = message
-        phase = "Succeeded" if code == 0 else "Failed"
+        phase = "Succeeded" if code == 0 and not run.evicted else "Failed"
         status = {"phase": phase, "podIP": run.ip, "podIPs": [{"ip": run.ip}], "hostIP": "127.0.0.1",
                   "conditions": pod_conditions(False, "PodCompleted" if code == 0 else "PodFailed"),
                   "containerStatuses": [{**container_base(container, run.pid, run.restart_count), "ready": False, "started": False,
                                          "state": {"terminated": terminated}}]}
+        if run.evicted:
+            status.update(reason=emptydir.EVICTED, message=run.evicted)
         await self._patch_status(key, status)
         if run.terminating:
             await self._final_delete(key)
@@ -378,7 +409,9 @@ class Kubelet:
     async def _final_delete(self, key: PodKey) -> None:
         with contextlib.suppress(ApiStatusError):
             await self.client.delete(resource_path("v1", "pods", key[0], key[1]), grace_period_seconds=0)
-        self.runs.pop(key, None)
+        run = self.runs.pop(key, None)
+        if run is not None:
+            emptydir.remove_pod_volumes(run.directory)
 
     # ------------------------------------------------------------------ /etc/hosts
 

@@ -15,7 +15,8 @@ from typing import Any
 _BASIC = ("cpu", "memory", "ephemeral-storage", "pods")
 
 
-def _quantity(value: Any) -> float:
+def quantity(value: Any) -> float:
+    """A Kubernetes quantity (`500m`, `2Gi`, `1k`) as a number."""
     text = str(value)
     suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
     for suffix, factor in sorted(suffixes.items(), key=lambda kv: -len(kv[0])):
@@ -62,7 +63,7 @@ def _extended_requests(pod: Mapping[str, Any]) -> dict[str, float]:
         requests = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
         for name, value in requests.items():
             if name not in _BASIC:
-                total[name] = total.get(name, 0.0) + _quantity(value)
+                total[name] = total.get(name, 0.0) + quantity(value)
     return total
 
 
@@ -81,14 +82,14 @@ def unfit_reason(pod: Mapping[str, Any], node: Mapping[str, Any],
     if terms and not any(_term_matches(t, node) for t in terms):
         return "node(s) didn't match Pod's node affinity/selector"
     allocatable = node.get("status", {}).get("allocatable") or {}
-    if "pods" in allocatable and len(pods_on_node) >= _quantity(allocatable["pods"]):
+    if "pods" in allocatable and len(pods_on_node) >= quantity(allocatable["pods"]):
         return "Too many pods"
     used: dict[str, float] = {}
     for other in pods_on_node:
         for name, amount in _extended_requests(other).items():
             used[name] = used.get(name, 0.0) + amount
     for name, amount in _extended_requests(pod).items():
-        if used.get(name, 0.0) + amount > _quantity(allocatable.get(name, 0)):
+        if used.get(name, 0.0) + amount > quantity(allocatable.get(name, 0)):
             return f"Insufficient {name}"
     return None
 

@@ -251,3 +251,28 @@ def test_secret_env_waits_for_the_secret_and_its_key(cluster: LocalCluster,
     _wait_pod(core, name, lambda p: p.status.phase == "Succeeded")
     log = cluster.pod_log_path("default", name)
     assert log is not None and log.read_text().strip() == "AKID/sk/unset"
+
+
+def test_empty_dir_outlives_restarts_is_evicted_over_its_size_limit_and_goes_with_the_pod(
+    cluster: LocalCluster, core: client.CoreV1Api
+) -> None:
+    """An emptyDir as a node keeps it (the worker pods' data cache relies on all three): the
+    container's restart finds what it wrote; outgrowing `sizeLimit` evicts the pod (Failed,
+    reason Evicted, the kubelet's message), not a failed write; deleting the pod deletes it."""
+    name = _name("cache")
+    script = ("if [ -f /cache/mark ]; then echo again; head -c 3000000 /dev/zero > /cache/big; sleep 60; "
+              "else echo first > /cache/mark; exit 1; fi")
+    core.create_namespaced_pod("default", _pod(
+        name, script, restartPolicy="OnFailure",
+        volumes=[{"name": "cache", "emptyDir": {"sizeLimit": "1Mi"}}],
+        container={"volumeMounts": [{"name": "cache", "mountPath": "/cache"}]}))
+    pod = _wait_pod(core, name, lambda p: p.status.phase == "Failed", timeout=30)
+    assert (pod.status.reason, pod.status.message) == (
+        "Evicted", 'Usage of EmptyDir volume "cache" exceeds the limit "1Mi". ')
+    assert pod.status.container_statuses[0].restart_count == 1
+    log = cluster.pod_log_path("default", name)
+    assert log is not None and "again" in log.read_text()  # the restart saw the first's mark
+    volume = log.parent / "volumes" / "cache"
+    assert (volume / "mark").exists()
+    core.delete_namespaced_pod(name, "default")
+    wait_until(lambda: not volume.exists(), "the emptyDir to go with the pod", 15)

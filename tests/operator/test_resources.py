@@ -145,6 +145,11 @@ def test_worker_env_ports_volumes(owner: Owner, gpu8_spec: FineTuneJobSpec) -> N
     assert volumes[mounts["/etc/finetune"]]["configMap"] == {"name": "quickstart-config"}
     assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
     assert "emptyDir" in volumes[mounts["/tmp"]]
+    # The data cache: a pod-lifetime emptyDir, and a trainer budget below its sizeLimit
+    # (outgrowing it would get the pod evicted).
+    assert volumes[mounts["/var/cache/finetune"]]["emptyDir"] == {"sizeLimit": "32Gi"}
+    assert env["FT_DATA_CACHE_DIR"] == "/var/cache/finetune"
+    assert 0 < int(env["FT_DATA_CACHE_LIMIT_BYTES"]) < 32 << 30
     assert pod["metadata"]["labels"]["finetune.dev/worker-index"] == "1"
 
 

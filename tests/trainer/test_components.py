@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import generate_latest
@@ -175,7 +176,7 @@ def test_metrics_names_and_labels() -> None:
 def test_token_count_is_read_on_the_host_and_matches_the_mask() -> None:
     from finetune_trainer.data import TokenBlocks
 
-    blocks = torch.tensor([[1, 2, 9, 9], [3, 9, 9, 9]], dtype=torch.int32)
+    blocks = np.array([[1, 2, 9, 9], [3, 9, 9, 9]], dtype=np.uint16)
     padded = TokenBlocks(blocks=blocks, pad_id=9)
     batch = padded.batch([0, 1], CPU)
     assert padded.count_tokens([0, 1]) == int(batch["attention_mask"].sum()) == 3

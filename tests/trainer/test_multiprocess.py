@@ -70,22 +70,29 @@ def test_fsdp_two_ranks_checkpoint_loads_at_world_one(tmp_path: Path, procs: lis
     root = tmp_path / "checkpoints" / "quickstart"
     two = write_job(tmp_path / "two.json", make_job(
         strategy="fsdp-full-shard", training={"maxSteps": 20}, checkpoint={"intervalSteps": 10}))
-    p = run(tmp_path, procs, "fsdp2", two, 2)
+    # The pod's data cache (finetune_trainer.data.cache), shared by both runs as by restarts
+    # in one worker pod: the two local ranks build it once, the resume only maps it.
+    cache = str(tmp_path / "data-cache")
+    p = run(tmp_path, procs, "fsdp2", two, 2, FT_DATA_CACHE_DIR=cache)
     assert p.wait(120) == 0, tail(p.log)
+    built = p.log.read_text()
+    assert (built.count("(cache built)"), built.count("(cache hit)")) == (2, 2), tail(p.log)
     assert {s: m["worldSize"] for s, m in committed(root).items()} == {10: 2, 20: 2}
     assert len(list((root / "step-00000020").glob("*.distcp"))) == 2  # one shard file per rank
     loss20 = step_lines(p.log)[-1]["loss"]
 
     one = write_job(tmp_path / "one.json", make_job(
         strategy="fsdp-full-shard", training={"maxSteps": 30}, checkpoint={"intervalSteps": 10}))
-    q = run(tmp_path, procs, "fsdp1", one, 1)
+    q = run(tmp_path, procs, "fsdp1", one, 1, FT_DATA_CACHE_DIR=cache)
     assert q.wait(120) == 0, tail(q.log)
     log = q.log.read_text()
     assert "world 1, micro-batch 2, grad accumulation 4" in log
     assert "resumed from checkpoint step 20" in log
-    # The cold start by phase, logged once at the first step (finetune_trainer.startup).
+    # The cold start by phase, logged once at the first step (finetune_trainer.startup); the
+    # data came from the cache, untokenized.
     assert re.search(r"rank0 INFO .*started in [\d.]+ s \(cpu [\d.]+ s\): imports [\d.]+, group [\d.]+, "
-                     r"data [\d.]+, model [\d.]+, resume [\d.]+, first step [\d.]+$", log, re.M)
+                     r"data [\d.]+ \(cache hit\), model [\d.]+, resume [\d.]+, first step [\d.]+$",
+                     log, re.M)
     steps = step_lines(q.log)
     assert [s["step"] for s in steps] == list(range(21, 31))
     assert abs(steps[0]["loss"] - loss20) < 0.4, (steps[0]["loss"], loss20)  # not a fresh model

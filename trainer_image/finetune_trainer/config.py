@@ -40,6 +40,10 @@ class RuntimeEnv:
       `<dir>/rank-<rank>.jsonl`, the trace `ftjob stragglers` replays (see `steptrace.py`).
     - `FT_COMPILE` (`1`/`0`, default 1): torch.compile the decoder blocks on CUDA devices
       (never on CPU); `0` runs eager, e.g. to rule compilation out when debugging.
+    - `FT_DATA_CACHE_DIR` (path, default unset: no cache) and `FT_DATA_CACHE_LIMIT_BYTES`
+      (int, default unset: the volume's free space): where the tokenized blocks are cached
+      across restarts and how much they may take (`finetune_trainer.data.cache`); the worker
+      pod sets both for its `data-cache` emptyDir.
     """
 
     rank: int
@@ -55,6 +59,8 @@ class RuntimeEnv:
     node_name: str | None = None  # NODE_NAME from the downward API
     step_trace_dir: Path | None = None
     compile: bool = True
+    data_cache_dir: Path | None = None
+    data_cache_limit_bytes: int | None = None
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -74,6 +80,8 @@ class RuntimeEnv:
             node_name=env.get("NODE_NAME") or None,
             step_trace_dir=Path(raw) if (raw := env.get("FINETUNE_STEP_TRACE_DIR")) else None,
             compile=env.get("FT_COMPILE", "1").strip() != "0",
+            data_cache_dir=Path(raw) if (raw := env.get("FT_DATA_CACHE_DIR")) else None,
+            data_cache_limit_bytes=int(raw) if (raw := env.get("FT_DATA_CACHE_LIMIT_BYTES")) else None,
         )
 
     @property

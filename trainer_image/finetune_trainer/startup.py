@@ -44,11 +44,15 @@ class StartupClock:
     def __init__(self, started_at: float | None = None) -> None:
         self.started_at = _process_start_monotonic() if started_at is None else started_at
         self.marks: dict[str, float] = {}
+        self.notes: dict[str, str] = {}
 
-    def mark(self, phase: str, at: float | None = None) -> None:
+    def mark(self, phase: str, at: float | None = None, *, note: str | None = None) -> None:
+        """`note`: how the phase went, shown beside its time (e.g. the data's `cache hit`)."""
         if phase not in PHASES:
             raise ValueError(f"unknown startup phase {phase!r}; known: {PHASES}")
         self.marks.setdefault(phase, time.monotonic() if at is None else at)
+        if note:
+            self.notes.setdefault(phase, note)
 
     def durations(self) -> dict[str, float]:
         """Each marked phase's own seconds, in PHASES order (a phase runs from the previous
@@ -66,6 +70,9 @@ class StartupClock:
         waited (for peers, storage, or a CPU shared with other processes)."""
         durations = self.durations()
         total = sum(durations.values())
-        parts = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in durations.items())
+        parts = ", ".join(
+            f"{phase} {seconds:.2f}" + (f" ({self.notes[phase]})" if phase in self.notes else "")
+            for phase, seconds in durations.items()
+        )
         cpu = "" if cpu_seconds is None else f" (cpu {cpu_seconds:.2f} s)"
         return f"started in {total:.2f} s{cpu}: {parts}"

@@ -15,7 +15,7 @@ import torch
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_trainer.checkpointer import build_checkpointer
 from finetune_trainer.config import RuntimeEnv
-from finetune_trainer.data import build_dataset
+from finetune_trainer.data import CacheSettings, build_dataset
 from finetune_trainer.deepspeed_engine import select_accelerator
 from finetune_trainer.distributed import init_distributed, select_device
 from finetune_trainer.errors import UnsupportedConfigError
@@ -91,6 +91,12 @@ def precision_context(
     return contextlib.nullcontext()
 
 
+def data_cache(env: RuntimeEnv) -> CacheSettings | None:
+    if env.data_cache_dir is None:
+        return None
+    return CacheSettings(env.data_cache_dir, env.data_cache_limit_bytes)
+
+
 class Trainer:
     def __init__(self, job: JobConfig, env: RuntimeEnv) -> None:
         self.startup = StartupClock()
@@ -111,8 +117,10 @@ class Trainer:
         torch.manual_seed(spec.training.seed)
 
         tokenizer = build_tokenizer(spec.model)
-        self.data = build_dataset(spec.dataset, tokenizer, spec.training.sequence_length)
-        self.startup.mark("data")
+        self.data = build_dataset(
+            spec.dataset, tokenizer, spec.training.sequence_length, cache=data_cache(env)
+        )
+        self.startup.mark("data", note=self.data.source)
         self.parallel = load_parallel_model(
             job,
             tokenizer,

@@ -87,6 +87,9 @@ METRICS_BASE_PORT: Final = 9400
 CONFIG_MOUNT_DIR: Final = "/etc/finetune"
 CONFIG_FILE_NAME: Final = "job.json"
 CONFIG_PATH: Final = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
+# The worker pod's cache of tokenized training blocks (an emptyDir: it survives the trainer's
+# restarts inside the pod and goes with the pod; finetune_trainer.data.cache).
+DATA_CACHE_MOUNT_DIR: Final = "/var/cache/finetune"
 DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/finetune-operator/trainer:0.1.0"
 
 # Checkpoint layout.

@@ -21,13 +21,20 @@ from pydantic import Field, field_validator, model_validator
 
 from finetune_operator.api import limits as lim
 from finetune_operator.api.base import SpecModel
+from finetune_operator.api.constants import DATA_CACHE_MOUNT_DIR
 
 if TYPE_CHECKING:
     from finetune_operator.api.spec import FineTuneJobSpec
 
 # Paths the worker pod builder mounts itself (resources/worker.py): a user volume may not
 # shadow them or sit inside them.
-RESERVED_MOUNTS = ("/etc/finetune", "/dev/shm", "/tmp", "/dev/termination-log")
+RESERVED_MOUNTS = (
+    "/etc/finetune",
+    "/dev/shm",
+    "/tmp",
+    "/dev/termination-log",
+    DATA_CACHE_MOUNT_DIR,
+)
 CLAIM_VOLUME_PREFIX = "claim-"
 
 # The keys of storage.objectStore.secretName, under the names every S3 client reads from the

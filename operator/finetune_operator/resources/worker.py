@@ -7,6 +7,7 @@ from typing import Any
 from finetune_operator.api.constants import (
     CONFIG_MOUNT_DIR,
     CONFIG_PATH,
+    DATA_CACHE_MOUNT_DIR,
     DEFAULT_TRAINER_IMAGE,
     LABEL_WORKER_INDEX,
     METRICS_BASE_PORT,
@@ -36,6 +37,13 @@ WORKER_CONTAINER = "trainer"
 WORKER_GRACE_SECONDS = 120
 CONFIG_VOLUME = "config"
 SHM_VOLUME = "dshm"
+# The tokenized blocks, built by one local rank and mapped by all (finetune_trainer.data.cache).
+# An emptyDir on the node's disk: torchelastic's restarts inside the container reuse it; a
+# replacement pod rebuilds it once. A pod whose emptyDir outgrows its sizeLimit is evicted,
+# so the trainer is told a budget below it and tokenizes in memory instead of overrunning.
+DATA_CACHE_VOLUME = "data-cache"
+DATA_CACHE_SIZE_LIMIT_GIB = 32
+DATA_CACHE_BUDGET_BYTES = (DATA_CACHE_SIZE_LIMIT_GIB << 30) - (256 << 20)
 
 TORCHRUN_LAUNCHER: tuple[str, ...] = ("python", "-m", "finetune_trainer.launch")
 # The single place for extra torchrun flags the trainer needs (e.g. "--local-addr=$(POD_IP)";
@@ -50,6 +58,8 @@ WORKER_ENV: dict[str, str] = {
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     # The root filesystem is read-only: library caches go to the /tmp emptyDir.
     "HOME": "/tmp",
+    "FT_DATA_CACHE_DIR": DATA_CACHE_MOUNT_DIR,
+    "FT_DATA_CACHE_LIMIT_BYTES": str(DATA_CACHE_BUDGET_BYTES),
 }
 
 
@@ -155,6 +165,7 @@ def _container(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any
             {"name": CONFIG_VOLUME, "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
             tmp_mount,
+            {"name": DATA_CACHE_VOLUME, "mountPath": DATA_CACHE_MOUNT_DIR},
             # The job's storage (api/storage.py): where checkpoints, output, data and weights
             # live, since the root filesystem is read-only.
             *(mount for _, mount in spec.storage.mounts()),
@@ -173,6 +184,7 @@ def _volumes(owner: Owner) -> list[dict[str, Any]]:
         # NCCL and the dataloader share memory through /dev/shm; the runtime default is 64 MiB.
         {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
         tmp,
+        {"name": DATA_CACHE_VOLUME, "emptyDir": {"sizeLimit": f"{DATA_CACHE_SIZE_LIMIT_GIB}Gi"}},
     ]
 
 

@@ -1,0 +1,162 @@
+"""The data phase of a rank's start, with and without the per-pod cache of packed blocks.
+
+    python bench/data_cache.py [--mb 20] [--seq-len 512] [--ranks 1 2]
+
+A jsonl corpus of `--mb` MB is generated into a temporary directory (words of the shipped
+quickstart corpus in random order: never committed) and read with the byte-level tokenizer
+of inline models (one token per byte: the most tokens a corpus of this size can give). Each
+case runs `--ranks` fresh processes at once, as the local ranks of one pod start together,
+each timing its data phase (`build_dataset`, imports and tokenizer excluded) and reporting
+its peak RSS (`ru_maxrss`) and the RSS it had before the phase:
+
+- before: the reader this branch replaces, as it was: every row as a Python dict, the text
+  column as a list, tokenized at once into lists, packed through one flat list (its code is
+  `_before_build` below, kept only here as the baseline).
+- uncached: the streaming build into memory (what a job without a cache volume does).
+- first start: the streaming build into an empty cache (one rank builds, the others wait
+  and map it).
+- restart: the same cache again (every rank maps it: no reading, no tokenizing).
+
+Every case's blocks are checked equal to the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer_image")]
+
+CASES = ("before", "uncached", "first start", "restart")
+
+
+def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
+    quickstart = REPO / "trainer_image/finetune_trainer/data/quickstart.jsonl"
+    words = " ".join(json.loads(line)["text"] for line in quickstart.read_text().splitlines()).split()
+    rng = random.Random(seed)
+    target, written, rows = int(megabytes * 1e6), 0, 0
+    with open(path, "w", encoding="utf-8") as f:
+        while written < target:
+            line = json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(50, 800)))}) + "\n"
+            f.write(line)
+            written += len(line)
+            rows += 1
+    return rows
+
+
+def _before_build(uri: str, tokenizer: Any, seq_len: int) -> Any:
+    """The trainer's jsonl path before streaming: rows -> column -> token lists -> pack."""
+    import torch
+
+    with open(uri, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    assert "text" in names
+    texts = [str(t) for t in [row.get("text") for row in rows]]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    seqs = [[tokenizer.bos_token_id, *ids, tokenizer.eos_token_id] for ids in encoded]
+    flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
+    n = flat.numel() // seq_len
+    return flat[: n * seq_len].view(n, seq_len).numpy()
+
+
+def child(case: str, uri: str, seq_len: int, cache: str, out: str) -> None:
+    """One rank's data phase; writes its figures and a digest of its blocks to `out`."""
+    import hashlib
+
+    import numpy as np
+
+    from finetune_operator.api.spec import DatasetSpec
+    from finetune_trainer.data import CacheSettings, build_dataset
+    from finetune_trainer.tokenizer import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    if case == "before":
+        blocks, source = _before_build(uri, tokenizer, seq_len), "tokenized"
+    else:
+        settings = None if case == "uncached" else CacheSettings(Path(cache))
+        ds = build_dataset(DatasetSpec(uri=uri), tokenizer, seq_len, settings)
+        blocks, source = ds.blocks, ds.source
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    digest = hashlib.sha256(np.ascontiguousarray(blocks, dtype=np.int64).tobytes()).hexdigest()
+    Path(out).write_text(json.dumps({
+        "seconds": seconds, "cpu": cpu, "rss_before": rss_before, "rss_peak": peak,
+        "source": source, "blocks": len(blocks), "digest": digest,
+    }))  # fmt: skip
+
+
+def run_case(case: str, ranks: int, uri: str, seq_len: int, cache: Path, work: Path) -> list[dict[str, Any]]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:2]), "OMP_NUM_THREADS": "1"}
+    outs = [work / f"{case.replace(' ', '-')}-{ranks}-{r}.json" for r in range(ranks)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--child", case, uri, str(seq_len), str(cache), str(o)],
+                         env=env)
+        for o in outs
+    ]  # fmt: skip
+    for p in procs:
+        if p.wait() != 0:
+            raise RuntimeError(f"{case} at {ranks} ranks failed")
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def mib(n: float) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mb", type=float, default=20.0)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="data-cache-bench-"))
+    try:
+        uri = str(work / "corpus.jsonl")
+        rows = generate_corpus(Path(uri), args.mb)
+        size = os.path.getsize(uri)
+        print(f"corpus: {size / 1e6:.1f} MB, {rows} rows; seq len {args.seq_len}; byte tokenizer")
+        print(f"load (uptime): {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+        print("| ranks | case | data phase, slowest rank | rank CPU, sum | x before | source (per rank) "
+              "| peak RSS, max | RSS added by the phase, max | cache on disk |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for ranks in args.ranks:
+            cache = work / f"cache-{ranks}"
+            results = {c: run_case(c, ranks, uri, args.seq_len, cache, work) for c in CASES}
+            base = max(r["seconds"] for r in results["before"])
+            digests = {r["digest"] for rs in results.values() for r in rs}
+            assert len(digests) == 1, "a case gave other blocks than the baseline"
+            disk = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
+            for case, rs in results.items():
+                slowest = max(r["seconds"] for r in rs)
+                print(f"| {ranks} | {case} | {slowest:.3f} s | {sum(r['cpu'] for r in rs):.2f} s "
+                      f"| {slowest / base:.4f} | {', '.join(sorted(r['source'] for r in rs))} "
+                      f"| {mib(max(r['rss_peak'] for r in rs))} "
+                      f"| {mib(max(r['rss_peak'] - r['rss_before'] for r in rs))} "
+                      f"| {mib(disk) if case in ('first start', 'restart') else '-'} |")  # fmt: skip
+            first = max(r["seconds"] for r in results["first start"])
+            hit = max(r["seconds"] for r in results["restart"])
+            print(f"|   | restart / first start: {hit / first:.4f} ({first / hit:.0f}x faster) |||||||")
+        print(f"load (uptime) after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])
+    else:
+        main()
