@@ -88,7 +88,8 @@ def crash_line(report: dict[str, Any], first_rank: int, first: RankFailure) -> s
     where = f" ({crash['location']})" if crash.get("location") else ""
     line = f"crash report: rank {crash['rank']}: {crash['message']}{where}"
     if first_rank != crash["rank"]:
-        why = "it only lost its peer" if first.peer_loss else "its error was stamped first"
+        # Otherwise both failed in the same second: ours breaks the tie by the lowest rank.
+        why = "it only lost its peer" if first.peer_loss else "both failed in the same second"
         line += (
             f"\ncrash report: the root cause is rank {crash['rank']}, not rank {first_rank} "
             f'that torchrun\'s "Root Cause" above names ({why}: torchrun picks the earliest '
