@@ -214,7 +214,8 @@ def planner_states(cfg: Config) -> dict[str, int]:
     """The planner's per-rank model states for the same model, stage, offload and world."""
     from finetune_operator.api.spec import ModelArchitecture
     from finetune_operator.planner.architecture import shape_of
-    from finetune_operator.planner.memory import Candidate, TrainingShape, estimate_memory
+    from finetune_operator.planner.configuration import Candidate, TrainingShape
+    from finetune_operator.planner.memory import estimate_memory
     from finetune_operator.planner.zero import zero_states
 
     shape = shape_of(ModelArchitecture.model_validate(MODELS[cfg.model]))

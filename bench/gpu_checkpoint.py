@@ -34,7 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from finetune_operator.api.spec import CheckpointSpec
-from finetune_trainer.checkpointer import DcpCheckpointer
+from finetune_trainer.dcp_checkpointer import DcpCheckpointer
 from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState

@@ -207,6 +207,36 @@ def test_deprecated_field_warns_in_one_line(tmp_path: Path) -> None:
     )
 
 
+def test_one_line_warnings_last_only_while_a_command_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process callers of `main` (tests, scripts) keep their own warning format after it,
+    whether the command returned or raised."""
+    import warnings
+
+    from finetune_operator import cli
+
+    before = warnings.formatwarning
+    seen: list[str] = []
+
+    def command(_: Any) -> int:
+        seen.append(warnings.formatwarning(UserWarning("m"), UserWarning, "f.py", 1))
+        return 0
+
+    def failing(_: Any) -> int:
+        raise RuntimeError("boom")
+
+    for func in (command, failing):
+        monkeypatch.setattr(cli, "_cmd_crd", func)  # `ftjob crd` runs it
+        if func is failing:
+            with pytest.raises(RuntimeError, match="boom"):
+                cli.main(["crd"])
+        else:
+            assert cli.main(["crd"]) == 0
+        assert warnings.formatwarning is before
+    assert seen == ["warning: m\n"]  # one line while the command ran
+
+
 def test_plan_into_a_closed_pipe_exits_without_a_traceback() -> None:
     """`ftjob plan job.yaml | head -1`: the reader is gone before the plan is written."""
     read_end, write_end = os.pipe()

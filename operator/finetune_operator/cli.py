@@ -4,11 +4,12 @@ a step trace through the straggler detector."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib.metadata import entry_points
 
 from finetune_operator.api.capabilities import trainer_refusals
@@ -192,9 +193,25 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: object, *
     return f"warning: {message}\n"
 
 
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    """Warnings in one line while a command runs, and the process's own format again after:
+    `main` is called in-process too (tests, scripts), which must not keep ours."""
+    previous = warnings.formatwarning
+    warnings.formatwarning = _show_warning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.formatwarning = _show_warning
+    with _one_line_warnings():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         result: int = args.func(args)
         sys.stdout.flush()

@@ -181,6 +181,36 @@ def test_failed_names_the_pod_that_raised_not_the_one_that_lost_its_peer() -> No
         assert failed.message.startswith("pod qs-worker-1 failed") and "ValueError: bad row" in failed.message
 
 
+@pytest.mark.parametrize("lost_first", [True, False], ids=["peer-lost-finished-first", "cause-finished-first"])
+def test_restarting_names_the_root_cause_through_the_whole_backoff(lost_first: bool) -> None:
+    """Pass after pass while the failed pods wait out their backoff and are replaced one by
+    one, the Restarting condition names the pod that raised, never the one that only lost
+    its peer (worker pods never restart in place: restartPolicy Never, so `state.terminated`
+    is their only record, and a replaced pod's is gone)."""
+    job = JobRef(name="qs", namespace="ns", uid=UID, generation=1)
+    lost = report(rank=0, kind="PeerLost", message="RuntimeError: [gloo] Connection closed by peer")
+    raised = report(rank=1, kind="Exception", message="ValueError: bad row", location="data.py:9")
+    finished = {0: T0, 1: T0 + timedelta(seconds=1)} if lost_first else {0: T0 + timedelta(seconds=1), 1: T0}
+    failed = {0: _worker(0, "Failed", exit_code=1, message=lost, finished=finished[0]),
+              1: _worker(1, "Failed", exit_code=1, message=raised, finished=finished[1])}  # fmt: skip
+    status, replaced = FineTuneJobStatus(), []
+    for second in range(12):
+        pods = [_rdzv(), *failed.values()]
+        out = reconcile_job(job, quickstart_raw(), status, pods, T0 + timedelta(seconds=second),
+                            planner=lambda _: make_plan(2), ensured_generation=1)  # fmt: skip
+        status = out.status
+        condition = find(status.conditions, COND_SUCCEEDED)
+        assert condition is not None and condition.reason == "Restarting"
+        if failed:
+            assert condition.message.startswith("pod qs-worker-1 failed"), (second, condition.message)
+            assert "ValueError: bad row" in condition.message
+        for deletion in out.actions.delete:  # the apply layer deletes it: gone next pass
+            replaced.append(deletion.name)
+            failed = {i: p for i, p in failed.items() if p.name != deletion.name}
+    # Both replaced, the one that only lost its peer first; each counted once.
+    assert replaced == ["qs-worker-0", "qs-worker-1"] and status.restarts == 2
+
+
 def test_oom_killed_names_the_memory_limit() -> None:
     view = _worker(0, "Failed", exit_code=137, reason="OOMKilled", memory="64Gi")
     assert view.describe_failure() == (

@@ -124,7 +124,7 @@ def test_failed_save_is_visible_and_training_goes_on(
     (tmp_path / "step-00000004").write_text("a file where the step directory must go")
     state = new_state()
     ckpt = checkpointer(state, tmp_path, ckpt_group, keep=10)
-    with caplog.at_level(logging.ERROR, logger="finetune_trainer.checkpointer"):
+    with caplog.at_level(logging.ERROR, logger="finetune_trainer.dcp_checkpointer"):
         train_steps(state, 6, ckpt)
         assert ckpt.finish(timeout=30)
     assert [c.step for c in store.committed_newest_first(locate(str(tmp_path), 'checkpoint.uri'))] == [6, 2]

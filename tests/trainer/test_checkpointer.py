@@ -16,12 +16,8 @@ from torch import nn
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
-from finetune_trainer.checkpointer import (
-    DcpCheckpointer,
-    NoOpCheckpointer,
-    build_checkpointer,
-    save_due,
-)
+from finetune_trainer.checkpointer import NoOpCheckpointer, build_checkpointer, save_due
+from finetune_trainer.dcp_checkpointer import DcpCheckpointer
 from finetune_trainer.location import Location, locate
 from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.optim import build_scheduler

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,42 @@ def test_crash_report_joins_a_final_report_and_yields_to_a_configuration_error(
     assert not write_crash_report(report, str(log))  # the refusal is what the operator needs
     assert json.loads(log.read_text())["error"].startswith("strategy deepspeed")
     assert not write_crash_report(report, str(tmp_path / "absent"))  # outside a pod
+
+
+def test_the_pod_log_ends_with_our_root_cause_after_torchruns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torchrun's summary names its first failure (rank 0 here, which only lost its peer: the
+    killed rank is stamped later); the launcher's last lines name ours, as the termination log
+    does, and say why the two differ."""
+    from finetune_trainer import launch
+
+    peer = _error_file(tmp_path, RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1"))
+    error = ChildFailedError("trainer", {0: ProcessFailure(0, 6, 1, peer), 1: ProcessFailure(1, 7, -9, "<N/A>")})
+
+    def torchrun(_: list[str]) -> None:
+        raise error
+
+    log = tmp_path / "termination-log"
+    log.touch()
+    monkeypatch.setattr(launch, "torchrun_main", torchrun)
+    monkeypatch.setenv("FT_TERMINATION_LOG", str(log))
+    assert launch.main(["--config", str(tmp_path / "absent.json")]) == launch.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert json.loads(log.read_text())["crash"]["rank"] == 1
+    summary, ours = err.index("Root Cause (first observed failure)"), err.index("crash report: rank 1: died of SIGKILL")
+    assert summary < ours  # ours comes last: what a reader of the log's end sees
+    assert err.rstrip().endswith("whole-second timestamp)")
+    assert "the root cause is rank 1, not rank 0" in err and "it only lost its peer" in err
+
+    # When torchrun's pick is ours, one line, no correction.
+    raised = _error_file(tmp_path, ValueError("bad row"), name="raised.json")
+    error = ChildFailedError("trainer", {0: ProcessFailure(0, 6, 1, raised)})
+    assert launch.main([]) == launch.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"crash report: rank 0: ValueError: bad row \(test_crash_report.py:\d+\)",
+                        err.rstrip().splitlines()[-1])  # fmt: skip
+    assert "not rank" not in err
 
 
 def test_config_path_is_the_programs() -> None:

@@ -1,6 +1,6 @@
 """What a DeepSpeed checkpoint holds, and the trained model gathered for export.
 
-The format: the trainer's own committed DCP checkpoint (checkpointer.DcpCheckpointer, the same
+The format: the trainer's own committed DCP checkpoint (dcp_checkpointer.DcpCheckpointer, the same
 store, COMMITTED marker + manifest, keep-last-K, skip-corrupt, async write), whose model and
 optimizer entries are **one full fp32 tensor per trainable parameter, by name**: the fp32
 master weight (`model.<name>`) and each optimizer state (`optim.<name>.exp_avg`, ...), read

@@ -14,13 +14,15 @@ A failed worker group ends torchrun with a `ChildFailedError` carrying each fail
 error file (the trainer runs under torchelastic's `record`) or the signal that killed it.
 Its root cause goes to the container's termination log (finetune_trainer/crash.py), where
 the operator reads it for the job's status and Events; torchrun's own summary of the failures
-goes to the log, and the exit code stays 1. Any other failure is torchrun's own, unchanged.
+goes to the log, followed by our root cause (which says so when torchrun's pick differs), and
+the exit code stays 1. Any other failure is torchrun's own, unchanged.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -28,6 +30,7 @@ from torch.distributed.run import main as torchrun_main
 
 from finetune_trainer.crash import (
     KIND_EXIT,
+    RankFailure,
     crash_report,
     failure_from_process,
     planned_memory_note,
@@ -60,16 +63,39 @@ def _planned(argv: list[str]) -> str | None:
         return None
 
 
-def report_crash(error: ChildFailedError, argv: list[str]) -> None:
+def report_crash(error: ChildFailedError, argv: list[str]) -> str | None:
+    """Write the root cause to the termination log; the line for the pod's log, None when the
+    report would say less than the log (`KIND_EXIT`)."""
     failures = [failure_from_process(rank, f) for rank, f in error.failures.items()]
     report = crash_report(failures, planned=_planned(argv))
-    crash = report["crash"]
     # No error file and no signal: a trainer that failed before `record` ran (an import
     # error: the log's tail has it, FallbackToLogsOnError) or that exited with a code of its
     # own after writing its own report. Either says more than "exited with code N".
-    if crash["kind"] == KIND_EXIT or not write_crash_report(report):
-        return
-    print(f"crash report: rank {crash['rank']}: {crash['message']}", file=sys.stderr, flush=True)
+    if report["crash"]["kind"] == KIND_EXIT:
+        return None
+    write_crash_report(report)
+    first = error.get_first_failure()[0]
+    return crash_line(report, first, next(f for f in failures if f.rank == first))
+
+
+def crash_line(report: dict[str, Any], first_rank: int, first: RankFailure) -> str:
+    """Our root cause for the pod's log, printed after torchrun's summary so that the log's
+    last word agrees with the termination log and the job's status. torchrun's "Root Cause"
+    block is torchelastic's `get_first_failure` (the smallest whole-second timestamp), which
+    can be a rank that only lost its peer, or stamp a killed rank after the peers it took
+    down; we cannot change that block without faking its timestamps, so we say when it differs."""
+    crash = report["crash"]
+    where = f" ({crash['location']})" if crash.get("location") else ""
+    line = f"crash report: rank {crash['rank']}: {crash['message']}{where}"
+    if first_rank != crash["rank"]:
+        # Otherwise both failed in the same second: ours breaks the tie by the lowest rank.
+        why = "it only lost its peer" if first.peer_loss else "both failed in the same second"
+        line += (
+            f"\ncrash report: the root cause is rank {crash['rank']}, not rank {first_rank} "
+            f'that torchrun\'s "Root Cause" above names ({why}: torchrun picks the earliest '
+            "whole-second timestamp)"
+        )
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrun stopped by {name}: worker group shut down", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        report_crash(e, args)
-        # torchrun's own summary (each failed rank's traceback, the root cause), as it would
-        # print it, without the launcher's frames around it.
+        line = report_crash(e, args)
+        # torchrun's own summary (each failed rank's traceback, its pick of the root cause),
+        # as it would print it, without the launcher's frames around it; then ours, last.
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if line:
+            print(line, file=sys.stderr, flush=True)
         return EXIT_FAILED
     return 0
 

@@ -76,7 +76,7 @@ def adamw8bit(
     model: nn.Module, groups: list[dict[str, object]], lr: float
 ) -> torch.optim.Optimizer:
     """bitsandbytes' blockwise 8-bit AdamW (1 byte per state value plus an fp32 absmax per
-    256: what the planner counts, memory.ADAM8BIT_BYTES_PER_STATE), same hyper-parameters as
+    256: what the planner counts, model_states.ADAM8BIT_BYTES_PER_STATE), same hyper-parameters as
     the 32-bit one. Imported here only: bitsandbytes ships CUDA kernels and is in the trainer
     image, not in CPU installs. It steps plain tensors, not FSDP2's sharded DTensors (the
     strategy table lets adamw8bit run under ddp only; the planner never picks otherwise)."""

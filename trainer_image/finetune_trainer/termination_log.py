@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import MutableMapping, MutableSequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,47 @@ log = logging.getLogger(__name__)
 
 TERMINATION_LOG_ENV = "FT_TERMINATION_LOG"
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
-MAX_BYTES = 4096  # the kubelet keeps at most this much
+MAX_BYTES = 4096  # the kubelet keeps at most this much, in bytes, and cuts the rest
+ELLIPSIS = "…"
+
+
+def _size(data: Any) -> int:
+    return len(json.dumps(data).encode())
+
+
+def _strings(data: Any) -> list[tuple[Any, Any]]:
+    """(container, key) of every string in a JSON document's dicts and lists."""
+    found: list[tuple[Any, Any]] = []
+    items = data.items() if isinstance(data, MutableMapping) else enumerate(data)
+    for key, value in items:
+        if isinstance(value, str):
+            found.append((data, key))
+        elif isinstance(value, MutableMapping | MutableSequence):
+            found.extend(_strings(value))
+    return found
+
+
+def fit_json(report: dict[str, Any], limit: int = MAX_BYTES) -> str:
+    """`report` as JSON of at most `limit` bytes (UTF-8), valid whatever its strings' lengths:
+    the kubelet cuts a longer message mid-token, and the operator then reads nothing at all.
+    The longest string loses its end first (marked "…"), then the next longest; keys, numbers
+    and lists stay, so a reader still finds every field. Bytes, not characters: a non-ASCII
+    character is 6 or 12 bytes as a JSON escape."""
+    data = json.loads(json.dumps(report))  # a deep copy, and tuples made lists
+    while _size(data) > limit:
+        strings = [(c, k) for c, k in _strings(data) if c[k] not in ("", ELLIPSIS)]
+        if not strings:
+            break  # nothing left to shorten: numbers and keys alone over the limit
+        container, key = max(strings, key=lambda ck: _size(ck[0][ck[1]]))
+        text: str = container[key]
+        # The longest prefix that fits (escapes make bytes per character vary); none: "…".
+        low, high = 0, len(text) - 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            container[key] = text[:mid] + ELLIPSIS
+            low, high = (mid, high) if _size(data) <= limit else (low, mid - 1)
+        container[key] = text[:low] + ELLIPSIS
+    return json.dumps(data)
 
 
 def write_final_report(
@@ -62,7 +103,7 @@ def write_final_report(
     if stop_reason:
         report["stopReason"] = stop_reason
     try:
-        target.write_text(json.dumps(report)[:MAX_BYTES])
+        target.write_text(fit_json(report))
     except OSError as e:
         log.warning("could not write the termination report to %s: %s", target, e)
         return False
@@ -74,10 +115,10 @@ def write_error_report(message: str, *, rank: int, path: str | None = None) -> b
     target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
     if not target.exists():
         return False
-    # Truncate the message, not the JSON: the operator must still be able to parse it.
-    report = {"rank": rank, "error": message[: MAX_BYTES - 200]}
+    # Shorten the message, not the JSON: the operator must still be able to parse it.
+    report = {"rank": rank, "error": message}
     try:
-        target.write_text(json.dumps(report))
+        target.write_text(fit_json(report))
     except OSError as e:
         log.warning("could not write the termination report to %s: %s", target, e)
         return False
@@ -102,7 +143,9 @@ def write_crash_report(report: dict[str, Any], path: str | None = None) -> bool:
         text = json.dumps({**existing, **fit_report(report, limit=room)})
         if len(text.encode()) > MAX_BYTES:  # no room beside it: the crash alone, still valid JSON
             text = json.dumps(fit_report(report))
-        target.write_text(text)
+        # fit_report cuts the traceback and the message; any other long string (a report
+        # built elsewhere) is cut here, so what is written always parses.
+        target.write_text(fit_json(json.loads(text)))
     except OSError as e:
         log.warning("could not write the crash report to %s: %s", target, e)
         return False

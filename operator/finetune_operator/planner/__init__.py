@@ -6,13 +6,9 @@ Public API: `plan_job(spec) -> Plan`, `PlanningError`, and the per-candidate est
 """
 
 from finetune_operator.planner.architecture import ModelShape, resolve_model, shape_of
+from finetune_operator.planner.configuration import Candidate, TrainingShape
 from finetune_operator.planner.errors import PlanningError
-from finetune_operator.planner.memory import (
-    Candidate,
-    MemoryEstimate,
-    TrainingShape,
-    estimate_memory,
-)
+from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
 from finetune_operator.planner.planning import plan_job
 from finetune_operator.planner.report import render_plan
 

@@ -1,4 +1,5 @@
-"""Per-GPU memory of one fully specified training configuration (pure, no torch).
+"""Per-GPU memory of one fully specified training configuration (pure, no torch): the
+resident model states (model_states.py) and the step's transient peak, walked phase by phase.
 
 `estimate_memory(model, shape, candidate)` is the contract the tracing accuracy matrix checks:
 it returns the resident model states (parameters, gradients, optimizer), and the step's peak of
@@ -25,17 +26,9 @@ from dataclasses import dataclass, field
 # constant, so the planner counts what the engine is told to allocate.
 from finetune_operator.api.deepspeed_config import ZERO_BUCKET_ELEMENTS
 from finetune_operator.api.plan import MemoryBreakdown
-from finetune_operator.api.spec import (
-    AttentionImpl,
-    MethodType,
-    Offload,
-    OptimizerName,
-    Precision,
-    StrategyName,
-)
-from finetune_operator.api.strategies import STRATEGIES, Strategy
 from finetune_operator.planner.activations import FP32, activation_model
 from finetune_operator.planner.architecture import ModelShape
+from finetune_operator.planner.configuration import PRECISION_BYTES, Candidate, TrainingShape
 from finetune_operator.planner.hardware import (
     CUBLAS_WORKSPACE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -43,7 +36,7 @@ from finetune_operator.planner.hardware import (
     NCCL_BUFFER_BYTES,
 )
 from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
-from finetune_operator.planner.zero import ZeroStates, zero_states
+from finetune_operator.planner.model_states import ModelStates, model_states
 
 # PyTorch's caching allocator (default configuration: the trainer leaves
 # PYTORCH_CUDA_ALLOC_CONF alone) rounds blocks (512 B small / 2 MiB large), keeps freed blocks
@@ -58,56 +51,6 @@ ALLOCATOR_FRAGMENTATION = 1.105
 # torch DDP bucket_cap_mb default (25 MiB); with gradient_as_bucket_view=True the grads live in
 # the buckets, so the extra is one bucket in flight for NCCL.
 DDP_BUCKET_BYTES = 25 * MIB
-# bitsandbytes 8-bit blockwise optimizer: 1 byte per state value + one fp32 absmax per 256.
-ADAM8BIT_BYTES_PER_STATE = 1 + FP32 / 256
-PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-@dataclass(frozen=True)
-class TrainingShape:
-    """What one rank computes per micro-batch, independent of how states are sharded."""
-
-    micro_batch_size: int
-    seq_len: int
-    precision: Precision = "bf16"
-    optimizer: OptimizerName = "adamw"
-    method: MethodType = "full"
-    lora_rank: int = 16
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    lora_dropout: float = 0.05
-    attention: AttentionImpl = "sdpa"
-    checkpointing: bool = False
-    grad_accumulation: int = 1
-    # None: fp32 master weights iff precision is bf16/fp16 (mixed precision). False models
-    # pure-bf16 training (params, grads and Adam states all in the compute dtype).
-    master_weights: bool | None = None
-    # The trainer torch.compiles each decoder block (its default; FT_COMPILE=0 turns it off)
-    # where `compiles_blocks` says: what the blocks save for backward follows (compiled.py).
-    compile_blocks: bool = False
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """How states are placed: strategy, world size, node shape, offload, device kind."""
-
-    strategy: StrategyName
-    world_size: int = 1
-    gpus_per_node: int = 1
-    offload: Offload = "none"
-    cuda: bool = True
-
-    @property
-    def row(self) -> Strategy:
-        """What the strategy shards and on which backend (api.strategies): the row the bare
-        name means (zero3 is DeepSpeed's; the planner passes fsdp-full-shard for FSDP2's)."""
-        return STRATEGIES.canonical(self.strategy)
-
-    @property
-    def shard_size(self) -> int:
-        """Ranks a fully sharded state is split over (hybrid: within one node)."""
-        if self.row.shard_within_node:
-            return min(self.world_size, self.gpus_per_node)
-        return self.world_size
 
 
 @dataclass(frozen=True)
@@ -117,96 +60,6 @@ class MemoryEstimate:
     host_bytes: int  # offloaded states per process (CPU RAM)
     phases: dict[str, int] = field(default_factory=dict)
 
-
-@dataclass(frozen=True)
-class _States:
-    params: int
-    grads: int
-    optim: int
-    host: int
-    frozen_elems: int  # frozen base parameters (LoRA/QLoRA), for gathered-unit sizes
-    zero: ZeroStates | None = None  # DeepSpeed: gradients per phase differ (planner/zero.py)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _optimizer_state_bytes(shape: TrainingShape, e: int, mixed: bool) -> float:
-    """Bytes per trainable parameter of optimizer states, excluding master weights."""
-    state = FP32 if mixed else e
-    if shape.optimizer == "adamw":
-        return 2 * state
-    if shape.optimizer == "adamw8bit":
-        return 2 * ADAM8BIT_BYTES_PER_STATE
-    return state  # SGD with momentum: one buffer
-
-
-def _fsdp_shard_elems(m: ModelShape, trainable: int, s: int) -> int | None:
-    """Per-rank elements of FSDP2's Shard(0) when stacked expert tensors (experts, ...) have
-    fewer rows than ranks: each rank holds ceil(E/s) whole experts, the tail ranks padding
-    (torch.distributed.fsdp FSDPParam pads dim 0 to a multiple of the shard count)."""
-    if not m.experts or s <= m.experts or trainable != m.total:
-        return None
-    per_expert = 3 * m.arch.hidden_size * m.expert_inter * m.arch.num_hidden_layers
-    experts = per_expert * m.experts
-    return _ceil_div(trainable - experts, s) + per_expert * _ceil_div(m.experts, s)
-
-
-def _model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> _States:
-    e = PRECISION_BYTES[shape.precision]
-    mixed = e != FP32 and shape.master_weights is not False
-    n, s = cand.world_size, cand.shard_size
-    if shape.method == "full":
-        trainable, frozen_bytes, frozen_elems = m.total, 0, 0
-    else:
-        trainable = adapter_parameters(m, shape.lora_rank, shape.lora_targets)
-        frozen_elems = m.total
-        frozen_bytes = qlora_base_bytes(m, e) if shape.method == "qlora" else m.total * e
-        # PEFT keeps adapters in fp32: they are their own master weights.
-        e, mixed = FP32, False
-    opt_b = _optimizer_state_bytes(shape, e, mixed)
-    master = FP32 if mixed else 0
-    row = cand.row
-    if row.backend == "deepspeed":
-        # What DeepSpeed's engine allocates, checked against it (planner/zero.py).
-        z = zero_states(
-            row.zero_stage,
-            n,
-            trainable,
-            frozen_bytes,
-            e,
-            master + opt_b,
-            fp32_master=mixed,
-            offload=cand.offload != "none",
-            grad_accumulation=shape.grad_accumulation,
-        )
-        return _States(z.params, z.grads, z.optim, z.host, frozen_elems, z)
-    # The torch backend (DDP and FSDP2 rows).
-    # FSDP2 shards the original-dtype params; with mixed precision those are fp32 masters.
-    # DDP mixed precision is an fp32 model under autocast (what the trainer runs and what
-    # torch AMP means): fp32 params + fp32 grads + fp32 m, v = 4 + 4 + 8 = the textbook 16 B.
-    # Without mixed precision both reduce to the textbook split (e-byte params and grads).
-    pe = FP32 if mixed else e
-    s = s if row.shards_params else 1
-    shard = _fsdp_shard_elems(m, trainable, s) if shape.method == "full" else None
-    shard = shard if shard is not None else _ceil_div(trainable, s)
-    params = shard * pe + _ceil_div(frozen_bytes, s)
-    grads = shard * pe
-    optim = int(shard * opt_b)
-    host = 0
-    if cand.offload != "none":
-        # zero1/zero2 offload the optimizer (and ZeRO-2 its fp32 gradient partitions: sharded
-        # gradients go with the optimizer that owns them); zero3 and FSDP's CPUOffloadPolicy
-        # move params, grads and optimizer to the host.
-        moved = optim + (grads if row.shards_grads else 0)
-        if "params" in row.offloadable:
-            moved += params
-            params = 0
-        grads = 0 if row.shards_grads else grads
-        optim = 0
-        host = moved
-    return _States(params, grads, optim, host, frozen_elems)
 
 
 def _gathered_units(m: ModelShape, shape: TrainingShape, cand: Candidate) -> tuple[int, int]:
@@ -277,7 +130,7 @@ def _loss_buffers(m: ModelShape, tokens: int, e: int) -> tuple[int, int]:
     return held + 3 * FP32 * bsv, held
 
 
-def _optimizer_temp(shape: TrainingShape, cand: Candidate, st: _States) -> int:
+def _optimizer_temp(shape: TrainingShape, cand: Candidate, st: ModelStates) -> int:
     """The trainer's AdamW is torch's fused kernel on CUDA (no temporaries; on an H100 the
     measured peak of a 3B full fine-tune fell from the optimizer phase to the loss phase);
     elsewhere torch's multi-tensor path allocates sqrt(v) (one state-sized tensor) during the
@@ -334,7 +187,7 @@ def compiles_blocks(shape: TrainingShape, cand: Candidate) -> bool:
     return shape.compile_blocks and cand.cuda and cand.row.backend != "deepspeed"
 
 
-def _reserved(phases: dict[str, int], st: _States, cand: Candidate) -> int:
+def _reserved(phases: dict[str, int], st: ModelStates, cand: Candidate) -> int:
     """What the caching allocator reserves: the compute stream's pool (its own peak, which in
     the optimizer phase excludes FSDP's gradients, times the fragmentation factor) plus, for
     FSDP on CUDA, the reduce-scatter stream's pool holding the sharded gradients."""
@@ -378,7 +231,7 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
         # three DDP rows), so those keep the eager count, which over-predicts them.
         compiled=compiles_blocks(shape, cand) and not forward_under_autocast,
     )
-    st = _model_states(m, shape, cand)
+    st = model_states(m, shape, cand)
     layers = m.arch.num_hidden_layers
     if shape.checkpointing:
         resident = layers * act.layer_input + act.head

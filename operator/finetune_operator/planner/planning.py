@@ -9,12 +9,13 @@ from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.storage import object_store_problems, unmounted_paths
 from finetune_operator.api.strategies import STRATEGIES, StrategyTable
 from finetune_operator.planner.architecture import ModelShape, resolve_model
+from finetune_operator.planner.configuration import PRECISION_BYTES, TrainingShape
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.planner.explain import explain_choice, explain_refusal
 from finetune_operator.planner.hardware import accelerator_for, host_bytes_per_process
 from finetune_operator.planner.loading import load_peak_bytes, zero_load_peak_bytes
 from finetune_operator.planner.lora import expand_targets
-from finetune_operator.planner.memory import PRECISION_BYTES, TrainingShape, compiles_blocks
+from finetune_operator.planner.memory import compiles_blocks
 from finetune_operator.planner.search import (
     Evaluated,
     Problem,

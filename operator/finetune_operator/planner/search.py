@@ -15,13 +15,9 @@ from finetune_operator.api.limits import MAX_NODES
 from finetune_operator.api.spec import FineTuneJobSpec, Objective
 from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_operator.planner.architecture import ModelShape
+from finetune_operator.planner.configuration import Candidate, TrainingShape
 from finetune_operator.planner.hardware import Accelerator
-from finetune_operator.planner.memory import (
-    Candidate,
-    MemoryEstimate,
-    TrainingShape,
-    estimate_memory,
-)
+from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
 from finetune_operator.planner.steptime import step_seconds
 
 # DESIGN §4: a plan must leave at least this share of GPU memory free.

@@ -15,9 +15,9 @@ bench/results/gpu-h100.md): within 15% on 6 of 7 measured configurations.
 from __future__ import annotations
 
 from finetune_operator.planner.architecture import ModelShape
+from finetune_operator.planner.configuration import PRECISION_BYTES, Candidate, TrainingShape
 from finetune_operator.planner.hardware import INTER_NODE_BW, Accelerator
 from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
-from finetune_operator.planner.memory import PRECISION_BYTES, Candidate, TrainingShape
 
 # Hidden size from which the matmuls reach the product's full MFU; below it efficiency falls
 # as (h / WIDE_HIDDEN)^0.75 (H100: 0.39-0.48 of peak from h=2048 to 4096, 0.23 at h=896).

@@ -59,6 +59,13 @@ class Assessment:
         return [self.rendezvous, *pods] if self.rendezvous is not None else pods
 
 
+def root_cause_first(pods: Sequence[PodView]) -> list[PodView]:
+    """Failed pods, the likeliest root cause first: a pod whose ranks only lost their peer is a
+    consequence of another's failure (finished at about the same moment, in either order), so
+    it comes after every pod that failed of its own; then by finish time and name."""
+    return sorted(pods, key=lambda p: (is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name))
+
+
 def _backoff_due(pod: PodView, base: float, k: int, now: datetime) -> datetime:
     # A pod with no finish time (evicted before starting, say) is due at once.
     finished = pod.finished_at or now
@@ -68,13 +75,18 @@ def _backoff_due(pod: PodView, base: float, k: int, now: datetime) -> datetime:
 def _walk_failures(
     ev: Evaluation, status: FineTuneJobStatus, failed: Sequence[PodView], now: datetime
 ) -> tuple[list[PodView], list[tuple[PodView, datetime]], int, PodView | None]:
-    """Spend the replacement budget on the failed pods, oldest failure first."""
+    """Spend the replacement budget on the failed pods, oldest failure first, but a pod whose
+    ranks only lost a peer before any that failed of its own: each replacement doubles the next
+    one's backoff, so the root cause's pod is replaced last and stays observed (and named in
+    the Restarting condition) for as long as any pod it took down still waits. The group is
+    whole again no later than in finish order: the last one due waits the same doubled backoff."""
     assert ev.spec is not None
     ft = ev.spec.fault_tolerance
     k = status.restarts
     replace_now: list[PodView] = []
     waiting: list[tuple[PodView, datetime]] = []
-    for pod in sorted(failed, key=lambda p: (p.finished_at or EPOCH, p.name)):
+    order = sorted(failed, key=lambda p: (not is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name))
+    for pod in order:
         if k >= ft.max_restarts:
             return replace_now, waiting, k, pod
         due = _backoff_due(pod, ft.backoff_seconds, k, now)
@@ -149,7 +161,7 @@ def assess(
         used = ev.spec.fault_tolerance.max_restarts
         # Say the root cause: a pod whose ranks only lost their peer is a consequence of
         # another's failure (finished at the same moment, in any order).
-        culprit = min(failed, key=lambda p: (is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name))
+        culprit = root_cause_first(failed)[0]
         msg = shorten(f"{culprit.describe_failure()}; all {used} replacements allowed are used", 1000)
         return replace(seen, mode=Mode.FAILED, restarts=restarts, message=msg)
     return replace(seen, replace_now=tuple(replace_now), waiting=tuple(waiting), restarts=restarts)

@@ -29,7 +29,7 @@ from finetune_operator.api.constants import (
     REASON_WORKERS_NOT_READY,
 )
 from finetune_operator.api.status import Condition, FineTuneJobStatus
-from finetune_operator.reconcile.assess import Assessment, Mode, assess
+from finetune_operator.reconcile.assess import Assessment, Mode, assess, root_cause_first
 from finetune_operator.reconcile.conditions import Want, derive_phase, find, set_condition
 from finetune_operator.reconcile.crash import shorten
 from finetune_operator.reconcile.evaluation import Evaluation
@@ -53,13 +53,17 @@ def _blocked_detail(a: Assessment) -> str:
 def _progress(a: Assessment) -> Want:
     """Succeeded=Unknown while running: its reason says what the job is doing."""
     if a.waiting:
-        pod, due = a.waiting[0]
+        # The root cause among the pods waiting out their backoff, not the first due: that
+        # one may only have lost its peer (assess.root_cause_first).
+        cause = root_cause_first([p for p, _ in a.waiting])[0]
+        pod, due = next(w for w in a.waiting if w[0] is cause)
         msg = f"{pod.describe_failure()}; replacing it at {format_time(due)}"
         return Want("Unknown", REASON_RESTARTING, msg)
     if a.replace_now:
-        # Each with its cause (reconcile/crash.py), the first few: what `kubectl describe`
-        # shows while the job restarts.
-        causes = "; ".join(p.describe_failure() for p in a.replace_now[:MAX_PODS_DESCRIBED])
+        # Each with its cause (reconcile/crash.py), the first few, root cause first: what
+        # `kubectl describe` shows while the job restarts.
+        first = root_cause_first(a.replace_now)[:MAX_PODS_DESCRIBED]
+        causes = "; ".join(p.describe_failure() for p in first)
         more = len(a.replace_now) - MAX_PODS_DESCRIBED
         msg = f"{causes}{f'; and {more} more' if more > 0 else ''}; replacing them"
         if len(a.replace_now) == 1:

@@ -1,0 +1,365 @@
+"""`DcpCheckpointer`: the `checkpointer.Checkpointer` that saves with
+`torch.distributed.checkpoint.async_save` on a dedicated gloo group and resumes from the newest
+committed checkpoint that loads.
+
+Save path (main thread): wait for the previous save to be committed (at most one in flight,
+so the staging buffers are free), capture the state dict and stage it into host buffers the
+checkpointer owns (`staging.HostStaging`: allocated once, device copies enqueued on a side
+stream). The loop calls `wait_for_staging()` before the optimizer step, the first moment the
+live tensors change. A commit thread finishes the host copies, waits for the device copies,
+writes the staged state with `dcp.save` on the checkpoint group, agrees with every rank that it
+succeeded (all-reduce) and then rank 0 writes the `COMMITTED` marker and purges old
+checkpoints, off the hot path. A failed save is logged with its traceback, counted
+(`finetune_trainer_checkpoint_failures_total`) and remembered in `last_failed_step`; training
+goes on and the next save tries again. Before the marker, each rank hashes the files it wrote
+and rank 0 writes the gathered manifest (size + hash per file) into `COMMITTED`.
+
+The root is a directory on a volume or an s3:// prefix (`location.Location`, which also hands
+out DCP's storage writer and reader: fsspec's for a bucket, DCP's os-based ones for a volume);
+everything else goes through the same interface, so every property here holds on both.
+
+Load path: the committed steps, newest first; a step is used only if every rank verified its
+share of the manifest and loaded it. Any failure (DCP raises `CheckpointException`, which
+derives from BaseException, not Exception) falls back to the previous step; rank 0 moves the
+damaged one aside. `resumed_from_step` and `skipped` say what happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from finetune_operator.api.spec import CheckpointSpec
+from finetune_operator.api.storage import ObjectStoreSpec
+from finetune_trainer import checkpoint_store as store
+from finetune_trainer.checkpointer import AsyncMode, save_due
+from finetune_trainer.location import Location
+from finetune_trainer.metrics import TrainerMetrics
+from finetune_trainer.ownership import claim_checkpoint_root
+from finetune_trainer.staging import HostStaging, StagedState
+from finetune_trainer.state import TrainState
+
+log = logging.getLogger(__name__)
+
+# Everything a failed load can raise, but not the interpreter's own exits (KeyboardInterrupt,
+# SystemExit): DCP wraps every rank's failure in CheckpointException, a BaseException.
+LOAD_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+
+# Opt-in: stage through a snapshot in GPU memory (staging.py); costs a copy of the state there.
+DEVICE_SNAPSHOT_ENV = "FT_CHECKPOINT_DEVICE_SNAPSHOT"
+# DCP raises CheckpointException, a BaseException, when any rank fails a save.
+SAVE_ERRORS = (Exception, CheckpointException)
+
+
+class DcpCheckpointer:
+    """Committed DCP checkpoints under `spec.uri` (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: CheckpointSpec,
+        state: TrainState,
+        *,
+        group: dist.ProcessGroup,
+        world_size: int,
+        metrics: TrainerMetrics,
+        meta: dict[str, Any],
+        device: torch.device | None = None,
+        cwd: Path | None = None,
+        object_store: ObjectStoreSpec | None = None,
+    ) -> None:
+        self.root = store.resolve_root(spec.uri, cwd, object_store)
+        # Before anything is loaded, cleaned or purged there: the root must be this job's.
+        claim_checkpoint_root(self.root, meta)
+        self.spec = spec
+        self.state = state
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = world_size
+        self.metrics = metrics
+        self.meta = meta
+        self.mode = AsyncMode.ASYNC if spec.async_ else AsyncMode.SYNC
+        self.last_committed_step = 0
+        self.last_failed_step = 0
+        self.resumed_from_step = 0  # the step load() really resumed from (0: fresh start)
+        self.skipped: list[int] = []  # committed steps load() found unusable, newest first
+        self._last_saved = 0
+        self._last_save_time = time.monotonic()
+        self._pending: tuple[StagedState | None, Future[None]] | None = None
+        self._inflight: Future[bool] | None = None
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
+        if device is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        snapshot = os.environ.get(DEVICE_SNAPSHOT_ENV) == "1"
+        self.staging = (
+            HostStaging(device, device_snapshot=snapshot) if self.mode is AsyncMode.ASYNC else None
+        )
+        self._prepared = False
+
+    # ---- load -------------------------------------------------------------------------------
+
+    def _candidates(self) -> list[int]:
+        """Rank 0 cleans partial saves and lists committed steps, newest first; all ranks
+        get the same list so they try the same checkpoints in the same order."""
+        steps: list[int] = []
+        if self.rank == 0:
+            for path in store.remove_partial(self.root):
+                log.warning("removed uncommitted checkpoint %s", path)
+            steps = [c.step for c in store.committed_newest_first(self.root)]
+        box: list[Any] = [steps]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return list(box[0])
+
+    def _verify(self, path: Location) -> None:
+        """Structure, then this rank's share of the manifest (sizes, then hashes)."""
+        store.validate(path)
+        manifest = store.manifest_of(store.read_marker(path))
+        if manifest is None:
+            log.warning("checkpoint %s has no manifest (older format): structure checked only", path)
+            return
+        world = dist.get_world_size(self.group)
+        store.verify_files(path, manifest, store.share_of(manifest, self.rank, world))
+
+    def _agree(self, ok: bool) -> bool:
+        """True only if every rank says ok: ranks never resume from different steps, nor
+        diverge on what is committed (the load and the save paths both agree through it)."""
+        flag = torch.tensor([1.0 if ok else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item() == 1.0)
+
+    def _try_load(self, step: int) -> bool:
+        path = store.step_dir(self.root, step)
+        ok = True
+        try:
+            self._verify(path)
+        except LOAD_ERRORS as e:
+            log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
+            ok = False
+        # Agree on the verification before DCP's load, which runs collectives of its own: a
+        # rank that skipped it would leave the others waiting in them.
+        if self._agree(ok):
+            try:
+                saved = set(path.dcp_reader().read_metadata().state_dict_metadata)
+                sd = self.state.template(saved)
+                dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
+                self.state.restore(sd)
+            except LOAD_ERRORS as e:
+                log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
+                ok = False
+            ok = self._agree(ok)
+        else:
+            ok = False
+        if not ok and self.rank == 0:
+            # Out of the way of the save that will reach this step again, kept for a look.
+            try:
+                log.warning("moved damaged checkpoint to %s", store.quarantine(path))
+            except OSError as e:
+                log.warning("could not move damaged checkpoint %s aside: %s", path, e)
+        return ok
+
+    def load(self) -> int:
+        """Resume from the newest committed checkpoint that loads; skip corrupt ones. Returns
+        the step to continue from (0: nothing usable, start fresh). A checkpoint that failed
+        on one rank leaves the others' state half-restored; the next one loaded overwrites
+        all of it, and a fresh start (0) is only reached by a rank that loaded nothing."""
+        for step in self._candidates():
+            if self._try_load(step):
+                self.last_committed_step = self._last_saved = self.resumed_from_step = step
+                self.metrics.last_ckpt_step.set(step)
+                self.metrics.observe_resume(step, self.skipped)
+                log.info("resumed from checkpoint step %d (%s)", step, self.root)
+                return step
+            self.skipped.append(step)
+        self.metrics.observe_resume(0, self.skipped)
+        log.info("no usable checkpoint under %s: starting at step 0", self.root)
+        return 0
+
+    # ---- save -------------------------------------------------------------------------------
+
+    def time_due(self) -> bool:
+        minutes = self.spec.interval_minutes
+        return bool(minutes) and time.monotonic() - self._last_save_time >= 60 * float(minutes)
+
+    def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> bool:
+        """Save if due; True if a save started at this step (the step trace marks it)."""
+        self.prepare()  # once, after the first step of a fresh run
+        due = save_due(
+            step,
+            interval_steps=self.spec.interval_steps,
+            time_due=time_due,
+            last_saved=self._last_saved,
+        )
+        if due or (force and step > self._last_saved):
+            self._save(step)
+            return True
+        return False
+
+    def prepare(self) -> None:
+        """Allocate the staging buffers ahead of the first save, so that save does not pay
+        for pinning gigabytes of host memory (~3 GB/s) in the middle of training. Needs the
+        optimizer state: before the first step (a fresh run) capturing the state would
+        initialise it with a zero-gradient step (Adam's step count off by one), so then it is
+        done by `maybe_save` after the first step. Idempotent."""
+        if self.staging is None or self._prepared or not self.state.optimizer.state:
+            return
+        t = time.monotonic()
+        self.staging.reserve(self.state.capture())
+        self._prepared = True
+        log.info("checkpoint staging buffers ready in %.2fs", time.monotonic() - t)
+
+    def _save(self, step: int) -> None:
+        t0 = time.monotonic()
+        self.finish()  # at most one save in flight: the staging buffers are free again
+        self.metrics.checkpoint_save_started()
+        path = store.step_dir(self.root, step)
+        # Saving a step again (after resuming from an older one): never look committed mid-write.
+        if self.rank == 0:
+            # A path that is not a directory fails the save below, counted like any failure.
+            with contextlib.suppress(OSError):
+                (path / store.CHECKPOINT_COMMITTED_MARKER).remove()
+        if self.staging is not None:
+            staging = self.staging
+            launched: list[StagedState] = []
+            # A failure here (no memory to pin, a missing volume) must not stop training, and
+            # this rank must still join the commit thread's agreement or its peers would wait.
+            self._attempt(step, "staging", lambda: launched.append(self._launch(staging, path)))
+            staged = launched[0] if launched else None
+            ready: Future[None] = Future()
+            self._pending = (staged, ready)
+            self._inflight = self._committer.submit(self._write_staged, staged, ready, step, t0)
+        else:
+
+            def save() -> None:
+                self.root.makedirs()
+                dcp.save(
+                    self.state.capture(), storage_writer=path.dcp_writer(), process_group=self.group
+                )
+
+            self._conclude(self._agree(self._attempt(step, "save", save)), step, t0)
+        self._last_saved = step
+        self._last_save_time = time.monotonic()
+        self.metrics.checkpoint_save_returned(step, time.monotonic() - t0)
+
+    def _launch(self, staging: HostStaging, path: Location) -> StagedState:
+        self.root.makedirs()
+        return staging.launch(self.state.capture())
+
+    def _attempt(self, step: int, what: str, action: Any) -> bool:
+        try:
+            action()
+        except SAVE_ERRORS:
+            log.exception("checkpoint step %d: %s failed", step, what)
+            return False
+        return True
+
+    def _write_staged(
+        self, staged: StagedState | None, ready: Future[None], step: int, t0: float
+    ) -> bool:
+        """Commit thread: finish staging, write, commit. Every rank runs the same collectives
+        whatever fails, so a failure on one rank never leaves another waiting."""
+        try:
+            ok = staged is not None and self._attempt(step, "staging", staged.copy_host)
+        finally:
+            ready.set_result(None)  # the loop may go on; a failure is reported below
+        ok = ok and staged is not None and self._attempt(step, "staging", staged.wait_device)
+        if self._agree(ok) and staged is not None:
+            path = store.step_dir(self.root, step)
+            ok = self._attempt(
+                step,
+                "write",
+                lambda: dcp.save(
+                    staged.state_dict, storage_writer=path.dcp_writer(), process_group=self.group
+                ),
+            )
+            ok = self._agree(ok)
+        else:
+            ok = False
+        return self._conclude(ok, step, t0)
+
+    def _conclude(self, ok: bool, step: int, t0: float) -> bool:
+        """Every rank: hash what it wrote, gather the manifest; rank 0 commits it."""
+        path = store.step_dir(self.root, step)
+        described: list[dict[str, dict[str, Any]]] = []
+        if ok:
+            # Each rank hashes its own files (in parallel, from the page cache just filled).
+            ok = self._attempt(step, "hash", lambda: described.append(
+                store.describe_files(path, store.files_written_by(path, self.rank))
+            ))  # fmt: skip
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, described[0] if described else None, group=self.group)
+        ok = ok and all(part is not None for part in gathered)
+        if ok and self.rank == 0:
+            manifest = {name: entry for part in gathered for name, entry in part.items()}
+            ok = self._attempt(step, "commit", lambda: self._mark_committed(step, manifest))
+        if not ok:
+            self.last_failed_step = max(self.last_failed_step, step)
+            self.metrics.observe_checkpoint_failed(step)
+            log.error(
+                "checkpoint step %d NOT committed; newest committed checkpoint: step %d",
+                step,
+                self.last_committed_step,
+            )
+            return False
+        self.last_committed_step = step
+        self.metrics.observe_checkpoint_committed(step, time.monotonic() - t0)
+        log.info("checkpoint step %d committed in %.2fs", step, time.monotonic() - t0)
+        return True
+
+    def _mark_committed(self, step: int, manifest: dict[str, dict[str, Any]]) -> None:
+        path = store.step_dir(self.root, step)
+        meta = {**self.meta, "step": step, "worldSize": self.world_size, "time": time.time()}
+        meta[store.HASH_KEY] = store.HASH_ALGORITHM
+        meta[store.MANIFEST_KEY] = manifest
+        store.write_marker(path, meta)
+        for old in store.purge(self.root, self.spec.keep, below_step=step):
+            log.info("purged checkpoint %s", old)
+
+    def wait_for_staging(self) -> None:
+        """Before the optimizer step: the host copies are done and the GPU will run the
+        optimizer after the device copies (the host does not wait for those)."""
+        if self._pending is None:
+            return
+        t = time.monotonic()
+        staged, ready = self._pending
+        self._pending = None
+        ready.result()
+        if staged is not None:
+            staged.release()
+        self.metrics.checkpoint_staging_waited(time.monotonic() - t)
+
+    def finish(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight save to be committed (or fail). False on timeout."""
+        if self._inflight is not None:
+            try:
+                self._inflight.result(timeout=timeout)
+            except FutureTimeout:
+                return False
+            self._inflight = None
+        if self._pending is not None:
+            staged, self._pending = self._pending[0], None
+            if staged is not None:
+                staged.release()  # staging is over: nothing may run before the copies
+        self.metrics.checkpoint_window_closed()
+        return True
+
+    def close(self) -> None:
+        self._committer.shutdown(wait=True)
+        if self.staging is not None:
+            self.staging.close()
+
+
+def _short(e: BaseException) -> str:
+    """DCP's CheckpointException message embeds every rank's traceback: keep the first line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
