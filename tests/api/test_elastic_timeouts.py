@@ -83,11 +83,12 @@ def test_worker_stop_never_beyond_torchrun_sigkill() -> None:
         (spec(), plan(step=20.0), 5.0, 100.0),  # a faster one never narrows the model's
         (spec(), plan(step=200.0), None, 300.0),  # half the 600 s hang timeout
         (spec(hangTimeoutSeconds=3600), plan(step=200.0), None, 600.0),  # the old value caps
-        (spec(hangTimeoutSeconds=60), plan(step=0.1), None, 30.0),  # hang/2 beats the floor
+        (spec(hangTimeoutSeconds=150), plan(step=20.0), None, 75.0),  # half the hang timeout
+        (spec(hangTimeoutSeconds=15), plan(step=20.0), None, 60.0),  # the floor beats hang/2
         (spec(collectiveTimeoutSeconds=15), plan(step=20.0), 30.0, 15.0),  # the user's wins
     ],
     ids=["floor", "steps", "measured-slower", "measured-faster", "hang-share", "ceiling",
-         "short-hang", "override"],
+         "mid-hang", "short-hang", "override"],
 )
 def test_steady(job: FineTuneJobSpec, p: Plan, measured: float | None, expected: float) -> None:
     assert steady_collective_seconds(job, p, measured) == pytest.approx(expected)

@@ -43,8 +43,9 @@ LAST_CALL_FLOOR_S: Final = 5.0
 WORKER_STOP_SLACK_S: Final = 5.0
 LAST_CALL_CEILING_S: Final = TORCHRUN_STOP_SECONDS + WORKER_STOP_SLACK_S
 # Steady: a few modelled (or measured) step times, never below a minute, never above the old
-# fixed value (torch's NCCL default), and at most half the operator's hang timeout, so that
-# survivors fail and re-form by themselves before the operator restarts everything.
+# fixed value (torch's NCCL default), and at most half the operator's hang timeout (unless that
+# is below the floor), so that survivors fail and re-form by themselves before the operator
+# restarts everything.
 STEADY_STEP_MULTIPLE: Final = 5.0
 STEADY_FLOOR_S: Final = 60.0
 STEADY_CEILING_S: Final = 600.0
@@ -111,8 +112,11 @@ def steady_collective_seconds(
     if fixed is not None:
         return float(fixed)
     step = max(plan.estimated_step_seconds, measured_step_seconds or 0.0)
-    ceiling = min(STEADY_CEILING_S, HANG_SHARE * spec.fault_tolerance.hang_timeout_seconds)
-    return _clamp(STEADY_STEP_MULTIPLE * step, min(STEADY_FLOOR_S, ceiling), ceiling)
+    hang_share = HANG_SHARE * spec.fault_tolerance.hang_timeout_seconds
+    # The floor wins over the hang share: a hang timeout set below two minutes asks the
+    # operator to act first, not for collectives that fail at a GC pause.
+    ceiling = min(STEADY_CEILING_S, max(STEADY_FLOOR_S, hang_share))
+    return _clamp(STEADY_STEP_MULTIPLE * step, STEADY_FLOOR_S, ceiling)
 
 
 def startup_collective_seconds(spec: FineTuneJobSpec, plan: Plan) -> float:

@@ -153,7 +153,7 @@ class FaultToleranceSpec(SpecModel):
             "How long a training collective waits for a peer once the run is warm: what a "
             "silent node loss (power loss, network partition) costs before the survivors fail "
             "and re-form. Default: derived per job, 5 step times within [60, 600] s and at "
-            "most half of hangTimeoutSeconds (docs/architecture.md)."
+            "most half of hangTimeoutSeconds above 60 s (docs/architecture.md)."
         ),
     )
     startup_collective_timeout_seconds: int | None = Field(
