@@ -130,7 +130,7 @@ def startup_collective_seconds(spec: FineTuneJobSpec, plan: Plan) -> float:
     derived = STARTUP_BASE_S + load_bytes / NODE_STORAGE_BYTES_PER_S
     if plan.compiled_blocks:
         derived += COMPILE_ALLOWANCE_S
-    return math.ceil(_clamp(derived, STARTUP_BASE_S, STARTUP_CEILING_S))
+    return round(_clamp(derived, STARTUP_BASE_S, STARTUP_CEILING_S))
 
 
 def collective_timeouts(
@@ -139,7 +139,7 @@ def collective_timeouts(
     steady = steady_collective_seconds(spec, plan, measured_step_seconds)
     # Never shorter than steady: a user's long steady timeout holds in every phase.
     startup = max(startup_collective_seconds(spec, plan), steady)
-    checkpoint = math.ceil(
+    checkpoint = round(
         _clamp(
             CHECKPOINT_SAVE_MULTIPLE * node_checkpoint_seconds(plan), startup, CHECKPOINT_CEILING_S
         )
