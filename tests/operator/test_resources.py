@@ -117,7 +117,8 @@ def test_worker_command(
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=quickstart-rdzv.team-a.svc:29400",
         f"--rdzv-id={UID}",
-        "--rdzv-conf=is_host=false,last_call_timeout=5,keep_alive_interval=2,"
+        # last call: the plan's 1 s step + no checkpoint bytes to save + 5 s of agent slack
+        "--rdzv-conf=is_host=false,last_call_timeout=6,keep_alive_interval=2,"
         "keep_alive_max_attempt=3",
         "--max-restarts=3",
         "--local-addr=$(POD_IP)",

@@ -13,7 +13,7 @@ import time
 from finetune_operator.api.constants import CONFIG_PATH
 from finetune_trainer.config import RuntimeEnv, load_job_config
 from finetune_trainer.crash import record_exception, recorded
-from finetune_trainer.distributed import destroy_distributed
+from finetune_trainer.distributed import describe_failure, destroy_distributed
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.termination_log import write_error_report
 
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         # the group. Background save threads may be stuck on the same peer, so do not wait for
         # them on the way out; os._exit skips `record`, so write the error file here.
         log.exception("training failed")
-        record_exception(e)
+        described = describe_failure(e, trainer.timeout.current if trainer else None)
+        if described is not e:
+            log.error("%s", described)
+        record_exception(described)
         code, failed = 1, True
     finally:
         hard = failed or (trainer is not None and trainer.hard_exit)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune_operator.api.constants import METRICS_BASE_PORT
+from finetune_operator.api.constants import FINAL_SAVE_GRACE_SECONDS, METRICS_BASE_PORT
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_trainer.faults import FaultConfig, env_number
 
@@ -75,7 +75,7 @@ class RuntimeEnv:
             pod_ip=env.get("POD_IP") or None,
             pod_name=env.get("POD_NAME") or None,
             faults=FaultConfig.from_environ(env),
-            grace_seconds=_float(env, "FT_GRACE_SECONDS", 25.0),
+            grace_seconds=_float(env, "FT_GRACE_SECONDS", FINAL_SAVE_GRACE_SECONDS),
             metrics_base_port=int(env.get("FT_METRICS_BASE_PORT", str(METRICS_BASE_PORT))),
             node_name=env.get("NODE_NAME") or None,
             step_trace_dir=Path(raw) if (raw := env.get("FINETUNE_STEP_TRACE_DIR")) else None,

@@ -50,6 +50,10 @@ PEER_LOSS_MARKERS = (
     "DistStoreError",
     "NCCL communicator was aborted",
     "Broken pipe",
+    # A collective that waited past its timeout: a peer stopped answering without closing its
+    # connections (gloo's message; the trainer's CollectiveTimeoutError carries it).
+    "Timed out waiting",
+    "collective operation timeout",
 )
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
@@ -161,7 +165,12 @@ def crash_report(
     crash: dict[str, Any] = {"rank": root.rank, "exitCode": root.exitcode, "time": root.timestamp}
     if root.exitcode < 0:
         name = _signal_name(root.exitcode)
-        hint = " (the kernel's OOM killer, or a kill from outside the pod)" if name == "SIGKILL" else ""
+        hint = {
+            "SIGKILL": " (the kernel's OOM killer, or a kill from outside the pod)",
+            # NCCL's watchdog aborts the process when a collective times out.
+            "SIGABRT": " (on GPUs: NCCL's watchdog, when a collective timed out or a peer was "
+            "lost; the pod's log says which)",
+        }.get(name, "")
         crash.update(kind=KIND_SIGNAL, signal=name, message=f"died of {name}{hint}")
     elif not root.has_error_file:
         crash.update(

@@ -14,13 +14,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroupGloo
+from torch.distributed import ProcessGroupGloo, distributed_c10d
 
 from finetune_trainer.config import RuntimeEnv
 
 log = logging.getLogger(__name__)
 
 POD_GLOO = "podgloo"
+# How a collective's timeout reads: gloo raises "Timed out waiting <ms>ms for recv operation
+# to complete"; NCCL's watchdog "Watchdog caught collective operation timeout" (it aborts the
+# process unless TORCH_NCCL_BLOCKING_WAIT is set, so the main thread rarely sees it).
+COLLECTIVE_TIMEOUT_MARKERS = ("Timed out waiting", "collective operation timeout")
 _pod_ip_for_gloo: str | None = None
 
 
@@ -72,14 +76,21 @@ def select_device(resources_device: str, env: RuntimeEnv) -> torch.device:
 
 
 def init_distributed(
-    device: torch.device, env: RuntimeEnv, timeout_s: float = 600.0
+    device: torch.device,
+    env: RuntimeEnv,
+    timeout_s: float = 600.0,
+    checkpoint_timeout_s: float | None = None,
 ) -> Distributed:
+    """The training group with `timeout_s` (the startup timeout: `set_training_timeout`
+    shortens it once the run is warm) and the checkpoint group with `checkpoint_timeout_s`
+    (its collectives wait for the slowest rank's write; default: `timeout_s`)."""
     cpu = cpu_backend(env.pod_ip)
     # CUDA runs keep a CPU backend too: async_save's collectives run on CPU tensors.
     backend = f"cpu:{cpu},cuda:nccl" if device.type == "cuda" else cpu
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, timeout=timeout)
-    ckpt_group = dist.new_group(backend=cpu, timeout=timeout)
+    ckpt_timeout = datetime.timedelta(seconds=checkpoint_timeout_s or timeout_s)
+    ckpt_group = dist.new_group(backend=cpu, timeout=ckpt_timeout)
     if ckpt_group is None:  # pragma: no cover - only for ranks outside the group
         raise RuntimeError("this rank is not part of the checkpoint group")
     log.info(
@@ -95,6 +106,43 @@ def init_distributed(
         rank=dist.get_rank(),
         checkpoint_group=ckpt_group,
     )
+
+
+def set_training_timeout(seconds: float) -> None:
+    """The default (training) group's timeout for the collectives issued from now on, on
+    every backend it has (gloo for CPU tensors, NCCL for CUDA ones). The checkpoint group
+    keeps its own."""
+    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:  # a torch without it: keep the timeout the group was created with
+        log.warning("torch %s cannot change a process group's timeout", torch.__version__)
+        return
+    setter(datetime.timedelta(seconds=seconds))
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective on the training group waited past its timeout: a peer stopped answering
+    (node lost, network partition, a hung or frozen rank) without closing its connections."""
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    return isinstance(error, CollectiveTimeoutError) or any(
+        marker in str(error) for marker in COLLECTIVE_TIMEOUT_MARKERS
+    )
+
+
+def describe_failure(error: Exception, timeout_s: float | None) -> Exception:
+    """`error`, or for a collective timeout an error that says what it means (the crash
+    report and the operator read it as a lost peer, not a bug)."""
+    if not is_collective_timeout(error) or isinstance(error, CollectiveTimeoutError):
+        return error
+    after = f" after {timeout_s:.0f}s" if timeout_s else ""
+    described = CollectiveTimeoutError(
+        f"a collective timed out{after}: a peer stopped answering (node lost, network "
+        f"partition, or a hung rank); torchrun re-forms the group. {type(error).__name__}: "
+        f"{error}"
+    )
+    described.__cause__ = error
+    return described
 
 
 def destroy_distributed() -> None:

@@ -12,12 +12,14 @@ from types import FrameType
 
 import torch
 
+from finetune_operator.api.elastic_timeouts import collective_timeouts
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_trainer.checkpointer import build_checkpointer
+from finetune_trainer.collective_timeout import TrainingTimeout
 from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.data import CacheSettings, build_dataset
 from finetune_trainer.deepspeed_engine import select_accelerator
-from finetune_trainer.distributed import init_distributed, select_device
+from finetune_trainer.distributed import init_distributed, select_device, set_training_timeout
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.export import build_exporter
 from finetune_trainer.faults import build_faults
@@ -107,7 +109,12 @@ class Trainer:
         self.faults = build_faults(env.faults, env.rank)
         self.device = select_device(spec.resources.device, env)
         select_accelerator(self.device)  # before anything imports deepspeed
-        self.dist = init_distributed(self.device, env)
+        timeouts = collective_timeouts(spec, job.plan)
+        self.dist = init_distributed(
+            self.device, env, timeout_s=timeouts.startup, checkpoint_timeout_s=timeouts.checkpoint
+        )
+        # Generous while starting and around saves, a few step times once warm.
+        self.timeout = TrainingTimeout(job, timeouts, set_training_timeout)
         self.startup.mark("group")
         world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
         self.grad_accum = gradient_accumulation(
@@ -224,13 +231,17 @@ class Trainer:
         stop = False
         loss: float | None = None
         while self.state.step < self.total_steps and not stop:
+            self.timeout.before_step()
             stats, stop, time_due = self.train_step()
+            self.timeout.step_done(stats.step_seconds)
             loss = stats.loss
             self.metrics.observe_step(stats, self.dist.world_size)
             last = self.state.step == self.total_steps
+            self.timeout.relax()  # also for the stop path and the export after the loop
             saved = self.checkpointer.maybe_save(
                 self.state.step, force=stop or last, time_due=time_due
             )
+            self.timeout.saved(saved)
             self.step_trace.record(stats, checkpoint=saved)
             if "first step" not in self.startup.marks:
                 self.startup.mark("first step")

@@ -91,6 +91,10 @@ CONFIG_PATH: Final = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
 # restarts inside the pod and goes with the pod; finetune_trainer.data.cache).
 DATA_CACHE_MOUNT_DIR: Final = "/var/cache/finetune"
 DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/finetune-operator/trainer:0.1.0"
+# After SIGTERM, how long a worker's final checkpoint may take (the trainer's FT_GRACE_SECONDS
+# default); torchrun SIGKILLs its workers TORCHRUN_STOP_SECONDS after forwarding SIGTERM.
+FINAL_SAVE_GRACE_SECONDS: Final = 25.0
+TORCHRUN_STOP_SECONDS: Final = 30.0
 
 # Checkpoint layout.
 CHECKPOINT_STEP_PREFIX: Final = "step-"

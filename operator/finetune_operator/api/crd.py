@@ -74,6 +74,21 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "fieldPath": ".deepspeedConfig",
         },
     ],
+    "FaultToleranceSpec": [
+        {
+            "rule": "!has(self.collectiveTimeoutSeconds) || "
+            "self.collectiveTimeoutSeconds < self.hangTimeoutSeconds",
+            "message": "collectiveTimeoutSeconds must be below hangTimeoutSeconds",
+            "fieldPath": ".collectiveTimeoutSeconds",
+        },
+        {
+            "rule": "!has(self.collectiveTimeoutSeconds) || "
+            "!has(self.startupCollectiveTimeoutSeconds) || "
+            "self.startupCollectiveTimeoutSeconds >= self.collectiveTimeoutSeconds",
+            "message": "startupCollectiveTimeoutSeconds must be >= collectiveTimeoutSeconds",
+            "fieldPath": ".startupCollectiveTimeoutSeconds",
+        },
+    ],
     "ModelArchitecture": [
         {
             "rule": "!has(self.numKeyValueHeads) || "

@@ -63,6 +63,12 @@ MAX_WINDOW_STEPS: Final = 1_000_000
 MAX_CONSECUTIVE_WINDOWS: Final = 10000
 MAX_COOLDOWN_SECONDS: Final = 30 * 86400
 MAX_EVICTIONS_PER_HOUR: Final = 3600
+# Collective timeouts: below 10 s a GC pause or a slow data batch reads as a lost peer; a day
+# is the hang timeout's own bound.
+MIN_COLLECTIVE_TIMEOUT_SECONDS: Final = 10
+MAX_COLLECTIVE_TIMEOUT_SECONDS: Final = 86400
+# torchrun's agents wait at most this long for late nodes on every re-form.
+MAX_LAST_CALL_SECONDS: Final = 600
 
 # --- strings and lists (free text the operator copies into pods, Events and status) ---------
 MAX_NAME_LENGTH: Final = 253  # DNS-1123 subdomain: ServiceAccounts, PriorityClasses, resources

@@ -83,6 +83,14 @@ class Plan(ApiModel):
             "ZeRO-1/2: the whole replica, in the training dtype, plus that module)."
         ),
     )
+    checkpoint_bytes: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Bytes of one checkpoint, all ranks together: the trainable parameters in fp32 "
+            "and their optimizer states (what a save writes and a resume reads)."
+        ),
+    )
     architecture: ModelArchitecture | None = Field(
         None,
         description=(

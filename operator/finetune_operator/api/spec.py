@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from finetune_operator.api import limits as lim
 from finetune_operator.api.base import SpecModel
@@ -145,7 +145,55 @@ class FaultToleranceSpec(SpecModel):
             "(counted against maxRestarts)."
         ),
     )
+    collective_timeout_seconds: int | None = Field(
+        None,
+        ge=lim.MIN_COLLECTIVE_TIMEOUT_SECONDS,
+        le=lim.MAX_COLLECTIVE_TIMEOUT_SECONDS,
+        description=(
+            "How long a training collective waits for a peer once the run is warm: what a "
+            "silent node loss (power loss, network partition) costs before the survivors fail "
+            "and re-form. Default: derived per job, 5 step times within [60, 600] s and at "
+            "most half of hangTimeoutSeconds above 60 s (docs/architecture.md)."
+        ),
+    )
+    startup_collective_timeout_seconds: int | None = Field(
+        None,
+        ge=lim.MIN_COLLECTIVE_TIMEOUT_SECONDS,
+        le=lim.MAX_COLLECTIVE_TIMEOUT_SECONDS,
+        description=(
+            "How long a collective waits while the workers start (weights and checkpoint "
+            "loading, the first steps with torch.compile), around checkpoint saves and during "
+            "the export. Default: derived per job from the model and compilation, at least "
+            "600 s."
+        ),
+    )
+    rendezvous_last_call_seconds: int | None = Field(
+        None,
+        ge=1,
+        le=lim.MAX_LAST_CALL_SECONDS,
+        description=(
+            "Once minNodes workers joined a re-form, how long more may join (torchrun's "
+            "last_call_timeout). Default: derived per job, the time a worker takes to stop "
+            "(a step and its final checkpoint save) plus 5 s, within [5, 35] s."
+        ),
+    )
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> FaultToleranceSpec:
+        steady, startup = self.collective_timeout_seconds, self.startup_collective_timeout_seconds
+        if steady is not None and steady >= self.hang_timeout_seconds:
+            raise ValueError(
+                f"faultTolerance.collectiveTimeoutSeconds ({steady}) must be below "
+                f"faultTolerance.hangTimeoutSeconds ({self.hang_timeout_seconds}): the ranks "
+                "must give up on a lost peer before the operator declares a hang"
+            )
+        if steady is not None and startup is not None and startup < steady:
+            raise ValueError(
+                f"faultTolerance.startupCollectiveTimeoutSeconds ({startup}) must be >= "
+                f"faultTolerance.collectiveTimeoutSeconds ({steady})"
+            )
+        return self
 
 
 class OutputSpec(SpecModel):

@@ -17,6 +17,7 @@ from finetune_operator.api.constants import (
     rendezvous_name,
     worker_name,
 )
+from finetune_operator.api.elastic_timeouts import rendezvous_last_call_seconds
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.storage import SECRET_KEYS_OPTIONAL, SECRET_KEYS_REQUIRED
@@ -75,6 +76,18 @@ def node_range(spec: FineTuneJobSpec, plan: Plan) -> tuple[int, int]:
     return low, high
 
 
+def rendezvous_conf(spec: FineTuneJobSpec, plan: Plan) -> str:
+    """torchrun's c10d rendezvous options. The store lives in the rendezvous pod, so no agent
+    may try to host it. A lost node expires after 3 missed 2 s keep-alives; the last call
+    lets surviving agents, whose workers stop (a step and a final save) before they rejoin,
+    into the same round (api/elastic_timeouts.py): one re-form, not two."""
+    last_call = rendezvous_last_call_seconds(spec, plan)
+    return (
+        f"is_host=false,last_call_timeout={last_call},keep_alive_interval=2,"
+        "keep_alive_max_attempt=3"
+    )
+
+
 def worker_command(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> list[str]:
     low, high = node_range(spec, plan)
     return [
@@ -86,10 +99,7 @@ def worker_command(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> list[str]
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rendezvous_endpoint(owner)}",
         f"--rdzv-id={owner.uid}",
-        # The store lives in the rendezvous pod, so no agent may try to host it. A lost node expires after 2 missed 2 s
-        # keep-alives and stragglers get a 5 s last call: re-forming takes ~10 s, not ~45 s.
-        "--rdzv-conf=is_host=false,last_call_timeout=5,keep_alive_interval=2,"
-        "keep_alive_max_attempt=3",
+        f"--rdzv-conf={rendezvous_conf(spec, plan)}",
         f"--max-restarts={spec.fault_tolerance.max_restarts}",
         *TORCHRUN_EXTRA_FLAGS,
         "-m",
