@@ -6,13 +6,15 @@ binds pending pods to a node (:mod:`.scheduler`), starts each bound pod's contai
 (Pending -> Running -> Succeeded/Failed with the exit code) and carries out graceful deletion:
 SIGTERM to the process group, SIGKILL after the grace period, then the final delete.
 Its parts: :mod:`.informer` (list + watch caches), :mod:`.nodes` (Node registration),
-:mod:`.podsources` (ConfigMaps, Secrets and claims a pod uses), :mod:`.podspec` (environment,
-hosts file), :mod:`.podrunner` (volumes, the process), :mod:`.podstatus` (status bodies).
+:mod:`.podsources` (ConfigMaps, Secrets and claims a pod uses), :mod:`.imageenv` (what stands
+for the image's environment), :mod:`.podspec` (environment, hosts file), :mod:`.podrunner`
+(volumes, the process), :mod:`.emptydir` (emptyDir lifetime, sizeLimit eviction),
+:mod:`.podstatus` (status bodies).
 
 Deviations from a real kubelet: only the first container runs (init and sidecar containers are
 ignored); images are ignored (the command runs with this Python environment); there is no
 network namespace (pods share the host's ports: each binds its own loopback ``$POD_IP`` from
-the cluster's claimed /16, see :mod:`.addresses`); resource limits and probes are not
+the cluster's claimed /16, see :mod:`.addresses`); cpu/memory limits and probes are not
 enforced (a running pod is Ready). Pod processes die with the process that runs the cluster
 (a parent-death signal, see :mod:`.podinit`).
 """
@@ -23,16 +25,15 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import pathlib
 import signal
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from finetune_local import emptydir, podrunner
 from finetune_local.addresses import AddressPool
+from finetune_local.imageenv import image_env
 from finetune_local.informer import Cache, ObjectKey, key_of, list_and_watch, remember
 from finetune_local.nodes import register_node
 from finetune_local.podsources import bind_claim, fetch_config, referenced_configs
@@ -47,23 +48,11 @@ from finetune_local.podspec import (
 from finetune_local.podstatus import conditions as pod_conditions
 from finetune_local.podstatus import container_base, now, running_status, waiting
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
-from finetune_local.scheduler import pick_node
+from finetune_local.scheduler import pick_node, pods_by_node
 from finetune_local.termination import begin_instance, read_message, termination_mount
 
 logger = logging.getLogger(__name__)
 PodKey = ObjectKey
-CLUSTER_ENV = "FTJOB_LOCAL_CLUSTER"
-# What of the host environment stands for the pod's image: the Python environment includes
-# PYTHONPATH (a source checkout run without installing it, e.g. a git worktree).
-_PASS_ENV = (
-    "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "GLOO_",
-    "PYTHONPATH",
-)
-# The images' own ENV (Dockerfile, trainer_image/Dockerfile) that the processes depend on:
-# unbuffered output, so a pod's log interleaves stdout and stderr as in a container.
-_IMAGE_ENV = {"PYTHONUNBUFFERED": "1"}
-
-
 @dataclass
 class KubeletConfig:
     data_dir: pathlib.Path
@@ -258,11 +247,7 @@ class Kubelet:
 
     async def _schedule(self, pod: dict[str, Any]) -> None:
         key = key_of(pod)
-        placed: dict[str, list[Mapping[str, Any]]] = {}
-        for other in self.pods.values():
-            node = other.get("spec", {}).get("nodeName")
-            if node and other.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
-                placed.setdefault(node, []).append(other)
+        placed = pods_by_node(self.pods.values())
         node, message = pick_node(pod, list(self.nodes.values()), placed)
         if node is None:
             current: dict[str, Any] = next((c for c in pod.get("status", {}).get("conditions", []) if c["type"] == "PodScheduled"), {})
@@ -283,19 +268,6 @@ class Kubelet:
         assert self.addresses is not None, "the kubelet is not started"
         return self.addresses.allocate()
 
-    def _base_env(self, pod: Mapping[str, Any]) -> dict[str, str]:
-        venv_bin = os.path.dirname(sys.executable)
-        env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_ENV)} | _IMAGE_ENV
-        env["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
-        env["HOSTNAME"] = pod.get("spec", {}).get("hostname") or pod["metadata"]["name"]
-        host, _, port = self.config.api_url.removeprefix("http://").partition(":")
-        env.update(KUBERNETES_SERVICE_HOST=host, KUBERNETES_SERVICE_PORT=port.rstrip("/"))
-        # Which local cluster a process belongs to (finding leftovers; never read by pods).
-        env[CLUSTER_ENV] = str(self.config.data_dir)
-        env.update(self.config.extra_env)
-        env.update(self.config.node_env.get(pod.get("spec", {}).get("nodeName") or "", {}))
-        return env
-
     async def _start(self, key: PodKey, pod: dict[str, Any]) -> None:
         containers = pod.get("spec", {}).get("containers") or [{}]
         container = containers[0]
@@ -312,7 +284,7 @@ class Kubelet:
                 lookups[(kind, name)] = None if obj is None else (
                     secret_data(obj) if kind == "secret" else dict(obj.get("data") or {}))
             pod_view = {**pod, "status": {**pod.get("status", {}), "podIP": run.ip, "hostIP": "127.0.0.1"}}
-            env = container_env(pod_view, container, lambda k, n: lookups.get((k, n)), self._base_env(pod))
+            env = container_env(pod_view, container, lambda k, n: lookups.get((k, n)), image_env(pod, self.config))
             directory.mkdir(parents=True, exist_ok=True)
             run.hosts_text = self._hosts_for(pod_view, run.ip)
             run.hosts_file.write_text(run.hosts_text)

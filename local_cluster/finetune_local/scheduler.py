@@ -9,7 +9,7 @@ Taints, inter-pod affinity and cpu/memory fit are not modelled.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 _BASIC = ("cpu", "memory", "ephemeral-storage", "pods")
@@ -23,6 +23,16 @@ def quantity(value: Any) -> float:
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * factor
     return float(text)
+
+
+def pods_by_node(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
+    """The bound pods that still hold their node's resources (not Succeeded or Failed)."""
+    placed: dict[str, list[Mapping[str, Any]]] = {}
+    for pod in pods:
+        node = pod.get("spec", {}).get("nodeName")
+        if node and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+            placed.setdefault(node, []).append(pod)
+    return placed
 
 
 def _expression_matches(expr: Mapping[str, Any], values: Mapping[str, str]) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from finetune_local.kubelet import CLUSTER_ENV
+from finetune_local.imageenv import CLUSTER_ENV
 
 
 def cluster_processes(data_dir: Path) -> list[int]:
