@@ -198,6 +198,21 @@ def test_eviction_rules(
         )
 
 
+@pytest.mark.parametrize(("steps_left", "evicts"), [(None, True), (6, True), (5, False), (0, False)])
+def test_no_eviction_within_a_window_of_the_end(steps_left: int | None, evicts: bool) -> None:
+    """Evicting as the run ends cannot pay back the re-form, and a replacement joining a group
+    that is finishing waits out torchrun's exit barrier: reported, not evicted."""
+    spec = StragglerSpec(window_steps=5)
+    d = decide_stragglers(
+        spec, detection({0: 1.0, 1: 1.6, 2: 1.0}, {1: 3}), {}, [], None, [], WORKERS, 1, 3,
+        T0, steps_left=steps_left,
+    )  # fmt: skip
+    assert d.condition.status == "True" and (d.evict is not None) == evicts
+    if not evicts:
+        assert d.condition.reason == "StragglerFound"
+        assert f"training ends in {steps_left} steps" in (d.condition.message or "")
+
+
 def test_no_straggler_and_unconfirmed_suspects() -> None:
     d = decide_stragglers(
         StragglerSpec(), detection({0: 1.0, 1: 1.3}, {1: 1}), {}, [], None, [], WORKERS, 1, 3, T0
@@ -267,9 +282,10 @@ def run_pass(
     samples: Sequence[RankSample],
     buffer: RecordBuffer | None,
     now: datetime,
+    spec: dict[str, Any] = SPEC,
 ) -> Outcome:
     return reconcile_job(
-        JOB, SPEC, status, pods, now,
+        JOB, spec, status, pods, now,
         planner=lambda _: make_plan(3),
         ensured_generation=1,
         health=HealthInput(tuple(samples), buffer),
@@ -292,13 +308,16 @@ def scrapes(n: int, slow: dict[int, float], per_pass: int = 3) -> list[RankSampl
 
 
 def drive(
-    slow: dict[int, float], passes: int, status: FineTuneJobStatus | None = None
+    slow: dict[int, float],
+    passes: int,
+    status: FineTuneJobStatus | None = None,
+    spec: dict[str, Any] = SPEC,
 ) -> tuple[FineTuneJobStatus, RecordBuffer | None, list[Outcome]]:
-    st = status or run_pass(FineTuneJobStatus(), PODS, [], None, T0).status
+    st = status or run_pass(FineTuneJobStatus(), PODS, [], None, T0, spec).status
     buf: RecordBuffer | None = None
     outs = []
     for n in range(1, passes + 1):
-        out = run_pass(st, PODS, scrapes(n, slow), buf, T0 + timedelta(seconds=2 * n))
+        out = run_pass(st, PODS, scrapes(n, slow), buf, T0 + timedelta(seconds=2 * n), spec)
         outs.append(out)
         st, buf = out.status.model_copy(update={"step": 3 * n}), out.buffer
         if out.actions.delete:
@@ -332,6 +351,19 @@ def test_slow_rank_is_evicted_its_node_excluded_and_no_restart_spent() -> None:
         "matchExpressions"
     ]
     assert out.status.restarts == 0
+
+
+def test_a_straggler_confirmed_at_the_end_of_training_is_reported_not_evicted() -> None:
+    """The same slow rank as above, in a job whose maxSteps falls one window after the pass
+    that evicted it there."""
+    _, _, outs = drive({1: 1.5}, 30)
+    evicted_at = 3 * len(outs)  # the step of the evicting pass
+    spec = {**SPEC, "training": {**SPEC["training"], "maxSteps": evicted_at + 3}}
+    st, _, outs = drive({1: 1.5}, len(outs), spec=spec)
+    assert not any(o.actions.delete for o in outs) and st.evictions == []
+    assert cond(st, COND_STRAGGLER_DETECTED) == ("True", "StragglerFound")
+    message = next(c.message for c in st.conditions if c.type == COND_STRAGGLER_DETECTED)
+    assert "training ends in 3 steps" in (message or ""), message
 
 
 def test_even_ranks_are_never_evicted() -> None:

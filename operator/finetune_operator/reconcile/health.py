@@ -92,6 +92,9 @@ def assess_health(
     live = {p.name: p.node for p in workers}
     buffer = advance(buffer, seen.samples, live, _keep_steps(ev))
     detection = find_stragglers(buffer.records, policy_from_spec(spec.fault_tolerance.stragglers))
+    step_now = max((s.step for s in seen.samples), default=None)
+    total = spec.training.max_steps
+    steps_left = total - step_now if total is not None and step_now is not None else None
     straggler = decide_stragglers(
         spec.fault_tolerance.stragglers,
         detection,
@@ -103,6 +106,7 @@ def assess_health(
         a.min_nodes,
         a.desired,
         now,
+        steps_left=steps_left,
     )
     buffer = replace(buffer, carried=straggler.carried)
     gen = ev.job.generation
@@ -116,7 +120,6 @@ def assess_health(
         node = straggler.eviction.node
         if node and node not in status.excluded_nodes:
             update["excluded_nodes"] = [*status.excluded_nodes, node]
-    step_now = max((s.step for s in seen.samples), default=None)
     judging = bool(workers) and a.ready >= a.desired and not a.terminating
     hang = decide_hang(
         spec.fault_tolerance.hang_timeout_seconds,

@@ -104,11 +104,18 @@ def _why_not_evict(
     min_nodes: int,
     desired: int,
     now: datetime,
+    steps_left: int | None,
 ) -> str | None:
     """None when the rules allow evicting `s` now; otherwise why not (for the condition)."""
     pod = workers.get(s.pod or "")
     if pod is None or pod.terminating or pod.phase != RUNNING:
         return f"its pod {s.pod} is not a running worker"
+    # An eviction costs a re-form (every rank's cold start, then the resume); within a window
+    # of the end it cannot pay that back. Worse, a replacement created as the group finishes
+    # joins a rendezvous whose members are in torchrun's exit barrier, which then waits out
+    # its timeout (300 s) for the evicted agent before the job can succeed.
+    if steps_left is not None and steps_left <= spec.window_steps:
+        return f"training ends in {steps_left} steps (within one window of {spec.window_steps})"
     times = [t for e in evictions if (t := parse_time(e.time)) is not None]
     if times and now < max(times) + timedelta(seconds=spec.cooldown_seconds):
         until = format_time(max(times) + timedelta(seconds=spec.cooldown_seconds))
@@ -140,8 +147,11 @@ def decide_stragglers(
     min_nodes: int,
     desired: int,
     now: datetime,
+    *,
+    steps_left: int | None = None,
 ) -> StragglerDecision:
-    """One pass's straggler decision for an active job (`workers`: its live worker pods)."""
+    """One pass's straggler decision for an active job (`workers`: its live worker pods;
+    `steps_left`: optimizer steps to the end of training, None where unknown)."""
     if not spec.enabled:
         return StragglerDecision()
     # Streaks of pods that went away were dropped with their records (samples.advance);
@@ -149,7 +159,7 @@ def decide_stragglers(
     streaks, still = carry_streaks(carried, detection)
     return replace(
         _decide(spec, detection, streaks, still, old, old_condition, evictions, workers,
-                min_nodes, desired, now),
+                min_nodes, desired, now, steps_left),
         carried=still,
     )  # fmt: skip
 
@@ -166,6 +176,7 @@ def _decide(
     min_nodes: int,
     desired: int,
     now: datetime,
+    steps_left: int | None,
 ) -> StragglerDecision:
     by_name = {p.name: p for p in workers}
     states = _states(detection, streaks, still, by_name, spec.consecutive_windows)
@@ -189,7 +200,7 @@ def _decide(
     if spec.action == "alert":
         msg = f"{_describe(worst)} (action: alert, not evicted)"
         return StragglerDecision(states, Want("True", REASON_STRAGGLER_ALERTED, msg), events=events)
-    blocked = _why_not_evict(worst, spec, evictions, by_name, min_nodes, desired, now)
+    blocked = _why_not_evict(worst, spec, evictions, by_name, min_nodes, desired, now, steps_left)
     if blocked is not None:
         msg = f"{_describe(worst)}; not evicted: {blocked}"
         return StragglerDecision(states, Want("True", REASON_STRAGGLER_FOUND, msg), events=events)
