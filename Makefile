@@ -44,21 +44,24 @@ lint: setup
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile trainer_image/Dockerfile
 
-# Two sides at once. The slow tests (multi-process and end to end, which spend much of their
-# time waiting: step delays, restarts, rendezvous) start as soon as the environment is ready;
-# beside them, one after the other: helm and promtool (only the quick chart tests need them),
-# lint (mypy alone is minutes of CPU on a fresh machine, with no cache) and the quick tests.
-# That side is long over before the slow run reaches its end-to-end tests, which it takes last
-# (tests/conftest.py). Its output is printed after the slow run's; it fails the target as lint
-# would. Exit 5 (nothing selected by PYTEST_ARGS in one half) is not a failure.
+# Two sides at once. The slow tests that run processes (multi-process torchrun and end to end:
+# much of their time is spent waiting on step delays, restarts, rendezvous) start as soon as the
+# environment is ready, and take their end-to-end tests last (tests/conftest.py). Beside them,
+# one after the other: helm and promtool (only the quick chart tests need them), lint (mypy
+# alone is minutes of CPU on a fresh machine, with no cache), then one pytest of the quick tests
+# and the `inprocess` slow ones (the planner's traced steps: pure CPU on one core, no waits),
+# which use the core the other side leaves idle while it waits. That side's output is printed
+# after; it fails the target as lint would. Exit 5 (nothing selected by PYTEST_ARGS in one
+# run) is not a failure.
 test: setup
 	@log=$$(mktemp); \
 	{ $(MAKE) -k --no-print-directory helm promtool lint; lint=$$?; \
-	  $(BIN)/python -m pytest -q -ra --durations=10 -m "not slow" $(PYTEST_ARGS); fast=$$?; \
-	  { [ $$fast -eq 0 ] || [ $$fast -eq 5 ]; } && [ $$lint -eq 0 ]; } >$$log 2>&1 & side=$$!; \
-	$(BIN)/python -m pytest -q -ra --durations=25 -m slow $(PYTEST_ARGS); slow=$$?; \
-	wait $$side; side=$$?; \
-	echo "== helm, promtool, lint and the quick tests (-m 'not slow'), run beside the slow ones:"; \
+	  $(BIN)/python -m pytest -q -ra --durations=10 -m "not slow or inprocess" $(PYTEST_ARGS); \
+	  fast=$$?; { [ $$fast -eq 0 ] || [ $$fast -eq 5 ]; } && [ $$lint -eq 0 ]; } >$$log 2>&1 & \
+	side=$$!; \
+	$(BIN)/python -m pytest -q -ra --durations=25 -m "slow and not inprocess" $(PYTEST_ARGS); \
+	slow=$$?; wait $$side; side=$$?; \
+	echo "== helm, promtool, lint, the quick and the inprocess tests, run beside the others:"; \
 	cat $$log; rm -f $$log; \
 	{ [ $$slow -eq 0 ] || [ $$slow -eq 5 ]; } && [ $$side -eq 0 ]
 
