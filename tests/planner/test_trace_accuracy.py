@@ -1,7 +1,8 @@
 """Accuracy contract (DESIGN.md §4): the planner's per-candidate peak of allocated tensor memory
 is within ±5% of PyTorch's own accounting of one real training step (planner/trace.py).
 
-Each row is traced once per session. Most rows are `slow`; a handful run by default. The same
+Each row is traced once per session. Most rows are `slow` (and `inprocess`); a handful run by
+default. The same
 MATRIX feeds bench/planner_accuracy.py, which also writes bench/results/trace_vs_estimate.md.
 """
 
@@ -176,7 +177,10 @@ def traced(row: Row) -> TraceResult:
 
 
 def _params() -> list[object]:
-    marks = {True: (), False: (pytest.mark.slow,)}
+    # inprocess: one traced step is pure CPU in this process (fake tensors, no I/O, no waits);
+    # `make test` runs these rows with the quick tests, where they use the core the multi-process
+    # and end-to-end tests leave idle while they wait.
+    marks = {True: (), False: (pytest.mark.slow, pytest.mark.inprocess)}
     return [pytest.param(row, id=row.id, marks=marks[row.fast]) for row in MATRIX]
 
 
