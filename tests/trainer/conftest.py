@@ -142,11 +142,13 @@ TRAINER_PROGRAM = ("-m", "finetune_trainer")
 
 
 def standalone_args(
-    nproc: int, config: Path, port: int, program: Sequence[str] = TRAINER_PROGRAM
+    nproc: int, config: Path, port: int, program: Sequence[str] = TRAINER_PROGRAM,
+    max_restarts: int = 0,
 ) -> list[str]:
     return [
         *LAUNCHER, "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=standalone", "--max-restarts=0",
+        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=standalone",
+        f"--max-restarts={max_restarts}",
         *program, "--config", str(config),
     ]
 
@@ -160,13 +162,14 @@ def launch_standalone(
     program: Sequence[str] = TRAINER_PROGRAM,
     pod_ip: str = "127.0.0.1",
     procs: list[Proc] | None = None,
+    max_restarts: int = 0,
     **env: str,
 ) -> Proc:
     """One node of `nproc` ranks behind the trainer's launcher, on a free rendezvous port:
     the trainer (or `program`, a worker script replacing the trainer's `-m finetune_trainer`)
     on `config`, with the pod's environment plus `env`. Added to `procs` (the fixture that
     kills what is left at teardown) when given."""
-    p = Proc(standalone_args(nproc, config, free_port(), program), cwd=cwd, log=log,
+    p = Proc(standalone_args(nproc, config, free_port(), program, max_restarts), cwd=cwd, log=log,
              env=trainer_env(pod_ip, **env))  # fmt: skip
     if procs is not None:
         procs.append(p)

@@ -19,6 +19,7 @@ from finetune_trainer.ownership import (
     claim_checkpoint_root,
     read_owner,
 )
+from finetune_trainer.refusal import EXIT_CONFIG_ERROR
 from tests.objectstore import MotoServer
 from tests.trainer.conftest import (
     Proc,
@@ -116,7 +117,8 @@ def test_the_trainer_refuses_another_jobs_checkpoints_and_reports_it(
 ) -> None:
     # A real trainer under torchrun, pointed at a checkpoint root another job owns: it exits
     # with the refusal in its termination report (which the operator turns into
-    # Failed/TrainerRefused) and leaves the other job's checkpoints alone.
+    # Failed/TrainerRefused) and leaves the other job's checkpoints alone. torchrun, allowed
+    # restarts, does not spend them on it: every attempt would refuse again (refusal.py).
     root = locate(str(tmp_path / "checkpoints" / "quickstart"), "checkpoint.uri")
     claim_checkpoint_root(root, {"job": "other", "namespace": "default", "uid": "other-uid"})
     theirs = store.step_dir(root, 10)
@@ -125,8 +127,11 @@ def test_the_trainer_refuses_another_jobs_checkpoints_and_reports_it(
     report.touch()
     job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 6}))
     p = launch_standalone(job, cwd=tmp_path, log=tmp_path / "t.log", nproc=1, procs=procs,
-                          FT_TERMINATION_LOG=str(report))
-    assert p.wait(180) != 0, tail(p.log)
+                          max_restarts=3, FT_TERMINATION_LOG=str(report))
+    assert p.wait(180) == EXIT_CONFIG_ERROR, tail(p.log)
+    log = p.log.read_text(errors="replace")
+    assert log.count("unsupported job configuration") == 1, tail(p.log)  # one attempt, not 4
+    assert "torchrun stopped without restarting the workers" in log
     error = parse_trainer_error(report.read_text())
     assert error is not None and "belongs to job default/other (uid other-uid)" in error
     assert (theirs / "data").read_text() == "the other job's"

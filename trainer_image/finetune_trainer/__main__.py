@@ -15,9 +15,9 @@ from finetune_trainer.config import RuntimeEnv, load_job_config
 from finetune_trainer.crash import record_exception, recorded
 from finetune_trainer.distributed import describe_failure, destroy_distributed
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.refusal import EXIT_CONFIG_ERROR, refuse
 from finetune_trainer.termination_log import write_error_report
 
-EXIT_CONFIG_ERROR = 2
 EXIT_ORPHANED = 137
 
 
@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedConfigError as e:
         log.error("unsupported job configuration: %s", e)
         write_error_report(str(e), rank=env.rank)
+        # Not worth a restart: every attempt would refuse the same way (refusal.py).
+        refuse(str(e))
         code = EXIT_CONFIG_ERROR
     except Exception as e:
         # A bug, a bad data row, an OOM, or a peer vanished mid-collective: torchrun restarts

@@ -35,6 +35,7 @@ from finetune_trainer.crash import (
     failure_from_process,
     planned_memory_note,
 )
+from finetune_trainer.refusal import EXIT_CONFIG_ERROR, arm, disarm, refused
 from finetune_trainer.termination_log import write_crash_report
 
 EXIT_FAILED = 1  # what torchrun exits with on a failed worker group
@@ -100,9 +101,22 @@ def crash_line(report: dict[str, Any], first_rank: int, first: RankFailure) -> s
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    refusal = arm()
     try:
         torchrun_main(args)
     except SignalException as e:
+        message = refused(refusal)
+        if message is not None:
+            # A worker refused the configuration and stopped us (refusal.py): its report is
+            # in the termination log already; a restart would only refuse again.
+            print(
+                f"the trainer refused the job's configuration: {message}\n"
+                "torchrun stopped without restarting the workers: every attempt would "
+                "refuse the same way",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_CONFIG_ERROR
         name = signal.Signals(e.sigval).name
         # torchrun already logged the signal and shut its workers down, waiting for them.
         print(f"torchrun stopped by {name}: worker group shut down", file=sys.stderr, flush=True)
@@ -115,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         if line:
             print(line, file=sys.stderr, flush=True)
         return EXIT_FAILED
+    finally:
+        disarm(refusal)
     return 0
 
 
