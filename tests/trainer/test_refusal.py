@@ -26,9 +26,20 @@ def test_a_trainer_not_run_by_the_launcher_signals_nobody(
 
 def test_arm_names_a_fresh_file_and_disarm_removes_it() -> None:
     path = refusal.arm()
+    assert path is not None
     try:
         assert os.environ[refusal.ENV] == f"{os.getpid()}:{path}"
         assert path.parent.is_dir() and refusal.refused(path) is None
     finally:
         refusal.disarm(path)
     assert refusal.ENV not in os.environ and not path.parent.exists()
+
+
+def test_no_temporary_directory_means_retries_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    def read_only(**_: str) -> str:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(refusal.tempfile, "mkdtemp", read_only)
+    monkeypatch.delenv(refusal.ENV, raising=False)
+    assert refusal.arm() is None and refusal.ENV not in os.environ
+    assert refusal.refused(None) is None

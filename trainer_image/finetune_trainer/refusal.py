@@ -26,16 +26,21 @@ ENV = "FT_REFUSAL_FILE"  # "<agent pid>:<path>", set by the launcher for its wor
 EXIT_CONFIG_ERROR = 2  # the trainer's and the launcher's exit code for a refusal
 
 
-def arm() -> Path:
-    """The file a refusing worker of this agent writes; announced to the workers."""
-    path = Path(tempfile.mkdtemp(prefix="finetune-refusal-")) / "message"
+def arm() -> Path | None:
+    """The file a refusing worker of this agent writes; announced to the workers. None
+    where no temporary directory can be made: refusals are then retried, as before."""
+    try:
+        path = Path(tempfile.mkdtemp(prefix="finetune-refusal-")) / "message"
+    except OSError:
+        return None
     os.environ[ENV] = f"{os.getpid()}:{path}"
     return path
 
 
-def disarm(path: Path) -> None:
+def disarm(path: Path | None) -> None:
     os.environ.pop(ENV, None)
-    shutil.rmtree(path.parent, ignore_errors=True)
+    if path is not None:
+        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def refuse(message: str) -> bool:
@@ -54,8 +59,10 @@ def refuse(message: str) -> bool:
     return True
 
 
-def refused(path: Path) -> str | None:
+def refused(path: Path | None) -> str | None:
     """The refusal a worker left, None when none did (a real SIGTERM: a stop)."""
+    if path is None:
+        return None
     try:
         return path.read_text()
     except OSError:
