@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from finetune_local.podgroups import GANG_SCHEDULERS
 from finetune_local.session import LocalSession, phase_of
 from finetune_operator.api.constants import GROUP, PLURAL, VERSION
 from tests.conftest import wait_until
@@ -91,3 +93,34 @@ def test_second_gang_waits_whole_until_the_first_gives_its_nodes_back(
         wait_until(unschedulable("gang-a"), "resumed gang-a's workers unschedulable", 60)
         assert pod_group("gang-a")["spec"]["minMember"] == 2
         assert all(p.spec.node_name is None for p in workers("gang-a"))
+
+
+def test_missing_pod_group_crd_makes_the_job_wait_then_start_once_installed(
+    quickstart_doc: dict[str, Any], tmp_path: Path
+) -> None:
+    """No Coscheduling here: the job waits, its condition naming the missing CRD, with no
+    worker pod created; installing the CRD lets it go on without anyone touching the job."""
+    with LocalSession(tmp_path / "cluster", nodes=2) as session:
+        core = session.core
+        assert core is not None
+        session.submit(_job(quickstart_doc, "gang-c", 500))
+
+        def waiting(job: dict[str, Any]) -> bool:
+            conds = {c["type"]: c for c in job.get("status", {}).get("conditions", [])}
+            ready = conds.get("WorkersReady", {})
+            return ready.get("status") == "False" and "podgroups.scheduling.x-k8s.io" in ready.get("message", "")
+
+        job = session.wait_for("gang-c", waiting, timeout=60)
+        assert phase_of(job) == "Pending"
+        pods = core.list_namespaced_pod("default", label_selector="finetune.dev/job=gang-c").items
+        assert [p.metadata.labels["finetune.dev/role"] for p in pods] == ["rendezvous"]
+
+        client.ApiextensionsV1Api(core.api_client).create_custom_resource_definition(
+            GANG_SCHEDULERS["coscheduling"].crd()
+        )
+        wait_until(lambda: len(core.list_namespaced_pod(
+            "default", label_selector="finetune.dev/job=gang-c").items) == 3, "gang-c's workers", 60)
+        group = session.custom.get_namespaced_custom_object(
+            "scheduling.x-k8s.io", "v1alpha1", "default", "podgroups", "gang-c"
+        )
+        assert group["spec"]["minMember"] == 2
