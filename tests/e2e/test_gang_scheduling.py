@@ -7,6 +7,7 @@ PodGroup and waits whole in turn."""
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,8 @@ def test_second_gang_waits_whole_until_the_first_gives_its_nodes_back(
         assert all(p.spec.scheduler_name == "scheduler-plugins-scheduler" for p in pending)
         assert "needs 2 pods at once" in pending[0].status.conditions[0].message
         assert pod_group("gang-b")["spec"]["minMember"] == 2
-        assert phase_of(session.get("gang-b")) == "Pending"
+        job_b = session.wait_for("gang-b", lambda j: "Unschedulable" in json.dumps(j.get("status", {})), timeout=30)
+        assert phase_of(job_b) == "Pending"  # and `kubectl describe ftj gang-b` says why
 
         suspend("gang-a", True)
         session.wait_for("gang-b", lambda j: phase_of(j) == "Running", timeout=120)

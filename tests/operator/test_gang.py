@@ -12,11 +12,12 @@ import pytest
 from pydantic import ValidationError
 
 from finetune_local.podgroups import GANG_SCHEDULERS
-from finetune_operator.api.constants import LABEL_ROLE
+from finetune_operator.api.constants import LABEL_JOB, LABEL_ROLE, LABEL_WORKER_INDEX
 from finetune_operator.api.policy import with_policy_defaults
 from finetune_operator.api.schema_validation import CustomResourceSchema
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.reconcile import observe_pod
 from finetune_operator.reconcile.actions import ObjectRef
 from finetune_operator.resources import (
     Owner,
@@ -196,3 +197,18 @@ def test_suspended_job_gives_its_pod_group_back_and_a_resumed_one_gets_it_again(
 def test_without_gang_scheduling_no_pod_group_action() -> None:
     out = step(FineTuneJobStatus(), [], T0)
     assert out.actions.pod_group is None and out.actions.remove == ()
+
+
+def test_an_unschedulable_worker_says_why_in_the_job_status() -> None:
+    message = "0/5 nodes are available: 5 Too many pods. The pod group needs 2 pods at once and 1 fit"
+    waiting = observe_pod({
+        "metadata": {"name": "qs-worker-0", "uid": "u0",
+                     "labels": {LABEL_JOB: "qs", LABEL_ROLE: "worker", LABEL_WORKER_INDEX: "0"}},
+        "spec": {},
+        "status": {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]},
+    })  # fmt: skip
+    assert waiting.blocked == f"Unschedulable: {message}"
+    out = step(FineTuneJobStatus(), [*running("qs-rdzv"), waiting], T0, spec=_gang_raw())
+    succeeded = next(c for c in out.status.conditions if c.type == "Succeeded")
+    assert succeeded.reason == "Pending" and f"pod qs-worker-0 cannot start: Unschedulable: {message}" in succeeded.message
