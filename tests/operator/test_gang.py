@@ -85,15 +85,23 @@ def test_min_resources_scale_with_min_nodes(owner: Owner) -> None:
 
 @pytest.mark.parametrize(
     ("value", "times", "expected"),
-    [("8", 2, "16"), ("500m", 3, "1500m"), ("64Gi", 2, "128Gi"), ("0.5", 4, "2"), ("1.5G", 3, "4.5G")],
+    [("8", 2, "16"), ("500m", 3, "1500m"), ("64Gi", 2, "128Gi"), ("0.5", 4, "2"), ("1.5G", 3, "4.5G"),
+     ("1e3", 2, "2000"), ("2E", 2, "4E")],
 )
 def test_scale_quantity(value: str, times: int, expected: str) -> None:
     assert scale_quantity(value, times) == expected
 
 
 def test_scale_quantity_refuses_what_it_cannot_read() -> None:
-    with pytest.raises(ValueError, match="1e3"):
-        scale_quantity("1e3", 2)
+    with pytest.raises(ValueError, match="lots"):
+        scale_quantity("lots", 2)
+
+
+def test_an_unreadable_request_is_left_out_of_min_resources(owner: Owner) -> None:
+    raw = copy.deepcopy(EIGHT_GPU_SPEC)
+    raw["resources"].update(cpu="eight", gangScheduling={"scheduler": "volcano"})
+    group = build_job_pod_group(owner, FineTuneJobSpec.model_validate(raw), make_plan(2, 8))
+    assert group is not None and "cpu" not in group["spec"]["minResources"]
 
 
 @pytest.mark.parametrize("scheduler", ["coscheduling", "volcano"])

@@ -74,12 +74,12 @@ def pod_group_name(owner: Owner) -> str:
     return owner.name
 
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([a-zA-Z]*)$")
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)([a-zA-Z]*)$")
 
 
 def scale_quantity(value: str, times: int) -> str:
     """`value` (a Kubernetes quantity) times `times`, in the same unit: "500m" x 3 = "1500m",
-    "64Gi" x 2 = "128Gi". A form it cannot read (an exponent) is refused, not guessed."""
+    "64Gi" x 2 = "128Gi", "1e3" x 2 = "2000". A form it cannot read is refused, not guessed."""
     match = _QUANTITY.match(value.strip())
     if match is None:
         raise ValueError(f"cannot scale quantity {value!r}")
@@ -94,8 +94,16 @@ def scale_quantity(value: str, times: int) -> str:
 def min_resources(requests: dict[str, str], members: int) -> dict[str, str]:
     """What `members` worker pods request together: the PodGroup's minResources, which
     Coscheduling's PreFilter checks against free capacity and Volcano's enqueue action
-    against the queue, so a group that cannot fit does not even start to be placed."""
-    return {name: scale_quantity(value, members) for name, value in sorted(requests.items())}
+    against the queue, so a group that cannot fit does not even start to be placed. A request
+    it cannot read is left out (the API server refuses it on the pod, with the field named):
+    minResources is an optimisation, the gang holds without it."""
+    out: dict[str, str] = {}
+    for name, value in sorted(requests.items()):
+        try:
+            out[name] = scale_quantity(value, members)
+        except ValueError:
+            continue
+    return out
 
 
 def build_pod_group(
