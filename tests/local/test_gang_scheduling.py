@@ -13,7 +13,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from finetune_local.cluster import LocalCluster
-from finetune_local.podgroups import GANG_SCHEDULERS
+from finetune_local.podgroups import GANG_SCHEDULERS, scheduler_for
 from finetune_local.scheduler import place_gang
 from tests.conftest import wait_until
 
@@ -156,3 +156,21 @@ def test_podgroups_are_served_only_where_the_scheduler_is_installed(
             COSCHEDULING.group, COSCHEDULING.version, "default", "podgroups", _pod_group("pg", 2)
         )
     assert err.value.status == 404
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "meta", "group"),
+    [
+        ("coscheduling", {"labels": {"scheduling.x-k8s.io/pod-group": "g"}}, "g"),
+        ("coscheduling", {"annotations": {"scheduling.k8s.io/group-name": "g"}}, None),
+        ("volcano", {"annotations": {"scheduling.k8s.io/group-name": "g"}}, "g"),
+        ("volcano", {"labels": {"scheduling.x-k8s.io/pod-group": "g"}}, None),
+    ],
+    ids=["coscheduling-label", "coscheduling-ignores-annotation", "volcano-annotation", "volcano-ignores-label"],
+)
+def test_each_scheduler_reads_its_own_membership(scheduler: str, meta: dict[str, Any], group: str | None) -> None:
+    gang = GANG_SCHEDULERS[scheduler]
+    pod = {"metadata": meta, "spec": {"schedulerName": gang.name}}
+    assert scheduler_for(pod, list(GANG_SCHEDULERS.values())) is gang
+    assert gang.group_of(pod) == group
+    assert scheduler_for({"metadata": meta, "spec": {}}, list(GANG_SCHEDULERS.values())) is None
