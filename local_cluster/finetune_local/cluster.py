@@ -26,7 +26,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -36,6 +36,7 @@ import yaml
 from finetune_local.apiserver import ApiServer
 from finetune_local.kubeconfig import write_kubeconfig
 from finetune_local.kubelet import Kubelet, KubeletConfig
+from finetune_local.podgroups import GANG_SCHEDULERS
 from finetune_local.restclient import RestClient
 
 T = TypeVar("T")
@@ -58,13 +59,17 @@ class LocalCluster:
         stand-in for that node's hardware (e.g. a slow GPU), so a pod rescheduled elsewhere
         behaves normally.
     :param kubelet: False runs the API server alone (no nodes, pods stay Pending).
+    :param gang_schedulers: gang schedulers installed beside the default one
+        (``coscheduling``, ``volcano``: :mod:`.podgroups`): their PodGroup CRD is registered and
+        their pods are placed all-or-nothing. Without one, its PodGroups do not exist (404).
     """
 
     def __init__(self, data_dir: str | pathlib.Path | None = None, *, nodes: int = 2,
                  crds_dir: str | pathlib.Path | None = REPO_CRDS,
                  node_labels: dict[str, str] | None = None, node_capacity: dict[str, str] | None = None,
                  extra_env: dict[str, str] | None = None, kubelet: bool = True,
-                 keep_data: bool = False, node_env: dict[str, dict[str, str]] | None = None) -> None:
+                 keep_data: bool = False, node_env: dict[str, dict[str, str]] | None = None,
+                 gang_schedulers: Collection[str] = ()) -> None:
         self._own_dir = data_dir is None
         self.data_dir = pathlib.Path(data_dir or tempfile.mkdtemp(prefix="ftjob-local-")).resolve()
         self.kubeconfig_path = self.data_dir / "kubeconfig"
@@ -74,6 +79,7 @@ class LocalCluster:
         self._node_env = {node: dict(env) for node, env in (node_env or {}).items()}
         self._capacity = {"cpu": "8", "memory": "32Gi", "pods": "110", **(node_capacity or {})}
         self._with_kubelet, self._keep_data = kubelet, keep_data
+        self._gangs = [GANG_SCHEDULERS[name] for name in gang_schedulers]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
@@ -175,7 +181,8 @@ class LocalCluster:
                     self._kubelet = Kubelet(client, KubeletConfig(
                         data_dir=self.data_dir, api_url=self.api_url, node_names=self.node_names,
                         node_labels=self._node_labels, node_capacity=self._capacity,
-                        extra_env=self._extra_env, node_env=self._node_env))
+                        extra_env=self._extra_env, node_env=self._node_env,
+                        gang_schedulers=self._gangs))
                     await self._kubelet.start()
                 started.set_result(None)
                 try:
@@ -185,10 +192,12 @@ class LocalCluster:
                         await self._kubelet.stop()
 
     def _register_crds(self, api: ApiServer) -> None:
-        if self._crds_dir is None or not self._crds_dir.is_dir():
-            return
         crd_type = api.registry.get("apiextensions.k8s.io", "v1", "customresourcedefinitions")
         assert crd_type is not None
+        for gang in self._gangs:
+            api.service.create(crd_type, None, gang.crd())
+        if self._crds_dir is None or not self._crds_dir.is_dir():
+            return
         for path in sorted(self._crds_dir.glob("*.yaml")):
             for doc in yaml.safe_load_all(path.read_text()):
                 if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition":

@@ -1,7 +1,7 @@
 """The local kubelet (and scheduler): runs the pods of virtual nodes as local processes.
 
 It is a client of the API like a real kubelet: it lists and watches pods, services and nodes,
-binds pending pods to a node (:mod:`.scheduler`), starts each bound pod's container under
+binds pending pods to a node (:mod:`.binding`, :mod:`.scheduler`), starts each bound pod's container under
 :mod:`.podinit` (own mount + UTS namespace, hostname, volumes, /etc/hosts), reports status
 (Pending -> Running -> Succeeded/Failed with the exit code) and carries out graceful deletion:
 SIGTERM to the process group, SIGKILL after the grace period, then the final delete.
@@ -33,9 +33,11 @@ from typing import Any
 
 from finetune_local import emptydir, podrunner
 from finetune_local.addresses import AddressPool
+from finetune_local.binding import schedule_pod
 from finetune_local.imageenv import image_env
-from finetune_local.informer import Cache, ObjectKey, key_of, list_and_watch, remember
+from finetune_local.informer import Cache, ObjectKey, list_and_watch, remember
 from finetune_local.nodes import register_node
+from finetune_local.podgroups import GangScheduler
 from finetune_local.podsources import bind_claim, fetch_config, referenced_configs
 from finetune_local.podspec import (
     ConfigMissingError,
@@ -48,7 +50,6 @@ from finetune_local.podspec import (
 from finetune_local.podstatus import conditions as pod_conditions
 from finetune_local.podstatus import container_base, now, running_status, waiting
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
-from finetune_local.scheduler import pick_node, pods_by_node
 from finetune_local.termination import begin_instance, read_message, termination_mount
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class KubeletConfig:
     # does to them (a slow GPU: FT_STEP_DELAY_SECONDS). A pod moved elsewhere runs normally.
     node_env: dict[str, dict[str, str]] = field(default_factory=dict)
     address_scope: str = ""  # claims of this scope only (addresses.py); clusters use the default
+    # Gang schedulers running beside the default one (binding.py), e.g. Coscheduling.
+    gang_schedulers: list[GangScheduler] = field(default_factory=list)
 
 
 @dataclass
@@ -246,21 +249,7 @@ class Kubelet:
             remember(self.pods, await self.client.merge_patch(path, {"status": status}))
 
     async def _schedule(self, pod: dict[str, Any]) -> None:
-        key = key_of(pod)
-        placed = pods_by_node(self.pods.values())
-        node, message = pick_node(pod, list(self.nodes.values()), placed)
-        if node is None:
-            current: dict[str, Any] = next((c for c in pod.get("status", {}).get("conditions", []) if c["type"] == "PodScheduled"), {})
-            if current.get("message") != message:
-                await self._patch_status(key, {"conditions": [{
-                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                    "message": message, "lastTransitionTime": now()}]})
-            return
-        # A real scheduler POSTs a Binding; setting spec.nodeName has the same effect here.
-        bound = await self.client.merge_patch(resource_path("v1", "pods", key[0], key[1]), {"spec": {"nodeName": node}})
-        remember(self.pods, bound)
-        await self._patch_status(key, {"conditions": [{"type": "PodScheduled", "status": "True",
-                                                       "lastTransitionTime": now()}]})
+        await schedule_pod(self.client, self.pods, list(self.nodes.values()), pod, self.config.gang_schedulers)
 
     # ------------------------------------------------------------------ pods
 

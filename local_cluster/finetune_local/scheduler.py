@@ -9,7 +9,7 @@ Taints, inter-pod affinity and cpu/memory fit are not modelled.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 _BASIC = ("cpu", "memory", "ephemeral-storage", "pods")
@@ -121,3 +121,29 @@ def pick_node(pod: Mapping[str, Any], nodes: list[Mapping[str, Any]],
         return min(fitting)[1], ""
     details = ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items()))
     return None, f"0/{len(nodes)} nodes are available: {details}."
+
+
+def place_gang(pending: Sequence[Mapping[str, Any]], bound: int, min_member: int,
+               nodes: list[Mapping[str, Any]],
+               pods_by_node: Mapping[str, list[Mapping[str, Any]]]) -> tuple[dict[str, str], str]:
+    """All-or-nothing placement of a pod group (Coscheduling's Permit, Volcano's gang plugin):
+    nodes for the group's ``pending`` pods, each placed as if the ones before it were bound,
+    when with the ``bound`` members at least ``min_member`` run at once; else no node for any
+    of them, and why. Members beyond the minimum that fit are placed too."""
+    placed = {name: list(pods) for name, pods in pods_by_node.items()}
+    chosen: dict[str, str] = {}
+    why = ""
+    for pod in pending:
+        node, message = pick_node(pod, nodes, placed)
+        if node is None:
+            why = why or message
+            continue
+        chosen[pod["metadata"]["name"]] = node
+        placed.setdefault(node, []).append(pod)
+    if bound + len(chosen) >= min_member:
+        return chosen, ""
+    if bound + len(pending) < min_member:
+        return {}, (f"the pod group has {bound + len(pending)} pods, fewer than its minMember "
+                    f"{min_member}")
+    return {}, (f"{why} The pod group needs {min_member} pods at once and {bound + len(chosen)} "
+                "fit: none is bound until all do.")

@@ -103,11 +103,16 @@ class LocalSession:
         operator_args: Sequence[str] = (),
         node_env: dict[str, dict[str, str]] | None = None,
         metrics_port: int | None = None,
+        gang_schedulers: Collection[str] = (),
+        node_capacity: dict[str, str] | None = None,
     ) -> None:
+        # gang_schedulers: installed beside the default scheduler ("coscheduling", "volcano");
+        # node_capacity: every node's capacity over the default (e.g. {"pods": "1"}).
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
         self.cluster = LocalCluster(
-            self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env, node_env=node_env
-        )
+            self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env, node_env=node_env,
+            gang_schedulers=gang_schedulers, node_capacity=node_capacity,
+        )  # fmt: skip
         self._namespaces = list(namespaces)
         # `ftjob operator` flags, as the chart renders them; metrics_port opens the operator's
         # /metrics (0, the local default, serves none: sessions side by side never collide).

@@ -110,6 +110,16 @@ def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, st
     )
     pol.add_argument("--monitoring-namespace", action="append", metavar="NS",
                      help="namespace whose pods may scrape trainer metrics (repeat)")  # fmt: skip
+    pol.add_argument(
+        "--gang-scheduler",
+        choices=("none", "coscheduling", "volcano"),
+        default=_env(env, "GANG_SCHEDULER", "none"),
+        help="gang scheduling (a PodGroup per job) for jobs that set no "
+        "spec.resources.gangScheduling",
+    )
+    pol.add_argument("--gang-scheduler-name", default=_env(env, "GANG_SCHEDULER_NAME", ""),
+                     help="schedulerName of worker pods gang-scheduled by --gang-scheduler "
+                     "(default: that scheduler's usual name)")  # fmt: skip
 
 
 def settings_from_args(
@@ -127,6 +137,8 @@ def settings_from_args(
         network_policy=args.network_policy,
         operator_namespace=(env or {}).get("POD_NAMESPACE") or None,
         monitoring_namespaces=tuple(args.monitoring_namespace or ()),
+        gang_scheduler=None if args.gang_scheduler == "none" else args.gang_scheduler,
+        gang_scheduler_name=args.gang_scheduler_name or None,
     )
     return OperatorSettings(
         namespaces=namespaces,

@@ -38,6 +38,11 @@ CONFIGURATIONS = {
     ),
     "standalone": ("leaderElection.enabled=false",),
     "ha": ("replicaCount=3",),
+    "gang": (
+        "gangScheduling.schedulers={coscheduling,volcano}",
+        "gangScheduling.default=coscheduling",
+        "gangScheduling.schedulerName=scheduler-plugins-scheduler",
+    ),
     "no-rbac-no-sa": (
         "rbac.create=false",
         "serviceAccount.create=false",

@@ -112,6 +112,14 @@ app.kubernetes.io/part-of: finetune-operator
 {{- if and .Values.prometheus.serviceMonitor.enabled (not .Values.metrics.service.enabled) }}
 {{- fail "prometheus.serviceMonitor.enabled requires metrics.service.enabled=true" }}
 {{- end }}
+{{- with .Values.gangScheduling }}
+{{- if and .default (not (has .default .schedulers)) }}
+{{- fail (printf "gangScheduling.default %s must be one of gangScheduling.schedulers (the operator may manage only their PodGroups)" .default) }}
+{{- end }}
+{{- if and .schedulerName (not .default) }}
+{{- fail "gangScheduling.schedulerName applies to gangScheduling.default: set it too" }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Rules for the objects of FineTuneJobs: in the ClusterRole when cluster-wide, else in a Role per namespace. */}}
@@ -136,4 +144,17 @@ app.kubernetes.io/part-of: finetune-operator
   resources: ["networkpolicies"]
   verbs: ["create", "delete", "get", "list", "watch", "patch"]
 {{- end }}
+{{- with include "finetune-operator.gangApiGroups" . | fromJsonArray }}
+- apiGroups: {{ toJson . }}
+  resources: ["podgroups"]
+  verbs: ["create", "delete", "patch"]
+{{- end }}
+{{- end }}
+
+{{/* API groups of the PodGroups of gangScheduling.schedulers (scheduler-plugins' Coscheduling, Volcano). */}}
+{{- define "finetune-operator.gangApiGroups" -}}
+{{- $groups := dict "coscheduling" "scheduling.x-k8s.io" "volcano" "scheduling.volcano.sh" -}}
+{{- $out := list -}}
+{{- range .Values.gangScheduling.schedulers }}{{ $out = append $out (get $groups .) }}{{ end -}}
+{{- toJson $out -}}
 {{- end }}

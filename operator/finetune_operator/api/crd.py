@@ -41,6 +41,23 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "reason": "FieldValueInvalid",
         },
     ],
+    "GangSchedulingSpec": [
+        {
+            "rule": "!has(self.scheduleTimeoutSeconds) || self.scheduler == 'coscheduling'",
+            "message": "scheduleTimeoutSeconds applies to scheduler coscheduling only",
+            "fieldPath": ".scheduleTimeoutSeconds",
+        },
+        {
+            "rule": "!has(self.queue) || self.scheduler == 'volcano'",
+            "message": "queue applies to scheduler volcano only",
+            "fieldPath": ".queue",
+        },
+        {
+            "rule": "!has(self.schedulerName) || self.scheduler != 'none'",
+            "message": "schedulerName needs a scheduler, not none",
+            "fieldPath": ".schedulerName",
+        },
+    ],
     "TrainingSpec": [
         {"rule": "has(self.maxSteps) || has(self.epochs)", "message": "set maxSteps or epochs"},
         {

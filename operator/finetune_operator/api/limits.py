@@ -75,6 +75,7 @@ MAX_NAME_LENGTH: Final = 253  # DNS-1123 subdomain: ServiceAccounts, PriorityCla
 MAX_MODEL_NAME_LENGTH: Final = 1024  # hub id, catalog name or path
 MAX_URI_LENGTH: Final = 4096  # PATH_MAX
 MAX_IMAGE_LENGTH: Final = 4096  # distribution's reference limit is 255 per name + tag/digest
+MAX_GANG_TIMEOUT_SECONDS: Final = 86400  # a day: longer is a job that should not wait
 MAX_SHORT_STRING: Final = 256  # quantities, model types, field names, revisions
 MAX_LIST_ITEMS: Final = 256  # tolerations, pull secrets, selector entries
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from finetune_operator.api.constants import DEFAULT_TRAINER_IMAGE
+from finetune_operator.api.resources_spec import GangScheduler, GangSchedulingSpec
 from finetune_operator.api.spec import FineTuneJobSpec
 
 ANY = "*"
@@ -31,6 +32,10 @@ class JobPolicy:
     network_policy: bool = False  # build a NetworkPolicy per job
     operator_namespace: str | None = None  # may scrape trainer metrics
     monitoring_namespaces: tuple[str, ...] = ()  # may scrape trainer metrics
+    # Gang scheduling of jobs that set no resources.gangScheduling: None (off), coscheduling
+    # or volcano; and the schedulerName of jobs gang-scheduled by that scheduler that name none.
+    gang_scheduler: GangScheduler | None = None
+    gang_scheduler_name: str | None = None
 
 
 def _allowed(value: str, patterns: tuple[str, ...], always: str | None) -> bool:
@@ -60,14 +65,30 @@ def policy_refusals(spec: FineTuneJobSpec, policy: JobPolicy) -> list[str]:
     return refusals
 
 
+def _gang_default(gang: GangSchedulingSpec | None, policy: JobPolicy) -> GangSchedulingSpec | None:
+    if gang is None and policy.gang_scheduler not in (None, "none"):
+        gang = GangSchedulingSpec(scheduler=policy.gang_scheduler)
+    if (
+        gang is not None
+        and gang.scheduler == policy.gang_scheduler
+        and gang.scheduler_name is None
+        and policy.gang_scheduler_name
+    ):
+        gang = gang.model_copy(update={"scheduler_name": policy.gang_scheduler_name})
+    return gang
+
+
 def with_policy_defaults(spec: FineTuneJobSpec, policy: JobPolicy) -> FineTuneJobSpec:
-    """The spec the pods are built from: the policy's image and ServiceAccount where the job
-    names none."""
+    """The spec the pods are built from: the policy's image, ServiceAccount and gang
+    scheduling where the job names none."""
     resources = spec.resources
     if resources.service_account_name is None and policy.trainer_service_account:
         resources = resources.model_copy(
             update={"service_account_name": policy.trainer_service_account}
         )
+    gang = _gang_default(resources.gang_scheduling, policy)
+    if gang is not resources.gang_scheduling:
+        resources = resources.model_copy(update={"gang_scheduling": gang})
     return spec.model_copy(
         update={"image": spec.image or policy.trainer_image, "resources": resources}
     )

@@ -59,6 +59,72 @@ class LocalObjectReference(SpecModel):
     name: str = Field(..., min_length=1, max_length=lim.MAX_NAME_LENGTH)
 
 
+# The gang schedulers a job's PodGroup can be for (resources/podgroup.py builds it).
+GangScheduler = Literal["none", "coscheduling", "volcano"]
+
+
+class GangSchedulingSpec(SpecModel):
+    """All-or-nothing placement of the worker pods: no worker pod is bound before the elastic
+    minimum of them (resources.minNodes) fit at once, so two multi-node jobs never each hold
+    part of their GPUs while waiting for the rest."""
+
+    scheduler: GangScheduler = Field(
+        ...,
+        description=(
+            "coscheduling: a scheduler-plugins PodGroup (scheduling.x-k8s.io/v1alpha1) and the "
+            "pod label scheduling.x-k8s.io/pod-group; volcano: a Volcano PodGroup "
+            "(scheduling.volcano.sh/v1beta1) and the pod annotation "
+            "scheduling.k8s.io/group-name; none: off (overrides the operator's default)."
+        ),
+    )
+    scheduler_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=lim.MAX_NAME_LENGTH,
+        description=(
+            "spec.schedulerName of the worker pods: the scheduler (profile) that runs the "
+            "plugin. Default: the operator's (chart value gangScheduling.schedulerName), else "
+            "scheduler-plugins-scheduler for coscheduling and volcano for volcano."
+        ),
+    )
+    schedule_timeout_seconds: int | None = Field(
+        None,
+        ge=1,
+        le=lim.MAX_GANG_TIMEOUT_SECONDS,
+        description=(
+            "coscheduling only: how long pods that fit wait in the scheduler for the rest of "
+            "the group before the whole group is rejected and retried (the PodGroup's "
+            "scheduleTimeoutSeconds; the plugin's default when unset)."
+        ),
+    )
+    queue: str | None = Field(
+        None,
+        min_length=1,
+        max_length=lim.MAX_NAME_LENGTH,
+        description="volcano only: the Volcano Queue of the PodGroup (Volcano's default queue when unset).",
+    )
+
+    @model_validator(mode="after")
+    def _check_scheduler_fields(self) -> GangSchedulingSpec:
+        if self.schedule_timeout_seconds is not None and self.scheduler != "coscheduling":
+            raise ValueError(
+                "resources.gangScheduling.scheduleTimeoutSeconds applies to scheduler "
+                f"coscheduling only (scheduler is {self.scheduler})"
+            )
+        if self.queue is not None and self.scheduler != "volcano":
+            raise ValueError(
+                "resources.gangScheduling.queue applies to scheduler volcano only "
+                f"(scheduler is {self.scheduler})"
+            )
+        if self.scheduler_name is not None and self.scheduler == "none":
+            raise ValueError("resources.gangScheduling.schedulerName needs a scheduler, not none")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.scheduler != "none"
+
+
 class ResourcesSpec(SpecModel):
     device: Literal["gpu", "cpu"] = Field(
         "gpu", description="gpu, or cpu for CPU-only (gloo) runs such as the local quickstart."
@@ -108,6 +174,13 @@ class ResourcesSpec(SpecModel):
         max_length=lim.MAX_NAME_LENGTH,
         description="ServiceAccount of the pods; default: the operator's trainer ServiceAccount. "
         "Must be one the operator allows (chart value policy.allowedServiceAccounts).",
+    )
+    gang_scheduling: GangSchedulingSpec | None = Field(
+        None,
+        description=(
+            "Gang scheduling of the worker pods through a PodGroup the operator owns. Unset: "
+            "the operator's default (chart value gangScheduling.default; off unless set)."
+        ),
     )
     automount_service_account_token: bool = Field(
         False,

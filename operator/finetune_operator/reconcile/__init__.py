@@ -1,6 +1,6 @@
 """Pure reconcile functions (no API calls, no clocks) and, in `apply`, the thin API I/O."""
 
-from finetune_operator.reconcile.actions import Actions, PodDeletion, decide_actions
+from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion, decide_actions
 from finetune_operator.reconcile.conditions import EventSpec, derive_phase, set_condition
 from finetune_operator.reconcile.core import Outcome, read_status, reconcile_job, status_patch
 from finetune_operator.reconcile.evaluation import (
@@ -35,6 +35,7 @@ __all__ = [
     "EventSpec",
     "HealthInput",
     "JobRef",
+    "ObjectRef",
     "Outcome",
     "PlanFn",
     "PodDeletion",

@@ -9,11 +9,13 @@ from typing import Any
 
 from finetune_operator.api.constants import (
     ANNOTATION_RESTART_ATTEMPT,
+    LABEL_ROLE,
     REASON_COMPLETED,
     REASON_INVALID_SPEC,
     REASON_PREEMPTED,
     REASON_RESTARTING,
     REASON_SUSPENDED,
+    ROLE_WORKER,
 )
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.assess import Assessment, Mode, assess
@@ -21,10 +23,15 @@ from finetune_operator.reconcile.conditions import EventSpec
 from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView
 from finetune_operator.resources import (
+    build_job_pod_group,
     build_rendezvous_pod,
     build_shared_objects,
     build_worker_pod,
+    gang_of,
+    pod_group_name,
 )
+from finetune_operator.resources.podgroup import KIND as POD_GROUP_KIND
+from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,16 @@ class PodDeletion:
 
 
 @dataclass(frozen=True)
+class ObjectRef:
+    """A custom object to delete (the PodGroup of a suspended or finished job)."""
+
+    api_version: str
+    kind: str
+    plural: str
+    name: str
+
+
+@dataclass(frozen=True)
 class Actions:
     """What the apply layer must do, in this order: ensure, delete, create."""
 
@@ -43,10 +60,15 @@ class Actions:
     delete: tuple[PodDeletion, ...] = ()
     create: tuple[dict[str, Any], ...] = ()  # create if absent (pods)
     events: tuple[EventSpec, ...] = ()
+    # Gang scheduling: the PodGroup, ensured before any pod is created; no worker pod is
+    # created in a pass where it could not be (a worker outside its group would be placed
+    # alone, or never: exactly what the group is for).
+    pod_group: dict[str, Any] | None = None
+    remove: tuple[ObjectRef, ...] = ()  # deleted (absent is fine)
 
     @property
     def empty(self) -> bool:
-        return not (self.ensure or self.delete or self.create)
+        return not (self.ensure or self.delete or self.create or self.pod_group or self.remove)
 
 
 def _deletions(pods: Sequence[PodView], reason: str) -> tuple[PodDeletion, ...]:
@@ -123,12 +145,32 @@ def _active(
         )
         for p, v in a.preempted_now
     )
+    create = tuple(_create_pods(ev, status, remaining))
+    # The PodGroup with each new generation, and again whenever pods are to be created (one
+    # deleted by hand would otherwise leave the new pods waiting for a group that never comes).
+    pod_group = None
+    if ensure or any(p["metadata"]["labels"].get(LABEL_ROLE) == ROLE_WORKER for p in create):
+        pod_group = build_job_pod_group(ev.job.owner, ev.spec, ev.plan)
     return Actions(
         ensure=ensure,
         delete=deletes,
-        create=tuple(_create_pods(ev, status, remaining)),
+        create=create,
         events=events,
+        pod_group=pod_group,
     )
+
+
+def _pod_group_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
+    """A suspended or finished job gives its PodGroup back (Volcano counts a group's
+    minResources against its queue while it exists), as Kubeflow's training operator does; a
+    resumed job gets a fresh one. Only while its pods are still going away, so a finished
+    job does not delete a long-gone group on every pass."""
+    found = gang_of(ev.spec) if ev.spec is not None else None
+    if found is None or not (a.terminating or any(p.active for p in a.live_pods)):
+        return ()
+    api = found[1]
+    name = pod_group_name(ev.job.owner)
+    return (ObjectRef(api.api_version, POD_GROUP_KIND, POD_GROUP_PLURAL, name),)
 
 
 def decide_actions(
@@ -152,10 +194,12 @@ def decide_actions(
     if a.mode is Mode.SUCCEEDED:
         # The store is no longer needed; finished workers stay for their logs.
         leftovers = [p for p in a.live_pods if p.is_rendezvous or p.active]
-        return Actions(delete=_deletions(leftovers, REASON_COMPLETED))
+        return Actions(
+            delete=_deletions(leftovers, REASON_COMPLETED), remove=_pod_group_removal(ev, a)
+        )
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
         Mode.FAILED: a.failure_reason,
         Mode.INVALID: ev.failure_reason or REASON_INVALID_SPEC,
     }[a.mode]
-    return Actions(delete=_deletions(a.live_pods, reason))
+    return Actions(delete=_deletions(a.live_pods, reason), remove=_pod_group_removal(ev, a))

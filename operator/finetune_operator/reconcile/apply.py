@@ -15,7 +15,9 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from finetune_operator.reconcile.actions import Actions, PodDeletion
+from finetune_operator.api.constants import LABEL_ROLE, ROLE_WORKER
+from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion
+from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
 
 MERGE_PATCH = "application/merge-patch+json"
 # Seconds for one API call: a hung connection must not stall the job's reconcile forever.
@@ -48,12 +50,34 @@ def _describe(err: ApiException) -> str:
     return f"HTTP {err.status} {err.reason}"
 
 
+def describe_pod_group_error(obj: dict[str, Any], err: ApiException) -> str:
+    """What a user or admin must do when the job's PodGroup cannot be written: the usual
+    causes are a scheduler that is not installed (the API server has no such resource: 404)
+    and an operator not allowed to manage PodGroups (403)."""
+    group, _, version = obj["apiVersion"].rpartition("/")
+    resource = f"podgroups.{group}"
+    head = f"PodGroup {obj['metadata']['name']} ({_describe(err)})"
+    if err.status == 404:
+        return (
+            f"{head}: the API server does not serve {resource}/{version}: install the gang "
+            f"scheduler that defines the CRD {resource}, or unset "
+            "spec.resources.gangScheduling; worker pods wait until it exists"
+        )
+    if err.status == 403:
+        return (
+            f"{head}: the operator may not manage {resource}: add its scheduler to the chart "
+            "value gangScheduling.schedulers; worker pods wait until it may"
+        )
+    return f"{head}; worker pods wait until it is created"
+
+
 class ClusterApi:
     """Create-if-absent, update-if-present and delete for a job's child objects."""
 
     def __init__(self, api_client: k8s.ApiClient) -> None:
         self.core = k8s.CoreV1Api(api_client)
         self.networking = k8s.NetworkingV1Api(api_client)
+        self.custom = k8s.CustomObjectsApi(api_client)
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
@@ -83,6 +107,36 @@ class ClusterApi:
         await self._call(patch, name, ns, obj, _content_type=MERGE_PATCH)
         return False
 
+    async def ensure_custom(self, obj: dict[str, Any], plural: str) -> bool:
+        """Create the custom object, or merge-patch its spec; True if it was created."""
+        group, _, version = obj["apiVersion"].rpartition("/")
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        try:
+            await self._call(self.custom.create_namespaced_custom_object, group, version, ns, plural, obj)
+            return True
+        except ApiException as err:
+            if err.status != 409:
+                raise
+        patch = {"metadata": {"labels": obj["metadata"].get("labels", {})}, "spec": obj["spec"]}
+        await self._call(
+            self.custom.patch_namespaced_custom_object, group, version, ns, plural, name, patch,
+            _content_type=MERGE_PATCH,
+        )  # fmt: skip
+        return False
+
+    async def remove(self, namespace: str, ref: ObjectRef) -> bool:
+        """Delete the custom object; False when it is already gone (or its kind is)."""
+        group, _, version = ref.api_version.rpartition("/")
+        try:
+            await self._call(
+                self.custom.delete_namespaced_custom_object, group, version, namespace, ref.plural, ref.name
+            )
+            return True
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+
     async def create_pod(self, pod: dict[str, Any]) -> bool:
         """Create if absent; False when a pod of that name already exists (409)."""
         try:
@@ -109,13 +163,26 @@ class ClusterApi:
 
     async def apply(self, namespace: str, actions: Actions) -> ApplyResult:
         """Ensure, then delete, then create. Every step is tried; failures are collected so
-        one refused object (a quota, say) does not hide the others."""
+        one refused object (a quota, say) does not hide the others. Worker pods are created
+        only once their PodGroup exists (gang scheduling)."""
         result = ApplyResult()
         for obj in actions.ensure:
             try:
                 await self.ensure(obj)
             except ApiException as err:
                 result.errors.append(f"{obj['kind']} {obj['metadata']['name']}: {_describe(err)}")
+        group_ok = True
+        if actions.pod_group is not None:
+            try:
+                await self.ensure_custom(actions.pod_group, POD_GROUP_PLURAL)
+            except ApiException as err:
+                group_ok = False
+                result.errors.append(describe_pod_group_error(actions.pod_group, err))
+        for ref in actions.remove:
+            try:
+                await self.remove(namespace, ref)
+            except ApiException as err:
+                result.errors.append(f"deleting {ref.kind} {ref.name}: {_describe(err)}")
         for victim in actions.delete:
             try:
                 if await self.delete_pod(namespace, victim):
@@ -124,6 +191,8 @@ class ClusterApi:
                 result.errors.append(f"deleting pod {victim.name}: {_describe(err)}")
         for pod in actions.create:
             name = pod["metadata"]["name"]
+            if not group_ok and pod["metadata"]["labels"].get(LABEL_ROLE) == ROLE_WORKER:
+                continue
             try:
                 if await self.create_pod(pod):
                     result.created.append(name)

@@ -125,6 +125,11 @@ def _blocked(status: Mapping[str, Any]) -> str | None:
         if reason and reason not in STARTING_REASONS:
             message = waiting.get("message")
             return f"{reason}: {message}" if message else str(reason)
+    # Not placed: the scheduler's reason (no node fits; a gang that does not fit whole).
+    for c in status.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason"):
+            message = c.get("message")
+            return f"{c['reason']}: {message}" if message else str(c["reason"])
     return None
 
 

@@ -31,6 +31,7 @@ from finetune_operator.resources.common import (
     set_common_pod_fields,
     tmp_volume,
 )
+from finetune_operator.resources.podgroup import join_gang
 from finetune_operator.resources.services import metrics_port_name
 
 WORKER_CONTAINER = "trainer"
@@ -234,4 +235,5 @@ def build_worker_pod(
         extra_labels={LABEL_WORKER_INDEX: str(index)},
         annotations=annotations,
     )
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    return join_gang(pod, owner, spec)
