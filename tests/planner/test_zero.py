@@ -9,6 +9,7 @@ import pytest
 
 from finetune_operator.planner import Candidate, TrainingShape, estimate_memory, shape_of
 from finetune_operator.planner.catalog import lookup
+from finetune_operator.planner.lora import adapter_parameters
 from finetune_operator.planner.zero import ZeroStates, zero_states
 
 P = 8_000_000  # divisible by every world size below
@@ -94,3 +95,24 @@ def test_estimate_memory_walks_the_zero_phases() -> None:
     states_only = b.parameters + b.optimizer
     assert est.phases["optimizer"] >= states_only + 4 * part + 2 * 2 * part
     assert est.phases["forward"] - states_only < est.phases["backward"] - states_only
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_lora_adapters_are_bf16_with_fp32_masters_under_deepspeed(strategy: str) -> None:
+    """The trainer casts the adapters to the precision's dtype on every ZeRO stage
+    (deepspeed_engine.cast_whole_parameters) and DeepSpeed keeps fp32 masters of them; the torch
+    backend keeps PEFT's fp32 adapters (their own masters). Counting DeepSpeed's adapters as
+    fp32 without masters (the old model) gives 4 bytes of parameters and 8 of optimizer."""
+    m = shape_of(lookup("Llama-2-7b-hf").architecture)  # type: ignore[union-attr]
+    n = 4
+    shape = TrainingShape(micro_batch_size=1, seq_len=512, method="lora", checkpointing=True)
+    b = estimate_memory(m, shape, Candidate(strategy, n, 8)).breakdown
+    adapters = adapter_parameters(m, shape.lora_rank, shape.lora_targets)
+    part, frozen = -(-adapters // n), m.total * 2
+    if strategy == "zero3":
+        assert b.parameters == 2 * part + -(-frozen // n)
+    else:
+        assert b.parameters == 2 * adapters + frozen
+    assert b.optimizer == 12 * part  # fp32 master + exp_avg + exp_avg_sq
+    ddp = estimate_memory(m, shape, Candidate("ddp", n, 8)).breakdown
+    assert (ddp.parameters, ddp.optimizer) == (4 * adapters + frozen, 8 * adapters)

@@ -5,10 +5,13 @@ the same global batches: the sampler does not depend on the world size or the ba
 its loss curve must match DDP's step for step, within floating-point noise. Each run checks
 several properties at once to keep the multi-process time down:
 
-- ZeRO-1 with optimizer offload, 2 ranks: the curve, committed checkpoints, the export;
+- ZeRO-1 with optimizer offload, 2 ranks: the curve, committed checkpoints, the export; then
+  resumed from its first checkpoint, read in groups of one tensor, each rank reading only the
+  optimizer states of its own partition, to the same export;
 - ZeRO-2, 2 ranks, stopped mid-run by SIGTERM (its final save); resumed as ZeRO-3 with
   parameter and optimizer offload on 1 rank: resume at another world size (and stage), the
-  loss going on as DDP's does;
+  loss going on as DDP's does, the resume's peak of live tensor bytes one group, not the whole
+  checkpoint (tests/trainer/deepspeed_resume_worker.py counts it);
 - ZeRO-3, 2 ranks, built partitioned under zero.Init: the curve (the initial weights are the
   torch path's);
 - fp16 LoRA on ZeRO-2: one overflowing step is skipped and the loss scale lowered, training
@@ -21,12 +24,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import MethodSpec
@@ -49,6 +55,13 @@ STEPS = 8
 # fp32 on both sides; ZeRO sums the gradients in another order than DDP's buckets.
 LOSS_TOLERANCE = 0.02
 FP16_WORKER = REPO / "tests" / "trainer" / "deepspeed_fp16_worker.py"
+RESUME_WORKER = REPO / "tests" / "trainer" / "deepspeed_resume_worker.py"
+# The resume's group cap for the tiny model (the product's, 1 GiB, holds it whole): below
+# its largest tensor, so each group is one tensor and the budget that tensor.
+RESUME_CAP = 64 * 2**10
+# DeepSpeed's and DCP's small tensors besides the groups (flattened views' metadata, the
+# scalars of the plan exchange).
+RESUME_SLACK_BYTES = 64 * 2**10
 
 
 def ds_job(
@@ -122,7 +135,32 @@ def test_zero1_with_optimizer_offload_matches_ddp(
     assert_matches({s["step"]: s["loss"] for s in step_lines(p.log)}, ddp_losses)
     root = tmp_path / "checkpoints" / "quickstart"
     assert {s: m["worldSize"] for s, m in committed(root).items()} == {4: 2, 8: 2}
-    assert (tmp_path / "output" / "quickstart" / "model.safetensors").is_file()
+    exported = tmp_path / "output" / "quickstart" / "model.safetensors"
+    first = load_file(exported)
+
+    # Resumed from step 4 (step 8 lost), in groups of one tensor: each rank reads every
+    # master weight but only the optimizer states of its own ZeRO-1 partition, and training
+    # goes on to the same weights (a state not restored would change them).
+    shutil.rmtree(root / "step-00000008")
+    again = launch(tmp_path, "zero1-resume", job, 2, [str(RESUME_WORKER)],
+                   FT_TEST_RESUME_CAP=str(RESUME_CAP))  # fmt: skip
+    procs.append(again)
+    assert again.wait(180) == 0, tail(again.log)
+    assert "resumed from checkpoint step 4" in again.log.read_text()
+    assert_matches({s["step"]: s["loss"] for s in step_lines(again.log)}, ddp_losses)
+    second = load_file(exported)
+    assert first.keys() == second.keys()
+    for name, t in first.items():
+        assert torch.allclose(t, second[name], atol=1e-5), name
+    rows = resume_rows(again.log)
+    assert len(rows) == 2
+    masters = rows[0]["full_bytes"] // 3  # AdamW: master, exp_avg, exp_avg_sq, equal sizes
+    states = [r["read_bytes"] - masters for r in rows]
+    # Every state read by its owner; a parameter across the partition boundary by both.
+    assert 2 * masters <= sum(states) <= 2 * masters + 2 * 2 * rows[0]["largest"], rows
+    for row in rows:
+        assert row["read_bytes"] < row["full_bytes"], row  # each skipped the other's states
+        assert_resume_bounded(row)
 
 
 def test_zero2_sigterm_resumes_as_zero3_offload_at_world_one(
@@ -143,12 +181,16 @@ def test_zero2_sigterm_resumes_as_zero3_offload_at_world_one(
     assert stopped in committed(root), tail(first.log)  # the final save on SIGTERM
 
     second = launch(tmp_path, "zero3", ds_job("zero3", offload="cpu",
-                                               checkpoint={"intervalSteps": 3}), 1)  # fmt: skip
+                                               checkpoint={"intervalSteps": 3}), 1,
+                    [str(RESUME_WORKER)], FT_TEST_RESUME_CAP=str(RESUME_CAP))  # fmt: skip
     procs.append(second)
     assert second.wait(240) == 0, tail(second.log)
     log = second.log.read_text()
     resumed = int(re.findall(r"resumed from checkpoint step (\d+)", log)[0])
     assert resumed == stopped
+    (row,) = resume_rows(second.log)
+    assert row["groups"] > 1 and row["read_bytes"] == row["full_bytes"]  # world 1: all its own
+    assert_resume_bounded(row)
     assert "world 1, micro-batch 2, grad accumulation 4" in log
     config = deepspeed_config_logged(second.log)["zero_optimization"]
     assert config["stage"] == 3 and config["offload_param"]["device"] == "cpu"
@@ -156,6 +198,22 @@ def test_zero2_sigterm_resumes_as_zero3_offload_at_world_one(
     assert sorted(after) == list(range(resumed + 1, STEPS + 1))
     assert_matches(after, ddp_losses)  # the same model and optimizer state went on
     assert committed(root)[STEPS]["worldSize"] == 1
+
+
+def resume_rows(log: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(x) for x in re.findall(r"^resume-peak (\{.*\})$", log.read_text(), re.M)]
+    assert rows, tail(log)
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def assert_resume_bounded(row: dict[str, Any]) -> None:
+    """The grouped restore's peak of live tensor bytes: one group (the budget) plus what the
+    engine and DCP hold around one tensor (DCP's read of the item, the gathered ZeRO-3
+    parameter), below the full templates every rank held before (the checkpoint's every
+    tensor: `full_bytes`, on its own)."""
+    assert row["budget"] == max(RESUME_CAP, row["largest"]), row
+    assert row["live_peak"] <= row["budget"] + 3 * row["largest"] + RESUME_SLACK_BYTES, row
+    assert row["live_peak"] < row["full_bytes"], row
 
 
 def test_fp16_overflow_step_is_skipped_and_training_recovers(

@@ -49,19 +49,27 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of tensor storages alive, counted as ops create them and freed by a finalizer
     on the storage (views of one storage count once); `peak` the most at any time."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, allocations_only: bool = False) -> None:
         super().__init__()
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
+        # True: an output that shares an input's storage (a view, an in-place op) is not
+        # counted: among a live engine's buffers, a view of one is no new allocation.
+        self.allocations_only = allocations_only
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        inputs = (
+            {_storage_ptr(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            if self.allocations_only
+            else set()
+        )
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = id(storage)
-                if key in self.live:
+                if key in self.live or _storage_ptr(t) in inputs:
                     continue
                 self.live[key] = storage.nbytes()
                 self.current += self.live[key]
@@ -71,6 +79,10 @@ class LiveBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr()) if t.device.type != "meta" else -1
 
 
 def partition_bytes(model: torch.nn.Module) -> int:

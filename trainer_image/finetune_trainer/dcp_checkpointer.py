@@ -151,9 +151,11 @@ class DcpCheckpointer:
         if self._agree(ok):
             try:
                 saved = set(path.dcp_reader().read_metadata().state_dict_metadata)
-                sd = self.state.template(saved)
-                dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
-                self.state.restore(sd)
+
+                def read(sd: dict[str, Any], path: Location = path) -> None:
+                    dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
+
+                self.state.load(read, saved)
             except LOAD_ERRORS as e:
                 log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
                 ok = False

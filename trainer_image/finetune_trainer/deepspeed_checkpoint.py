@@ -22,8 +22,9 @@ DeepSpeed's own `save_checkpoint` + universal checkpoint conversion:
 The cost: every rank gathers every parameter (ZeRO-1/2: an all-reduce of its fragment;
 ZeRO-3: an all-gather), but keeps only the parameters it owns (round-robin by name), so the
 host memory a save holds is 1/N of the fp32 state and the ranks write in parallel. A load
-reads every parameter in full on every rank (each rank cuts its own partition out of it): up
-to 12 bytes per trainable parameter of host memory during a resume.
+reads the tensors in groups of at most 1 GiB (finetune_trainer.deepspeed_resume), each rank
+only those it has a fragment of (every master weight; the optimizer states of its own ZeRO-1/2
+partitions), so the host memory a resume adds is bounded whatever the model's size.
 
 The low-precision module weights are set from the loaded masters too (ZeRO-1/2: every rank
 holds them whole; ZeRO-3: through `GatheredParameters`, rank 0's copy re-partitioned). LoRA
@@ -33,6 +34,7 @@ fp16's dynamic loss scale and the optimizer's step count travel in the `train` e
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from finetune_trainer.deepspeed_resume import Read, ResumeStats, restore_in_groups
 from finetune_trainer.state import TrainState
+
+log = logging.getLogger(__name__)
 
 # Optimizer states per parameter, by torch optimizer: what the fragment API can address
 # (tensors shaped like the parameter; Adam's scalar `step` travels separately).
@@ -56,13 +61,11 @@ def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def _full_shape(p: nn.Parameter) -> torch.Size:
-    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
-
-
 @dataclass
 class DeepSpeedTrainState(TrainState):
     """TrainState over a DeepSpeed engine (`model`) and the torch optimizer it wraps."""
+
+    resume_stats: ResumeStats | None = None  # what the last load() read, for its log line
 
     def _engine(self) -> Any:
         return self.model
@@ -134,37 +137,30 @@ class DeepSpeedTrainState(TrainState):
 
     # ---- load ------------------------------------------------------------------------------
 
+    def load(self, read: Read, saved_keys: set[str]) -> None:
+        """The master weights and optimizer states in bounded groups (deepspeed_resume),
+        then the rest of the state (step, sampler, schedule, RNG, loss scale) as on the
+        torch path, with empty model and optimizer parts."""
+        self._link_optimizer_state()
+        self.resume_stats = restore_in_groups(
+            _trainable(self._engine().module),
+            self._state_keys(),
+            read,
+            stage3=self._stage() == 3,
+        )
+        s = self.resume_stats
+        log.info(
+            "DeepSpeed resume: %d groups of at most %d bytes; this rank read %d of the "
+            "checkpoint's %d bytes of model and optimizer state",
+            s.groups, s.budget, s.read_bytes, s.full_bytes,
+        )  # fmt: skip
+        super().load(read, saved_keys)
+
     def template_model_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Every trainable parameter in full (fp32, CPU), whatever the world size."""
-        model_sd: dict[str, Any] = {}
-        optim_sd: dict[str, Any] = {}
-        for name, p in _trainable(self._engine().module):
-            shape = _full_shape(p)
-            model_sd[name] = torch.empty(shape, dtype=torch.float32)
-            optim_sd[name] = {
-                k: torch.empty(shape, dtype=torch.float32) for k in self._state_keys()
-            }
-        return model_sd, optim_sd
+        return {}, {}  # read in groups by load()
 
     def restore_model_optim(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
-        from deepspeed.runtime.zero import GatheredParameters
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        self._link_optimizer_state()
-        stage3 = self._stage() == 3
-        for name, p in _trainable(self._engine().module):
-            value = model_sd[name]
-            device_value = value.to(_partition_device(p))
-            safe_set_full_fp32_param(p, device_value)
-            for key, state in optim_sd[name].items():
-                safe_set_full_optimizer_state(p, state.to(device_value.device), key)
-            # The low-precision copy the forward uses.
-            if stage3:
-                with GatheredParameters([p], modifier_rank=0):
-                    if dist.get_rank() == 0:
-                        p.data.copy_(value.to(p.dtype))
-            else:
-                p.data.copy_(value.to(device=p.device, dtype=p.dtype))
+        return None  # restored in groups by load()
 
     def restore_train_extra(self, train: dict[str, Any]) -> None:
         step = train.get("optimizer_step")
@@ -178,13 +174,6 @@ class DeepSpeedTrainState(TrainState):
         for field, value in (train.get("loss_scaler") or {}).items():
             if scaler is not None and hasattr(scaler, field):
                 setattr(scaler, field, value)
-
-
-def _partition_device(p: nn.Parameter) -> torch.device:
-    """Where the fragment API does its arithmetic: ZeRO-3 keeps the partition in ds_tensor
-    (the host with parameter offload), ZeRO-1/2 the accelerator copy."""
-    ds_tensor = getattr(p, "ds_tensor", None)
-    return ds_tensor.device if isinstance(ds_tensor, torch.Tensor) else p.device
 
 
 def gather_module_state_dict(module: nn.Module, stage: int) -> dict[str, torch.Tensor]:
@@ -211,4 +200,3 @@ def gather_module_state_dict(module: nn.Module, stage: int) -> dict[str, torch.T
         if rank0:
             out[key] = gathered[id(t)]
     return out
-

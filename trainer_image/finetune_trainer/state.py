@@ -10,6 +10,7 @@ the seeded init of an inline model, which does not depend on the world size)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ class TrainState:
         return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
     # The model and optimizer parts: get_state_dict/set_state_dict here; other backends
-    # (deepspeed_checkpoint.DeepSpeedTrainState) override these four and keep the rest.
+    # (deepspeed_checkpoint.DeepSpeedTrainState) override these four (and load) and keep the rest.
     def capture_model_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         return model_sd, optim_sd
@@ -102,6 +103,15 @@ class TrainState:
         if not any(k.startswith(prefix) for k in saved_keys):
             del sd[RNG_PREFIX]
         return sd
+
+    def load(self, read: Callable[[dict[str, Any]], None], saved_keys: set[str]) -> None:
+        """Fill this state from a checkpoint whose keys are `saved_keys`: `read(sd)` loads the
+        checkpoint's values of the keys of `sd` into it in place (DCP's load, a collective:
+        every rank calls it equally often). A backend whose model and optimizer cannot be
+        held whole at once reads them in parts first (DeepSpeedTrainState)."""
+        sd = self.template(saved_keys)
+        read(sd)
+        self.restore(sd)
 
     def restore(self, sd: dict[str, Any]) -> None:
         self.restore_model_optim(sd["model"], sd["optim"])

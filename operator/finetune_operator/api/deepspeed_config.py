@@ -30,6 +30,18 @@ DEEPSPEED_CONFIG_FILE_NAME = "deepspeed.json"
 # DeepSpeed's reduce_bucket_size / allgather_bucket_size default, in elements: the config sets
 # it and finetune_operator.planner.memory counts it for ZeRO's gradient bucket (one constant).
 ZERO_BUCKET_ELEMENTS = 500_000_000
+# A DeepSpeed resume reads the checkpoint's fp32 tensors (master weights, optimizer states) in
+# groups of at most this many bytes per rank, or of the largest one tensor when that is larger
+# (finetune_trainer.deepspeed_resume); the planner counts the same figure on the host.
+RESUME_CHUNK_BYTES = 1 << 30
+
+
+def resume_chunk_budget(largest_tensor_bytes: int, cap: int = RESUME_CHUNK_BYTES) -> int:
+    """Host bytes one group of a DeepSpeed resume may hold: `cap`, or one tensor if larger
+    (a tensor is read whole: DCP reads a saved tensor as one item)."""
+    return max(cap, largest_tensor_bytes)
+
+
 # Sections of a user config that the trainer owns through the spec: dropped (and reported).
 TRAINER_OWNED = (
     "optimizer",  # spec.training.optimizer / learningRate / weightDecay

@@ -114,9 +114,14 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
         f"({configurations}); the smallest need was {_gib(sm.est.breakdown.total)} "
         f"at {sm.cand.world_size} ranks with {_config(sm)} (peak at {sm.est.peak_phase})."
     ]
-    if sm.est.host_bytes > p.host_budget:
+    if sm.host_need > p.host_budget:
+        resume = (
+            f" and a resume's read group ({_gib(sm.resume_host_bytes)})"
+            if sm.resume_host_bytes
+            else ""
+        )
         parts.append(
-            f"Offloaded states need {_gib(sm.est.host_bytes)} of host RAM per process "
+            f"Offloaded states{resume} need {_gib(sm.host_need)} of host RAM per process "
             f"(budget {_gib(p.host_budget)})."
         )
     more = _try(hint_problem, p, unbounded=True)

@@ -16,11 +16,21 @@ DeepSpeed (finetune_trainer.deepspeed_loading, `zero_load_peak_bytes`):
   modifier). A tied head adds its dropped partition (1/N of the head; not counted).
 - ZeRO-1/2 keep a full replica, built directly in the engine's parameter dtype (the
   breakdown's `parameters`), plus one module's fp32 init: the same rule as DDP's.
+
+A DeepSpeed resume (finetune_trainer.deepspeed_resume, `zero_resume_host_bytes`) reads the
+checkpoint's fp32 tensors into host memory one group at a time: at most
+`resume_chunk_budget` (1 GiB, or the largest trainable tensor), never more than the whole
+checkpoint; the search adds it to the host RAM a DeepSpeed rank needs beside its offloaded
+states. On the device it adds one tensor's copies, below the step's own peak. (It read every
+tensor at once before: 12 bytes per trainable parameter on every rank.)
 """
 
 from __future__ import annotations
 
+from finetune_operator.api.deepspeed_config import resume_chunk_budget
 from finetune_operator.planner.architecture import ModelShape
+from finetune_operator.planner.configuration import TrainingShape
+from finetune_operator.planner.lora import adapter_parameters
 
 FP32 = 4
 
@@ -52,3 +62,25 @@ def zero_load_peak_bytes(
         module = largest_module_parameters(m)
         return resident_parameter_bytes + module * (partition_dtype_bytes + FP32)
     return load_peak_bytes(m, resident_parameter_bytes)
+
+
+# Bytes a checkpoint holds per trainable parameter: the fp32 master copy plus the optimizer
+# states the trainer saves (AdamW: two fp32 moments; 8-bit AdamW: ~1 byte each; SGD: one).
+CHECKPOINT_BYTES_PER_PARAMETER = {"adamw": 4 + 8, "adamw8bit": 4 + 2, "sgd": 4 + 4}
+
+
+def checkpoint_bytes(m: ModelShape, shape: TrainingShape) -> int:
+    """One checkpoint, all ranks together (what the elastic timeouts scale with)."""
+    trainable = (
+        m.total
+        if shape.method == "full"
+        else adapter_parameters(m, shape.lora_rank, shape.lora_targets)
+    )
+    return int(trainable * CHECKPOINT_BYTES_PER_PARAMETER.get(shape.optimizer, 12))
+
+
+def zero_resume_host_bytes(m: ModelShape, shape: TrainingShape) -> int:
+    """Host bytes a DeepSpeed rank holds at once while resuming: one group of the
+    checkpoint's fp32 tensors (see the module docstring)."""
+    largest = largest_module_parameters(m) * FP32 if shape.method == "full" else 0
+    return min(checkpoint_bytes(m, shape), resume_chunk_budget(largest))

@@ -65,8 +65,12 @@ def model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> ModelS
         trainable = adapter_parameters(m, shape.lora_rank, shape.lora_targets)
         frozen_elems = m.total
         frozen_bytes = qlora_base_bytes(m, e) if shape.method == "qlora" else m.total * e
-        # PEFT keeps adapters in fp32: they are their own master weights.
-        e, mixed = FP32, False
+        if cand.row.backend != "deepspeed":
+            # PEFT keeps adapters in fp32: they are their own master weights.
+            e, mixed = FP32, False
+        # DeepSpeed casts the adapters to the precision's dtype with the rest of the model
+        # (finetune_trainer's cast_whole_parameters, at every stage) and its optimizer keeps
+        # fp32 masters of them: e-byte parameters and gradients, as for a full fine-tune.
     opt_b = _optimizer_state_bytes(shape, e, mixed)
     master = FP32 if mixed else 0
     row = cand.row

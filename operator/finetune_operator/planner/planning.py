@@ -13,8 +13,12 @@ from finetune_operator.planner.configuration import PRECISION_BYTES, TrainingSha
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.planner.explain import explain_choice, explain_refusal
 from finetune_operator.planner.hardware import accelerator_for, host_bytes_per_process
-from finetune_operator.planner.loading import load_peak_bytes, zero_load_peak_bytes
-from finetune_operator.planner.lora import adapter_parameters, expand_targets
+from finetune_operator.planner.loading import (
+    checkpoint_bytes,
+    load_peak_bytes,
+    zero_load_peak_bytes,
+)
+from finetune_operator.planner.lora import expand_targets
 from finetune_operator.planner.memory import compiles_blocks
 from finetune_operator.planner.search import (
     Evaluated,
@@ -148,21 +152,6 @@ def _load_peak(m: ModelShape, ev: Evaluated) -> int:
         parameters,
         partition_dtype_bytes=PRECISION_BYTES[ev.shape.precision],
     )
-
-
-# Bytes a checkpoint holds per trainable parameter: the fp32 master copy plus the optimizer
-# states the trainer saves (AdamW: two fp32 moments; 8-bit AdamW: ~1 byte each; SGD: one).
-CHECKPOINT_BYTES_PER_PARAMETER = {"adamw": 4 + 8, "adamw8bit": 4 + 2, "sgd": 4 + 4}
-
-
-def checkpoint_bytes(m: ModelShape, shape: TrainingShape) -> int:
-    """One checkpoint, all ranks together (what the elastic timeouts scale with)."""
-    trainable = (
-        m.total
-        if shape.method == "full"
-        else adapter_parameters(m, shape.lora_rank, shape.lora_targets)
-    )
-    return int(trainable * CHECKPOINT_BYTES_PER_PARAMETER.get(shape.optimizer, 12))
 
 
 def _to_plan(

@@ -17,6 +17,7 @@ from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.configuration import Candidate, TrainingShape
 from finetune_operator.planner.hardware import Accelerator
+from finetune_operator.planner.loading import zero_resume_host_bytes
 from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
 from finetune_operator.planner.steptime import step_seconds
 
@@ -50,6 +51,12 @@ class Evaluated:
     est: MemoryEstimate
     fits: bool
     step_s: float
+    # Host RAM a resume adds beside the offloaded states (DeepSpeed on a GPU: one read group).
+    resume_host_bytes: int = 0
+
+    @property
+    def host_need(self) -> int:
+        return self.est.host_bytes + self.resume_host_bytes
 
 
 def memory_limit(acc: Accelerator) -> float:
@@ -105,10 +112,23 @@ def evaluate(
     )
     cand = Candidate(ms, mem_n, gpn, p.spec.strategy.offload, p.acc.cuda)
     est = estimate_memory(p.model, shape, cand)
-    fits = est.breakdown.total <= memory_limit(p.acc) and est.host_bytes <= p.host_budget
+    resume = (
+        zero_resume_host_bytes(p.model, shape)
+        if row.backend == "deepspeed" and p.spec.checkpoint.enabled
+        else 0
+    )
+    b = est.breakdown
+    if p.acc.cuda:
+        device_need = b.total
+    else:
+        # On CPU the resume's group sits in the device memory itself, beside the resident
+        # model states (it is freed before the first step, whose transients it never meets).
+        device_need = max(b.total, b.parameters + b.gradients + b.optimizer + resume)
+        resume = 0
+    fits = device_need <= memory_limit(p.acc) and est.host_bytes + resume <= p.host_budget
     run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * micro_batch_size)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
-    return Evaluated(row, replace(cand, strategy=row.name), shape, est, fits, step)
+    return Evaluated(row, replace(cand, strategy=row.name), shape, est, fits, step, resume)
 
 
 def micro_batch_sizes(p: Problem, per_rank: int) -> list[int]:
