@@ -355,18 +355,17 @@ def _fetch(shared: SharedCache, key: str, tmp: Path, budget: int) -> tuple[Entry
     whether one was there but damaged."""
     tmp.mkdir()
     try:
-        if not shared.fetch(key, tmp, budget):
-            remove(tmp)
-            return None, False
+        outcome = shared.fetch(key, tmp, budget)
     except _SHARED_ERRORS as e:
         log.warning("data cache: the shared copy %s cannot be read (%r): tokenizing", shared.root, e)
-        remove(tmp)
-        return None, False
-    entry = open_entry(tmp, key)
-    if entry is None:
+        outcome = "unreadable"
+    entry = open_entry(tmp, key) if outcome == "copied" else None
+    if entry is None and outcome in ("copied", "damaged"):
         log.warning("data cache: the shared entry %s is damaged: rebuilding and replacing it", key)
         remove(tmp)
         return None, True
+    if entry is None:
+        remove(tmp)
     return entry, False
 
 

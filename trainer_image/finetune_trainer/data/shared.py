@@ -96,46 +96,63 @@ class SharedCache:
             self.claim()
             self._claimed = True
 
-    def _meta(self, key: str) -> dict[str, Any] | None:
+    def _state(self, key: str) -> tuple[str, dict[str, Any] | None]:
+        """`absent`, `damaged` (a meta that does not parse or names another key, blocks
+        missing or of the wrong size) or `whole` (checked cheaply: its checksum is verified
+        by whoever copies it), with the meta when whole."""
         try:
             meta = json.loads((self.root / key / META_FILE).read_text())
         except FileNotFoundError:
-            return None
-        return meta if isinstance(meta, dict) and meta.get("key") == key else None
+            # No meta: nothing published, or a replacement under way (blocks go first).
+            return "absent", None
+        except (ValueError, UnicodeDecodeError):
+            return "damaged", None
+        try:
+            if not isinstance(meta, dict) or meta.get("key") != key:
+                return "damaged", None
+            size = (self.root / key).sizes().get(BLOCKS_FILE)
+            return ("whole", meta) if size == entry_bytes(meta) else ("damaged", None)
+        except (KeyError, TypeError, ValueError):
+            return "damaged", None
 
     # ---- reading ---------------------------------------------------------------------------
 
-    def fetch(self, key: str, into: Path, budget: int) -> bool:
+    def fetch(self, key: str, into: Path, budget: int) -> str:
         """Copy the published entry `key` into the empty directory `into` (blocks first, meta
-        last, as a build writes them); False if there is none, or it would not fit `budget`.
-        The caller verifies the copy before using it: nothing here is trusted."""
+        last, as a build writes them): `copied`, `absent`, `damaged`, or `too big` for
+        `budget`. The caller verifies a copy before using it: nothing here is trusted."""
         self._ensure_claimed()
-        meta = self._meta(key)
+        state, meta = self._state(key)
         if meta is None:
-            return False
+            return state
         size = entry_bytes(meta)
         if size > budget:
             log.info("data cache: the shared entry (%d bytes) does not fit here (%d)", size, budget)
-            return False
+            return "too big"
         source = self.root / key / BLOCKS_FILE
-        if self.root.is_local:
-            _copy_synced(source.local_path, into / BLOCKS_FILE)
-        else:
-            self.root.fs.get_file(source.path, str(into / BLOCKS_FILE))
+        try:
+            if self.root.is_local:
+                _copy_synced(source.local_path, into / BLOCKS_FILE)
+            else:
+                self.root.fs.get_file(source.path, str(into / BLOCKS_FILE))
+        except FileNotFoundError:
+            return "damaged"  # gone since the meta was read: replaced or removed meanwhile
         # The meta read before the blocks, not after: if the entry was replaced in between,
         # the checksum says so and the copy is refused.
         write_synced(into / META_FILE, json.dumps(meta).encode())
-        return True
+        return "copied"
 
     # ---- writing ---------------------------------------------------------------------------
 
     def publish(self, key: str, entry: Path, *, replace: bool = False) -> str:
         """Publish the local, verified entry directory `entry`: `published`, or `present`
-        when another pod's copy is already there (`replace`: it was found damaged, so it is
-        replaced)."""
+        when another pod's whole copy is already there. A damaged one is replaced, and so is
+        one that looks whole if `replace` (its checksum was found wrong by the caller)."""
         self._ensure_claimed()
-        if not replace and self._meta(key) is not None:
+        state, _ = self._state(key)
+        if state == "whole" and not replace:
             return "present"
+        replace = state != "absent"
         meta = json.loads((entry / META_FILE).read_text())
         if not self.root.is_local:
             target = self.root / key
