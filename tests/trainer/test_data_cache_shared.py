@@ -110,6 +110,8 @@ def _damage_shared(entry: Path, how: str) -> None:
         blocks.write_bytes(bytes(data))
     elif how == "blocks-missing":
         blocks.unlink()
+    elif how == "meta-missing":
+        meta.unlink()
     elif how == "meta-garbage":
         meta.write_text("{half a meta")
     elif how == "checksum-of-other-bytes":
@@ -117,7 +119,9 @@ def _damage_shared(entry: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "how", ["truncated", "flipped-byte", "blocks-missing", "meta-garbage", "checksum-of-other-bytes"]
+    "how",
+    ["truncated", "flipped-byte", "blocks-missing", "meta-missing", "meta-garbage",
+     "checksum-of-other-bytes"],
 )
 def test_a_damaged_shared_entry_is_rebuilt_never_read_and_replaced(
     how: str, corpus: Path, tmp_path: Path

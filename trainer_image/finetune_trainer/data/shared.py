@@ -47,7 +47,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ import xxhash
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer.checkpoint_store import resolve_root
+from finetune_trainer.data.cache import BLOCKS_FILE, META_FILE  # an entry is copied as is
 from finetune_trainer.data.files import fsync_dir, remove, write_synced
 from finetune_trainer.location import Location
 from finetune_trainer.ownership import claim_checkpoint_root
@@ -64,7 +65,6 @@ from finetune_trainer.ownership import claim_checkpoint_root
 log = logging.getLogger(__name__)
 
 SHARED_DIR = ".data-cache"
-BLOCKS_FILE, META_FILE = "blocks.bin", "meta.json"  # as cache.py: an entry is copied as is
 # A publication in progress writes continuously; one not written to for this long is a pod
 # that died mid-copy, and its temporary directory is removed by the next pod.
 ABANDONED_SECONDS = 600.0
@@ -89,7 +89,7 @@ class SharedCache:
 
     root: Location
     claim: Callable[[], None] = lambda: None
-    _claimed: bool = False
+    _claimed: bool = field(default=False, init=False)
 
     def _ensure_claimed(self) -> None:
         if not self._claimed:
@@ -103,8 +103,10 @@ class SharedCache:
         try:
             meta = json.loads((self.root / key / META_FILE).read_text())
         except FileNotFoundError:
-            # No meta: nothing published, or a replacement under way (blocks go first).
-            return "absent", None
+            # On a volume an entry appears whole (a rename): a directory without its meta is
+            # damage. On an object store it is a publication under way (blocks go first).
+            damaged = self.root.is_local and (self.root / key).exists()
+            return ("damaged" if damaged else "absent"), None
         except (ValueError, UnicodeDecodeError):
             return "damaged", None
         try:
