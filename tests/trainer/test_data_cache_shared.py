@@ -25,6 +25,7 @@ from finetune_trainer.data.shared import (
     ABANDONED_SECONDS,
     SHARED_DIR,
     SharedCache,
+    _publish_local,
     is_abandoned,
     shared_cache_for,
 )
@@ -245,6 +246,22 @@ def test_through_object_storage(
     assert [e.name for e in root.children()] == [key]
 
 
+def test_one_publisher_at_a_time_and_a_dead_ones_claim_is_taken_over(tmp_path: Path) -> None:
+    key = "k" * 32
+    entry = _local_entry(tmp_path / "local" / key, key)
+    shared = shared_for(tmp_path / "ckpt")
+    claim = tmp_path / "ckpt" / SHARED_DIR / f".{key}.publishing"
+    claim.parent.mkdir(parents=True)
+    claim.touch()  # another pod is copying it now
+    assert shared.publish(key, entry) == "in progress"
+    assert entries(tmp_path / "ckpt") == [claim.name]
+    old = time.time() - ABANDONED_SECONDS - 5
+    os.utime(claim, (old, old))  # that pod died mid-copy
+    assert shared.publish(key, entry) == "published"
+    assert entries(tmp_path / "ckpt") == [key]  # its claim released
+    assert shared.publish(key, entry) == "present"
+
+
 # ---- publishers racing, on real processes ----------------------------------------------------
 
 ROWS, WIDTH = 4096, 256  # 2 MiB of uint16 blocks: copies long enough to overlap
@@ -259,10 +276,15 @@ def _local_entry(directory: Path, key: str) -> Path:
     return directory
 
 
-def _publisher(ckpt: str, entry: str, key: str, start: Any, out: Any) -> None:
+def _publisher(ckpt: str, entry: str, key: str, claim: bool, start: Any, out: Any) -> None:
     shared = shared_for(Path(ckpt))
+    shared.root.makedirs()
     start.wait()
-    out.put(shared.publish(key, Path(entry)))
+    if claim:
+        out.put(shared.publish(key, Path(entry)))
+    else:  # as publishers that all took over a stale claim: only the rename keeps it safe
+        meta = json.loads((Path(entry) / META_FILE).read_text())
+        out.put(_publish_local(shared.root.local_path, key, Path(entry), meta, replace=False))
 
 
 def _reader(ckpt: str, key: str, work: str, start: Any, stop: Any, out: Any) -> None:
@@ -282,7 +304,10 @@ def _reader(ckpt: str, key: str, work: str, start: Any, stop: Any, out: Any) -> 
     out.put(seen)
 
 
-def test_concurrent_publishers_leave_one_whole_entry_and_readers_never_see_part(tmp_path: Path) -> None:
+@pytest.mark.parametrize("claim", [True, False], ids=["claimed", "racing-renames"])
+def test_concurrent_publishers_leave_one_whole_entry_and_readers_never_see_part(
+    claim: bool, tmp_path: Path
+) -> None:
     key = "k" * 32
     ckpt = tmp_path / "ckpt"
     entry = _local_entry(tmp_path / "local" / key, key)
@@ -292,7 +317,7 @@ def test_concurrent_publishers_leave_one_whole_entry_and_readers_never_see_part(
     out, seen = ctx.Queue(), ctx.Queue()
     (tmp_path / "reads").mkdir()
     reader = ctx.Process(target=_reader, args=(str(ckpt), key, str(tmp_path / "reads"), start, stop, seen))
-    publishers = [ctx.Process(target=_publisher, args=(str(ckpt), str(entry), key, start, out))
+    publishers = [ctx.Process(target=_publisher, args=(str(ckpt), str(entry), key, claim, start, out))
                   for _ in range(n)]  # fmt: skip
     for p in [reader, *publishers]:
         p.start()
@@ -302,7 +327,9 @@ def test_concurrent_publishers_leave_one_whole_entry_and_readers_never_see_part(
     for p in [reader, *publishers]:
         p.join(30)
         assert p.exitcode == 0
-    assert "published" in outcomes and set(outcomes) <= {"published", "present"}
+    if claim:  # one copy written to the shared volume, not one per pod
+        assert outcomes == ["in progress"] * (n - 1) + ["published"] or "present" in outcomes
+    assert outcomes.count("published") >= 1 and set(outcomes) <= {"published", "present", "in progress"}
     assert reads["damaged"] == 0, reads
     assert entries(ckpt) == [key]  # no temporary directory left behind
     published = open_entry(ckpt / SHARED_DIR / key, key)

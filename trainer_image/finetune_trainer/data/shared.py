@@ -7,6 +7,7 @@ it there, and a new pod looks in its own cache, then there, and tokenizes only i
 the entry:
 
     <checkpoint.uri>/.data-cache/<key>/blocks.bin, meta.json     (the entry, as in cache.py)
+    <checkpoint.uri>/.data-cache/.<key>.publishing                 who is publishing it now
     <checkpoint.uri>/.data-cache/.<key>.tmp-<host>-<pid>/          a publication in progress
 
 The checkpoint code never sees it (it lists only `step-*` directories) and this module never
@@ -25,8 +26,10 @@ the shared volume. The price is local disk the size of the entry: the same as bu
 **Atomic publication.** On a filesystem an entry is written under a name of its own
 (`.<key>.tmp-<host>-<pid>`), its bytes hashed while copied and checked against the entry's
 checksum, fsynced, and renamed to `<key>` (atomic on POSIX and NFS): a reader sees a whole entry
-or none. Two pods publishing at once each write their own temporary directory; the rename of
-the second fails (the target exists and is not empty) and it removes its copy. On an object
+or none. The pods of a fresh job all build at once: the first to create `.<key>.publishing`
+(exclusively) publishes and the others skip, so the volume gets one copy, not one per pod. If
+two publish anyway (a stale claim taken over), each writes its own temporary directory; the
+rename of the second fails (the target exists and is not empty) and it removes its copy. On an object
 store (`s3://`, through the same `Location` as checkpoints) there is no rename: the blocks are
 put first and `meta.json` last, each PUT atomic, and publishers of the same key put the same
 bytes. Either way a reader trusts nothing it has not verified: a partial or damaged shared
@@ -34,7 +37,8 @@ entry is never installed; the pod tokenizes and publishes over it.
 
 **Bounded.** After a pod fetches or publishes key K, entries of other keys (the job's data,
 tokenizer or sequence length changed since) are removed, and so are temporary directories
-of publishers gone for `ABANDONED_SECONDS`: the shared copy holds one entry per job.
+and claims of publishers gone for `ABANDONED_SECONDS`: the shared copy holds one entry per
+job.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,9 +151,10 @@ class SharedCache:
     # ---- writing ---------------------------------------------------------------------------
 
     def publish(self, key: str, entry: Path, *, replace: bool = False) -> str:
-        """Publish the local, verified entry directory `entry`: `published`, or `present`
-        when another pod's whole copy is already there. A damaged one is replaced, and so is
-        one that looks whole if `replace` (its checksum was found wrong by the caller)."""
+        """Publish the local, verified entry directory `entry`: `published`; `present` when
+        another pod's whole copy is already there; `in progress` when another pod is
+        publishing it now. A damaged one is replaced, and so is one that looks whole if
+        `replace` (its checksum was found wrong by the caller)."""
         self._ensure_claimed()
         state, _ = self._state(key)
         if state == "whole" and not replace:
@@ -164,27 +169,10 @@ class SharedCache:
             return "published"
         root = self.root.local_path
         root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".{key}.tmp-{socket.gethostname()}-{os.getpid()}"
-        remove(tmp)
-        tmp.mkdir()
-        try:
-            digest = _copy_synced(entry / BLOCKS_FILE, tmp / BLOCKS_FILE)
-            if digest != meta["xxh3_128"]:
-                raise OSError(errno.EIO, f"copy of {entry / BLOCKS_FILE} does not match its checksum")
-            write_synced(tmp / META_FILE, json.dumps(meta).encode())
-            fsync_dir(tmp)
-            if replace:
-                _move_aside(root / key)
-            try:
-                os.rename(tmp, root / key)  # atomic: readers see a whole entry or none
-            except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                    raise
-                return "present"  # another pod published it first: theirs is the same
-            fsync_dir(root)
-            return "published"
-        finally:
-            remove(tmp)
+        with _publishing(root / f".{key}.publishing", time.time()) as mine:
+            if not mine:
+                return "in progress"
+            return _publish_local(root, key, entry, meta, replace=replace)
 
     def prune(self, keep: str, now: float | None = None) -> list[str]:
         """Remove entries of other keys and abandoned publications; returns their names."""
@@ -205,6 +193,55 @@ class SharedCache:
     def _abandoned(self, name: str, now: float) -> bool:
         # An object store has no temporary directories (entries are put in place).
         return self.root.is_local and is_abandoned(_last_write(self.root.local_path / name, now), now)
+
+
+def _publish_local(root: Path, key: str, entry: Path, meta: dict[str, Any], *, replace: bool) -> str:
+    """Copy `entry` under a temporary name of this pod's, verify and fsync it, and rename it
+    to `<root>/<key>`; `present` if another pod's rename came first."""
+    tmp = root / f".{key}.tmp-{socket.gethostname()}-{os.getpid()}"
+    remove(tmp)
+    tmp.mkdir()
+    try:
+        digest = _copy_synced(entry / BLOCKS_FILE, tmp / BLOCKS_FILE)
+        if digest != meta["xxh3_128"]:
+            raise OSError(errno.EIO, f"copy of {entry / BLOCKS_FILE} does not match its checksum")
+        write_synced(tmp / META_FILE, json.dumps(meta).encode())
+        fsync_dir(tmp)
+        if replace:
+            _move_aside(root / key)
+        try:
+            os.rename(tmp, root / key)  # atomic: readers see a whole entry or none
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            return "present"  # another pod published it first: theirs is the same
+        fsync_dir(root)
+        return "published"
+    finally:
+        remove(tmp)
+
+
+@contextlib.contextmanager
+def _publishing(claim: Path, now: float) -> Iterator[bool]:
+    """One publisher per key at a time (the pods of a fresh job all build at once: without it
+    each would write a copy of the entry to the shared volume). The claim is a file created
+    exclusively (O_EXCL: atomic locally and on NFSv3+); one older than ABANDONED_SECONDS is a
+    dead publisher's and is taken over. Not a correctness guarantee (a taken-over publisher may
+    still be alive): the rename in `_publish_local` is."""
+    for _ in range(2):
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            if not is_abandoned(_last_write(claim, now), now):
+                break
+            remove(claim)
+            continue
+        try:
+            yield True
+        finally:
+            remove(claim)
+        return
+    yield False
 
 
 def shared_cache_for(
