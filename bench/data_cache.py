@@ -1,10 +1,12 @@
 """The data phase of a rank's start, with and without the per-pod cache of packed blocks.
 
-    python bench/data_cache.py [--mb 20] [--seq-len 512] [--ranks 1 2]
+    python bench/data_cache.py [--mb 20] [--seq-len 512] [--ranks 1 2] [--tokenizer byte|bpe]
 
 A jsonl corpus of `--mb` MB is generated into a temporary directory (words of the shipped
 quickstart corpus in random order: never committed) and read with the byte-level tokenizer
-of inline models (one token per byte: the most tokens a corpus of this size can give). Each
+of inline models (one token per byte: the most tokens a corpus of this size can give) or,
+with `--tokenizer bpe`, a byte-level BPE of 32,000 ids trained on the corpus first (as Llama 2
+or GPT-2 tokenize: fewer tokens, more work per byte; its training is not timed). Each
 case runs `--ranks` fresh processes at once, as the local ranks of one pod start together,
 each timing its data phase (`build_dataset`, imports and tokenizer excluded) and reporting
 its peak RSS (`ru_maxrss`) and the RSS it had before the phase:
@@ -16,6 +18,16 @@ its peak RSS (`ru_maxrss`) and the RSS it had before the phase:
 - first start: the streaming build into an empty cache (one rank builds, the others wait
   and map it).
 - restart: the same cache again (every rank maps it: no reading, no tokenizing).
+- replacement, tokenizing: a pod replacing another, with an empty cache of its own and no
+  shared copy: what every replacement pod did before the shared copy (one rank builds).
+- replacement, shared hit: a pod replacing another, with an empty cache of its own and the
+  job's shared copy that the first start published (`finetune_trainer.data.shared`): one rank
+  copies and verifies the entry, the others wait and map it; nothing is tokenized.
+
+The first start publishes its entry to the shared copy (its time includes that). The shared
+copy is a directory on this machine's disk, standing in for the job's checkpoint volume: on a
+cluster the copy runs at that volume's read throughput (NFS, CephFS, EFS: hundreds of MB/s to
+GB/s) instead of the local disk's, while tokenizing costs the same CPU anywhere.
 
 Every case's blocks are checked equal to the baseline's.
 """
@@ -38,7 +50,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer_image")]
 
-CASES = ("before", "uncached", "first start", "restart")
+CASES = ("before", "uncached", "first start", "restart", "replacement, tokenizing",
+         "replacement, shared hit")
+# Per case: the pod's cache directory (a suffix of the run's; None: no cache) and whether it
+# uses the job's shared copy. Each replacement pod starts with an empty cache of its own.
+POD: dict[str, tuple[str | None, bool]] = {
+    "before": (None, False),
+    "uncached": (None, False),
+    "first start": ("", True),
+    "restart": ("", True),
+    "replacement, tokenizing": ("-replacement-a", False),
+    "replacement, shared hit": ("-replacement-b", True),
+}
 
 
 def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
@@ -71,23 +94,53 @@ def _before_build(uri: str, tokenizer: Any, seq_len: int) -> Any:
     return flat[: n * seq_len].view(n, seq_len).numpy()
 
 
-def child(case: str, uri: str, seq_len: int, cache: str, out: str) -> None:
+BPE_VOCAB = 32000
+
+
+def train_bpe(corpus: Path, out: Path) -> None:
+    """A byte-level BPE on the corpus (the GPT-2 / Llama 2 kind), saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<bos>", "<eos>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = (json.loads(line)["text"] for line in corpus.open(encoding="utf-8"))
+    tok.train_from_iterator(lines, trainer)
+    tok.save(str(out))
+
+
+def load_tokenizer(path: str) -> Any:
+    from finetune_trainer.tokenizer import build_byte_tokenizer
+
+    if path == "byte":
+        return build_byte_tokenizer()
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=path, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>")  # fmt: skip
+
+
+def child(case: str, uri: str, seq_len: int, cache: str, shared: str, out: str, tok: str) -> None:
     """One rank's data phase; writes its figures and a digest of its blocks to `out`."""
     import hashlib
 
     import numpy as np
 
-    from finetune_operator.api.spec import DatasetSpec
+    from finetune_operator.api.spec import CheckpointSpec, DatasetSpec
     from finetune_trainer.data import CacheSettings, build_dataset
-    from finetune_trainer.tokenizer import build_byte_tokenizer
+    from finetune_trainer.data.shared import shared_cache_for
 
-    tokenizer = build_byte_tokenizer()
+    tokenizer = load_tokenizer(tok)
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cpu0, t0 = time.process_time(), time.perf_counter()
     if case == "before":
         blocks, source = _before_build(uri, tokenizer, seq_len), "tokenized"
     else:
-        settings = None if case == "uncached" else CacheSettings(Path(cache))
+        owner = {"job": "bench", "namespace": "default", "uid": "bench"}
+        store = shared_cache_for(CheckpointSpec(uri=shared), None, owner) if shared != "-" else None
+        settings = None if cache == "-" else CacheSettings(Path(cache), None, store)
         ds = build_dataset(DatasetSpec(uri=uri), tokenizer, seq_len, settings)
         blocks, source = ds.blocks, ds.source
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -99,12 +152,15 @@ def child(case: str, uri: str, seq_len: int, cache: str, out: str) -> None:
     }))  # fmt: skip
 
 
-def run_case(case: str, ranks: int, uri: str, seq_len: int, cache: Path, work: Path) -> list[dict[str, Any]]:
+def run_case(case: str, ranks: int, uri: str, seq_len: int, work: Path, tok: str) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:2]), "OMP_NUM_THREADS": "1"}
-    outs = [work / f"{case.replace(' ', '-')}-{ranks}-{r}.json" for r in range(ranks)]
+    suffix, shared = POD[case]
+    cache = "-" if suffix is None else str(work / f"cache-{ranks}{suffix}")
+    store = str(work / f"checkpoints-{ranks}") if shared else "-"
+    outs = [work / f"{case.replace(' ', '-').replace(',', '')}-{ranks}-{r}.json" for r in range(ranks)]
     procs = [
-        subprocess.Popen([sys.executable, __file__, "--child", case, uri, str(seq_len), str(cache), str(o)],
-                         env=env)
+        subprocess.Popen([sys.executable, __file__, "--child", case, uri, str(seq_len), cache, store,
+                          str(o), tok], env=env)
         for o in outs
     ]  # fmt: skip
     for p in procs:
@@ -122,20 +178,26 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=20.0)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="data-cache-bench-"))
     try:
         uri = str(work / "corpus.jsonl")
         rows = generate_corpus(Path(uri), args.mb)
         size = os.path.getsize(uri)
-        print(f"corpus: {size / 1e6:.1f} MB, {rows} rows; seq len {args.seq_len}; byte tokenizer")
+        tok = "byte"
+        if args.tokenizer == "bpe":
+            tok = str(work / "tokenizer.json")
+            train_bpe(Path(uri), Path(tok))
+        name = "byte tokenizer" if tok == "byte" else f"byte-level BPE of {BPE_VOCAB} ids"
+        print(f"corpus: {size / 1e6:.1f} MB, {rows} rows; seq len {args.seq_len}; {name}")
         print(f"load (uptime): {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
         print("| ranks | case | data phase, slowest rank | rank CPU, sum | x before | source (per rank) "
               "| peak RSS, max | RSS added by the phase, max | cache on disk |")
         print("|---|---|---|---|---|---|---|---|---|")
         for ranks in args.ranks:
             cache = work / f"cache-{ranks}"
-            results = {c: run_case(c, ranks, uri, args.seq_len, cache, work) for c in CASES}
+            results = {c: run_case(c, ranks, uri, args.seq_len, work, tok) for c in CASES}
             base = max(r["seconds"] for r in results["before"])
             digests = {r["digest"] for rs in results.values() for r in rs}
             assert len(digests) == 1, "a case gave other blocks than the baseline"
@@ -146,10 +208,16 @@ def main() -> None:
                       f"| {slowest / base:.4f} | {', '.join(sorted(r['source'] for r in rs))} "
                       f"| {mib(max(r['rss_peak'] for r in rs))} "
                       f"| {mib(max(r['rss_peak'] - r['rss_before'] for r in rs))} "
-                      f"| {mib(disk) if case in ('first start', 'restart') else '-'} |")  # fmt: skip
+                      f"| {mib(disk) if POD[case][0] is not None else '-'} |")  # fmt: skip
             first = max(r["seconds"] for r in results["first start"])
             hit = max(r["seconds"] for r in results["restart"])
             print(f"|   | restart / first start: {hit / first:.4f} ({first / hit:.0f}x faster) |||||||")
+            tokenizing = max(r["seconds"] for r in results["replacement, tokenizing"])
+            shared_hit = max(r["seconds"] for r in results["replacement, shared hit"])
+            print(f"|   | replacement pod, shared hit / tokenizing: {shared_hit / tokenizing:.4f} "
+                  f"({tokenizing / shared_hit:.0f}x faster) |||||||")
+            published = sum(p.stat().st_size for p in (work / f"checkpoints-{ranks}").rglob("*") if p.is_file())
+            print(f"|   | shared copy on the checkpoint volume: {mib(published)} |||||||")
         print(f"load (uptime) after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -157,6 +225,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])
+        child(*sys.argv[2:4], int(sys.argv[4]), *sys.argv[5:9])
     else:
         main()

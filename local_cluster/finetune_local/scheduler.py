@@ -18,7 +18,8 @@ _BASIC = ("cpu", "memory", "ephemeral-storage", "pods")
 def quantity(value: Any) -> float:
     """A Kubernetes quantity (`500m`, `2Gi`, `1k`) as a number."""
     text = str(value)
-    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
     for suffix, factor in sorted(suffixes.items(), key=lambda kv: -len(kv[0])):
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * factor

@@ -96,6 +96,12 @@ def _rules_pass(model: str, obj: dict[str, Any]) -> bool:
         ("ModelArchitecture", {"numAttentionHeads": 32, "numKeyValueHeads": 8}, True),
         ("ModelArchitecture", {"numAttentionHeads": 32, "numKeyValueHeads": 5}, False),
         ("ModelArchitecture", {"numAttentionHeads": 4, "numLocalExperts": 8}, False),
+        ("DatasetSpec", {"uri": "d", "cacheSizeLimit": "64Gi"}, True),
+        ("DatasetSpec", {"uri": "d", "cacheSizeLimit": "1.5T"}, True),
+        ("DatasetSpec", {"uri": "d", "cacheSizeLimit": 1 << 30}, True),
+        ("DatasetSpec", {"uri": "d", "cacheSizeLimit": "32GB"}, False),
+        ("DatasetSpec", {"uri": "d", "cacheSizeLimit": "-1Gi"}, False),
+        ("DatasetSpec", {"uri": "d", "cacheSizeLimit": 0}, False),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else "",
 )

@@ -17,7 +17,7 @@ from finetune_operator.api.constants import (
     ROLE_WORKER,
 )
 from finetune_operator.api.jobconfig import JobConfig
-from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.spec import DatasetSpec, FineTuneJobSpec
 from finetune_operator.resources import (
     Owner,
     build_config_map,
@@ -154,6 +154,30 @@ def test_worker_env_ports_volumes(owner: Owner, gpu8_spec: FineTuneJobSpec) -> N
     assert pod["metadata"]["labels"]["finetune.dev/worker-index"] == "1"
 
 
+@pytest.mark.parametrize(
+    ("limit", "size_limit", "budget"),
+    [("32Gi", "32Gi", (32 << 30) - (256 << 20)), (1 << 30, "1073741824", (1 << 30) - (128 << 20)),
+     ("500Mi", "500Mi", (500 << 20) - (500 << 17)), ("1.5Ti", "1.5Ti", (3 << 39) - (256 << 20))],
+    ids=["default", "integer", "small-limit-small-margin", "fraction"],
+)  # fmt: skip
+def test_cache_size_limit_reaches_the_pod(
+    owner: Owner, gpu8_spec: FineTuneJobSpec, limit: str | int, size_limit: str, budget: int
+) -> None:
+    """dataset.cacheSizeLimit is the emptyDir's sizeLimit, the ephemeral storage the worker
+    requests (so the scheduler finds it a node with that much disk) and, less a margin, the
+    trainer's budget."""
+    spec = gpu8_spec.model_copy(deep=True)
+    if limit != "32Gi":
+        spec.dataset = DatasetSpec.model_validate({**spec.dataset.model_dump(by_alias=True), "cacheSizeLimit": limit})
+    pod = build_worker_pod(owner, spec, make_plan(2, 8), 0)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["data-cache"]["emptyDir"] == {"sizeLimit": size_limit}
+    resources = _container(pod)["resources"]
+    assert resources["requests"]["ephemeral-storage"] == size_limit
+    assert "ephemeral-storage" not in resources["limits"]
+    assert int(_env(pod)["FT_DATA_CACHE_LIMIT_BYTES"]) == budget
+
+
 def test_worker_security_and_scheduling(owner: Owner, gpu8_spec: FineTuneJobSpec) -> None:
     pod = build_worker_pod(owner, gpu8_spec, make_plan(2, 8), 0)
     spec = pod["spec"]
@@ -177,13 +201,15 @@ def test_worker_security_and_scheduling(owner: Owner, gpu8_spec: FineTuneJobSpec
         (
             "gpu",
             {
-                "requests": {"nvidia.com/gpu": "8", "cpu": "32", "memory": "512Gi"},
+                "requests": {"nvidia.com/gpu": "8", "cpu": "32", "memory": "512Gi",
+                             "ephemeral-storage": "32Gi"},
                 "limits": {"nvidia.com/gpu": "8", "memory": "512Gi"},
             },
         ),
         (
             "cpu",
-            {"requests": {"cpu": "32", "memory": "512Gi"}, "limits": {"memory": "512Gi"}},
+            {"requests": {"cpu": "32", "memory": "512Gi", "ephemeral-storage": "32Gi"},
+             "limits": {"memory": "512Gi"}},
         ),
     ],
     ids=["gpu", "cpu"],

@@ -70,8 +70,8 @@ def test_fsdp_two_ranks_checkpoint_loads_at_world_one(tmp_path: Path, procs: lis
     root = tmp_path / "checkpoints" / "quickstart"
     two = write_job(tmp_path / "two.json", make_job(
         strategy="fsdp-full-shard", training={"maxSteps": 20}, checkpoint={"intervalSteps": 10}))
-    # The pod's data cache (finetune_trainer.data.cache), shared by both runs as by restarts
-    # in one worker pod: the two local ranks build it once, the resume only maps it.
+    # The pod's data cache (finetune_trainer.data.cache): the two local ranks build it once,
+    # and it is published to the job's checkpoint directory (finetune_trainer.data.shared).
     cache = str(tmp_path / "data-cache")
     p = run(tmp_path, procs, "fsdp2", two, 2, FT_DATA_CACHE_DIR=cache)
     assert p.wait(120) == 0, tail(p.log)
@@ -83,15 +83,16 @@ def test_fsdp_two_ranks_checkpoint_loads_at_world_one(tmp_path: Path, procs: lis
 
     one = write_job(tmp_path / "one.json", make_job(
         strategy="fsdp-full-shard", training={"maxSteps": 30}, checkpoint={"intervalSteps": 10}))
-    q = run(tmp_path, procs, "fsdp1", one, 1, FT_DATA_CACHE_DIR=cache)
+    # As a replacement pod on another node: an empty cache of its own, the same checkpoints.
+    q = run(tmp_path, procs, "fsdp1", one, 1, FT_DATA_CACHE_DIR=str(tmp_path / "data-cache-b"))
     assert q.wait(120) == 0, tail(q.log)
     log = q.log.read_text()
     assert "world 1, micro-batch 2, grad accumulation 4" in log
     assert "resumed from checkpoint step 20" in log
     # The cold start by phase, logged once at the first step (finetune_trainer.startup); the
-    # data came from the cache, untokenized.
+    # data came from the job's shared copy, untokenized.
     assert re.search(r"rank0 INFO .*started in [\d.]+ s \(cpu [\d.]+ s\): imports [\d.]+, group [\d.]+, "
-                     r"data [\d.]+ \(cache hit\), model [\d.]+, resume [\d.]+, first step [\d.]+$",
+                     r"data [\d.]+ \(cache shared hit\), model [\d.]+, resume [\d.]+, first step [\d.]+$",
                      log, re.M)
     steps = step_lines(q.log)
     assert [s["step"] for s in steps] == list(range(21, 31))

@@ -18,6 +18,7 @@ from finetune_trainer.checkpointer import build_checkpointer
 from finetune_trainer.collective_timeout import TrainingTimeout
 from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.data import CacheSettings, build_dataset
+from finetune_trainer.data.shared import shared_cache_for
 from finetune_trainer.deepspeed_engine import select_accelerator
 from finetune_trainer.distributed import init_distributed, select_device, set_training_timeout
 from finetune_trainer.errors import UnsupportedConfigError
@@ -93,10 +94,13 @@ def precision_context(
     return contextlib.nullcontext()
 
 
-def data_cache(env: RuntimeEnv) -> CacheSettings | None:
+def data_cache(env: RuntimeEnv, job: JobConfig) -> CacheSettings | None:
+    """The pod's data cache, backed by the job's shared copy on its checkpoint storage."""
     if env.data_cache_dir is None:
         return None
-    return CacheSettings(env.data_cache_dir, env.data_cache_limit_bytes)
+    owner = {"job": job.name, "namespace": job.namespace, "uid": job.uid}
+    shared = shared_cache_for(job.spec.checkpoint, job.spec.storage.object_store, owner)
+    return CacheSettings(env.data_cache_dir, env.data_cache_limit_bytes, shared)
 
 
 class Trainer:
@@ -125,7 +129,7 @@ class Trainer:
 
         tokenizer = build_tokenizer(spec.model)
         self.data = build_dataset(
-            spec.dataset, tokenizer, spec.training.sequence_length, cache=data_cache(env)
+            spec.dataset, tokenizer, spec.training.sequence_length, cache=data_cache(env, job)
         )
         self.startup.mark("data", note=self.data.source)
         self.parallel = load_parallel_model(

@@ -25,6 +25,7 @@ from finetune_operator.api.constants import (
     VERSION,
 )
 from finetune_operator.api.limits import MAX_MICRO_BATCH, MAX_SHORT_STRING
+from finetune_operator.api.quantity import BYTES_PATTERN
 from finetune_operator.api.spec import NO_PARENT_SEGMENTS_RULE, FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
 
@@ -104,6 +105,16 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
             "self.startupCollectiveTimeoutSeconds >= self.collectiveTimeoutSeconds",
             "message": "startupCollectiveTimeoutSeconds must be >= collectiveTimeoutSeconds",
             "fieldPath": ".startupCollectiveTimeoutSeconds",
+        },
+    ],
+    "DatasetSpec": [
+        {
+            # The form only (the operator also refuses one below the minimum, naming it).
+            "rule": "!has(self.cacheSizeLimit) || (type(self.cacheSizeLimit) == int ? "
+            f"self.cacheSizeLimit > 0 : self.cacheSizeLimit.matches('{BYTES_PATTERN}'))",
+            "message": "cacheSizeLimit must be a byte quantity such as 32Gi, 500Mi or 20G",
+            "fieldPath": ".cacheSizeLimit",
+            "reason": "FieldValueInvalid",
         },
     ],
     "ModelArchitecture": [

@@ -9,6 +9,8 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from finetune_operator.api import limits as lim
 from finetune_operator.api.base import SpecModel
+from finetune_operator.api.quantity import quantity_bytes
+from finetune_operator.api.resources_spec import Quantity
 from finetune_operator.api.spec_types import (
     ActivationCheckpointingMode,
     MethodType,
@@ -16,6 +18,9 @@ from finetune_operator.api.spec_types import (
     Precision,
     refuse_parent_segments,
 )
+
+DEFAULT_CACHE_SIZE_LIMIT = "32Gi"
+MIN_CACHE_SIZE_LIMIT = "64Mi"
 
 
 class DatasetSpec(SpecModel):
@@ -34,11 +39,31 @@ class DatasetSpec(SpecModel):
         None, max_length=lim.MAX_SHORT_STRING, description="Field holding chat messages."
     )
     packing: bool = Field(True, description="Pack samples into full-length sequences.")
+    cache_size_limit: Quantity = Field(
+        DEFAULT_CACHE_SIZE_LIMIT,
+        description=(
+            "Size of each worker's data-cache volume (an emptyDir sizeLimit, also requested as "
+            "ephemeral-storage so the pod lands on a node with that much disk): the tokenized "
+            "blocks take 2 bytes a token (4 for vocabularies over 65,536 ids); blocks that do "
+            f"not fit are tokenized in memory by every rank instead. At least {MIN_CACHE_SIZE_LIMIT}."
+        ),
+    )
 
     @field_validator("uri")
     @classmethod
     def _uri_stays_put(cls, uri: str) -> str:
         return refuse_parent_segments(uri, "dataset.uri") or uri
+
+    @field_validator("cache_size_limit")
+    @classmethod
+    def _cache_size(cls, text: str) -> str:
+        if quantity_bytes(text, "dataset.cacheSizeLimit") < quantity_bytes(MIN_CACHE_SIZE_LIMIT, ""):
+            raise ValueError(f"dataset.cacheSizeLimit {text!r} is below {MIN_CACHE_SIZE_LIMIT}")
+        return text
+
+    @property
+    def cache_size_limit_bytes(self) -> int:
+        return quantity_bytes(self.cache_size_limit, "dataset.cacheSizeLimit")
 
 
 class LoraSpec(SpecModel):

@@ -41,11 +41,18 @@ CONFIG_VOLUME = "config"
 SHM_VOLUME = "dshm"
 # The tokenized blocks, built by one local rank and mapped by all (finetune_trainer.data.cache).
 # An emptyDir on the node's disk: torchelastic's restarts inside the container reuse it; a
-# replacement pod rebuilds it once. A pod whose emptyDir outgrows its sizeLimit is evicted,
-# so the trainer is told a budget below it and tokenizes in memory instead of overrunning.
+# replacement pod copies it from the job's checkpoint volume or rebuilds it once. Its size is
+# `dataset.cacheSizeLimit`. A pod whose emptyDir outgrows its sizeLimit is evicted, so the
+# trainer is told a budget below it and tokenizes in memory instead of overrunning.
 DATA_CACHE_VOLUME = "data-cache"
-DATA_CACHE_SIZE_LIMIT_GIB = 32
-DATA_CACHE_BUDGET_BYTES = (DATA_CACHE_SIZE_LIMIT_GIB << 30) - (256 << 20)
+DATA_CACHE_MARGIN_BYTES = 256 << 20  # lock files, meta and a copy in flight's rounding
+
+
+def data_cache_budget_bytes(spec: FineTuneJobSpec) -> int:
+    """What the trainer may put in the cache: the sizeLimit less a margin (an eighth of small
+    limits: the kubelet measures the volume only every few seconds)."""
+    limit = spec.dataset.cache_size_limit_bytes
+    return limit - min(DATA_CACHE_MARGIN_BYTES, limit // 8)
 
 TORCHRUN_LAUNCHER: tuple[str, ...] = ("python", "-m", "finetune_trainer.launch")
 # The single place for extra torchrun flags the trainer needs (e.g. "--local-addr=$(POD_IP)";
@@ -61,7 +68,6 @@ WORKER_ENV: dict[str, str] = {
     # The root filesystem is read-only: library caches go to the /tmp emptyDir.
     "HOME": "/tmp",
     "FT_DATA_CACHE_DIR": DATA_CACHE_MOUNT_DIR,
-    "FT_DATA_CACHE_LIMIT_BYTES": str(DATA_CACHE_BUDGET_BYTES),
 }
 
 
@@ -141,6 +147,12 @@ def worker_resources(spec: FineTuneJobSpec, plan: Plan) -> dict[str, dict[str, s
         requests["cpu"] = res.cpu
     if res.memory:
         requests["memory"] = limits["memory"] = res.memory
+    # The data-cache emptyDir may fill up to its sizeLimit: request it, so the scheduler puts
+    # the pod only on a node with that much ephemeral storage left, and so the kubelet, which
+    # evicts first the pods using more than they requested when the node's disk runs short,
+    # never picks a worker for its cache (an eviction re-forms the whole job). No limit: the
+    # volume's sizeLimit bounds the cache, and a container limit would also count logs.
+    requests["ephemeral-storage"] = spec.dataset.cache_size_limit
     out: dict[str, dict[str, str]] = {}
     if requests:
         out["requests"] = requests
@@ -156,6 +168,7 @@ def _container(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any
         "image": spec.image or DEFAULT_TRAINER_IMAGE,
         "command": worker_command(owner, spec, plan),
         "env": [{"name": k, "value": v} for k, v in WORKER_ENV.items()]
+        + [{"name": "FT_DATA_CACHE_LIMIT_BYTES", "value": str(data_cache_budget_bytes(spec))}]
         + downward_env()
         + object_store_env(spec),
         "ports": [
@@ -188,14 +201,14 @@ def _container(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any
     return container
 
 
-def _volumes(owner: Owner) -> list[dict[str, Any]]:
+def _volumes(owner: Owner, spec: FineTuneJobSpec) -> list[dict[str, Any]]:
     tmp, _ = tmp_volume()
     return [
         {"name": CONFIG_VOLUME, "configMap": {"name": config_map_name(owner.name)}},
         # NCCL and the dataloader share memory through /dev/shm; the runtime default is 64 MiB.
         {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
         tmp,
-        {"name": DATA_CACHE_VOLUME, "emptyDir": {"sizeLimit": f"{DATA_CACHE_SIZE_LIMIT_GIB}Gi"}},
+        {"name": DATA_CACHE_VOLUME, "emptyDir": {"sizeLimit": spec.dataset.cache_size_limit}},
     ]
 
 
@@ -218,7 +231,7 @@ def build_worker_pod(
         "subdomain": owner.name,
         "securityContext": pod_security_context(),
         "containers": [_container(owner, spec, plan)],
-        "volumes": _volumes(owner) + spec.storage.pod_volumes(),
+        "volumes": _volumes(owner, spec) + spec.storage.pod_volumes(),
     }
     affinity = merge_node_exclusion(res.affinity, excluded_nodes or [])
     if affinity:

@@ -21,6 +21,10 @@ different tokenizer, sequence length, packing, field or format version is a diff
 An entry is used only if its meta matches the key and its bytes match the checksum: a crash
 mid-build leaves only a `.tmp-*` directory (removed by the next builder), and a truncated or
 corrupted entry is rebuilt, never read.
+
+A pod whose cache is empty (a replacement pod) first copies the entry from the job's shared
+copy on its checkpoint storage (`shared.py`), verified the same way, and only builds it if
+there is none; the pod that builds an entry publishes it there.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,10 +45,13 @@ import numpy as np
 import xxhash
 
 from finetune_operator.api.spec import DatasetSpec
+from finetune_trainer.data.files import fsync_dir, remove, write_synced
 from finetune_trainer.data.records import dataset_files, resolve_uri
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from finetune_trainer.data.shared import SharedCache
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +64,13 @@ _HASH_CHUNK = 64 << 20
 @dataclass(frozen=True)
 class CacheSettings:
     """Where entries live and how many bytes they may take in all (the volume's sizeLimit
-    less a margin: a pod whose emptyDir outgrows its sizeLimit is evicted)."""
+    less a margin: a pod whose emptyDir outgrows its sizeLimit is evicted); `shared`: the
+    job's copy on its checkpoint storage (`shared.py`), looked in before building and
+    published to after."""
 
     directory: Path
     limit_bytes: int | None = None
+    shared: SharedCache | None = None
 
 
 class CacheFullError(Exception):
@@ -115,11 +125,11 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
 def cache_key(
     spec: DatasetSpec, files: list[list[Any]], tokenizer_id: str, seq_len: int, dtype: str
 ) -> str:
-    """Pure: the entry name for these inputs. Every DatasetSpec field is in it, so a field
-    added later cannot be forgotten here."""
+    """Pure: the entry name for these inputs. Every DatasetSpec field but the cache's own size
+    is in it, so a field added later cannot be forgotten here."""
     payload = {
         "version": CACHE_FORMAT_VERSION,
-        "dataset": spec.model_dump(mode="json"),
+        "dataset": spec.model_dump(mode="json", exclude={"cache_size_limit"}),
         "files": files,
         "tokenizer": tokenizer_id,
         "sequence_length": seq_len,
@@ -199,25 +209,10 @@ class EntryWriter:
             "samples": samples,
             "xxh3_128": self.hash.hexdigest(),
         }
-        _write_synced(self.directory / META_FILE, json.dumps(meta).encode())
+        write_synced(self.directory / META_FILE, json.dumps(meta).encode())
 
     def abort(self) -> None:
         self.file.close()
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -252,14 +247,7 @@ def evict_others(directory: Path, key: str) -> None:
             if free:
                 for path in directory.glob(f"{other}*"):
                     if path != lock:
-                        _remove(path)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+                        remove(path)
 
 
 def budget_for(limit_bytes: int | None, used_bytes: int, free_bytes: int) -> int:
@@ -287,43 +275,109 @@ def cached_entry(
     seq_len: int,
 ) -> tuple[Entry | None, str]:
     """The entry for `key`, built here if no intact one exists; and what happened: `hit`,
-    `built`, or `skipped` (too big for the cache: the caller tokenizes in memory). Local
-    ranks serialise on the key's lock, so one builds while the others wait, then find it.
-    An error of the data itself (a field missing) propagates, leaving no entry."""
+    `shared hit` (copied from the job's shared copy), `built`, or `skipped` (too big for the
+    cache: the caller tokenizes in memory). Local ranks serialise on the key's lock, so one
+    fetches or builds while the others wait, then find it. An error of the data itself (a
+    field missing) propagates, leaving no entry. A built entry is published to the shared
+    copy after the lock is released (the other local ranks map it meanwhile)."""
     directory = settings.directory
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / key
     with locked(directory / f"{key}.lock"):
-        entry = open_entry(final, key)
+        entry, outcome, shared_damaged = _find_or_build(settings, key, build, dtype, seq_len)
+    if settings.shared is not None and outcome in ("built", "shared hit"):
+        _share(settings.shared, key, directory / key, publish=outcome == "built",
+               replace=shared_damaged)  # fmt: skip
+    return entry, outcome
+
+
+def _find_or_build(
+    settings: CacheSettings, key: str, build: Build, dtype: np.dtype[Any], seq_len: int
+) -> tuple[Entry | None, str, bool]:
+    """Under the key's lock: the local entry, else the shared one, else a build; and whether
+    a shared entry was found damaged (so the build replaces it)."""
+    directory = settings.directory
+    final = directory / key
+    entry = open_entry(final, key)
+    if entry is not None:
+        return entry, "hit", False
+    if (directory / f"{key}.skip").exists():
+        return None, "skipped", False
+    for stale in [final, *directory.glob(f"{key}.tmp-*")]:
+        remove(stale)  # ours to clear: we hold the key's lock
+    evict_others(directory, key)
+    budget = budget_for(settings.limit_bytes, _usage(directory), _free_bytes(directory))
+    tmp = directory / f"{key}.tmp-{os.getpid()}"
+    damaged = False
+    if settings.shared is not None:
+        entry, damaged = _fetch(settings.shared, key, tmp, budget)
         if entry is not None:
-            return entry, "hit"
-        if (directory / f"{key}.skip").exists():
-            return None, "skipped"
-        for stale in [final, *directory.glob(f"{key}.tmp-*")]:
-            _remove(stale)  # ours to clear: we hold the key's lock
-        evict_others(directory, key)
-        budget = budget_for(settings.limit_bytes, _usage(directory), _free_bytes(directory))
-        tmp = directory / f"{key}.tmp-{os.getpid()}"
-        tmp.mkdir()
-        writer = EntryWriter(tmp, budget)
-        try:
-            samples = build(writer)
-            writer.finish(key=key, dtype=dtype, seq_len=seq_len, samples=samples)
-        except CacheFullError as e:
-            writer.abort()
-            _remove(tmp)
-            log.warning("data cache: the blocks do not fit (%s): not cached", e)
-            _write_synced(directory / f"{key}.skip", str(e).encode())
-            return None, "skipped"
-        except BaseException:
-            writer.abort()
-            _remove(tmp)
-            raise
-        if writer.rows == 0:  # nothing to map; the caller refuses the dataset
-            _remove(tmp)
-            return None, "skipped"
-        _fsync_dir(tmp)
-        os.rename(tmp, final)  # atomic: readers see a whole entry or none
-        _fsync_dir(directory)
-        entry = open_entry(final, key)
-        return entry, "built" if entry is not None else "skipped"
+            _install(tmp, final)
+            return entry, "shared hit", False  # mapped before the rename: the same file
+    tmp.mkdir()
+    writer = EntryWriter(tmp, budget)
+    try:
+        samples = build(writer)
+        writer.finish(key=key, dtype=dtype, seq_len=seq_len, samples=samples)
+    except CacheFullError as e:
+        writer.abort()
+        remove(tmp)
+        log.warning("data cache: the blocks do not fit (%s): not cached", e)
+        write_synced(directory / f"{key}.skip", str(e).encode())
+        return None, "skipped", damaged
+    except BaseException:
+        writer.abort()
+        remove(tmp)
+        raise
+    if writer.rows == 0:  # nothing to map; the caller refuses the dataset
+        remove(tmp)
+        return None, "skipped", damaged
+    _install(tmp, final)
+    entry = open_entry(final, key)
+    return entry, "built" if entry is not None else "skipped", damaged
+
+
+def _install(tmp: Path, final: Path) -> None:
+    fsync_dir(tmp)
+    os.rename(tmp, final)  # atomic: readers see a whole entry or none
+    fsync_dir(final.parent)
+
+
+# What the shared copy may raise: its filesystem or store failing (OSError, which covers the
+# object store's errors through fsspec), a damaged meta (ValueError, KeyError, TypeError), or
+# the checkpoint root belonging to another job (an UnsupportedConfigError the checkpointer
+# raises again, failing the job, a moment later). None of them stops training here: sharing
+# only saves time, and the pod tokenizes instead.
+_SHARED_ERRORS = (OSError, ValueError, KeyError, TypeError)
+
+
+def _fetch(shared: SharedCache, key: str, tmp: Path, budget: int) -> tuple[Entry | None, bool]:
+    """The shared entry copied into `tmp` and verified (size, checksum), or None; and
+    whether one was there but damaged."""
+    tmp.mkdir()
+    try:
+        outcome = shared.fetch(key, tmp, budget)
+    except _SHARED_ERRORS as e:
+        log.warning("data cache: the shared copy %s cannot be read (%r): tokenizing", shared.root, e)
+        outcome = "unreadable"
+    entry = open_entry(tmp, key) if outcome == "copied" else None
+    if entry is None and outcome in ("copied", "damaged"):
+        log.warning("data cache: the shared entry %s is damaged: rebuilding and replacing it", key)
+        remove(tmp)
+        return None, True
+    if entry is None:
+        remove(tmp)
+    return entry, False
+
+
+def _share(shared: SharedCache, key: str, entry: Path, *, publish: bool, replace: bool) -> None:
+    try:
+        if publish:
+            t0 = time.perf_counter()
+            outcome = shared.publish(key, entry, replace=replace)
+            log.info("data cache: entry %s %s to %s in %.2f s", key, outcome, shared.root,
+                     time.perf_counter() - t0)  # fmt: skip
+        for name in shared.prune(keep=key):
+            log.info("data cache: removed %s from %s (not this job's current data)", name, shared.root)
+    except _SHARED_ERRORS as e:
+        log.warning("data cache: could not publish to %s (%r); pods replacing this one will "
+                    "tokenize again", shared.root, e)  # fmt: skip
