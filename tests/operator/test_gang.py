@@ -64,7 +64,11 @@ def test_pod_group_min_member_is_the_elastic_minimum(
     assert group["metadata"]["ownerReferences"][0]["uid"] == owner.uid
     assert group["spec"] == {
         "minMember": min_member,
-        "minResources": {"cpu": "32", "memory": "512Gi", "nvidia.com/gpu": "8"},
+        # The data cache's disk (dataset.cacheSizeLimit) is requested too: a node without it
+        # cannot take a member.
+        "minResources": {
+            "cpu": "32", "ephemeral-storage": "32Gi", "memory": "512Gi", "nvidia.com/gpu": "8"
+        },
         **extra,
     }
     # As the scheduler's CRD declares it: nothing pruned, nothing refused.
@@ -80,7 +84,9 @@ def test_min_resources_scale_with_min_nodes(owner: Owner) -> None:
     group = build_job_pod_group(owner, FineTuneJobSpec.model_validate(raw), make_plan(4, 8))
     assert group is not None
     assert group["spec"]["minMember"] == 3
-    assert group["spec"]["minResources"] == {"cpu": "4500m", "memory": "1536Gi", "nvidia.com/gpu": "24"}
+    assert group["spec"]["minResources"] == {
+        "cpu": "4500m", "ephemeral-storage": "96Gi", "memory": "1536Gi", "nvidia.com/gpu": "24"
+    }
 
 
 @pytest.mark.parametrize(
