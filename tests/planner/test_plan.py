@@ -270,6 +270,9 @@ def test_plan_reports_throughput_and_gpu_hours() -> None:
         ),
         ({"strategy": {"type": "ddp", "offload": "cpu"}}, "spec.strategy.offload"),
         ({"resources": {"device": "cpu", "gpu": {}}}, "spec.resources.memory"),
+        ({"resources": {"device": "cpu", "memory": "0.5"}}, "spec.resources.memory"),
+        ({"resources": {"device": "cpu", "memory": "0Gi"}}, "spec.resources.memory"),
+        ({"resources": {"gpu": {"memoryGiB": 1e-12}}}, "spec.resources.gpu.memoryGiB"),
     ],
     ids=[
         "unknown-model",
@@ -284,6 +287,9 @@ def test_plan_reports_throughput_and_gpu_hours() -> None:
         "unknown-target",
         "ddp-offload",
         "cpu-without-memory",
+        "cpu-memory-under-a-byte",
+        "cpu-memory-zero",
+        "gpu-memory-under-a-byte",
     ],
 )
 def test_specific_errors(sections: dict[str, Any], field: str | None) -> None:
