@@ -1,0 +1,27 @@
+"""`ftjob operator`'s flags: bad values refused by argparse naming the flag, env defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from finetune_operator.settings import parse_operator_args
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "99999", "http"])
+def test_metrics_port_out_of_range_is_refused_naming_the_flag(port: str) -> None:
+    with pytest.raises(argparse.ArgumentError, match="--metrics-port"):
+        parse_operator_args([f"--metrics-port={port}"])
+
+
+@pytest.mark.parametrize(("port", "expected"), [("0", None), ("9090", 9090), ("65535", 65535)])
+def test_metrics_port_in_range(port: str, expected: int | None) -> None:
+    assert parse_operator_args([f"--metrics-port={port}"]).metrics_port == expected
+
+
+def test_env_defaults_are_read_and_checked() -> None:
+    settings = parse_operator_args([], {"FINETUNE_OPERATOR_METRICS_PORT": "9191"})
+    assert settings.metrics_port == 9191
+    with pytest.raises(argparse.ArgumentError, match="--metrics-port"):
+        parse_operator_args([], {"FINETUNE_OPERATOR_METRICS_PORT": "70000"})
