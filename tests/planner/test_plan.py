@@ -273,6 +273,19 @@ def test_plan_reports_throughput_and_gpu_hours() -> None:
         ({"resources": {"device": "cpu", "memory": "0.5"}}, "spec.resources.memory"),
         ({"resources": {"device": "cpu", "memory": "0Gi"}}, "spec.resources.memory"),
         ({"resources": {"gpu": {"memoryGiB": 1e-12}}}, "spec.resources.gpu.memoryGiB"),
+        (
+            {
+                "model": {
+                    "name": "tiny",
+                    "source": "inline",
+                    "architecture": {
+                        "hiddenSize": 64, "numHiddenLayers": 2, "numAttentionHeads": 4,
+                        "intermediateSize": 172, "vocabSize": 100,
+                    },
+                }
+            },
+            "spec.model.architecture.vocabSize",
+        ),
     ],
     ids=[
         "unknown-model",
@@ -290,6 +303,7 @@ def test_plan_reports_throughput_and_gpu_hours() -> None:
         "cpu-memory-under-a-byte",
         "cpu-memory-zero",
         "gpu-memory-under-a-byte",
+        "inline-vocab-below-byte-tokenizer",
     ],
 )
 def test_specific_errors(sections: dict[str, Any], field: str | None) -> None:
