@@ -85,7 +85,15 @@ def run_local(
     # The object as the reader saw it (a `---` or a `kind: List` around it, timestamps kept
     # as strings), exactly what kubectl would send: never the file parsed a second way.
     doc = manifest.document
-    directory = Path(data_dir) if data_dir is not None else default_data_dir()
+    try:
+        directory = Path(data_dir) if data_dir is not None else default_data_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        where = "--data-dir" if data_dir is not None else "the local cluster's directory"
+        # mkdir says "File exists" of a file where the directory should be.
+        why = "not a directory" if isinstance(err, FileExistsError) else err.strerror or str(err)
+        print(f"error: {where} {err.filename or data_dir}: {why}", file=sys.stderr)
+        return EXIT_REFUSED
     try:
         with stop_signals_raise():
             return _run(doc, manifest_path, manifest.name, manifest.namespace, directory,

@@ -54,3 +54,26 @@ def test_run_refuses_non_positive_settings(
     assert exit_.value.code == 2
     assert f"argument {flag}: must be greater than 0" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("where", ["a-file", "under-a-file", "env-under-a-file"])
+def test_an_unusable_cluster_directory_exits_2_naming_it(
+    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--data-dir` (or FTJOB_LOCAL_DIR) that cannot be a directory: one line, no traceback,
+    no cluster started."""
+    started: list[object] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    argv = ["run", "--local", str(EXAMPLES / "quickstart.yaml")]
+    if where == "a-file":
+        argv += ["--data-dir", str(a_file)]
+    elif where == "under-a-file":
+        argv += ["--data-dir", str(a_file / "runs")]
+    else:
+        monkeypatch.setenv("FTJOB_LOCAL_DIR", str(a_file / "runs"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(a_file) in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not started
