@@ -298,3 +298,10 @@ def test_plan_lists_every_unsupported_field(tmp_path: Path, capsys: pytest.Captu
     assert [line.split(":")[0] for line in err[1:]] == [
         "  spec.training.optimizer", "  spec.model.attention"
     ]
+
+
+def test_run_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 1800)" in out and "(default: 4)" in out

@@ -74,24 +74,25 @@ def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, st
                         help="kopf peering name (leader election)")  # fmt: skip
     parser.add_argument("--standalone", action="store_true", help="no peering, no leader election")
     parser.add_argument("--metrics-port", type=_port, default=_env(env, "METRICS_PORT", "9090"),
-                        help="operator /metrics port (0: none)")  # fmt: skip
+                        help="operator /metrics port (0: none; default: %(default)s)")  # fmt: skip
     parser.add_argument(
         "--reconcile-interval",
         type=_positive,
         default=_env(env, "RECONCILE_INTERVAL_SECONDS", str(d.reconcile_interval_seconds)),
-        help="seconds between passes over each job (pods, scrape, stragglers, hangs)",
+        help="seconds between passes over each job (pods, scrape, stragglers, hangs; "
+        "default: %(default)s)",
     )
     parser.add_argument(
         "--scrape-timeout",
         type=_positive,
         default=_env(env, "SCRAPE_TIMEOUT_SECONDS", str(d.scrape_timeout_seconds)),
-        help="seconds to wait for a trainer's /metrics page",
+        help="seconds to wait for a trainer's /metrics page (default: %(default)s)",
     )
     parser.add_argument(
         "--watch-timeout",
         type=_positive,
         default=_env(env, "WATCH_TIMEOUT_SECONDS", str(d.watch_timeout_seconds)),
-        help="server-side timeout of kopf's watch requests",
+        help="server-side timeout of kopf's watch requests (default: %(default)s)",
     )
     pol = parser.add_argument_group("job policy (what FineTuneJobs may ask for)")
     pol.add_argument("--trainer-image", default=_env(env, "TRAINER_IMAGE", DEFAULT_TRAINER_IMAGE),

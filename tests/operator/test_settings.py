@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from finetune_operator.settings import parse_operator_args
+from finetune_operator.settings import add_operator_arguments, parse_operator_args
 
 
 @pytest.mark.parametrize("port", ["-1", "65536", "99999", "http"])
@@ -25,3 +25,10 @@ def test_env_defaults_are_read_and_checked() -> None:
     assert settings.metrics_port == 9191
     with pytest.raises(argparse.ArgumentError, match="--metrics-port"):
         parse_operator_args([], {"FINETUNE_OPERATOR_METRICS_PORT": "70000"})
+
+
+def test_help_states_the_defaults_the_environment_gives() -> None:
+    parser = argparse.ArgumentParser(prog="ftjob operator")
+    add_operator_arguments(parser, {"FINETUNE_OPERATOR_RECONCILE_INTERVAL_SECONDS": "7"})
+    text = " ".join(parser.format_help().split())
+    assert "hangs; default: 7)" in text and "default: 9090)" in text
