@@ -117,8 +117,10 @@ def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: s
             print(f"error: the API server refused {manifest_path}: {_refusal(err)}", file=sys.stderr)
             return EXIT_REFUSED
         tracker = ProgressTracker(started=time.monotonic())
+        seen: list[dict[str, Any]] = []  # the newest observation: what a timeout reports
 
         def show(job: dict[str, Any]) -> None:
+            seen[:] = [job]
             line = tracker.observe(job, time.monotonic())
             if line:
                 print(line, file=out, flush=True)
@@ -129,6 +131,8 @@ def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: s
                 timeout=timeout_seconds, on_poll=show,
             )
         except TimeoutError as err:
+            if seen:  # its conditions say what it waits for (e.g. pods Pending, and why)
+                print(summarize(seen[0]), file=out)
             print(f"error: {err}; cluster state and pod logs kept in {session.data_dir}",
                   file=sys.stderr)
             return EXIT_TIMEOUT
