@@ -82,6 +82,11 @@ def run_local(
     except ManifestError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_REFUSED
+    if manifest.spec.resources.device != "cpu":  # it would wait for a node until --timeout
+        print("error: spec.resources.device: the local cluster's nodes have no GPUs (its pods "
+              "are processes on this machine's CPU): set resources.device: cpu to run "
+              f"{manifest_path} here, or apply it to a cluster with GPUs", file=sys.stderr)
+        return EXIT_REFUSED
     # The object as the reader saw it (a `---` or a `kind: List` around it, timestamps kept
     # as strings), exactly what kubectl would send: never the file parsed a second way.
     doc = manifest.document

@@ -127,3 +127,16 @@ def test_a_timeout_shows_the_last_status_seen(
     assert "condition not reached in 60 s" in out.err
     assert "FineTuneJob quickstart: Pending" in out.out
     assert "0/4 nodes have nvidia.com/gpu" in out.out
+
+
+def test_a_gpu_job_is_refused_at_once_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local cluster's nodes have no GPUs: a GPU job would sit Pending until --timeout
+    (30 minutes by default). It is refused before any cluster starts."""
+    started: list[object] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    code = runner.run_local(EXAMPLES / "llama-3.1-8b-lora.yaml", data_dir=tmp_path / "c")
+    err = capsys.readouterr().err
+    assert code == runner.EXIT_REFUSED and not started
+    assert err.startswith("error: spec.resources.device: ") and "no GPUs" in err
