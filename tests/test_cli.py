@@ -305,3 +305,17 @@ def test_run_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> Non
         main(["run", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: 1800)" in out and "(default: 4)" in out
+
+
+@pytest.mark.parametrize(("checkpoints", "output", "warns"),
+                         [(False, None, True), (False, "out", False), (True, None, False)])  # fmt: skip
+def test_plan_warns_when_the_trained_model_is_kept_nowhere(
+    checkpoints: bool, output: str | None, warns: bool, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    doc = _quickstart()
+    doc["spec"]["checkpoint"]["enabled"] = checkpoints
+    doc["spec"]["output"] = {"uri": output} if output else {}
+    assert main(["plan", _write(tmp_path, doc)]) == 0  # a warning, not a refusal
+    err = capsys.readouterr().err
+    assert ("warning: spec.output.uri" in err and "kept nowhere" in err) == warns, err

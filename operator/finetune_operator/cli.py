@@ -37,6 +37,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json_dict(), indent=2))
     else:
         print(render_plan_table(plan))
+    if not manifest.spec.output.uri and not manifest.spec.checkpoint.enabled:
+        print(
+            "warning: spec.output.uri is unset and spec.checkpoint.enabled is false: the "
+            "trained model is kept nowhere (set output.uri to export it)",
+            file=sys.stderr,
+        )
     if args.trace:
         from finetune_operator.planner.trace import format_trace_comparison, trace_plan
 
