@@ -10,6 +10,7 @@ object, since `ftjob plan` plans one job.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,28 @@ _Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+# go-yaml v2's float syntax (sigs.k8s.io/yaml, what kubectl parses with): no dot needed, an
+# unsigned exponent allowed (`3e-3`, `1e2`, `1.5e3`), all strings to a YAML 1.1 reader. Tried
+# after the int resolvers, as go-yaml tries an int first.
+_GO_YAML_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
+for _first in "+-.0123456789":
+    _Loader.yaml_implicit_resolvers[_first] = [
+        *_Loader.yaml_implicit_resolvers.get(_first, []),
+        ("tag:yaml.org,2002:float", _GO_YAML_FLOAT),
+    ]
+# Go's JSON encoder writes an integral float64 below 1e21 without a fraction (60.0 -> 60), so
+# the API server receives an integer: so does our reader.
+_GO_JSON_INTEGRAL_BELOW = 1e21
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float | int:
+    value = yaml.SafeLoader.construct_yaml_float(loader, node)
+    if math.isfinite(value) and value.is_integer() and abs(value) < _GO_JSON_INTEGRAL_BELOW:
+        return int(value)
+    return value
+
+
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 _BRACKETS = str.maketrans("", "", "".join(chr(c) for c in range(128) if chr(c) not in "[]{}"))
 
 
