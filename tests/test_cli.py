@@ -124,6 +124,8 @@ QUICKSTART_TEXT = (EXAMPLES / "quickstart.yaml").read_text()
         (b"# nothing here\n---\n", "file", "holds no object"),
         (b"- a\n- b\n", "file", "expected a YAML mapping"),
         (b"a: [\n", "file", "not valid YAML"),
+        (QUICKSTART_TEXT.replace("maxSteps: 60", "maxSteps: 60\n    maxSteps: 6000").encode(),
+         "file", 'mapping key "maxSteps" already defined at line'),
         (b"a: " + b"[" * 5000 + b"]" * 5000, "file", "nested deeper"),
         (b"a: &a [1,1,1,1,1,1,1,1,1,1]\n" + b"".join(
             b"%c: &%c [*%c,*%c,*%c,*%c,*%c,*%c,*%c,*%c,*%c,*%c]\n" % ((98 + i, 98 + i) + (97 + i,) * 10)
@@ -132,7 +134,8 @@ QUICKSTART_TEXT = (EXAMPLES / "quickstart.yaml").read_text()
     ],
     ids=[
         "not-utf8", "metadata-string", "metadata-list", "name-newline", "inf", "nan", "huge",
-        "snake-case", "binary", "two-docs", "empty", "list", "bad-yaml", "deep", "billion-laughs",
+        "snake-case", "binary", "two-docs", "empty", "list", "bad-yaml", "duplicate-key", "deep",
+        "billion-laughs",
     ],
 )  # fmt: skip
 def test_plan_refuses_malformed_files_with_exit_2_naming_the_place(

@@ -27,7 +27,27 @@ _BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoade
 
 class _Loader(_BaseLoader):  # type: ignore[valid-type,misc]
     """YAML as kubectl reads it: timestamps stay strings (sigs.k8s.io/yaml goes through JSON,
-    which has no date type), so `revision: 2024-01-01` is the string it looks like."""
+    which has no date type), so `revision: 2024-01-01` is the string it looks like; a key
+    given twice in one mapping is refused (kubectl: 'mapping key "x" already defined'), where
+    a YAML 1.1 reader would keep the last value silently."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], yaml.Node] = {}
+            for key_node, _ in node.value:
+                # Merge keys (<<) may override; only keys written out in this mapping count.
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                    continue
+                seen = first.setdefault((key_node.tag, key_node.value), key_node)
+                if seen is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None,
+                        f'mapping key "{key_node.value}" already defined at line '
+                        f"{seen.start_mark.line + 1}",
+                        key_node.start_mark,
+                    )  # fmt: skip
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 _Loader.yaml_implicit_resolvers = {
