@@ -205,3 +205,15 @@ def test_a_number_where_a_string_belongs_is_refused_as_kubectl_would() -> None:
     assert problems == [] and doc["spec"]["model"]["revision"] == 1000
     with pytest.raises(ManifestError, match=r"spec\.model\.revision"):
         parse_manifest(doc, "job.yaml")
+
+
+@pytest.mark.parametrize(("text", "value"), [("y", True), ("N", False), ("yes", True), ("off", False)])
+def test_yaml_1_1_booleans_as_kubectl_reads_them(text: str, value: bool) -> None:
+    """go-yaml v2 (kubectl) also reads y/Y/n/N as booleans, which a YAML 1.1 reader leaves
+    as strings: `mergeLora: y` is true to kubectl."""
+    doc, problems = parse_yaml_document(
+        (EXAMPLES / "quickstart.yaml").read_text().replace(
+            "output:\n", f"output:\n    mergeLora: {text}\n"
+        )
+    )
+    assert problems == [] and doc["spec"]["output"]["mergeLora"] is value

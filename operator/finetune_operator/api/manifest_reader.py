@@ -63,6 +63,23 @@ for _first in "+-.0123456789":
         *_Loader.yaml_implicit_resolvers.get(_first, []),
         ("tag:yaml.org,2002:float", _GO_YAML_FLOAT),
     ]
+# go-yaml v2 reads y/Y/n/N as booleans too (besides YAML 1.1's yes/no/on/off/true/false).
+_GO_YAML_SHORT_BOOL = re.compile(r"^(?:y|Y|n|N)$")
+for _first in "yYnN":
+    _Loader.yaml_implicit_resolvers[_first] = [
+        ("tag:yaml.org,2002:bool", _GO_YAML_SHORT_BOOL),
+        *_Loader.yaml_implicit_resolvers.get(_first, []),
+    ]
+
+
+def _construct_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
+    text = loader.construct_scalar(node)
+    if isinstance(text, str) and text in ("y", "Y", "n", "N"):
+        return text in ("y", "Y")
+    return bool(yaml.SafeLoader.construct_yaml_bool(loader, node))
+
+
+_Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
 # Go's JSON encoder writes an integral float64 below 1e21 without a fraction (60.0 -> 60), so
 # the API server receives an integer: so does our reader.
 _GO_JSON_INTEGRAL_BELOW = 1e21
