@@ -124,6 +124,8 @@ QUICKSTART_TEXT = (EXAMPLES / "quickstart.yaml").read_text()
         (b"# nothing here\n---\n", "file", "holds no object"),
         (b"- a\n- b\n", "file", "expected a YAML mapping"),
         (b"a: [\n", "file", "not valid YAML"),
+        (QUICKSTART_TEXT.replace("maxSteps: 60", "maxSteps: 60\n    maxSteps: 6000").encode(),
+         "file", 'mapping key "maxSteps" already defined at line'),
         (b"a: " + b"[" * 5000 + b"]" * 5000, "file", "nested deeper"),
         (b"a: &a [1,1,1,1,1,1,1,1,1,1]\n" + b"".join(
             b"%c: &%c [*%c,*%c,*%c,*%c,*%c,*%c,*%c,*%c,*%c,*%c]\n" % ((98 + i, 98 + i) + (97 + i,) * 10)
@@ -132,7 +134,8 @@ QUICKSTART_TEXT = (EXAMPLES / "quickstart.yaml").read_text()
     ],
     ids=[
         "not-utf8", "metadata-string", "metadata-list", "name-newline", "inf", "nan", "huge",
-        "snake-case", "binary", "two-docs", "empty", "list", "bad-yaml", "deep", "billion-laughs",
+        "snake-case", "binary", "two-docs", "empty", "list", "bad-yaml", "duplicate-key", "deep",
+        "billion-laughs",
     ],
 )  # fmt: skip
 def test_plan_refuses_malformed_files_with_exit_2_naming_the_place(
@@ -298,3 +301,24 @@ def test_plan_lists_every_unsupported_field(tmp_path: Path, capsys: pytest.Captu
     assert [line.split(":")[0] for line in err[1:]] == [
         "  spec.training.optimizer", "  spec.model.attention"
     ]
+
+
+def test_run_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 1800)" in out and "(default: 4)" in out
+
+
+@pytest.mark.parametrize(("checkpoints", "output", "warns"),
+                         [(False, None, True), (False, "out", False), (True, None, False)])  # fmt: skip
+def test_plan_warns_when_the_trained_model_is_kept_nowhere(
+    checkpoints: bool, output: str | None, warns: bool, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    doc = _quickstart()
+    doc["spec"]["checkpoint"]["enabled"] = checkpoints
+    doc["spec"]["output"] = {"uri": output} if output else {}
+    assert main(["plan", _write(tmp_path, doc)]) == 0  # a warning, not a refusal
+    err = capsys.readouterr().err
+    assert ("warning: spec.output.uri" in err and "kept nowhere" in err) == warns, err

@@ -82,10 +82,23 @@ def run_local(
     except ManifestError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_REFUSED
+    if manifest.spec.resources.device != "cpu":  # it would wait for a node until --timeout
+        print("error: spec.resources.device: the local cluster's nodes have no GPUs (its pods "
+              "are processes on this machine's CPU): set resources.device: cpu to run "
+              f"{manifest_path} here, or apply it to a cluster with GPUs", file=sys.stderr)
+        return EXIT_REFUSED
     # The object as the reader saw it (a `---` or a `kind: List` around it, timestamps kept
     # as strings), exactly what kubectl would send: never the file parsed a second way.
     doc = manifest.document
-    directory = Path(data_dir) if data_dir is not None else default_data_dir()
+    try:
+        directory = Path(data_dir) if data_dir is not None else default_data_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        where = "--data-dir" if data_dir is not None else "the local cluster's directory"
+        # mkdir says "File exists" of a file where the directory should be.
+        why = "not a directory" if isinstance(err, FileExistsError) else err.strerror or str(err)
+        print(f"error: {where} {err.filename or data_dir}: {why}", file=sys.stderr)
+        return EXIT_REFUSED
     try:
         with stop_signals_raise():
             return _run(doc, manifest_path, manifest.name, manifest.namespace, directory,
@@ -109,8 +122,10 @@ def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: s
             print(f"error: the API server refused {manifest_path}: {_refusal(err)}", file=sys.stderr)
             return EXIT_REFUSED
         tracker = ProgressTracker(started=time.monotonic())
+        seen: list[dict[str, Any]] = []  # the newest observation: what a timeout reports
 
         def show(job: dict[str, Any]) -> None:
+            seen[:] = [job]
             line = tracker.observe(job, time.monotonic())
             if line:
                 print(line, file=out, flush=True)
@@ -121,6 +136,8 @@ def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: s
                 timeout=timeout_seconds, on_poll=show,
             )
         except TimeoutError as err:
+            if seen:  # its conditions say what it waits for (e.g. pods Pending, and why)
+                print(summarize(seen[0]), file=out)
             print(f"error: {err}; cluster state and pod logs kept in {session.data_dir}",
                   file=sys.stderr)
             return EXIT_TIMEOUT

@@ -37,6 +37,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json_dict(), indent=2))
     else:
         print(render_plan_table(plan))
+    if not manifest.spec.output.uri and not manifest.spec.checkpoint.enabled:
+        print(
+            "warning: spec.output.uri is unset and spec.checkpoint.enabled is false: the "
+            "trained model is kept nowhere (set output.uri to export it)",
+            file=sys.stderr,
+        )
     if args.trace:
         from finetune_operator.planner.trace import format_trace_comparison, trace_plan
 
@@ -166,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--local", action="store_true", help="on the embedded local cluster")
     run.add_argument("--data-dir", default=None, help="local cluster state (default: temp dir)")
     run.add_argument("--timeout", type=_positive(float), default=1800.0,
-                     help="give up after N seconds")
+                     help="give up after N seconds (default: %(default)g)")
     run.add_argument("--nodes", type=_positive(int), default=4,
-                     help="virtual nodes in the local cluster")
+                     help="virtual nodes in the local cluster (default: %(default)s)")
     run.add_argument("--keep", action="store_true", help="keep the data dir afterwards")
     run.set_defaults(func=_cmd_run)
 

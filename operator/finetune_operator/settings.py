@@ -38,17 +38,25 @@ class OperatorSettings:
     policy: JobPolicy = field(default_factory=JobPolicy)
 
 
-def _positive(name: str) -> type[float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} must be a positive number")
-        return value
+# Messages without the flag's name: argparse's own starts "argument --flag:".
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
 
-    return parse  # type: ignore[return-value]
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to 65535)")
+    return value
 
 
 def _env(env: Mapping[str, str], key: str, default: str | None) -> str | None:
@@ -65,25 +73,26 @@ def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, st
     parser.add_argument("--peering", default=_env(env, "PEERING", None),
                         help="kopf peering name (leader election)")  # fmt: skip
     parser.add_argument("--standalone", action="store_true", help="no peering, no leader election")
-    parser.add_argument("--metrics-port", type=int, default=_env(env, "METRICS_PORT", "9090"),
-                        help="operator /metrics port (0: none)")  # fmt: skip
+    parser.add_argument("--metrics-port", type=_port, default=_env(env, "METRICS_PORT", "9090"),
+                        help="operator /metrics port (0: none; default: %(default)s)")  # fmt: skip
     parser.add_argument(
         "--reconcile-interval",
-        type=_positive("--reconcile-interval"),
+        type=_positive,
         default=_env(env, "RECONCILE_INTERVAL_SECONDS", str(d.reconcile_interval_seconds)),
-        help="seconds between passes over each job (pods, scrape, stragglers, hangs)",
+        help="seconds between passes over each job (pods, scrape, stragglers, hangs; "
+        "default: %(default)s)",
     )
     parser.add_argument(
         "--scrape-timeout",
-        type=_positive("--scrape-timeout"),
+        type=_positive,
         default=_env(env, "SCRAPE_TIMEOUT_SECONDS", str(d.scrape_timeout_seconds)),
-        help="seconds to wait for a trainer's /metrics page",
+        help="seconds to wait for a trainer's /metrics page (default: %(default)s)",
     )
     parser.add_argument(
         "--watch-timeout",
-        type=_positive("--watch-timeout"),
+        type=_positive,
         default=_env(env, "WATCH_TIMEOUT_SECONDS", str(d.watch_timeout_seconds)),
-        help="server-side timeout of kopf's watch requests",
+        help="server-side timeout of kopf's watch requests (default: %(default)s)",
     )
     pol = parser.add_argument_group("job policy (what FineTuneJobs may ask for)")
     pol.add_argument("--trainer-image", default=_env(env, "TRAINER_IMAGE", DEFAULT_TRAINER_IMAGE),

@@ -14,6 +14,7 @@ from finetune_operator.api.manifest import (
     parse_manifest,
     parse_spec,
 )
+from finetune_operator.api.manifest_reader import parse_yaml_document
 from tests.conftest import EXAMPLES
 
 
@@ -164,3 +165,55 @@ def test_old_and_new_activation_checkpointing_names_disagreeing_are_refused() ->
     doc["spec"]["training"].update(activationCheckpointing="none", gradientCheckpointing="full")
     with pytest.raises(ManifestError, match="gradientCheckpointing"):
         parse_manifest(doc)
+
+
+@pytest.mark.parametrize(
+    ("field", "text", "value"),
+    [
+        ("learningRate", "3e-3", 0.003),  # no dot: a string to YAML 1.1, a float to kubectl
+        ("learningRate", "2E-5", 2e-5),
+        ("learningRate", "1.5e-4", 1.5e-4),
+        ("maxSteps", "60.0", 60),  # kubectl's JSON writes the float 60.0 as 60: an integer
+        ("maxSteps", "1e2", 100),
+        ("maxSteps", "60", 60),
+    ],
+)
+def test_numbers_read_as_kubectl_reads_them(field: str, text: str, value: Any) -> None:
+    """kubectl parses YAML with go-yaml v2 (sigs.k8s.io/yaml), whose floats need no dot,
+    then sends JSON, where an integral float is an integer: `ftjob plan` (and the local API
+    server, which gets the same document) must accept what `kubectl apply` accepts."""
+    text_doc = (EXAMPLES / "quickstart.yaml").read_text()
+    line = {"learningRate": "    learningRate: 3.0e-3", "maxSteps": "    maxSteps: 60"}[field]
+    assert line in text_doc
+    doc, problems = parse_yaml_document(text_doc.replace(line, f"    {field}: {text}"))
+    assert problems == []
+    got = doc["spec"]["training"][field]
+    assert got == pytest.approx(value) and type(got) is type(value)
+    spec = parse_manifest(doc, "job.yaml").spec.training
+    assert getattr(spec, {"learningRate": "learning_rate", "maxSteps": "max_steps"}[field]) == (
+        pytest.approx(value)
+    )
+
+
+def test_a_number_where_a_string_belongs_is_refused_as_kubectl_would() -> None:
+    """`revision: 1e3` is the number 1000 to kubectl, and the API server refuses a number for
+    a string field: not the string '1e3' it is to a YAML 1.1 reader."""
+    text = (EXAMPLES / "quickstart.yaml").read_text().replace(
+        "source: inline", "source: inline\n    revision: 1e3"
+    )
+    doc, problems = parse_yaml_document(text)
+    assert problems == [] and doc["spec"]["model"]["revision"] == 1000
+    with pytest.raises(ManifestError, match=r"spec\.model\.revision"):
+        parse_manifest(doc, "job.yaml")
+
+
+@pytest.mark.parametrize(("text", "value"), [("y", True), ("N", False), ("yes", True), ("off", False)])
+def test_yaml_1_1_booleans_as_kubectl_reads_them(text: str, value: bool) -> None:
+    """go-yaml v2 (kubectl) also reads y/Y/n/N as booleans, which a YAML 1.1 reader leaves
+    as strings: `mergeLora: y` is true to kubectl."""
+    doc, problems = parse_yaml_document(
+        (EXAMPLES / "quickstart.yaml").read_text().replace(
+            "output:\n", f"output:\n    mergeLora: {text}\n"
+        )
+    )
+    assert problems == [] and doc["spec"]["output"]["mergeLora"] is value

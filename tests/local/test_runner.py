@@ -4,6 +4,7 @@ job failed (no cluster is started here: the cluster part is the end-to-end tests
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +55,88 @@ def test_run_refuses_non_positive_settings(
     assert exit_.value.code == 2
     assert f"argument {flag}: must be greater than 0" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("where", ["a-file", "under-a-file", "env-under-a-file"])
+def test_an_unusable_cluster_directory_exits_2_naming_it(
+    where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--data-dir` (or FTJOB_LOCAL_DIR) that cannot be a directory: one line, no traceback,
+    no cluster started."""
+    started: list[object] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    argv = ["run", "--local", str(EXAMPLES / "quickstart.yaml")]
+    if where == "a-file":
+        argv += ["--data-dir", str(a_file)]
+    elif where == "under-a-file":
+        argv += ["--data-dir", str(a_file / "runs")]
+    else:
+        monkeypatch.setenv("FTJOB_LOCAL_DIR", str(a_file / "runs"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(a_file) in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not started
+
+
+def test_a_timeout_shows_the_last_status_seen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Timed out (e.g. pods Pending for GPUs the local nodes lack): the job's conditions, which
+    say why, are printed, not only 'condition not reached'. The session here is a stand-in:
+    what is under test is the runner's report, not the cluster."""
+    pending = {
+        "metadata": {"name": "quickstart"},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "WorkersReady", "status": "False", "reason": "WorkersNotReady",
+                 "message": "pod quickstart-worker-0 Pending: 0/4 nodes have nvidia.com/gpu"},
+            ],
+        },
+    }  # fmt: skip
+
+    class Session:
+        data_dir = tmp_path / "cluster"
+
+        class cluster:  # attribute access as on LocalSession
+            kubeconfig_path = tmp_path / "cluster" / "kubeconfig"
+
+        def __init__(self, *_: object, **__: object) -> None:
+            pass
+
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            return None
+
+        def submit(self, doc: dict[str, Any]) -> None:
+            pass
+
+        def wait_for(self, name: str, until: Any, *, on_poll: Any, **_: Any) -> None:
+            on_poll(pending)
+            raise TimeoutError(f"default/{name}: condition not reached in 60 s")
+
+    monkeypatch.setattr(runner, "LocalSession", Session)
+    code = runner.run_local(EXAMPLES / "quickstart.yaml", data_dir=tmp_path / "cluster",
+                            timeout_seconds=60, out=sys.stdout)  # fmt: skip
+    out = capsys.readouterr()
+    assert code == runner.EXIT_TIMEOUT
+    assert "condition not reached in 60 s" in out.err
+    assert "FineTuneJob quickstart: Pending" in out.out
+    assert "0/4 nodes have nvidia.com/gpu" in out.out
+
+
+def test_a_gpu_job_is_refused_at_once_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local cluster's nodes have no GPUs: a GPU job would sit Pending until --timeout
+    (30 minutes by default). It is refused before any cluster starts."""
+    started: list[object] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    code = runner.run_local(EXAMPLES / "llama-3.1-8b-lora.yaml", data_dir=tmp_path / "c")
+    err = capsys.readouterr().err
+    assert code == runner.EXIT_REFUSED and not started
+    assert err.startswith("error: spec.resources.device: ") and "no GPUs" in err

@@ -92,3 +92,17 @@ def test_final_report_of_a_failed_final_save_sets_the_condition() -> None:
         note_checkpoint_health(merged, progress, NOW, 1).conditions, COND_CHECKPOINT_FAILING
     )
     assert cond is not None and cond.status == "True" and "step 100" in cond.message
+
+
+def test_final_report_of_a_committed_final_save_updates_the_newest_step() -> None:
+    """The last scrape saw step 50; the workers' final reports say the final save committed
+    step 60: the condition must not go on naming 50 beside `lastCheckpoint` 60."""
+    running = status_after(page(committed=[40, 50], failed=[]))
+    report = json.dumps({"step": 60, "rank": 0, "checkpointStep": 60, "loss": 2.5})
+    progress = combine_progress([parse_termination_message(report)])
+    merged = merge_progress(running, progress, "ckpt")
+    done = note_checkpoint_health(merged, progress, LATER, 3)
+    cond = find(done.conditions, COND_CHECKPOINT_FAILING)
+    assert done.last_checkpoint is not None and done.last_checkpoint.step == 60
+    assert cond is not None and cond.status == "False"
+    assert cond.message == "newest committed checkpoint: step 60"

@@ -183,6 +183,36 @@ def test_a_worker_the_kubelet_cannot_start_is_reported() -> None:
     assert s1.phase == "Pending" and s1.restarts == 0
 
 
+def test_a_worker_no_node_can_take_is_reported() -> None:
+    """A worker the scheduler cannot place (no node with the GPUs, taints, quota) stays Pending
+    with PodScheduled False/Unschedulable: the job says which pod and the scheduler's reason,
+    instead of only '0/1 worker pods ready'."""
+    s0 = step(FineTuneJobStatus(), [], T0).status
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}
+    raw = {"metadata": {"name": "qs-worker-0", "uid": "uid-qs-worker-0", "labels": {
+        LABEL_JOB: "qs", LABEL_ROLE: "worker", LABEL_WORKER_INDEX: "0"}},
+        "spec": {}, "status": {"phase": "Pending", "conditions": [unschedulable]}}
+    assert observe_pod(raw).blocked == (
+        "Unschedulable: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+    )
+    pods = [pod("qs-rdzv", "Running", ready=True), observe_pod(raw), pod("qs-worker-1")]
+    s1 = step(s0, pods, T0 + timedelta(seconds=1), ensured=1).status
+    c = find(s1.conditions, COND_WORKERS_READY)
+    assert c is not None and "pod qs-worker-0 cannot start: Unschedulable: 0/4 nodes" in c.message
+    assert s1.phase == "Pending" and s1.restarts == 0
+    # A long scheduler message (hundreds of nodes, taints listed) is cut: three such pods
+    # still leave the condition message under 1 KiB.
+    long = {**unschedulable, "message": "0/500 nodes are available: " + "x" * 2000}
+    many = [{**raw, "metadata": {**raw["metadata"], "name": f"qs-worker-{i}", "uid": f"u{i}",
+             "labels": {**raw["metadata"]["labels"], LABEL_WORKER_INDEX: str(i)}},
+             "status": {"phase": "Pending", "conditions": [long]}} for i in range(4)]
+    s2 = step(s0, [pod("qs-rdzv", "Running", ready=True), *map(observe_pod, many)],
+              T0 + timedelta(seconds=1), ensured=1).status  # fmt: skip
+    c2 = find(s2.conditions, COND_WORKERS_READY)
+    assert c2 is not None and "qs-worker-0 cannot start" in c2.message and len(c2.message) < 1024
+
+
 def test_failure_backoff_replacement_until_budget_exhausted() -> None:
     spec = quickstart_raw()  # maxRestarts 3, backoffSeconds 2
     status = step(FineTuneJobStatus(), running(*ALL), T0, spec=spec).status

@@ -270,6 +270,22 @@ def test_plan_reports_throughput_and_gpu_hours() -> None:
         ),
         ({"strategy": {"type": "ddp", "offload": "cpu"}}, "spec.strategy.offload"),
         ({"resources": {"device": "cpu", "gpu": {}}}, "spec.resources.memory"),
+        ({"resources": {"device": "cpu", "memory": "0.5"}}, "spec.resources.memory"),
+        ({"resources": {"device": "cpu", "memory": "0Gi"}}, "spec.resources.memory"),
+        ({"resources": {"gpu": {"memoryGiB": 1e-12}}}, "spec.resources.gpu.memoryGiB"),
+        (
+            {
+                "model": {
+                    "name": "tiny",
+                    "source": "inline",
+                    "architecture": {
+                        "hiddenSize": 64, "numHiddenLayers": 2, "numAttentionHeads": 4,
+                        "intermediateSize": 172, "vocabSize": 100,
+                    },
+                }
+            },
+            "spec.model.architecture.vocabSize",
+        ),
     ],
     ids=[
         "unknown-model",
@@ -284,6 +300,10 @@ def test_plan_reports_throughput_and_gpu_hours() -> None:
         "unknown-target",
         "ddp-offload",
         "cpu-without-memory",
+        "cpu-memory-under-a-byte",
+        "cpu-memory-zero",
+        "gpu-memory-under-a-byte",
+        "inline-vocab-below-byte-tokenizer",
     ],
 )
 def test_specific_errors(sections: dict[str, Any], field: str | None) -> None:

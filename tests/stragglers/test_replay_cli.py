@@ -134,3 +134,25 @@ def test_records_round_trip_through_the_format() -> None:
     assert parse_trace(lines, "x") == records
     with pytest.raises(TraceError, match=r"^x:1: "):
         parse_trace(["{}"], "x")
+
+
+def test_a_pipe_is_a_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ftjob stragglers <(kubectl exec ... cat rank-0.jsonl)` names a pipe, not a regular
+    file: it is read like one, not refused as missing."""
+    import os
+    import threading
+
+    fifo = tmp_path / "trace"
+    os.mkfifo(fifo)
+    lines = [json.dumps(record_to_json(r)) + "\n" for r in sync_job(40, slow_rank(1, 1.0))]
+
+    def feed() -> None:
+        with fifo.open("w") as fh:
+            fh.writelines(lines)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    code, out, err = replay(capsys, str(fifo))
+    writer.join(timeout=30)
+    assert code == 0, err
+    assert f"in {len(lines)} records" in out

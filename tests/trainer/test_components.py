@@ -11,6 +11,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
+from finetune_operator.api.constants import BYTE_TOKENIZER_VOCAB
 from finetune_operator.api.spec import DatasetSpec, MethodSpec, StrategySpec
 from finetune_trainer.data import build_dataset, load_records, pack, resolve_uri
 from finetune_trainer.errors import UnsupportedConfigError
@@ -30,6 +31,7 @@ def test_byte_tokenizer_round_trips_utf8() -> None:
     assert ids == list(text.encode())
     assert tok.decode(ids) == text
     assert (len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (259, 256, 257, 258)
+    assert len(tok) == BYTE_TOKENIZER_VOCAB  # what the planner requires of inline models
 
 
 def test_builtin_corpus_is_shipped_english_and_small() -> None:

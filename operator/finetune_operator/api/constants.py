@@ -11,6 +11,10 @@ KIND: Final = "FineTuneJob"
 PLURAL: Final = "finetunejobs"
 SINGULAR: Final = "finetunejob"
 SHORT_NAMES: Final = ("ftj",)
+
+# Inline (randomly initialised) models train with the trainer's byte-level tokenizer: ids 0-255
+# are the bytes, then <bos>, <eos>, <pad>. Their vocabSize must hold every one of these ids.
+BYTE_TOKENIZER_VOCAB: Final = 259
 CRD_NAME: Final = f"{PLURAL}.{GROUP}"
 
 # Labels on every object a job owns.

@@ -10,6 +10,7 @@ object, since `ftjob plan` plans one job.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,72 @@ _BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoade
 
 class _Loader(_BaseLoader):  # type: ignore[valid-type,misc]
     """YAML as kubectl reads it: timestamps stay strings (sigs.k8s.io/yaml goes through JSON,
-    which has no date type), so `revision: 2024-01-01` is the string it looks like."""
+    which has no date type), so `revision: 2024-01-01` is the string it looks like; a key
+    given twice in one mapping is refused (kubectl: 'mapping key "x" already defined'), where
+    a YAML 1.1 reader would keep the last value silently."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], yaml.Node] = {}
+            for key_node, _ in node.value:
+                # Merge keys (<<) may override; only keys written out in this mapping count.
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                    continue
+                seen = first.setdefault((key_node.tag, key_node.value), key_node)
+                if seen is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None,
+                        f'mapping key "{key_node.value}" already defined at line '
+                        f"{seen.start_mark.line + 1}",
+                        key_node.start_mark,
+                    )  # fmt: skip
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 _Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+# go-yaml v2's float syntax (sigs.k8s.io/yaml, what kubectl parses with): no dot needed, an
+# unsigned exponent allowed (`3e-3`, `1e2`, `1.5e3`), all strings to a YAML 1.1 reader. Tried
+# after the int resolvers, as go-yaml tries an int first.
+_GO_YAML_FLOAT = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$")
+for _first in "+-.0123456789":
+    _Loader.yaml_implicit_resolvers[_first] = [
+        *_Loader.yaml_implicit_resolvers.get(_first, []),
+        ("tag:yaml.org,2002:float", _GO_YAML_FLOAT),
+    ]
+# go-yaml v2 reads y/Y/n/N as booleans too (besides YAML 1.1's yes/no/on/off/true/false).
+_GO_YAML_SHORT_BOOL = re.compile(r"^(?:y|Y|n|N)$")
+for _first in "yYnN":
+    _Loader.yaml_implicit_resolvers[_first] = [
+        ("tag:yaml.org,2002:bool", _GO_YAML_SHORT_BOOL),
+        *_Loader.yaml_implicit_resolvers.get(_first, []),
+    ]
+
+
+def _construct_bool(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
+    text = loader.construct_scalar(node)
+    if isinstance(text, str) and text in ("y", "Y", "n", "N"):
+        return text in ("y", "Y")
+    return bool(yaml.SafeLoader.construct_yaml_bool(loader, node))
+
+
+_Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool)
+# Go's JSON encoder writes an integral float64 below 1e21 without a fraction (60.0 -> 60), so
+# the API server receives an integer: so does our reader.
+_GO_JSON_INTEGRAL_BELOW = 1e21
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float | int:
+    value = yaml.SafeLoader.construct_yaml_float(loader, node)
+    if math.isfinite(value) and value.is_integer() and abs(value) < _GO_JSON_INTEGRAL_BELOW:
+        return int(value)
+    return value
+
+
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 _BRACKETS = str.maketrans("", "", "".join(chr(c) for c in range(128) if chr(c) not in "[]{}"))
 
 

@@ -136,7 +136,7 @@ OPERATOR_STRAGGLER_RATIO: Final = Metric(
     "finetune_operator_straggler_ratio",
     GAUGE,
     (*JOB_LABELS, LABEL_RANK),
-    "Per-rank compute time over the cross-rank median in the latest detection window.",
+    "Per-rank median compute time over the other ranks' median in the latest detection window.",
 )
 OPERATOR_RESTARTS: Final = Metric(
     "finetune_operator_restarts_total",

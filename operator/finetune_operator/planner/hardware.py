@@ -139,6 +139,12 @@ def accelerator_for(res: ResourcesSpec) -> Accelerator:
                 "spec.resources.memory", "a CPU job needs resources.memory (per pod) as its budget"
             )
         per_proc = parse_quantity(res.memory, "spec.resources.memory") // res.gpus_per_node
+        if per_proc < 1:  # nothing fits in nothing, and every ratio to it is undefined
+            raise PlanningError(
+                "spec.resources.memory",
+                f"{res.memory!r} over {res.gpus_per_node} process(es) per pod is less than "
+                "one byte each: give the pod its memory, e.g. 2Gi",
+            )
         return Accelerator("cpu", per_proc, CPU_FLOPS, CPU_BW, 1.0, cuda=False)
     known = product(res.gpu.product) if res.gpu.product else None
     if res.gpu.product and known is None and res.gpu.memory_gib is None:
@@ -154,6 +160,10 @@ def accelerator_for(res: ResourcesSpec) -> Accelerator:
         )
     base = known or Accelerator("memoryGiB", 0, UNKNOWN_GPU_FLOPS, NVLINK4_BW, MFU_DATACENTER)
     mem = int(res.gpu.memory_gib * GIB) if res.gpu.memory_gib else base.memory_bytes
+    if mem < 1:  # a positive memoryGiB can still be under a byte (1e-12)
+        raise PlanningError(
+            "spec.resources.gpu.memoryGiB", f"{res.gpu.memory_gib:g} GiB is less than one byte"
+        )
     name = base.name if known else f"{mem / GIB:g}GiB"
     return Accelerator(name, mem, base.peak_flops, base.intra_node_bw, base.mfu)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from finetune_operator.api.constants import BYTE_TOKENIZER_VOCAB
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.storage import object_store_problems, unmounted_paths
@@ -49,6 +50,12 @@ def build_problem(
             "spec.training.sequenceLength",
             f"{tr.sequence_length} exceeds the model's maxPositionEmbeddings "
             f"({arch.max_position_embeddings})",
+        )
+    if spec.model.source == "inline" and arch.vocab_size < BYTE_TOKENIZER_VOCAB:
+        raise PlanningError(
+            "spec.model.architecture.vocabSize",
+            f"{arch.vocab_size} is below the {BYTE_TOKENIZER_VOCAB} token ids of the byte-level "
+            "tokenizer inline models train with (256 bytes, bos, eos, pad)",
         )
     lora = spec.method.lora
     targets: tuple[str, ...] = ()

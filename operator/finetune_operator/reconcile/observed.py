@@ -38,8 +38,9 @@ class PodView:
     termination_message: str | None = None  # what the container left in its termination log
     disruption: str | None = None  # DisruptionTarget condition reason, or an eviction's status.reason
     created_at: datetime | None = None  # metadata.creationTimestamp
-    # Why the container cannot start, as the kubelet says ("CreateContainerConfigError: secret
-    # \"s3\" not found"); None while it is merely being created.
+    # Why the pod cannot start, as the scheduler ("Unschedulable: 0/4 nodes are available: ...")
+    # or the kubelet says ("CreateContainerConfigError: secret \"s3\" not found"); None while
+    # it is merely being scheduled or created.
     blocked: str | None = None
     memory_limit: str | None = None  # the container's resources.limits.memory, for OOMKilled
 
@@ -118,18 +119,27 @@ def _memory_limit(spec: Mapping[str, Any]) -> str | None:
     return None
 
 
+# Up to 3 blocked pods are named in a condition message, which must stay under 1 KiB.
+MAX_BLOCKED_CHARS = 300
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_BLOCKED_CHARS else text[: MAX_BLOCKED_CHARS - 3] + "..."
+
+
 def _blocked(status: Mapping[str, Any]) -> str | None:
+    for c in status.get("conditions") or []:
+        # The scheduler found no node (no free GPUs, taints, affinity, a gang that does not
+        # fit whole): the commonest reason a job waits, in the scheduler's own words.
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            reason, message = c.get("reason") or "Unschedulable", c.get("message")
+            return _clip(f"{reason}: {message}" if message else str(reason))
     for cs in status.get("containerStatuses") or []:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason")
         if reason and reason not in STARTING_REASONS:
             message = waiting.get("message")
-            return f"{reason}: {message}" if message else str(reason)
-    # Not placed: the scheduler's reason (no node fits; a gang that does not fit whole).
-    for c in status.get("conditions") or []:
-        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason"):
-            message = c.get("message")
-            return f"{c['reason']}: {message}" if message else str(c["reason"])
+            return _clip(f"{reason}: {message}" if message else str(reason))
     return None
 
 

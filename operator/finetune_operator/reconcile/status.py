@@ -215,6 +215,8 @@ def note_checkpoint_health(
     elif (
         failed is None
         and progress.checkpoint_failures is None
+        # A final report carries no failure count but does name the step it committed.
+        and progress.checkpoint_step is None
         and (find(status.conditions, COND_CHECKPOINT_FAILING) is not None)
     ):
         return status

@@ -110,7 +110,7 @@ def trace_files(paths: Sequence[str | Path]) -> list[Path]:
             if not found:
                 raise TraceError(str(p), 0, "directory holds no *.jsonl trace files")
             out.extend(found)
-        elif p.is_file():
+        elif p.exists():  # a file, or a pipe: `ftjob stragglers <(kubectl exec ...)`
             out.append(p)
         else:
             raise TraceError(str(p), 0, "no such file or directory")

@@ -1,0 +1,34 @@
+"""`ftjob operator`'s flags: bad values refused by argparse naming the flag, env defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from finetune_operator.settings import add_operator_arguments, parse_operator_args
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "99999", "http"])
+def test_metrics_port_out_of_range_is_refused_naming_the_flag(port: str) -> None:
+    with pytest.raises(argparse.ArgumentError, match="--metrics-port"):
+        parse_operator_args([f"--metrics-port={port}"])
+
+
+@pytest.mark.parametrize(("port", "expected"), [("0", None), ("9090", 9090), ("65535", 65535)])
+def test_metrics_port_in_range(port: str, expected: int | None) -> None:
+    assert parse_operator_args([f"--metrics-port={port}"]).metrics_port == expected
+
+
+def test_env_defaults_are_read_and_checked() -> None:
+    settings = parse_operator_args([], {"FINETUNE_OPERATOR_METRICS_PORT": "9191"})
+    assert settings.metrics_port == 9191
+    with pytest.raises(argparse.ArgumentError, match="--metrics-port"):
+        parse_operator_args([], {"FINETUNE_OPERATOR_METRICS_PORT": "70000"})
+
+
+def test_help_states_the_defaults_the_environment_gives() -> None:
+    parser = argparse.ArgumentParser(prog="ftjob operator")
+    add_operator_arguments(parser, {"FINETUNE_OPERATOR_RECONCILE_INTERVAL_SECONDS": "7"})
+    text = " ".join(parser.format_help().split())
+    assert "hangs; default: 7)" in text and "default: 9090)" in text
