@@ -284,6 +284,37 @@ def _convert_object(
         out["x-kubernetes-preserve-unknown-fields"] = True
 
 
+# What may change once a job exists. Everything else is fixed at creation, as a Job's pod
+# template is: running workers (and a restart, which re-reads the mounted job.json) must never
+# see another generation's model, data or plan, or a group re-forms with ranks that disagree.
+# To change a job, delete it and apply it again: it resumes from its checkpoints.
+MUTABLE_SPEC_FIELDS = frozenset({"suspend"})
+IMMUTABLE_SPEC_MESSAGE = (
+    "spec is immutable once the job is created, except spec.suspend: running workers keep "
+    "the spec they started with; to change it, delete the job and apply it again (it resumes "
+    "from its checkpoints when the model and strategy are unchanged)"
+)
+
+
+def immutable_spec_rule(spec_schema: Schema) -> dict[str, str]:
+    """A transition rule (checked on updates only) that fails when any spec field but
+    MUTABLE_SPEC_FIELDS changes, appears or disappears. Equality is deep, unknown-field
+    subtrees (affinity, deepspeedConfig) included: the API server compares those whole."""
+    required = set(spec_schema.get("required", []))
+    terms = []
+    for name in spec_schema.get("properties", {}):
+        if name in MUTABLE_SPEC_FIELDS:
+            continue
+        if name in required:
+            terms.append(f"self.{name} == oldSelf.{name}")
+        else:
+            terms.append(
+                f"(has(self.{name}) ? has(oldSelf.{name}) && self.{name} == oldSelf.{name}"
+                f" : !has(oldSelf.{name}))"
+            )
+    return {"rule": " && ".join(terms), "message": IMMUTABLE_SPEC_MESSAGE}
+
+
 def _model_schema(model: type[FineTuneJobSpec] | type[FineTuneJobStatus]) -> Schema:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
@@ -293,7 +324,13 @@ def _model_schema(model: type[FineTuneJobSpec] | type[FineTuneJobStatus]) -> Sch
 def build_crd() -> dict[str, Any]:
     """The FineTuneJob CRD as a dict (deterministic: the committed YAML is compared to it)."""
     spec_schema = _model_schema(FineTuneJobSpec)
-    spec_schema["description"] = "Desired state: what to fine-tune, on what, and how."
+    spec_schema["description"] = (
+        "Desired state: what to fine-tune, on what, and how. Immutable once created, except "
+        "suspend."
+    )
+    spec_schema.setdefault("x-kubernetes-validations", []).append(
+        immutable_spec_rule(spec_schema)
+    )
     status_schema = _model_schema(FineTuneJobStatus)
     status_schema["description"] = "Observed state, written by the operator."
     root: Schema = {
