@@ -94,16 +94,15 @@ def test_compare_puts_the_model_first_then_the_jobs_order() -> None:
 
 def test_refusal_names_the_step_keys_both_sizes_and_the_way_out() -> None:
     diffs = compare(SAVED, changed(**{Q_A: (4, 64), Q_B: (64, 4), V_A: (4, 64), "x.y": (1,)}))
-    text = refusal_message(6, "s3://b/ckpt", diffs, saved_strategy="deepspeed-zero2",
-                           strategy="fsdp-full-shard")  # fmt: skip
+    text = refusal_message(6, "s3://b/ckpt", diffs, saved_backend="deepspeed", backend="fsdp")
     assert "checkpoint step 6 in s3://b/ckpt" in text
     assert f"{Q_A} (checkpoint: [8, 64], this job: [4, 64])" in text
     assert f"{V_A} (checkpoint: absent, this job: [4, 64])" in text
     assert "x.y" not in text and "and 1 more" in text  # the first three, the rest counted
-    assert "strategy deepspeed-zero2; this job runs fsdp-full-shard" in text
+    assert "written by the deepspeed backend, this job runs fsdp" in text
     assert "untouched" in text and "checkpoint.uri" in text and "restore the spec" in text
-    same = refusal_message(6, "ckpt", diffs, saved_strategy="ddp", strategy="ddp")
-    assert "strategy" not in same.split("restore the spec")[0]
+    same = refusal_message(6, "ckpt", diffs, saved_backend="fsdp", backend="fsdp")
+    assert "backend" not in same.split("restore the spec")[0]
     assert issubclass(IncompatibleCheckpointError, UnsupportedConfigError)  # TrainerRefused
 
 

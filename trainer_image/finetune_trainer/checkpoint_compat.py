@@ -89,24 +89,30 @@ def refusal_message(
     where: str,
     differences: list[Difference],
     *,
-    saved_strategy: str | None = None,
-    strategy: str | None = None,
+    saved_backend: str | None = None,
+    backend: str | None = None,
 ) -> str:
     """What the job's failure says: which checkpoint, the first differences with both sizes,
-    that nothing was touched, and the two ways on."""
+    that nothing was touched, and the two ways on. The backends (from the COMMITTED marker
+    and this job's plan) are named only where they differ: their formats do (DeepSpeed's
+    optimizer states are by name, torch's under `optim.state`), while a strategy within one
+    backend (ZeRO stage, FSDP or DDP, world size) changes nothing saved."""
     shown = "; ".join(d.describe() for d in differences[:SHOWN])
     more = len(differences) - SHOWN
     if more > 0:
         shown += f"; and {more} more"
     written = ""
-    if saved_strategy and strategy and saved_strategy != strategy:
-        written = f" It was written by strategy {saved_strategy}; this job runs {strategy}."
+    if saved_backend and backend and saved_backend != backend:
+        written = (
+            f" It was written by the {saved_backend} backend, this job runs {backend}: their "
+            "checkpoint formats differ."
+        )
     return (
         f"checkpoint step {step} in {where} was written for another model or training setup "
         f"than this job's: {len(differences)} entries differ: {shown}.{written} It is not "
         "damaged and was left untouched, as were the others there. To start afresh, point "
         "checkpoint.uri elsewhere; to resume from it, restore the spec that wrote it "
-        "(model, method and its lora settings, strategy)."
+        "(model, method and its lora settings, strategy.backend)."
     )
 
 

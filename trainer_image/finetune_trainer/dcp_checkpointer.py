@@ -199,8 +199,8 @@ class DcpCheckpointer:
                 step,
                 str(self.root),
                 differences,
-                saved_strategy=marker.get("strategy"),
-                strategy=self.meta.get("strategy"),
+                saved_backend=marker.get("backend"),
+                backend=self.meta.get("backend"),
             )
         verdicts: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(verdicts, mine, group=self.group)
