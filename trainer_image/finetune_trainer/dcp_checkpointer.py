@@ -33,6 +33,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -176,7 +177,7 @@ class DcpCheckpointer:
                 log.warning("could not move damaged checkpoint %s aside: %s", path, e)
         return ok
 
-    def _attempt_load(self, path: Location, action: Any) -> bool:
+    def _attempt_load(self, path: Location, action: Callable[[], object]) -> bool:
         try:
             action()
         except LOAD_ERRORS as e:
