@@ -21,7 +21,10 @@ everything else goes through the same interface, so every property here holds on
 Load path: the committed steps, newest first; a step is used only if every rank verified its
 share of the manifest and loaded it. Any failure (DCP raises `CheckpointException`, which
 derives from BaseException, not Exception) falls back to the previous step; rank 0 moves the
-damaged one aside. `resumed_from_step` and `skipped` say what happened.
+damaged one aside. `resumed_from_step` and `skipped` say what happened. A verified checkpoint
+whose keys or sizes do not match this job's state (written for another model or setup:
+checkpoint_compat) is not damage: every rank refuses the job before reading it, and nothing
+is moved.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -43,6 +47,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
+from finetune_trainer.checkpoint_compat import (
+    IncompatibleCheckpointError,
+    Shape,
+    compare,
+    metadata_shapes,
+    refusal_message,
+)
 from finetune_trainer.checkpointer import AsyncMode, save_due
 from finetune_trainer.location import Location
 from finetune_trainer.metrics import TrainerMetrics
@@ -140,28 +151,24 @@ class DcpCheckpointer:
 
     def _try_load(self, step: int) -> bool:
         path = store.step_dir(self.root, step)
-        ok = True
-        try:
-            self._verify(path)
-        except LOAD_ERRORS as e:
-            log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
-            ok = False
-        # Agree on the verification before DCP's load, which runs collectives of its own: a
-        # rank that skipped it would leave the others waiting in them.
+        ok = self._attempt_load(path, lambda: self._verify(path))
+        # Agree on each check before the next collective (DCP's load runs its own): a rank
+        # that skipped one would leave the others waiting in it.
+        saved: dict[str, Shape] = {}
         if self._agree(ok):
-            try:
-                saved = set(path.dcp_reader().read_metadata().state_dict_metadata)
-
-                def read(sd: dict[str, Any], path: Location = path) -> None:
-                    dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
-
-                self.state.load(read, saved)
-            except LOAD_ERRORS as e:
-                log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
-                ok = False
+            ok = self._attempt_load(path, lambda: saved.update(self._saved_shapes(path)))
             ok = self._agree(ok)
         else:
             ok = False
+        if ok:
+            # Undamaged, so a mismatch is another model's checkpoint: refused, never moved.
+            self._refuse_if_incompatible(step, path, saved)
+
+            def read(sd: dict[str, Any], path: Location = path) -> None:
+                dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
+
+            ok = self._attempt_load(path, lambda: self.state.load(read, set(saved)))
+            ok = self._agree(ok)
         if not ok and self.rank == 0:
             # Out of the way of the save that will reach this step again, kept for a look.
             try:
@@ -169,6 +176,38 @@ class DcpCheckpointer:
             except OSError as e:
                 log.warning("could not move damaged checkpoint %s aside: %s", path, e)
         return ok
+
+    def _attempt_load(self, path: Location, action: Callable[[], object]) -> bool:
+        try:
+            action()
+        except LOAD_ERRORS as e:
+            log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
+            return False
+        return True
+
+    @staticmethod
+    def _saved_shapes(path: Location) -> dict[str, Shape]:
+        return metadata_shapes(path.dcp_reader().read_metadata().state_dict_metadata)
+
+    def _refuse_if_incompatible(self, step: int, path: Location, saved: dict[str, Shape]) -> None:
+        """Collective: every rank refuses if any rank's state does not fit the checkpoint
+        (checkpoint_compat), so none is left waiting in DCP's load."""
+        differences = compare(saved, self.state.expected_shapes(set(saved)))
+        mine = None
+        if differences:
+            marker = store.read_marker(path) or {}
+            mine = refusal_message(
+                step,
+                str(self.root),
+                differences,
+                saved_backend=marker.get("backend"),
+                backend=self.meta.get("backend"),
+            )
+        verdicts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(verdicts, mine, group=self.group)
+        refusal = next((v for v in verdicts if v), None)
+        if refusal is not None:
+            raise IncompatibleCheckpointError(refusal)
 
     def load(self) -> int:
         """Resume from the newest committed checkpoint that loads; skip corrupt ones. Returns

@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from finetune_trainer.deepspeed_resume import Read, ResumeStats, restore_in_groups
+from finetune_trainer.checkpoint_compat import Shape
+from finetune_trainer.deepspeed_resume import Read, ResumeStats, full_shape, restore_in_groups
 from finetune_trainer.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,16 @@ class DeepSpeedTrainState(TrainState):
 
     def template_model_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return {}, {}  # read in groups by load()
+
+    def expected_shapes(self, saved_keys: set[str]) -> dict[str, Shape]:
+        """What `load` reads in groups, by name with full sizes (the same at any ZeRO stage
+        and world size): every trainable parameter's master and optimizer states."""
+        shapes = super().expected_shapes(saved_keys)  # train and RNG
+        for name, p in _trainable(self._engine().module):
+            size = tuple(int(n) for n in full_shape(p))
+            shapes[f"model.{name}"] = size
+            shapes.update({f"optim.{name}.{k}": size for k in self._state_keys()})
+        return shapes
 
     def restore_model_optim(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
         return None  # restored in groups by load()

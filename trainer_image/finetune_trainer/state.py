@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LRScheduler
 
+from finetune_trainer.checkpoint_compat import Shape, state_dict_shapes
 from finetune_trainer.loss_scale import LossScale, NoLossScale
 from finetune_trainer.sampler import StepSampler
 
@@ -103,6 +104,11 @@ class TrainState:
         if not any(k.startswith(prefix) for k in saved_keys):
             del sd[RNG_PREFIX]
         return sd
+
+    def expected_shapes(self, saved_keys: set[str]) -> dict[str, Shape]:
+        """Every key `load` would read from a checkpoint whose keys are `saved_keys`, with its
+        full size: what checkpoint_compat compares with the checkpoint's metadata."""
+        return state_dict_shapes(self.template(saved_keys))
 
     def load(self, read: Callable[[dict[str, Any]], None], saved_keys: set[str]) -> None:
         """Fill this state from a checkpoint whose keys are `saved_keys`: `read(sd)` loads the

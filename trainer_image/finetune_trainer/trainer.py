@@ -177,12 +177,14 @@ class Trainer:
             seed=spec.training.seed,
             loss_scale=self.loss_scale,
         )
-        # Who owns the checkpoint and output directories (finetune_trainer.ownership).
+        # Who owns the checkpoint and output directories (finetune_trainer.ownership), and
+        # (in each COMMITTED marker) the backend whose format a checkpoint is in.
         storage_meta = {
             "job": job.name,
             "namespace": job.namespace,
             "uid": job.uid,
             "strategy": self.parallel.strategy,
+            "backend": job.plan.backend,
         }
         self.checkpointer = build_checkpointer(
             spec.checkpoint,

@@ -1,0 +1,155 @@
+"""Is a committed checkpoint one this job can resume from? Checked on the checkpoint's own DCP
+metadata (every key with its full tensor size; read without reading a tensor) against what
+the job would load (its state templates), before anything is loaded.
+
+A checkpoint written for another model or training setup is not damaged: the same job
+deleted and re-applied under the same namespace/name takes its storage over to resume
+(ownership.py), so a changed architecture, LoRA rank or targets, full <-> LoRA or a
+strategy whose format differs (DeepSpeed <-> torch) meets the previous spec's checkpoints.
+Treating that as damage would move every good checkpoint aside and train from step 0; and
+a checkpoint holding *more* parameters than the model (a layer, a LoRA target removed)
+would even load without any error, DCP reading only the keys it is asked for. So the
+trainer refuses (`IncompatibleCheckpointError`, a configuration error: the job fails at
+once, as TrainerRefused) and touches nothing.
+
+What still loads: another world size, FSDP <-> DDP, another ZeRO stage (sizes are the full,
+unsharded ones on every path, names normalised by `get_state_dict` / by parameter name),
+another rank count's RNG streams, and anything that is not a tensor of the model or the
+optimizer (the step, sampler and schedule travel as one `train` entry).
+
+What counts as damage stays damage (dcp_checkpointer skips to the previous checkpoint):
+unreadable metadata, a missing COMMITTED marker, a manifest or size mismatch, a failing
+read. Only a checkpoint that has passed those checks is compared here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune_trainer.errors import UnsupportedConfigError
+
+# A saved entry's full size; None: not a tensor (DCP pickles it as bytes).
+Shape = tuple[int, ...] | None
+# The checkpoint entries that hold learned values: one of them in the checkpoint but not in
+# the job would be dropped without an error. Anything else the job does not ask for (other
+# ranks' RNG streams, hyperparameters a newer torch records) is ignored, as DCP ignores it.
+LEARNED_PREFIXES = ("model.", "optim.")
+SHOWN = 3  # differences named in a refusal; the rest are counted
+
+
+class IncompatibleCheckpointError(UnsupportedConfigError):
+    """A committed, undamaged checkpoint written for another model or training setup."""
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One key on which the checkpoint and the job disagree (`absent` on one side)."""
+
+    key: str
+    saved: Shape
+    expected: Shape
+    in_checkpoint: bool = True
+    in_job: bool = True
+
+    def describe(self) -> str:
+        saved = _show(self.saved) if self.in_checkpoint else "absent"
+        expected = _show(self.expected) if self.in_job else "absent"
+        return f"{self.key} (checkpoint: {saved}, this job: {expected})"
+
+
+def _show(shape: Shape) -> str:
+    return "not a tensor" if shape is None else str(list(shape))
+
+
+def compare(saved: Mapping[str, Shape], expected: Mapping[str, Shape]) -> list[Difference]:
+    """The differences that make a checkpoint unusable for this job: a key the job loads that
+    the checkpoint lacks, a size (or tensor/non-tensor) that differs, and a learned tensor of
+    the checkpoint the job has no place for. Empty: compatible. The model's come first, then
+    in the job's order (its parameters' order), then the checkpoint's."""
+    keys = [*expected, *(k for k in saved if k not in expected)]
+    keys.sort(key=lambda k: not k.startswith("model."))  # stable
+    out: list[Difference] = []
+    for key in keys:
+        if key not in saved:
+            out.append(Difference(key, None, expected[key], in_checkpoint=False))
+        elif key not in expected:
+            if saved[key] is not None and key.startswith(LEARNED_PREFIXES):
+                out.append(Difference(key, saved[key], None, in_job=False))
+        elif saved[key] != expected[key]:
+            out.append(Difference(key, saved[key], expected[key]))
+    return out
+
+
+def refusal_message(
+    step: int,
+    where: str,
+    differences: list[Difference],
+    *,
+    saved_backend: str | None = None,
+    backend: str | None = None,
+) -> str:
+    """What the job's failure says: which checkpoint, the first differences with both sizes,
+    that nothing was touched, and the two ways on. The backends (from the COMMITTED marker
+    and this job's plan) are named only where they differ: their formats do (DeepSpeed's
+    optimizer states are by name, torch's under `optim.state`), while a strategy within one
+    backend (ZeRO stage, FSDP or DDP, world size) changes nothing saved."""
+    shown = "; ".join(d.describe() for d in differences[:SHOWN])
+    more = len(differences) - SHOWN
+    if more > 0:
+        shown += f"; and {more} more"
+    written = ""
+    if saved_backend and backend and saved_backend != backend:
+        written = (
+            f" It was written by the {saved_backend} backend, this job runs {backend}: their "
+            "checkpoint formats differ."
+        )
+    return (
+        f"checkpoint step {step} in {where} was written for another model or training setup "
+        f"than this job's: {len(differences)} entries differ: {shown}.{written} It is not "
+        "damaged and was left untouched, as were the others there. To start afresh, point "
+        "checkpoint.uri elsewhere; to resume from it, restore the spec that wrote it "
+        "(model, method and its lora settings, strategy.backend)."
+    )
+
+
+def metadata_shapes(state_dict_metadata: Mapping[str, Any]) -> dict[str, Shape]:
+    """The checkpoint's side, from DCP's `Metadata.state_dict_metadata`: a tensor entry
+    (`TensorStorageMetadata`) has its full `size`; a bytes entry none."""
+    shapes: dict[str, Shape] = {}
+    for key, entry in state_dict_metadata.items():
+        size = getattr(entry, "size", None)
+        shapes[key] = tuple(int(n) for n in size) if size is not None else None
+    return shapes
+
+
+def state_dict_shapes(state_dict: Mapping[str, Any]) -> dict[str, Shape]:
+    """The job's side: a state dict to load into, keyed as DCP flattens it (nested mappings
+    joined by dots; a list only where it holds tensors or mappings, by index), with each
+    tensor's full size (a DTensor's global one)."""
+    shapes: dict[str, Shape] = {}
+
+    def visit(path: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit(f"{path}.{k}", v)
+        elif isinstance(value, list) and any(_holds_tensors(v) for v in value):
+            for i, v in enumerate(value):
+                visit(f"{path}.{i}", v)
+        elif isinstance(value, torch.Tensor):
+            shapes[path] = tuple(int(n) for n in value.shape)
+        else:
+            shapes[path] = None
+
+    for key, value in state_dict.items():
+        visit(str(key), value)
+    return shapes
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor | Mapping):
+        return True
+    return isinstance(value, list) and any(_holds_tensors(v) for v in value)
