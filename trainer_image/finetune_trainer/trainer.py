@@ -6,9 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import signal
 import time
-from types import FrameType
 
 import torch
 
@@ -32,6 +30,7 @@ from finetune_trainer.parallelize import check_precision
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.startup import StartupClock
 from finetune_trainer.steptrace import build_step_trace
+from finetune_trainer.stop_signal import StopSignal
 from finetune_trainer.termination_log import clear_final_report, write_final_report
 from finetune_trainer.tokenizer import build_tokenizer
 from finetune_trainer.torch_floor import check_torch
@@ -52,24 +51,6 @@ EXIT_FINAL_CHECKPOINT_FAILED = 3
 EXIT_STOPPED = 143  # 128 + SIGTERM, what an uncaught SIGTERM would have given
 STOP_REASON_SIGNAL = "Signal"
 PEER_SIGNAL_WAIT_SECONDS = 5.0
-
-
-class StopSignal:
-    """SIGTERM/SIGINT only set a flag; the loop finishes the step and stops collectively."""
-
-    def __init__(self) -> None:
-        self.received_at: float | None = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received_at is None:
-            self.received_at = time.monotonic()
-            log.warning("received signal %d: stopping after this step", signum)
-
-    @property
-    def requested(self) -> bool:
-        return self.received_at is not None
 
 
 def gradient_accumulation(global_batch: int, world_size: int, micro_batch_size: int) -> int:
