@@ -3,7 +3,9 @@ pods bound all at once or not at all (scheduler.place_gang, binding.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -126,18 +128,30 @@ def test_default_scheduler_would_split_the_group_and_unknown_scheduler_never_bin
     Pending with no condition, as on a real cluster."""
     core = client.CoreV1Api(new_api_client(gang_cluster))
     tag = uuid.uuid4().hex[:5]
-    core.create_namespaced_pod("default", _pod(f"hold-{tag}", None, 3, "default-scheduler"))
-    core.create_namespaced_pod("default", _pod(f"hold2-{tag}", None, 3, "default-scheduler"))
-    wait_until(lambda: core.read_namespaced_pod(f"hold2-{tag}", "default").spec.node_name, "hold bound", 30)
-    core.create_namespaced_pod("default", _pod(f"lost-{tag}", None, 0, "no-such-scheduler"))
-    for i in range(2):
-        core.create_namespaced_pod("default", _pod(f"solo-{tag}-{i}", f"g-{tag}", 0, "default-scheduler"))
-    # One slot left: default-scheduler ignores the group label and binds one of the two.
-    bound = wait_until(lambda: [i for i in range(2) if core.read_namespaced_pod(
-        f"solo-{tag}-{i}", "default").spec.node_name] or None, "one solo pod bound", 30)
-    assert len(bound) == 1
-    lost = core.read_namespaced_pod(f"lost-{tag}", "default")
-    assert lost.spec.node_name is None and not lost.status.conditions
+    # Every pod here runs until deleted: a pod that ended would free its slot and let the
+    # second member bind too (the race this test once lost with `sleep 0` members).
+    names = [f"hold-{tag}", f"hold2-{tag}", f"lost-{tag}", f"solo-{tag}-0", f"solo-{tag}-1"]
+    try:
+        core.create_namespaced_pod("default", _pod(names[0], None, 600, "default-scheduler"))
+        core.create_namespaced_pod("default", _pod(names[1], None, 600, "default-scheduler"))
+        wait_until(lambda: core.read_namespaced_pod(names[1], "default").spec.node_name, "hold bound", 30)
+        core.create_namespaced_pod("default", _pod(names[2], None, 600, "no-such-scheduler"))
+        for i in range(2):
+            core.create_namespaced_pod("default", _pod(f"solo-{tag}-{i}", f"g-{tag}", 600, "default-scheduler"))
+
+        def solo_bound() -> list[int]:
+            return [i for i in range(2) if core.read_namespaced_pod(f"solo-{tag}-{i}", "default").spec.node_name]
+
+        # One slot left: default-scheduler ignores the group label and binds one of the two.
+        wait_until(lambda: solo_bound() or None, "one solo pod bound", 30)
+        time.sleep(2)  # a few scheduling passes: the other stays Pending, there is no room
+        assert len(solo_bound()) == 1
+        lost = core.read_namespaced_pod(names[2], "default")
+        assert lost.spec.node_name is None and not lost.status.conditions
+    finally:
+        for name in names:
+            with contextlib.suppress(ApiException):
+                core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
 
 
 @pytest.mark.slow
