@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from finetune_operator.api.spec import MethodSpec, OutputSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.files import fsync_dir, remove
 from finetune_trainer.location import Location, locate
 from finetune_trainer.ownership import StorageRefusedError, check_output_target
 
@@ -160,28 +161,13 @@ def write_marker(target: Path, meta: dict[str, Any]) -> None:
     (target / FINISHED_MARKER).write_text(json.dumps(meta, indent=1, sort_keys=True))
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def remove_stale(root: Path, infix: str) -> list[Path]:
     """Leftovers of an earlier attempt next to `root` (`<name>.tmp-<step>`, `<name>.old-<step>`:
     only names this exporter makes, so a user's `<name>.tmp-notes` is never touched)."""
     pattern = f"{glob.escape(root.name)}{infix}*"
     stale = sorted(p for p in root.parent.glob(pattern) if p.name[len(root.name) + len(infix) :].isdigit())
     for path in stale:
-        _remove(path)
+        remove(path)
     return stale
 
 
@@ -209,10 +195,10 @@ def _publish_by_rename(staged: Path, root: Path, step: int) -> None:
     first and deleted after."""
     old = root.with_name(f"{root.name}{_OLD_INFIX}{step}")
     if root.exists() or root.is_symlink():
-        _remove(old)
+        remove(old)
         os.replace(root, old)
     os.replace(staged, root)
-    _fsync_dir(root.parent)
+    fsync_dir(root.parent)
     remove_stale(root, _OLD_INFIX)
 
 
@@ -278,7 +264,7 @@ class HfExporter:
         try:
             check_output_target(self.root, self.meta, FINISHED_MARKER)
         except StorageRefusedError:
-            _remove(staged)
+            remove(staged)
             raise
         publish(staged, self.root, step)
         log.info(

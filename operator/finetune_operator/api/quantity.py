@@ -11,7 +11,9 @@ from typing import Final
 # (Kubernetes also takes exponents, `1e9`, and milli-units, `500m`: nonsense for a disk size.)
 BYTES_PATTERN: Final = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 _BYTES = re.compile(BYTES_PATTERN)
-_UNITS: Final = {
+# The suffixes a Kubernetes quantity takes for a byte count (the planner reads memory with
+# them too: planner/hardware.py).
+UNITS: Final = {
     "": 1,
     "k": 10**3,
     "M": 10**6,
@@ -38,6 +40,6 @@ def quantity_bytes(text: str, field: str) -> int:
         )
     number, suffix = text.strip().removesuffix(match.group(2) or ""), match.group(2) or ""
     whole, _, fraction = number.partition(".")
-    scale = _UNITS[suffix]
+    scale = UNITS[suffix]
     # Exact integer arithmetic: 1.5Gi is 1610612736, not a float's rounding of it.
     return int(whole) * scale + (int(fraction) * scale // 10 ** len(fraction) if fraction else 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from finetune_operator.api.quantity import UNITS
 from finetune_operator.api.spec import ResourcesSpec
 from finetune_operator.planner.errors import PlanningError
 
@@ -98,23 +99,9 @@ NCCL_BUFFER_BYTES = 256 * MIB
 DEFAULT_HOST_BYTES_PER_GPU = 240 * GIB
 
 _QUANTITY = re.compile(r"^\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*([KMGTPE]i?|[kmM]?)\s*$")
-_UNITS = {
-    "": 1,
-    "k": 1e3,
-    "K": 1e3,
-    "M": 1e6,
-    "G": 1e9,
-    "T": 1e12,
-    "P": 1e15,
-    "E": 1e18,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-    "Ei": 2**60,
-    "m": 1e-3,
-}
+# The byte suffixes of api.quantity, plus what a memory request may also say ("K", and the
+# milli-unit "m", which Kubernetes accepts even for bytes).
+_UNITS: dict[str, float] = {**UNITS, "K": 1e3, "m": 1e-3}
 
 
 def parse_quantity(text: str, field: str) -> int:

@@ -45,8 +45,8 @@ import numpy as np
 import xxhash
 
 from finetune_operator.api.spec import DatasetSpec
-from finetune_trainer.data.files import fsync_dir, remove, write_synced
 from finetune_trainer.data.records import dataset_files, resolve_uri
+from finetune_trainer.files import fsync_dir, remove, write_synced
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

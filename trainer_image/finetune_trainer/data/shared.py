@@ -62,7 +62,7 @@ from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer.checkpoint_store import resolve_root
 from finetune_trainer.data.cache import BLOCKS_FILE, META_FILE  # an entry is copied as is
-from finetune_trainer.data.files import fsync_dir, remove, write_synced
+from finetune_trainer.files import fsync_dir, remove, write_synced
 from finetune_trainer.location import Location
 from finetune_trainer.ownership import claim_checkpoint_root
 

@@ -1,6 +1,7 @@
-"""Durable file operations the data cache (`cache.py`) and its shared copy (`shared.py`)
-share: a file or directory is fsynced before it is renamed into place, so a crash or a power
-loss never leaves a name pointing at bytes that were not written."""
+"""Durable file operations the export (`export.py`), the data cache (`data/cache.py`) and its
+shared copy (`data/shared.py`) share: a file or directory is fsynced before it is renamed into
+place, so a crash or a power loss never leaves a name pointing at bytes that were not
+written."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def remove(path: Path) -> None:
-    """Delete a file or a directory tree; absent is fine."""
-    if path.is_dir():
+    """Delete a file or a directory tree; absent is fine. A symlink is removed, never followed."""
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
