@@ -53,7 +53,9 @@ from finetune_operator.reconcile import (
     scrape_targets,
     status_patch,
 )
+from finetune_operator.reconcile.admission import QueueState, flavors_assigned, read_queue_state
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
+from finetune_operator.resources.workload import queue_name_of, workload_name
 from finetune_operator.scrape import scrape_all
 from finetune_operator.settings import OperatorSettings
 
@@ -191,7 +193,18 @@ def _job_ref(body: kopf.Body) -> JobRef:
         namespace=meta.get("namespace", ""),
         uid=meta.get("uid", ""),
         generation=int(meta.get("generation") or 0),
+        queue_name=queue_name_of(meta.get("labels")),
     )
+
+
+async def _queue_state(cluster: ClusterApi, job: JobRef) -> QueueState | None:
+    """The job's standing in Kueue (its Workload and the flavors it was admitted to); None
+    for a job not queued in Kueue."""
+    if job.queue_name is None:
+        return None
+    workload = await cluster.read_workload(job.namespace, workload_name(job.owner))
+    flavors = await cluster.read_flavors(flavors_assigned(workload)) if workload else {}
+    return read_queue_state(job.queue_name, workload, flavors)
 
 
 async def _reconcile(
@@ -212,6 +225,8 @@ async def _reconcile(
             timeout = _settings(memo).scrape_timeout_seconds
             pages = await _scrape(old, pods, state.deleted_uids, timeout) if scrape else {}
             health = _health_input(pages, state.records) if scrape else None
+            cluster: ClusterApi = memo["cluster"]
+            queue = await _queue_state(cluster, job)
             now = datetime.now(UTC)
             out = reconcile_job(
                 job, body.get("spec", {}), old, pods, now,
@@ -220,10 +235,10 @@ async def _reconcile(
                 ensured_generation=state.ensured_generation,
                 policy=memo.get("policy"),
                 health=health,
+                queue=queue,
             )  # fmt: skip
             if health is not None:
                 state.records = out.buffer
-            cluster: ClusterApi = memo["cluster"]
             result = await cluster.apply(job.namespace, out.actions)
             state.deleted_uids = {u for u in state.deleted_uids if u in {p.uid for p in pods}}
             state.deleted_uids |= {d.uid for d in result.deleted}
