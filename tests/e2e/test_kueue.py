@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
 NAME, QUEUE, POOL = "ft-kueue", "team-q", {"cloud.example.com/pool": "spot"}
 TOLERATION = {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}
-STEPS = 30
+STEPS = 16
 SCHEMA = Path(__file__).resolve().parents[1] / "data" / "kueue" / "workload-v1beta2-spec.yaml"
 
 
@@ -108,7 +108,7 @@ def test_queued_admitted_evicted_readmitted_succeeds(quickstart_doc: dict[str, A
         doc = quickstart_doc
         doc["metadata"].update(name=NAME, labels={"kueue.x-k8s.io/queue-name": QUEUE})
         doc["spec"]["training"]["maxSteps"] = STEPS
-        doc["spec"]["checkpoint"].update(uri=f"checkpoints/{NAME}", intervalSteps=5)
+        doc["spec"]["checkpoint"].update(uri=f"checkpoints/{NAME}", intervalSteps=4)
         doc["spec"].pop("output", None)
         session.submit(doc)
 
@@ -126,7 +126,7 @@ def test_queued_admitted_evicted_readmitted_succeeds(quickstart_doc: dict[str, A
 
         # Admitted at 1 of 2 nodes, to the spot flavor.
         kueue.admit(1)
-        job = session.wait_for(NAME, lambda j: _checkpoint(j) >= 5, timeout=240)
+        job = session.wait_for(NAME, lambda j: _checkpoint(j) >= 4, timeout=240)
         (worker,) = _workers(session)
         assert worker.spec.node_selector == POOL
         assert any(t.key == "spot" and t.effect == "NoSchedule" for t in worker.spec.tolerations or [])
@@ -138,7 +138,7 @@ def test_queued_admitted_evicted_readmitted_succeeds(quickstart_doc: dict[str, A
             NAME, lambda j: _succeeded_cond(j).get("reason") == "Evicted" and not _job_pods(session), timeout=120
         )  # fmt: skip
         saved = _checkpoint(job)
-        assert phase_of(job) == "Pending" and 5 <= saved < STEPS
+        assert phase_of(job) == "Pending" and 4 <= saved < STEPS
         assert (job["status"].get("restarts") or 0) == 0
         released = wait_until(lambda: kueue.conditions().get("QuotaReserved", {}).get("status") == "False",
                               "the quota given back", timeout=30)
