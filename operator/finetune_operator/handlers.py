@@ -55,7 +55,7 @@ from finetune_operator.reconcile import (
 )
 from finetune_operator.reconcile.admission import QueueState, flavors_assigned, read_queue_state
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
-from finetune_operator.resources.workload import queue_name_of, workload_name
+from finetune_operator.resources.workload import priority_ref, queue_name_of, workload_name
 from finetune_operator.scrape import scrape_all
 from finetune_operator.settings import OperatorSettings
 
@@ -197,14 +197,22 @@ def _job_ref(body: kopf.Body) -> JobRef:
     )
 
 
-async def _queue_state(cluster: ClusterApi, job: JobRef) -> QueueState | None:
-    """The job's standing in Kueue (its Workload and the flavors it was admitted to); None
-    for a job not queued in Kueue."""
+async def _queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> QueueState | None:
+    """The job's standing in Kueue (its Workload and the flavors it was admitted to, or the
+    priority its Workload is to be created with); None for a job not queued in Kueue."""
     if job.queue_name is None:
         return None
     workload = await cluster.read_workload(job.namespace, workload_name(job.owner))
-    flavors = await cluster.read_flavors(flavors_assigned(workload)) if workload else {}
-    return read_queue_state(job.queue_name, workload, flavors)
+    if workload is not None:
+        flavors = await cluster.read_flavors(flavors_assigned(workload))
+        return read_queue_state(job.queue_name, workload, flavors)
+    pods_class = ((body.get("spec") or {}).get("resources") or {}).get("priorityClassName")
+    ref = priority_ref(body.get("metadata", {}).get("labels"), pods_class)
+    if ref is None:
+        return read_queue_state(job.queue_name, None, {})
+    value, problem = await cluster.read_priority(ref)
+    priority = (ref, value) if value is not None else None
+    return read_queue_state(job.queue_name, None, {}, priority=priority, priority_problem=problem)
 
 
 async def _reconcile(
@@ -226,7 +234,7 @@ async def _reconcile(
             pages = await _scrape(old, pods, state.deleted_uids, timeout) if scrape else {}
             health = _health_input(pages, state.records) if scrape else None
             cluster: ClusterApi = memo["cluster"]
-            queue = await _queue_state(cluster, job)
+            queue = await _queue_state(cluster, job, body)
             now = datetime.now(UTC)
             out = reconcile_job(
                 job, body.get("spec", {}), old, pods, now,

@@ -21,8 +21,10 @@ from finetune_operator.resources import Owner, build_worker_pod
 from finetune_operator.resources.workload import (
     POD_SET,
     Placement,
+    PriorityRef,
     build_workload,
     place_worker,
+    priority_ref,
     queue_name_of,
     worker_template,
 )
@@ -274,3 +276,42 @@ def test_a_job_without_the_label_has_no_workload() -> None:
 
 def test_queue_state_compares_without_the_raw_object() -> None:
     assert QueueState(QUEUE, raw={"a": 1}) == QueueState(QUEUE)
+
+
+# ---------------------------------------------------------------- priority
+
+
+@pytest.mark.parametrize(("labels", "pods_class", "expected"), [
+    ({"kueue.x-k8s.io/priority-class": "urgent"}, "training", ("kueue.x-k8s.io", "WorkloadPriorityClass", "urgent")),
+    (None, "training", ("scheduling.k8s.io", "PriorityClass", "training")),
+    (None, None, None),
+], ids=["workload-priority-class-label", "pods-priority-class", "none"])  # fmt: skip
+def test_priority_class_of_the_workload(labels: dict[str, str] | None, pods_class: str | None,
+                                        expected: tuple[str, str, str] | None) -> None:  # fmt: skip
+    ref = priority_ref(labels, pods_class)
+    assert (None if ref is None else (ref.group, ref.kind, ref.name)) == expected
+
+
+def test_workload_carries_its_priority_class_and_value(owner: Owner, quickstart_spec: Any) -> None:
+    ref = PriorityRef("scheduling.k8s.io", "PriorityClass", "training")
+    wl = build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (ref, 1000))
+    assert wl["spec"]["priorityClassRef"] == {"group": "scheduling.k8s.io", "kind": "PriorityClass", "name": "training"}
+    assert wl["spec"]["priority"] == 1000
+    assert _upstream_schema().validate(wl) == []
+    # Kueue refuses a class without its value: why the operator resolves it first.
+    del wl["spec"]["priority"]
+    assert any("priority should not be nil" in msg for _, msg in _upstream_schema().validate(wl))
+
+
+def test_a_priority_class_that_cannot_be_read_holds_the_workload_back() -> None:
+    problem = "PriorityClass training (HTTP 404 Not Found) does not exist"
+    queue = read_queue_state(QUEUE, None, {}, priority_problem=problem)
+    out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), [], T0,
+                        planner=lambda _: make_plan(2), queue=queue)  # fmt: skip
+    assert out.actions.workload is None and created(out) == []
+    assert problem in next(c for c in out.status.conditions if c.type == "Succeeded").message
+    ref = PriorityRef("scheduling.k8s.io", "PriorityClass", "training")
+    ok = read_queue_state(QUEUE, None, {}, priority=(ref, 7))
+    out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), [], T0,
+                        planner=lambda _: make_plan(2), queue=ok)  # fmt: skip
+    assert out.actions.workload is not None and out.actions.workload["spec"]["priority"] == 7

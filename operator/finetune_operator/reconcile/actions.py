@@ -183,7 +183,9 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     q = ev.queue
     if q is None or ev.spec is None or ev.plan is None:
         return None
-    wanted = build_workload(ev.job.owner, ev.spec, ev.plan, q.queue)
+    if q.raw is None and q.priority_problem:
+        return None  # created once its priority can be read: Kueue cannot change it later
+    wanted = build_workload(ev.job.owner, ev.spec, ev.plan, q.queue, q.priority)
     if q.raw is not None and (q.raw.get("spec") or {}).get("active", True) == wanted["spec"]["active"]:
         return None
     return wanted

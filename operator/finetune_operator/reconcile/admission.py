@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from finetune_operator.reconcile.observed import format_time
-from finetune_operator.resources.workload import POD_SET, Placement
+from finetune_operator.resources.workload import POD_SET, Placement, PriorityRef
 
 ADMITTED = "Admitted"
 QUOTA_RESERVED = "QuotaReserved"
@@ -41,6 +41,9 @@ class QueueState:
     message: str = ""  # Kueue's own words on why it is not admitted (QuotaReserved/Admitted)
     finished: bool = False
     missing_flavors: tuple[str, ...] = ()  # assigned ResourceFlavors the operator could not read
+    # Its priority class and value, resolved before the Workload is created; or why not.
+    priority: tuple[PriorityRef, int] | None = None
+    priority_problem: str = ""
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -52,6 +55,8 @@ class QueueState:
         """Why the job waits, for its condition: the queue, and Kueue's message."""
         if self.evicted is not None:
             return f"evicted by Kueue from LocalQueue {self.queue} ({self.evicted}); workers stopped, waiting to be admitted again"
+        if not self.exists and self.priority_problem:
+            return f"queued in LocalQueue {self.queue}: {self.priority_problem}; its Workload is created once it can be read"
         if not self.exists:
             return f"queued in LocalQueue {self.queue}: creating its Workload"
         if self.missing_flavors:
@@ -121,12 +126,18 @@ def flavors_assigned(workload: Mapping[str, Any] | None) -> list[str]:
 
 
 def read_queue_state(
-    queue: str, workload: Mapping[str, Any] | None, flavors: Mapping[str, Mapping[str, Any]]
+    queue: str,
+    workload: Mapping[str, Any] | None,
+    flavors: Mapping[str, Mapping[str, Any]],
+    *,
+    priority: tuple[PriorityRef, int] | None = None,
+    priority_problem: str = "",
 ) -> QueueState:
     """The job's standing in Kueue from its Workload (None: not created yet) and the
-    ResourceFlavor objects its admission names (by name)."""
+    ResourceFlavor objects its admission names (by name). `priority` (or why it could not
+    be read) matters only while the Workload is still to be created."""
     if workload is None:
-        return QueueState(queue)
+        return QueueState(queue, priority=priority, priority_problem=priority_problem)
     conds = _conditions(workload)
     reserved = _is_true(conds, QUOTA_RESERVED)
     finished = _is_true(conds, FINISHED)

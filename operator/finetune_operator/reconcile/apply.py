@@ -24,6 +24,7 @@ from finetune_operator.resources.workload import (
     KUEUE_VERSION,
     QUEUE_LABEL,
     WORKLOAD_PLURAL,
+    PriorityRef,
 )
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -196,6 +197,27 @@ class ClusterApi:
                 if err.status not in (403, 404):
                     raise
         return out
+
+    async def read_priority(self, ref: PriorityRef) -> tuple[int | None, str]:
+        """The value of the Workload's priority class, or why it cannot be read."""
+        try:
+            if ref.group == KUEUE_GROUP:
+                found = await self._call(
+                    self.custom.get_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, ref.plural, ref.name
+                )
+            else:
+                found = await self._call(self.custom.get_cluster_custom_object, ref.group, "v1", ref.plural, ref.name)
+        except ApiException as err:
+            what = f"{ref.kind} {ref.name} ({_describe(err)})"
+            if err.status == 404:
+                return None, f"{what} does not exist"
+            if err.status == 403:
+                return None, f"{what}: the operator may not read {ref.plural}.{ref.group} (chart value kueue.enabled)"
+            return None, what
+        value = found.get("value")
+        if not isinstance(value, int):
+            return None, f"{ref.kind} {ref.name} has no integer value"
+        return value, ""
 
     async def patch_workload_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         await self._call(

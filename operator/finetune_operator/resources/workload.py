@@ -34,6 +34,9 @@ WORKLOAD_PLURAL: Final = "workloads"
 FLAVOR_PLURAL: Final = "resourceflavors"
 # Kueue's own convention for "this job is queued in that LocalQueue" (every integration).
 QUEUE_LABEL: Final = f"{KUEUE_GROUP}/queue-name"
+# A Kueue WorkloadPriorityClass for the job (Kueue's convention, as for its own integrations);
+# without it the worker pods' PriorityClass (spec.resources.priorityClassName) is used.
+PRIORITY_LABEL: Final = f"{KUEUE_GROUP}/priority-class"
 POD_SET: Final = "workers"
 ROLE_WORKLOAD = "workload"
 # PodTemplateSpec.metadata in a Workload may hold only labels and annotations.
@@ -44,6 +47,30 @@ def queue_name_of(labels: dict[str, str] | None) -> str | None:
     """The LocalQueue a job opted into (its queue-name label), None when it did not."""
     name = (labels or {}).get(QUEUE_LABEL, "").strip()
     return name or None
+
+
+@dataclass(frozen=True)
+class PriorityRef:
+    """The priority class a Workload names (v1beta2 `priorityClassRef`)."""
+
+    group: str
+    kind: str
+    name: str
+
+    @property
+    def plural(self) -> str:
+        return "workloadpriorityclasses" if self.group == KUEUE_GROUP else "priorityclasses"
+
+
+def priority_ref(labels: dict[str, str] | None, priority_class_name: str | None) -> PriorityRef | None:
+    """The job's Workload priority class: its priority-class label (a WorkloadPriorityClass),
+    else its pods' PriorityClass, else none (Kueue's default, 0)."""
+    label = (labels or {}).get(PRIORITY_LABEL, "").strip()
+    if label:
+        return PriorityRef(KUEUE_GROUP, "WorkloadPriorityClass", label)
+    if priority_class_name:
+        return PriorityRef("scheduling.k8s.io", "PriorityClass", priority_class_name)
+    return None
 
 
 def workload_name(owner: Owner) -> str:
@@ -64,12 +91,18 @@ def worker_template(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str
 
 
 def build_workload(
-    owner: Owner, spec: FineTuneJobSpec, plan: Plan, queue: str
+    owner: Owner,
+    spec: FineTuneJobSpec,
+    plan: Plan,
+    queue: str,
+    priority: tuple[PriorityRef, int] | None = None,
 ) -> dict[str, Any]:
     """The job's Workload. `count` is the planned number of worker pods; `minCount` the
     elastic minimum when it is lower (Kueue's partial admission: it may admit any count in
     between, and torchrun trains on that many). `active` is false while the job is
-    suspended: Kueue then evicts it and releases its quota, and requeues it once true."""
+    suspended: Kueue then evicts it and releases its quota, and requeues it once true.
+    `priority`: the class and its value, which the Workload must carry together (the writer
+    resolves the value, as Kueue's job integrations do; Kueue orders and preempts by it)."""
     low, _ = node_range(spec, plan)
     pod_set: dict[str, Any] = {
         "name": POD_SET,
@@ -78,11 +111,16 @@ def build_workload(
     }
     if low < plan.nodes:
         pod_set["minCount"] = low
+    body: dict[str, Any] = {"queueName": queue, "active": not spec.suspend, "podSets": [pod_set]}
+    if priority is not None:
+        ref, value = priority
+        body["priorityClassRef"] = {"group": ref.group, "kind": ref.kind, "name": ref.name}
+        body["priority"] = value
     return {
         "apiVersion": KUEUE_API_VERSION,
         "kind": WORKLOAD_KIND,
         "metadata": object_meta(owner, workload_name(owner), ROLE_WORKLOAD),
-        "spec": {"queueName": queue, "active": not spec.suspend, "podSets": [pod_set]},
+        "spec": body,
     }
 
 
