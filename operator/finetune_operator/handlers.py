@@ -205,7 +205,7 @@ async def _queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> Que
     workload = await cluster.read_workload(job.namespace, workload_name(job.owner))
     if workload is not None:
         flavors = await cluster.read_flavors(flavors_assigned(workload))
-        return read_queue_state(job.queue_name, workload, flavors)
+        return read_queue_state(job.queue_name, workload, flavors, owner_uid=job.uid)
     pods_class = ((body.get("spec") or {}).get("resources") or {}).get("priorityClassName")
     ref = priority_ref(body.get("metadata", {}).get("labels"), pods_class)
     if ref is None:

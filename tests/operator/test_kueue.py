@@ -315,3 +315,15 @@ def test_a_priority_class_that_cannot_be_read_holds_the_workload_back() -> None:
     out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), [], T0,
                         planner=lambda _: make_plan(2), queue=ok)  # fmt: skip
     assert out.actions.workload is not None and out.actions.workload["spec"]["priority"] == 7
+
+
+def test_a_workload_of_another_owner_is_not_this_job_s() -> None:
+    stale = admitted(2)
+    stale["metadata"]["ownerReferences"][0]["uid"] = "an-older-job"
+    queue = read_queue_state(QUEUE, stale, {"spot": SPOT}, owner_uid=JOB.uid)
+    assert queue.foreign and not queue.admitted
+    out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), [], T0,
+                        planner=lambda _: make_plan(2), queue=queue)  # fmt: skip
+    assert created(out) == [] and out.actions.workload is None and out.actions.workload_status is None
+    assert "belongs to another owner" in next(c for c in out.status.conditions if c.type == "Succeeded").message
+    assert read_queue_state(QUEUE, admitted(2), {"spot": SPOT}, owner_uid=JOB.uid).admitted

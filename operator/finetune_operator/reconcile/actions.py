@@ -181,7 +181,7 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     """The Workload to write: when it does not exist yet, or its `active` is not what the
     job wants (false while suspended). Otherwise nothing: its podSets are immutable."""
     q = ev.queue
-    if q is None or ev.spec is None or ev.plan is None:
+    if q is None or ev.spec is None or ev.plan is None or q.foreign:
         return None
     if q.raw is None and q.priority_problem:
         return None  # created once its priority can be read: Kueue cannot change it later

@@ -44,6 +44,9 @@ class QueueState:
     # Its priority class and value, resolved before the Workload is created; or why not.
     priority: tuple[PriorityRef, int] | None = None
     priority_problem: str = ""
+    # A Workload of that name owned by something else (a deleted job of the same name, not yet
+    # garbage-collected): never written to, never read as this job's admission.
+    foreign: bool = False
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -53,6 +56,8 @@ class QueueState:
 
     def describe_wait(self) -> str:
         """Why the job waits, for its condition: the queue, and Kueue's message."""
+        if self.foreign:
+            return f"queued in LocalQueue {self.queue}: a Workload of the job's name belongs to another owner; waiting for it to be deleted"
         if self.evicted is not None:
             return f"evicted by Kueue from LocalQueue {self.queue} ({self.evicted}); workers stopped, waiting to be admitted again"
         if not self.exists and self.priority_problem:
@@ -132,12 +137,17 @@ def read_queue_state(
     *,
     priority: tuple[PriorityRef, int] | None = None,
     priority_problem: str = "",
+    owner_uid: str | None = None,
 ) -> QueueState:
     """The job's standing in Kueue from its Workload (None: not created yet) and the
     ResourceFlavor objects its admission names (by name). `priority` (or why it could not
-    be read) matters only while the Workload is still to be created."""
+    be read) matters only while the Workload is still to be created. `owner_uid`: the job's;
+    a Workload not owned by it is not its own."""
     if workload is None:
         return QueueState(queue, priority=priority, priority_problem=priority_problem)
+    owners = {o.get("uid") for o in (workload.get("metadata") or {}).get("ownerReferences") or []}
+    if owner_uid is not None and owner_uid not in owners:
+        return QueueState(queue, exists=True, foreign=True)
     conds = _conditions(workload)
     reserved = _is_true(conds, QUOTA_RESERVED)
     finished = _is_true(conds, FINISHED)
