@@ -327,3 +327,22 @@ def test_a_workload_of_another_owner_is_not_this_job_s() -> None:
     assert created(out) == [] and out.actions.workload is None and out.actions.workload_status is None
     assert "belongs to another owner" in next(c for c in out.status.conditions if c.type == "Succeeded").message
     assert read_queue_state(QUEUE, admitted(2), {"spot": SPOT}, owner_uid=JOB.uid).admitted
+
+
+def test_pods_ready_is_kept_on_the_workload_for_wait_for_pods_ready() -> None:
+    def ready_cond(out: Outcome) -> tuple[str, str] | None:
+        patch = out.actions.workload_status
+        if patch is None:
+            return None
+        c = next(c for c in patch["status"]["conditions"] if c["type"] == "PodsReady")
+        return c["status"], c["reason"]
+
+    starting = kstep(FineTuneJobStatus(), [], admitted(2))
+    assert ready_cond(starting) == ("False", "WaitForStart")
+    up = kstep(starting.status, running(*ALL), admitted(2), 5)
+    assert ready_cond(up) == ("True", "Started")
+    marked = admitted(2)
+    marked["status"]["conditions"].append(_cond("PodsReady", "True", "Started"))
+    assert kstep(up.status, running(*ALL), marked, 8).actions.workload_status is None  # unchanged
+    lost = kstep(up.status, running("qs-rdzv", "qs-worker-0"), marked, 10)
+    assert ready_cond(lost) == ("False", "WaitForRecovery")

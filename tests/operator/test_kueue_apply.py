@@ -77,3 +77,29 @@ async def _create_flavor(cluster: ClusterApi) -> None:
             "spec": {"nodeLabels": {"pool": "spot"}}}  # fmt: skip
     await asyncio.to_thread(cluster.custom.create_cluster_custom_object, "kueue.x-k8s.io", "v1beta2",
                             "resourceflavors", body)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def with_kueue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("api"), crds_dir=None, kubelet=False, kueue=True) as local:
+        yield local
+
+
+def test_a_stale_status_patch_is_refused_and_not_an_error(with_kueue: LocalCluster) -> None:
+    """The conditions list is replaced whole: a patch from an old read must not undo what
+    Kueue wrote since (the resourceVersion it carries makes the server refuse it)."""
+    server = with_kueue
+    cluster = ClusterApi(config.new_client_from_config(config_file=str(server.kubeconfig_path)))
+    owner = Owner(name="stale", namespace="default", uid=UID)
+    spec = FineTuneJobSpec.model_validate(quickstart_raw())
+    assert asyncio.run(cluster.apply("default", Actions(workload=build_workload(owner, spec, make_plan(2), "q")))).errors == []
+    read = asyncio.run(cluster.read_workload("default", "stale"))
+    assert read is not None
+    evicted = {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by Kueue",
+               "lastTransitionTime": "2026-01-01T12:00:00Z"}  # fmt: skip
+    asyncio.run(cluster.patch_workload_status("default", "stale", {"status": {"conditions": [evicted]}}))
+    stale = finish_patch(read, True, "done", datetime(2026, 1, 1, tzinfo=UTC))
+    result = asyncio.run(cluster.apply("default", Actions(workload_status=stale, workload_name="stale")))
+    assert result.errors == []
+    now = asyncio.run(cluster.read_workload("default", "stale"))
+    assert now is not None and [c["type"] for c in now["status"]["conditions"]] == ["Evicted"]

@@ -20,7 +20,7 @@ from finetune_operator.api.constants import (
     ROLE_WORKER,
 )
 from finetune_operator.api.status import FineTuneJobStatus
-from finetune_operator.reconcile.admission import finish_patch, release_patch
+from finetune_operator.reconcile.admission import finish_patch, pods_ready_patch, release_patch
 from finetune_operator.reconcile.assess import Assessment, Mode, assess
 from finetune_operator.reconcile.conditions import EventSpec
 from finetune_operator.reconcile.evaluation import Evaluation
@@ -120,7 +120,11 @@ def _create_pods(ev: Evaluation, status: FineTuneJobStatus, a: Assessment) -> li
 
 
 def _active(
-    ev: Evaluation, status: FineTuneJobStatus, a: Assessment, ensured_generation: int | None
+    ev: Evaluation,
+    status: FineTuneJobStatus,
+    a: Assessment,
+    ensured_generation: int | None,
+    now: datetime,
 ) -> Actions:
     assert ev.spec is not None and ev.plan is not None
     ensure: tuple[dict[str, Any], ...] = ()
@@ -173,6 +177,7 @@ def _active(
         events=events,
         pod_group=pod_group,
         workload=_workload(ev),
+        workload_status=_pods_ready(ev, a, now),
         workload_name=workload_name(ev.job.owner),
     )
 
@@ -191,6 +196,17 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     return wanted
 
 
+def _pods_ready(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
+    """The Workload's PodsReady, written when it changes (Kueue's waitForPodsReady reads it)."""
+    q = ev.queue
+    if q is None or q.raw is None:
+        return None
+    ready = a.desired > 0 and a.ready >= a.desired
+    if q.pods_ready is ready:
+        return None
+    return pods_ready_patch(q.raw, ready, q.pods_ready, now)
+
+
 def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
     """An evicted (or deactivated) Workload's quota is given back once every pod is gone:
     Kueue requeues it then, and admits it again when there is room."""
@@ -199,7 +215,7 @@ def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | N
         return None
     if a.terminating or a.live_pods:
         return None
-    return release_patch(q.raw, q.evicted, now)
+    return release_patch(q.raw, q.evicted_message or q.evicted, now)
 
 
 def _finish(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
@@ -239,7 +255,7 @@ def decide_actions(
     """
     a = assess(ev, status, pods, now)
     if a.mode is Mode.ACTIVE:
-        return _active(ev, status, a, ensured_generation)
+        return _active(ev, status, a, ensured_generation, now)
     if a.mode is Mode.SUCCEEDED:
         # The store is no longer needed; finished workers stay for their logs.
         leftovers = [p for p in a.live_pods if p.is_rendezvous or p.active]

@@ -23,6 +23,7 @@ ADMITTED = "Admitted"
 QUOTA_RESERVED = "QuotaReserved"
 EVICTED = "Evicted"
 FINISHED = "Finished"
+PODS_READY = "PodsReady"
 # Kueue's reason for a Workload waiting for quota (UnsetQuotaReservationWithCondition's).
 REASON_PENDING = "Pending"
 MAX_CONDITION_MESSAGE = 32768  # metav1.Condition's limit
@@ -38,8 +39,10 @@ class QueueState:
     placement: Placement = field(default_factory=Placement)
     quota_reserved: bool = False
     evicted: str | None = None  # "reason: message" of a True Evicted condition
+    evicted_message: str = ""  # its message alone
     message: str = ""  # Kueue's own words on why it is not admitted (QuotaReserved/Admitted)
     finished: bool = False
+    pods_ready: bool | None = None  # the Workload's PodsReady condition (None: never set)
     missing_flavors: tuple[str, ...] = ()  # assigned ResourceFlavors the operator could not read
     # Its priority class and value, resolved before the Workload is created; or why not.
     priority: tuple[PriorityRef, int] | None = None
@@ -151,15 +154,18 @@ def read_queue_state(
     conds = _conditions(workload)
     reserved = _is_true(conds, QUOTA_RESERVED)
     finished = _is_true(conds, FINISHED)
-    evicted = None
+    evicted, evicted_message = None, ""
     if _is_true(conds, EVICTED):
         ev = conds[EVICTED]
-        evicted = f"{ev.get('reason', '')}: {ev.get('message', '')}".strip(": ")
+        evicted_message = str(ev.get("message", ""))
+        evicted = f"{ev.get('reason', '')}: {evicted_message}".strip(": ")
+    pods_ready = conds[PODS_READY].get("status") == "True" if PODS_READY in conds else None
     # Kueue's reason for waiting: the QuotaReserved condition's message ("couldn't assign
     # flavors to pod set workers: insufficient quota..."), or, once quota is reserved, the
     # Admitted one's (admission checks still pending).
     why = conds.get(ADMITTED if reserved else QUOTA_RESERVED, {}).get("message", "")
-    state = QueueState(queue, True, None, Placement(), reserved, evicted, why, finished, raw=workload)
+    state = QueueState(queue, True, None, Placement(), reserved, evicted, evicted_message, why,
+                       finished, pods_ready, raw=workload)  # fmt: skip
     assignment = _our_assignment(workload)
     if not (_is_true(conds, ADMITTED) and assignment is not None) or evicted is not None:
         return state
@@ -221,6 +227,24 @@ def release_patch(
     if _is_true(_conditions(workload), ADMITTED):
         new.append(_condition(ADMITTED, "False", "NoReservation", "The workload has no reservation", now, gen))
     return _guarded(workload, {"admission": None, "conditions": _with(conds, new)})
+
+
+def pods_ready_patch(
+    workload: Mapping[str, Any], ready: bool, was_ready: bool | None, now: datetime
+) -> dict[str, Any]:
+    """The Workload's PodsReady condition, as Kueue's job integrations keep it: True once the
+    admitted number of workers is ready; False while they start (WaitForStart) or after one
+    was lost (WaitForRecovery). Kueue's waitForPodsReady evicts a Workload that stays False
+    past its timeout, and holds the next admissions back until it is True."""
+    gen = int((workload.get("metadata") or {}).get("generation") or 0)
+    conds = (workload.get("status") or {}).get("conditions") or []
+    if ready:
+        cond = _condition(PODS_READY, "True", "Started" if not was_ready else "Recovered",
+                          "All pods reached readiness and the workload is running", now, gen)  # fmt: skip
+    else:
+        reason = "WaitForRecovery" if was_ready else "WaitForStart"
+        cond = _condition(PODS_READY, "False", reason, "Not all pods are ready or succeeded", now, gen)
+    return _guarded(workload, {"conditions": _with(conds, [cond])})
 
 
 def finish_patch(

@@ -282,7 +282,10 @@ class ClusterApi:
             try:
                 await self.patch_workload_status(namespace, actions.workload_name, actions.workload_status)
             except ApiException as err:
-                result.errors.append(f"Workload {actions.workload_name} status: {_describe(err)}")
+                # 409: Kueue wrote it since it was read; the next pass reads it again and
+                # decides anew (as controllers requeue on a conflict), nothing to report.
+                if err.status != 409:
+                    result.errors.append(f"Workload {actions.workload_name} status: {_describe(err)}")
         group_ok = True
         if actions.pod_group is not None:
             try:
