@@ -346,3 +346,12 @@ def test_pods_ready_is_kept_on_the_workload_for_wait_for_pods_ready() -> None:
     assert kstep(up.status, running(*ALL), marked, 8).actions.workload_status is None  # unchanged
     lost = kstep(up.status, running("qs-rdzv", "qs-worker-0"), marked, 10)
     assert ready_cond(lost) == ("False", "WaitForRecovery")
+
+
+def test_both_priority_sources_validate_upstream(owner: Owner, quickstart_spec: Any) -> None:
+    for ref in (priority_ref({"kueue.x-k8s.io/priority-class": "urgent"}, None), priority_ref(None, "training")):
+        assert ref is not None
+        assert _upstream_schema().validate(build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (ref, 5))) == []
+    wrong = PriorityRef("kueue.x-k8s.io", "PriorityClass", "urgent")
+    errors = _upstream_schema().validate(build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (wrong, 5)))
+    assert any("only the WorkloadPriorityClass kind" in msg for _, msg in errors)
