@@ -36,6 +36,7 @@ import yaml
 from finetune_local.apiserver import ApiServer
 from finetune_local.kubeconfig import write_kubeconfig
 from finetune_local.kubelet import Kubelet, KubeletConfig
+from finetune_local.kueue import kueue_crds
 from finetune_local.podgroups import GANG_SCHEDULERS
 from finetune_local.restclient import RestClient
 
@@ -62,6 +63,8 @@ class LocalCluster:
     :param gang_schedulers: gang schedulers installed beside the default one
         (``coscheduling``, ``volcano``: :mod:`.podgroups`): their PodGroup CRD is registered and
         their pods are placed all-or-nothing. Without one, its PodGroups do not exist (404).
+    :param kueue: serve Kueue's Workload and ResourceFlavor CRDs (:mod:`.kueue`), as a
+        cluster with Kueue installed; nothing admits Workloads (a test plays Kueue's part).
     """
 
     def __init__(self, data_dir: str | pathlib.Path | None = None, *, nodes: int = 2,
@@ -69,7 +72,7 @@ class LocalCluster:
                  node_labels: dict[str, str] | None = None, node_capacity: dict[str, str] | None = None,
                  extra_env: dict[str, str] | None = None, kubelet: bool = True,
                  keep_data: bool = False, node_env: dict[str, dict[str, str]] | None = None,
-                 gang_schedulers: Collection[str] = ()) -> None:
+                 gang_schedulers: Collection[str] = (), kueue: bool = False) -> None:
         self._own_dir = data_dir is None
         self.data_dir = pathlib.Path(data_dir or tempfile.mkdtemp(prefix="ftjob-local-")).resolve()
         self.kubeconfig_path = self.data_dir / "kubeconfig"
@@ -80,6 +83,7 @@ class LocalCluster:
         self._capacity = {"cpu": "8", "memory": "32Gi", "pods": "110", **(node_capacity or {})}
         self._with_kubelet, self._keep_data = kubelet, keep_data
         self._gangs = [GANG_SCHEDULERS[name] for name in gang_schedulers]
+        self._kueue = kueue
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
@@ -196,6 +200,8 @@ class LocalCluster:
         assert crd_type is not None
         for gang in self._gangs:
             api.service.create(crd_type, None, gang.crd())
+        for crd in kueue_crds() if self._kueue else []:
+            api.service.create(crd_type, None, crd)
         if self._crds_dir is None or not self._crds_dir.is_dir():
             return
         for path in sorted(self._crds_dir.glob("*.yaml")):

@@ -53,7 +53,9 @@ from finetune_operator.reconcile import (
     scrape_targets,
     status_patch,
 )
+from finetune_operator.reconcile.admission import QueueState, flavors_assigned, read_queue_state
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
+from finetune_operator.resources.workload import priority_ref, queue_name_of, workload_name
 from finetune_operator.scrape import scrape_all
 from finetune_operator.settings import OperatorSettings
 
@@ -191,7 +193,26 @@ def _job_ref(body: kopf.Body) -> JobRef:
         namespace=meta.get("namespace", ""),
         uid=meta.get("uid", ""),
         generation=int(meta.get("generation") or 0),
+        queue_name=queue_name_of(meta.get("labels")),
     )
+
+
+async def _queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> QueueState | None:
+    """The job's standing in Kueue (its Workload and the flavors it was admitted to, or the
+    priority its Workload is to be created with); None for a job not queued in Kueue."""
+    if job.queue_name is None:
+        return None
+    workload = await cluster.read_workload(job.namespace, workload_name(job.owner))
+    if workload is not None:
+        flavors = await cluster.read_flavors(flavors_assigned(workload))
+        return read_queue_state(job.queue_name, workload, flavors, owner_uid=job.uid)
+    pods_class = ((body.get("spec") or {}).get("resources") or {}).get("priorityClassName")
+    ref = priority_ref(body.get("metadata", {}).get("labels"), pods_class)
+    if ref is None:
+        return read_queue_state(job.queue_name, None, {})
+    value, problem = await cluster.read_priority(ref)
+    priority = (ref, value) if value is not None else None
+    return read_queue_state(job.queue_name, None, {}, priority=priority, priority_problem=problem)
 
 
 async def _reconcile(
@@ -212,6 +233,8 @@ async def _reconcile(
             timeout = _settings(memo).scrape_timeout_seconds
             pages = await _scrape(old, pods, state.deleted_uids, timeout) if scrape else {}
             health = _health_input(pages, state.records) if scrape else None
+            cluster: ClusterApi = memo["cluster"]
+            queue = await _queue_state(cluster, job, body)
             now = datetime.now(UTC)
             out = reconcile_job(
                 job, body.get("spec", {}), old, pods, now,
@@ -220,10 +243,10 @@ async def _reconcile(
                 ensured_generation=state.ensured_generation,
                 policy=memo.get("policy"),
                 health=health,
+                queue=queue,
             )  # fmt: skip
             if health is not None:
                 state.records = out.buffer
-            cluster: ClusterApi = memo["cluster"]
             result = await cluster.apply(job.namespace, out.actions)
             state.deleted_uids = {u for u in state.deleted_uids if u in {p.uid for p in pods}}
             state.deleted_uids |= {d.uid for d in result.deleted}

@@ -149,6 +149,14 @@ app.kubernetes.io/part-of: finetune-operator
   resources: ["podgroups"]
   verbs: ["create", "delete", "patch"]
 {{- end }}
+{{- if .Values.kueue.enabled }}
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["create", "get", "patch"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+{{- end }}
 {{- end }}
 
 {{/* API groups of the PodGroups of gangScheduling.schedulers (scheduler-plugins' Coscheduling, Volcano). */}}

@@ -68,6 +68,8 @@ REASON_NO_HANG: Final = "Progressing"
 REASON_RANK_HUNG: Final = "RankHung"  # a rank's heartbeat went stale
 REASON_NO_PROGRESS: Final = "NoProgress"  # no rank's step advanced
 REASON_HANG_DETECTED: Final = "HangDetected"  # the Event of a hang restart
+REASON_QUEUED: Final = "Queued"  # waiting for Kueue to admit the job's Workload
+REASON_EVICTED: Final = "Evicted"  # Kueue evicted the Workload: workers stopped, waits
 
 # Phases, derived from conditions for `kubectl get` only.
 PHASE_PENDING: Final = "Pending"

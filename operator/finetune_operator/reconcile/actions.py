@@ -11,13 +11,16 @@ from finetune_operator.api.constants import (
     ANNOTATION_RESTART_ATTEMPT,
     LABEL_ROLE,
     REASON_COMPLETED,
+    REASON_EVICTED,
     REASON_INVALID_SPEC,
     REASON_PREEMPTED,
+    REASON_QUEUED,
     REASON_RESTARTING,
     REASON_SUSPENDED,
     ROLE_WORKER,
 )
 from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.reconcile.admission import finish_patch, pods_ready_patch, release_patch
 from finetune_operator.reconcile.assess import Assessment, Mode, assess
 from finetune_operator.reconcile.conditions import EventSpec
 from finetune_operator.reconcile.evaluation import Evaluation
@@ -32,6 +35,7 @@ from finetune_operator.resources import (
 )
 from finetune_operator.resources.podgroup import KIND as POD_GROUP_KIND
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
+from finetune_operator.resources.workload import build_workload, place_worker, workload_name
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,19 @@ class Actions:
     # alone, or never: exactly what the group is for).
     pod_group: dict[str, Any] | None = None
     remove: tuple[ObjectRef, ...] = ()  # deleted (absent is fine)
+    # Kueue: the job's Workload to create (or whose `active` to set), ensured first: no pod
+    # is created in a pass where it could not be; and a merge patch of its status (the quota
+    # given back after an eviction, or Finished).
+    workload: dict[str, Any] | None = None
+    workload_status: dict[str, Any] | None = None
+    workload_name: str = ""
 
     @property
     def empty(self) -> bool:
-        return not (self.ensure or self.delete or self.create or self.pod_group or self.remove)
+        return not (
+            self.ensure or self.delete or self.create or self.pod_group or self.remove
+            or self.workload or self.workload_status
+        )  # fmt: skip
 
 
 def _deletions(pods: Sequence[PodView], reason: str) -> tuple[PodDeletion, ...]:
@@ -90,7 +103,7 @@ def _create_pods(ev: Evaluation, status: FineTuneJobStatus, a: Assessment) -> li
         # Store first: a worker created now would start against the store that is going away
         # (and its end could not be told from a failure: disposition.py).
         return out
-    for index in range(ev.plan.nodes):
+    for index in range(a.desired):
         pod = build_worker_pod(
             owner,
             ev.spec,
@@ -99,13 +112,19 @@ def _create_pods(ev: Evaluation, status: FineTuneJobStatus, a: Assessment) -> li
             excluded_nodes=list(status.excluded_nodes),
             annotations=notes,
         )
+        if ev.queue is not None:
+            pod = place_worker(pod, ev.queue.placement)
         if index not in a.workers and pod["metadata"]["name"] not in a.terminating:
             out.append(pod)
     return out
 
 
 def _active(
-    ev: Evaluation, status: FineTuneJobStatus, a: Assessment, ensured_generation: int | None
+    ev: Evaluation,
+    status: FineTuneJobStatus,
+    a: Assessment,
+    ensured_generation: int | None,
+    now: datetime,
 ) -> Actions:
     assert ev.spec is not None and ev.plan is not None
     ensure: tuple[dict[str, Any], ...] = ()
@@ -113,7 +132,7 @@ def _active(
         ensure = tuple(
             build_shared_objects(ev.job.owner, ev.spec, ev.plan, network_policy=ev.network_policy)
         )
-    surplus = [p for i, p in a.workers.items() if i >= ev.plan.nodes]
+    surplus = [p for i, p in a.workers.items() if i >= a.desired]
     preempted = [p for p, _ in a.preempted_now]
     deletes = (
         _deletions(a.replace_now, REASON_RESTARTING)
@@ -157,7 +176,53 @@ def _active(
         create=create,
         events=events,
         pod_group=pod_group,
+        workload=_workload(ev),
+        workload_status=_pods_ready(ev, a, now),
+        workload_name=workload_name(ev.job.owner),
     )
+
+
+def _workload(ev: Evaluation) -> dict[str, Any] | None:
+    """The Workload to write: when it does not exist yet, or its `active` is not what the
+    job wants (false while suspended). Otherwise nothing: its podSets are immutable."""
+    q = ev.queue
+    if q is None or ev.spec is None or ev.plan is None or q.foreign:
+        return None
+    if q.raw is None and q.priority_problem:
+        return None  # created once its priority can be read: Kueue cannot change it later
+    wanted = build_workload(ev.job.owner, ev.spec, ev.plan, q.queue, q.priority)
+    if q.raw is not None and (q.raw.get("spec") or {}).get("active", True) == wanted["spec"]["active"]:
+        return None
+    return wanted
+
+
+def _pods_ready(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
+    """The Workload's PodsReady, written when it changes (Kueue's waitForPodsReady reads it)."""
+    q = ev.queue
+    if q is None or q.raw is None:
+        return None
+    ready = a.desired > 0 and a.ready >= a.desired
+    if q.pods_ready is ready:
+        return None
+    return pods_ready_patch(q.raw, ready, q.pods_ready, now)
+
+
+def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
+    """An evicted (or deactivated) Workload's quota is given back once every pod is gone:
+    Kueue requeues it then, and admits it again when there is room."""
+    q = ev.queue
+    if q is None or q.raw is None or q.evicted is None or not q.quota_reserved:
+        return None
+    if a.terminating or a.live_pods:
+        return None
+    return release_patch(q.raw, q.evicted_message or q.evicted, now)
+
+
+def _finish(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
+    q = ev.queue
+    if q is None or q.raw is None or q.finished:
+        return None
+    return finish_patch(q.raw, a.mode is Mode.SUCCEEDED, a.message or "", now)
 
 
 def _pod_group_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
@@ -190,16 +255,28 @@ def decide_actions(
     """
     a = assess(ev, status, pods, now)
     if a.mode is Mode.ACTIVE:
-        return _active(ev, status, a, ensured_generation)
+        return _active(ev, status, a, ensured_generation, now)
     if a.mode is Mode.SUCCEEDED:
         # The store is no longer needed; finished workers stay for their logs.
         leftovers = [p for p in a.live_pods if p.is_rendezvous or p.active]
         return Actions(
-            delete=_deletions(leftovers, REASON_COMPLETED), remove=_pod_group_removal(ev, a)
+            delete=_deletions(leftovers, REASON_COMPLETED),
+            remove=_pod_group_removal(ev, a),
+            workload_status=_finish(ev, a, now),
+            workload_name=workload_name(ev.job.owner),
         )
+    queued = ev.queue is not None and ev.queue.evicted is not None
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
+        Mode.QUEUED: REASON_EVICTED if queued else REASON_QUEUED,
         Mode.FAILED: a.failure_reason,
         Mode.INVALID: ev.failure_reason or REASON_INVALID_SPEC,
     }[a.mode]
-    return Actions(delete=_deletions(a.live_pods, reason), remove=_pod_group_removal(ev, a))
+    status_patch = _finish(ev, a, now) if a.mode is Mode.FAILED else _release(ev, a, now)
+    return Actions(
+        delete=_deletions(a.live_pods, reason),
+        remove=_pod_group_removal(ev, a),
+        workload=_workload(ev) if a.mode in (Mode.SUSPENDED, Mode.QUEUED) else None,
+        workload_status=status_patch,
+        workload_name=workload_name(ev.job.owner),
+    )

@@ -18,6 +18,14 @@ from kubernetes.client.exceptions import ApiException
 from finetune_operator.api.constants import LABEL_ROLE, ROLE_WORKER
 from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
+from finetune_operator.resources.workload import (
+    FLAVOR_PLURAL,
+    KUEUE_GROUP,
+    KUEUE_VERSION,
+    QUEUE_LABEL,
+    WORKLOAD_PLURAL,
+    PriorityRef,
+)
 
 MERGE_PATCH = "application/merge-patch+json"
 # Seconds for one API call: a hung connection must not stall the job's reconcile forever.
@@ -69,6 +77,26 @@ def describe_pod_group_error(obj: dict[str, Any], err: ApiException) -> str:
             "value gangScheduling.schedulers; worker pods wait until it may"
         )
     return f"{head}; worker pods wait until it is created"
+
+
+def describe_workload_error(obj: dict[str, Any], err: ApiException) -> str:
+    """What to do when the job's Kueue Workload cannot be written or read: Kueue is not
+    installed (404) or the operator may not manage Workloads (403)."""
+    group, _, version = obj["apiVersion"].rpartition("/")
+    resource = f"{WORKLOAD_PLURAL}.{group}"
+    head = f"Workload {obj['metadata']['name']} ({_describe(err)})"
+    if err.status == 404:
+        return (
+            f"{head}: the API server does not serve {resource}/{version}: install Kueue "
+            f"(v0.15 or later), or remove the job's {QUEUE_LABEL} label; the job waits "
+            "until it exists"
+        )
+    if err.status == 403:
+        return (
+            f"{head}: the operator may not manage {resource}: set the chart value "
+            "kueue.enabled=true; the job waits until it may"
+        )
+    return f"{head}; the job waits until it is written"
 
 
 class ClusterApi:
@@ -124,6 +152,80 @@ class ClusterApi:
         )  # fmt: skip
         return False
 
+    async def ensure_workload(self, obj: dict[str, Any]) -> bool:
+        """Create the job's Workload, or set its `active` (the rest of its spec is Kueue's
+        to keep: podSets are immutable); True if it was created."""
+        group, _, version = obj["apiVersion"].rpartition("/")
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        try:
+            await self._call(self.custom.create_namespaced_custom_object, group, version, ns, WORKLOAD_PLURAL, obj)
+            return True
+        except ApiException as err:
+            if err.status != 409:
+                raise
+        patch = {"spec": {"active": obj["spec"]["active"]}}
+        await self._call(
+            self.custom.patch_namespaced_custom_object, group, version, ns, WORKLOAD_PLURAL, name, patch,
+            _content_type=MERGE_PATCH,
+        )  # fmt: skip
+        return False
+
+    async def read_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The job's Workload, None when it does not exist (a missing CRD or a missing
+        permission reads as absent too)."""
+        try:
+            found: dict[str, Any] = await self._call(
+                self.custom.get_namespaced_custom_object,
+                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL, name,
+            )  # fmt: skip
+            return found
+        except ApiException as err:
+            # Absent, or not readable: creating it then fails with the reason and what to do.
+            if err.status in (403, 404):
+                return None
+            raise
+
+    async def read_flavors(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        """The named ResourceFlavors (cluster-scoped); one that cannot be read is left out."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in names:
+            try:
+                out[name] = await self._call(
+                    self.custom.get_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, FLAVOR_PLURAL, name
+                )
+            except ApiException as err:
+                if err.status not in (403, 404):
+                    raise
+        return out
+
+    async def read_priority(self, ref: PriorityRef) -> tuple[int | None, str]:
+        """The value of the Workload's priority class, or why it cannot be read."""
+        try:
+            if ref.group == KUEUE_GROUP:
+                found = await self._call(
+                    self.custom.get_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, ref.plural, ref.name
+                )
+            else:
+                found = await self._call(self.custom.get_cluster_custom_object, ref.group, "v1", ref.plural, ref.name)
+        except ApiException as err:
+            what = f"{ref.kind} {ref.name} ({_describe(err)})"
+            if err.status == 404:
+                return None, f"{what} does not exist"
+            if err.status == 403:
+                return None, f"{what}: the operator may not read {ref.plural}.{ref.group} (chart value kueue.enabled)"
+            return None, what
+        value = found.get("value")
+        if not isinstance(value, int):
+            return None, f"{ref.kind} {ref.name} has no integer value"
+        return value, ""
+
+    async def patch_workload_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        await self._call(
+            self.custom.patch_namespaced_custom_object_status,
+            KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL, name, patch,
+            _content_type=MERGE_PATCH,
+        )  # fmt: skip
+
     async def remove(self, namespace: str, ref: ObjectRef) -> bool:
         """Delete the custom object; False when it is already gone (or its kind is)."""
         group, _, version = ref.api_version.rpartition("/")
@@ -171,6 +273,19 @@ class ClusterApi:
                 await self.ensure(obj)
             except ApiException as err:
                 result.errors.append(f"{obj['kind']} {obj['metadata']['name']}: {_describe(err)}")
+        if actions.workload is not None:
+            try:
+                await self.ensure_workload(actions.workload)
+            except ApiException as err:
+                result.errors.append(describe_workload_error(actions.workload, err))
+        if actions.workload_status is not None:
+            try:
+                await self.patch_workload_status(namespace, actions.workload_name, actions.workload_status)
+            except ApiException as err:
+                # 409: Kueue wrote it since it was read; the next pass reads it again and
+                # decides anew (as controllers requeue on a conflict), nothing to report.
+                if err.status != 409:
+                    result.errors.append(f"Workload {actions.workload_name} status: {_describe(err)}")
         group_ok = True
         if actions.pod_group is not None:
             try:

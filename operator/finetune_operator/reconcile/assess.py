@@ -30,6 +30,7 @@ class Mode(enum.Enum):
     INVALID = "invalid"  # spec refused or plan infeasible: nothing may exist
     ACTIVE = "active"  # pods should run
     SUSPENDED = "suspended"  # pods deleted, ConfigMap/Services/checkpoints kept
+    QUEUED = "queued"  # Kueue has not admitted it (or evicted it): no pods, like SUSPENDED
     SUCCEEDED = "succeeded"  # terminal: training finished
     FAILED = "failed"  # terminal: replacement budget spent
 
@@ -136,6 +137,13 @@ def assess(
         return replace(seen, mode=mode, failure_reason=reason or seen.failure_reason)
     if ev.spec.suspend:
         return replace(seen, mode=Mode.SUSPENDED)
+    if ev.queue is not None:
+        # Kueue decides how many workers run, between minNodes and the planned nodes; an
+        # eviction stops them like a suspend: nothing after this point is counted.
+        if not ev.queue.admitted or ev.queue.admitted_count is None:
+            return replace(seen, mode=Mode.QUEUED)
+        count = ev.queue.admitted_count
+        seen = replace(seen, desired=count, min_nodes=min(seen.min_nodes, count))
     # torchrun agents exit 0 only once the whole worker group finished, so one success with
     # nobody still running means the training is done, even if a straggling pod had failed.
     if seen.any_worker_succeeded and not any(p.active for p in workers.values()):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from finetune_operator.api.policy import JobPolicy
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.actions import Actions, decide_actions
+from finetune_operator.reconcile.admission import QueueState
 from finetune_operator.reconcile.conditions import EventSpec, condition_events
 from finetune_operator.reconcile.evaluation import Evaluation, JobRef, PlanFn, evaluate_job
 from finetune_operator.reconcile.health import HealthInput, assess_health
@@ -54,13 +55,17 @@ def reconcile_job(
     ensured_generation: int | None = None,
     policy: JobPolicy | None = None,
     health: HealthInput | None = None,
+    queue: QueueState | None = None,
 ) -> Outcome:
     """Everything one pass decides, with no I/O: the caller applies actions, then the status.
 
     `health` (what a scraping pass saw of the trainers) adds the straggler and hang decisions;
-    None (a pass that did not scrape) leaves them as they were."""
+    None (a pass that did not scrape) leaves them as they were. `queue` (the job's Kueue
+    Workload as read, reconcile/admission.py) gates its pods on Kueue's admission."""
     seen = mark_terminating(pods, deleted_uids)
     ev = evaluate_job(job, raw_spec, status, planner, policy)
+    if ev.ok and queue is not None:
+        ev = replace(ev, queue=queue)
     new_status = compute_status(ev, status, seen, now)
     actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation)
     extra: tuple[EventSpec, ...] = ()

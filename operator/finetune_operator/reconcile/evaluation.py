@@ -26,6 +26,7 @@ from finetune_operator.api.policy import JobPolicy, policy_refusals, with_policy
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.planner.errors import PlanningError
+from finetune_operator.reconcile.admission import QueueState
 from finetune_operator.reconcile.conditions import find
 from finetune_operator.resources import Owner
 
@@ -41,6 +42,7 @@ class JobRef:
     namespace: str
     uid: str
     generation: int
+    queue_name: str | None = None  # the LocalQueue of its Kueue queue-name label, if any
 
     @property
     def owner(self) -> Owner:
@@ -59,6 +61,8 @@ class Evaluation:
     # Namespaces that may scrape trainer metrics when the policy builds a NetworkPolicy;
     # None: no NetworkPolicy.
     network_policy: tuple[str, ...] | None = None
+    # Kueue: the job's Workload as read this pass; None when the job is not queued in Kueue.
+    queue: QueueState | None = None
 
     @property
     def ok(self) -> bool:

@@ -19,10 +19,12 @@ from finetune_operator.api.constants import (
     REASON_CHECKPOINT_SAVE_FAILED,
     REASON_CHECKPOINTS_COMMITTING,
     REASON_COMPLETED,
+    REASON_EVICTED,
     REASON_NO_HANG,
     REASON_NO_STRAGGLER,
     REASON_PENDING,
     REASON_PLAN_FITS,
+    REASON_QUEUED,
     REASON_RESTARTING,
     REASON_RUNNING,
     REASON_SUSPENDED,
@@ -113,6 +115,16 @@ def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
             COND_WORKERS_READY: held,
             COND_SUCCEEDED: Want("Unknown", REASON_SUSPENDED, held.message),
             COND_FAILED: held,
+        }
+    if a.mode is Mode.QUEUED:
+        assert ev.queue is not None
+        reason = REASON_EVICTED if ev.queue.evicted else REASON_QUEUED
+        waiting = Want("Unknown", reason, shorten(ev.queue.describe_wait(), MAX_MESSAGE_CHARS))
+        return {
+            COND_PLANNED: planned,
+            COND_WORKERS_READY: Want("False", reason, waiting.message),
+            COND_SUCCEEDED: waiting,
+            COND_FAILED: Want("False", reason, waiting.message),
         }
     progress = _progress(a)
     ready_msg = f"{a.ready}/{a.desired} worker pods ready{_blocked_detail(a)}"

@@ -1,0 +1,259 @@
+"""Reading the job's Kueue Workload: queued, admitted (how many nodes, which placement), or
+evicted; and the two status changes a job controller owes Kueue (pure, `now` passed in).
+
+Kueue's contract with a job controller (its jobframework reconciler does the same for the
+Job, JobSet, RayJob... integrations): start the job only while the Workload is Admitted, with
+the admitted count and the flavors' node labels and tolerations; when the Workload is Evicted
+(or its admission is taken away) stop the pods, and once they are gone clear the quota
+reservation (`status.admission` null, QuotaReserved False), which requeues it; when the job
+ends set the Workload's Finished condition, which releases its quota for good.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any
+
+from finetune_operator.reconcile.observed import format_time
+from finetune_operator.resources.workload import POD_SET, Placement, PriorityRef
+
+ADMITTED = "Admitted"
+QUOTA_RESERVED = "QuotaReserved"
+EVICTED = "Evicted"
+FINISHED = "Finished"
+PODS_READY = "PodsReady"
+# Kueue's reason for a Workload waiting for quota (UnsetQuotaReservationWithCondition's).
+REASON_PENDING = "Pending"
+MAX_CONDITION_MESSAGE = 32768  # metav1.Condition's limit
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """What the job's Workload says. `admitted_count` is set only while it is Admitted."""
+
+    queue: str
+    exists: bool = False
+    admitted_count: int | None = None
+    placement: Placement = field(default_factory=Placement)
+    quota_reserved: bool = False
+    evicted: str | None = None  # "reason: message" of a True Evicted condition
+    evicted_message: str = ""  # its message alone
+    message: str = ""  # Kueue's own words on why it is not admitted (QuotaReserved/Admitted)
+    finished: bool = False
+    pods_ready: bool | None = None  # the Workload's PodsReady condition (None: never set)
+    missing_flavors: tuple[str, ...] = ()  # assigned ResourceFlavors the operator could not read
+    # Its priority class and value, resolved before the Workload is created; or why not.
+    priority: tuple[PriorityRef, int] | None = None
+    priority_problem: str = ""
+    # A Workload of that name owned by something else (a deleted job of the same name, not yet
+    # garbage-collected): never written to, never read as this job's admission.
+    foreign: bool = False
+    # The Workload as read, for the status patches below (None: not created yet).
+    raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def admitted(self) -> bool:
+        return self.admitted_count is not None and self.evicted is None
+
+    def describe_wait(self) -> str:
+        """Why the job waits, for its condition: the queue, and Kueue's message."""
+        if self.foreign:
+            return f"queued in LocalQueue {self.queue}: a Workload of the job's name belongs to another owner; waiting for it to be deleted"
+        if self.evicted is not None:
+            return f"evicted by Kueue from LocalQueue {self.queue} ({self.evicted}); workers stopped, waiting to be admitted again"
+        if not self.exists and self.priority_problem:
+            return f"queued in LocalQueue {self.queue}: {self.priority_problem}; its Workload is created once it can be read"
+        if not self.exists:
+            return f"queued in LocalQueue {self.queue}: creating its Workload"
+        if self.missing_flavors:
+            names = ", ".join(self.missing_flavors)
+            return f"admitted by LocalQueue {self.queue}, but ResourceFlavor {names} cannot be read; waiting"
+        why = self.message or "waiting for Kueue to reserve quota"
+        return f"queued in LocalQueue {self.queue}: {why}"
+
+
+def _conditions(workload: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    conds = (workload.get("status") or {}).get("conditions") or []
+    return {c.get("type", ""): c for c in conds if isinstance(c, Mapping)}
+
+
+def _is_true(conds: Mapping[str, Mapping[str, Any]], ctype: str) -> bool:
+    return conds.get(ctype, {}).get("status") == "True"
+
+
+def _our_assignment(workload: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    admission = (workload.get("status") or {}).get("admission") or {}
+    for a in admission.get("podSetAssignments") or []:
+        if isinstance(a, Mapping) and a.get("name") == POD_SET:
+            return a
+    return None
+
+
+def _pod_set_count(workload: Mapping[str, Any]) -> int:
+    for ps in (workload.get("spec") or {}).get("podSets") or []:
+        if ps.get("name") == POD_SET:
+            return int(ps.get("count", 1))
+    return 0
+
+
+def _placement(
+    workload: Mapping[str, Any], assignment: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any]]
+) -> tuple[Placement, tuple[str, ...]]:
+    selector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = []
+    missing: list[str] = []
+    for name in sorted(set((assignment.get("flavors") or {}).values())):
+        flavor = flavors.get(name)
+        if flavor is None:
+            missing.append(name)
+            continue
+        fspec = flavor.get("spec") or {}
+        selector.update(fspec.get("nodeLabels") or {})
+        tolerations.extend(t for t in fspec.get("tolerations") or [] if t not in tolerations)
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    # Admission checks (a ProvisioningRequest, say) may add to the pods as well.
+    for check in (workload.get("status") or {}).get("admissionChecks") or []:
+        for update in check.get("podSetUpdates") or []:
+            if update.get("name") != POD_SET:
+                continue
+            labels.update(update.get("labels") or {})
+            annotations.update(update.get("annotations") or {})
+            selector.update(update.get("nodeSelector") or {})
+            tolerations.extend(t for t in update.get("tolerations") or [] if t not in tolerations)
+    placement = Placement(selector, tuple(tolerations), labels, annotations)
+    return placement, tuple(missing)
+
+
+def flavors_assigned(workload: Mapping[str, Any] | None) -> list[str]:
+    """The ResourceFlavors the Workload's admission names (for the caller to read)."""
+    assignment = _our_assignment(workload or {})
+    return sorted(set((assignment or {}).get("flavors", {}).values())) if assignment else []
+
+
+def read_queue_state(
+    queue: str,
+    workload: Mapping[str, Any] | None,
+    flavors: Mapping[str, Mapping[str, Any]],
+    *,
+    priority: tuple[PriorityRef, int] | None = None,
+    priority_problem: str = "",
+    owner_uid: str | None = None,
+) -> QueueState:
+    """The job's standing in Kueue from its Workload (None: not created yet) and the
+    ResourceFlavor objects its admission names (by name). `priority` (or why it could not
+    be read) matters only while the Workload is still to be created. `owner_uid`: the job's;
+    a Workload not owned by it is not its own."""
+    if workload is None:
+        return QueueState(queue, priority=priority, priority_problem=priority_problem)
+    owners = {o.get("uid") for o in (workload.get("metadata") or {}).get("ownerReferences") or []}
+    if owner_uid is not None and owner_uid not in owners:
+        return QueueState(queue, exists=True, foreign=True)
+    conds = _conditions(workload)
+    reserved = _is_true(conds, QUOTA_RESERVED)
+    finished = _is_true(conds, FINISHED)
+    evicted, evicted_message = None, ""
+    if _is_true(conds, EVICTED):
+        ev = conds[EVICTED]
+        evicted_message = str(ev.get("message", ""))
+        evicted = f"{ev.get('reason', '')}: {evicted_message}".strip(": ")
+    pods_ready = conds[PODS_READY].get("status") == "True" if PODS_READY in conds else None
+    # Kueue's reason for waiting: the QuotaReserved condition's message ("couldn't assign
+    # flavors to pod set workers: insufficient quota..."), or, once quota is reserved, the
+    # Admitted one's (admission checks still pending).
+    why = conds.get(ADMITTED if reserved else QUOTA_RESERVED, {}).get("message", "")
+    state = QueueState(queue, True, None, Placement(), reserved, evicted, evicted_message, why,
+                       finished, pods_ready, raw=workload)  # fmt: skip
+    assignment = _our_assignment(workload)
+    if not (_is_true(conds, ADMITTED) and assignment is not None) or evicted is not None:
+        return state
+    count = assignment.get("count")
+    count = int(count) if count is not None else _pod_set_count(workload)
+    placement, missing = _placement(workload, assignment, flavors)
+    if missing:
+        return replace(state, missing_flavors=missing)
+    return replace(state, admitted_count=count, placement=placement)
+
+
+def _condition(ctype: str, status: str, reason: str, message: str, now: datetime,
+               generation: int) -> dict[str, Any]:  # fmt: skip
+    return {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message[:MAX_CONDITION_MESSAGE],
+        "lastTransitionTime": format_time(now),
+        "observedGeneration": generation,
+    }
+
+
+def _with(conds: Sequence[Mapping[str, Any]], new: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`conds` with `new` set by type; a condition whose status did not change keeps its
+    lastTransitionTime (metav1.SetStatusCondition)."""
+    out = [dict(c) for c in conds]
+    for cond in new:
+        old = next((c for c in out if c.get("type") == cond["type"]), None)
+        if old is None:
+            out.append(cond)
+            continue
+        keep = old.get("lastTransitionTime") if old.get("status") == cond["status"] else None
+        old.update(cond)
+        if keep:
+            old["lastTransitionTime"] = keep
+    return out
+
+
+def _guarded(workload: Mapping[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    """The patch, with the resourceVersion read: the conditions list is replaced whole (a
+    merge patch), so a Kueue write in between must make it fail (409) and be redone."""
+    patch: dict[str, Any] = {"status": status}
+    version = (workload.get("metadata") or {}).get("resourceVersion")
+    if version:
+        patch["metadata"] = {"resourceVersion": version}
+    return patch
+
+
+def release_patch(
+    workload: Mapping[str, Any], message: str, now: datetime
+) -> dict[str, Any]:
+    """The status merge patch that gives an evicted Workload's quota back once its pods are
+    gone, as Kueue's UnsetQuotaReservationWithCondition: admission cleared, QuotaReserved
+    False (Pending, with the eviction's message), Admitted False. Kueue requeues it."""
+    gen = int((workload.get("metadata") or {}).get("generation") or 0)
+    conds = (workload.get("status") or {}).get("conditions") or []
+    new = [_condition(QUOTA_RESERVED, "False", REASON_PENDING, message, now, gen)]
+    if _is_true(_conditions(workload), ADMITTED):
+        new.append(_condition(ADMITTED, "False", "NoReservation", "The workload has no reservation", now, gen))
+    return _guarded(workload, {"admission": None, "conditions": _with(conds, new)})
+
+
+def pods_ready_patch(
+    workload: Mapping[str, Any], ready: bool, was_ready: bool | None, now: datetime
+) -> dict[str, Any]:
+    """The Workload's PodsReady condition, as Kueue's job integrations keep it: True once the
+    admitted number of workers is ready; False while they start (WaitForStart) or after one
+    was lost (WaitForRecovery). Kueue's waitForPodsReady evicts a Workload that stays False
+    past its timeout, and holds the next admissions back until it is True."""
+    gen = int((workload.get("metadata") or {}).get("generation") or 0)
+    conds = (workload.get("status") or {}).get("conditions") or []
+    if ready:
+        cond = _condition(PODS_READY, "True", "Started" if not was_ready else "Recovered",
+                          "All pods reached readiness and the workload is running", now, gen)  # fmt: skip
+    else:
+        reason = "WaitForRecovery" if was_ready else "WaitForStart"
+        cond = _condition(PODS_READY, "False", reason, "Not all pods are ready or succeeded", now, gen)
+    return _guarded(workload, {"conditions": _with(conds, [cond])})
+
+
+def finish_patch(
+    workload: Mapping[str, Any], succeeded: bool, message: str, now: datetime
+) -> dict[str, Any]:
+    """The status merge patch that marks the Workload Finished (reason Succeeded or Failed,
+    Kueue's WorkloadFinishedReason*), which releases its quota."""
+    gen = int((workload.get("metadata") or {}).get("generation") or 0)
+    conds = (workload.get("status") or {}).get("conditions") or []
+    reason = "Succeeded" if succeeded else "Failed"
+    new = [_condition(FINISHED, "True", reason, message or reason, now, gen)]
+    return _guarded(workload, {"conditions": _with(conds, new)})

@@ -1,0 +1,105 @@
+"""The apply layer with Kueue, against the local API server over HTTP: the Workload created
+(then only its `active` patched), read back with the flavors its admission names, its status
+patched as Kueue's job controllers do; and where Kueue is not installed, a clear reason."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from kubernetes import config
+
+from finetune_local.cluster import LocalCluster
+from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.reconcile.actions import Actions
+from finetune_operator.reconcile.admission import finish_patch, flavors_assigned, read_queue_state
+from finetune_operator.reconcile.apply import ClusterApi
+from finetune_operator.resources import Owner
+from finetune_operator.resources.workload import build_workload
+from tests.operator.factories import UID, make_plan, quickstart_raw
+
+OWNER = Owner(name="queued", namespace="default", uid=UID)
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["not-installed", "installed"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("api"), crds_dir=None, kubelet=False, kueue=request.param) as local:
+        yield local
+
+
+def _workload(suspend: bool = False) -> dict[str, Any]:
+    spec = FineTuneJobSpec.model_validate(quickstart_raw() | {"suspend": suspend})
+    return build_workload(OWNER, spec, make_plan(2), "q")
+
+
+def test_workload_written_read_and_finished(server: LocalCluster) -> None:
+    cluster = ClusterApi(config.new_client_from_config(config_file=str(server.kubeconfig_path)))
+    installed = bool(server.api.registry.get("kueue.x-k8s.io", "v1beta2", "workloads"))
+    result = asyncio.run(cluster.apply("default", Actions(workload=_workload())))
+    if not installed:
+        (error,) = result.errors
+        assert "workloads.kueue.x-k8s.io/v1beta2" in error and "HTTP 404" in error
+        assert "install Kueue" in error and "kueue.x-k8s.io/queue-name" in error
+        assert asyncio.run(cluster.read_workload("default", "queued")) is None
+        return
+    assert result.errors == []
+    # Suspending patches `active` only (podSets are immutable in Kueue).
+    assert asyncio.run(cluster.apply("default", Actions(workload=_workload(suspend=True)))).errors == []
+    wl = asyncio.run(cluster.read_workload("default", "queued"))
+    assert wl is not None and wl["spec"]["active"] is False and wl["spec"]["podSets"][0]["minCount"] == 1
+    asyncio.run(_create_flavor(cluster))
+    asyncio.run(cluster.patch_workload_status("default", "queued", {"status": {
+        "conditions": [{"type": t, "status": "True", "reason": t, "message": "", "lastTransitionTime": "2026-01-01T12:00:00Z"}
+                       for t in ("QuotaReserved", "Admitted")],
+        "admission": {"clusterQueue": "cq", "podSetAssignments": [
+            {"name": "workers", "count": 2, "flavors": {"cpu": "spot", "memory": "spot"}}]}}}))  # fmt: skip
+    wl = asyncio.run(cluster.read_workload("default", "queued"))
+    assert wl is not None and flavors_assigned(wl) == ["spot"]
+    flavors = asyncio.run(cluster.read_flavors(["spot", "absent"]))
+    assert set(flavors) == {"spot"}
+    state = read_queue_state("q", wl, flavors)
+    assert state.admitted_count == 2 and state.placement.node_selector == {"pool": "spot"}
+    patch = finish_patch(wl, True, "done", datetime(2026, 1, 1, tzinfo=UTC))
+    result = asyncio.run(cluster.apply("default", Actions(workload_status=patch, workload_name="queued")))
+    assert result.errors == []
+    wl = asyncio.run(cluster.read_workload("default", "queued"))
+    assert wl is not None
+    conds = {c["type"]: c["status"] for c in wl["status"]["conditions"]}
+    assert conds == {"QuotaReserved": "True", "Admitted": "True", "Finished": "True"}
+
+
+async def _create_flavor(cluster: ClusterApi) -> None:
+    body = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "spot"},
+            "spec": {"nodeLabels": {"pool": "spot"}}}  # fmt: skip
+    await asyncio.to_thread(cluster.custom.create_cluster_custom_object, "kueue.x-k8s.io", "v1beta2",
+                            "resourceflavors", body)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def with_kueue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("api"), crds_dir=None, kubelet=False, kueue=True) as local:
+        yield local
+
+
+def test_a_stale_status_patch_is_refused_and_not_an_error(with_kueue: LocalCluster) -> None:
+    """The conditions list is replaced whole: a patch from an old read must not undo what
+    Kueue wrote since (the resourceVersion it carries makes the server refuse it)."""
+    server = with_kueue
+    cluster = ClusterApi(config.new_client_from_config(config_file=str(server.kubeconfig_path)))
+    owner = Owner(name="stale", namespace="default", uid=UID)
+    spec = FineTuneJobSpec.model_validate(quickstart_raw())
+    assert asyncio.run(cluster.apply("default", Actions(workload=build_workload(owner, spec, make_plan(2), "q")))).errors == []
+    read = asyncio.run(cluster.read_workload("default", "stale"))
+    assert read is not None
+    evicted = {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by Kueue",
+               "lastTransitionTime": "2026-01-01T12:00:00Z"}  # fmt: skip
+    asyncio.run(cluster.patch_workload_status("default", "stale", {"status": {"conditions": [evicted]}}))
+    stale = finish_patch(read, True, "done", datetime(2026, 1, 1, tzinfo=UTC))
+    result = asyncio.run(cluster.apply("default", Actions(workload_status=stale, workload_name="stale")))
+    assert result.errors == []
+    now = asyncio.run(cluster.read_workload("default", "stale"))
+    assert now is not None and [c["type"] for c in now["status"]["conditions"]] == ["Evicted"]
