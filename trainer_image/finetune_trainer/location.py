@@ -222,6 +222,20 @@ class Location:
         return FsspecReader(self.url, **self.options)
 
 
+def access_problem(exc: BaseException) -> str | None:
+    """What a read's error means to the user, for the errors that are the job's configuration
+    (s3fs turns NoSuchBucket/NoSuchKey into FileNotFoundError, AccessDenied, a bad key or
+    signature into PermissionError); None for the others (network, throttling: transient)."""
+    if isinstance(exc, FileNotFoundError):
+        return "no such bucket or object"
+    if isinstance(exc, PermissionError):
+        return (
+            "access denied (check the keys in the Secret storage.objectStore.secretName names, "
+            "or the pod's own role, against the bucket's policy)"
+        )
+    return None
+
+
 def locate(
     uri: str, field: str, *, cwd: Path | None = None, object_store: ObjectStoreSpec | None = None
 ) -> Location:

@@ -108,7 +108,7 @@ class Trainer:
         check_precision(spec.training.precision)  # refuse early
         torch.manual_seed(spec.training.seed)
 
-        tokenizer = build_tokenizer(spec.model)
+        tokenizer = build_tokenizer(spec.model, spec.storage.object_store)
         self.data = build_dataset(
             spec.dataset, tokenizer, spec.training.sequence_length, cache=data_cache(env, job)
         )
