@@ -224,3 +224,12 @@ def test_s3_weights_are_refused_where_the_trainer_cannot_read_them(
         assert refusals == []
     else:
         assert len(refusals) == 1 and refusals[0].startswith(refusal), refusals
+
+
+def test_an_s3_model_the_catalog_does_not_know_needs_its_architecture_in_the_spec() -> None:
+    spec = spec_with(model={"name": "my-model", "source": "uri", "path": "s3://b/my-model",
+                            "architecture": None}, storage=STORE)  # fmt: skip
+    with pytest.raises(PlanningError) as err:
+        plan_job(spec)
+    assert err.value.field == "spec.model.architecture"
+    assert "does not read s3://b/my-model" in str(err.value)

@@ -82,7 +82,8 @@ class VolumeMount(SpecModel):
 
 
 class ObjectStoreSpec(SpecModel):
-    """Where s3:// URIs of checkpoint.uri and output.uri live, and the Secret with the keys."""
+    """Where the job's s3:// URIs (checkpoint, output, dataset, model path) live, and the
+    Secret with the keys."""
 
     secret_name: str | None = Field(
         None,
@@ -126,8 +127,8 @@ class StorageSpec(SpecModel):
     object_store: ObjectStoreSpec | None = Field(
         None,
         description=(
-            "Object storage for s3:// checkpoint.uri and output.uri: endpoint, region and the "
-            "Secret holding the credentials (never in the spec)."
+            "Object storage for s3:// checkpoint.uri, output.uri, dataset.uri and model.path: "
+            "endpoint, region and the Secret holding the credentials (never in the spec)."
         ),
     )
     claims: list[ClaimMount] = Field(
