@@ -118,6 +118,8 @@ STORE = {"objectStore": {"secretName": "s3-credentials", "endpointUrl": "http://
          ("spec.model.path", "needs spec.storage.objectStore")),
         ({"model": {"name": "Llama-3.1-8B", "source": "pvc", "path": "s3://b/llama"},
           "storage": STORE}, ("spec.model.path", "need spec.model.source uri")),
+        ({"model": {"name": "s3://b/llama", "source": "hub"}, "storage": STORE},
+         ("spec.model.name", "source hub does not read object storage")),
         ({"model": {"name": "s3:///llama", "source": "uri"}, "storage": STORE},
          ("spec.model.name", "names no bucket")),
         ({"model": {"name": "Llama-3.1-8B", "source": "uri", "path": "az://b/llama"}},
@@ -126,7 +128,7 @@ STORE = {"objectStore": {"secretName": "s3-credentials", "endpointUrl": "http://
     ids=["s3-with-store", "s3-checkpoint-no-store", "s3-output-no-store", "no-bucket", "gs",
          "az", "file", "dataset-s3-glob", "dataset-no-store", "dataset-no-key",
          "dataset-glob-in-prefix", "dataset-hf-format", "dataset-gs", "dataset-builtin",
-         "model-s3", "model-no-store", "model-pvc-source", "model-no-bucket", "model-az"],
+         "model-s3", "model-no-store", "model-pvc-source", "model-hub-source", "model-no-bucket", "model-az"],
 )  # fmt: skip
 def test_object_store_uris_are_checked_at_plan_time(
     sections: dict[str, Any], problem: tuple[str, str] | None

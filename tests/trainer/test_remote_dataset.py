@@ -130,3 +130,31 @@ def test_missing_objects_and_buckets_and_a_corpus_too_big_are_refused_naming_the
 def test_paths_are_not_staged(tmp_path: Path) -> None:
     assert stage_dataset(DatasetSpec(uri=str(tmp_path / "x.jsonl")), None, tmp_path) is None
     assert stage_dataset(DatasetSpec(uri="builtin://quickstart"), None, tmp_path) is None
+
+
+def test_a_dataset_not_in_jsonl_or_parquet_objects_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedConfigError, match="format hf is not read from object storage"):
+        stage_dataset(DatasetSpec(uri="s3://b/ds", format="hf"), None, tmp_path)
+
+
+def test_denied_credentials_are_refused_naming_the_uri(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that checks keys (moto with IAM auth from the first request): the test's keys
+    belong to no user, so every request is denied (InvalidAccessKeyId, 403)."""
+    from finetune_operator.api.spec import ModelSpec
+    from finetune_trainer.tokenizer import build_tokenizer
+    from tests.objectstore import CREDENTIALS, moto_server
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")
+    with moto_server() as server:
+        uri = "s3://some-bucket/data.jsonl"
+        with pytest.raises(UnsupportedConfigError) as err:
+            stage_dataset(DatasetSpec(uri=uri), server.spec(), tmp_path)
+        assert f"dataset.uri {uri!r}: access denied" in str(err.value)
+        model = ModelSpec(name="m", source="uri", path="s3://some-bucket/model")
+        with pytest.raises(UnsupportedConfigError) as err:
+            build_tokenizer(model, server.spec())
+        assert "spec.model.path 's3://some-bucket/model': access denied" in str(err.value)

@@ -296,7 +296,8 @@ def object_store_uris(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
     """(field, URI) of every field of the job that may name an object store."""
     uris = [(f"spec.{name}.uri", getattr(spec, name).uri or "") for name in _OBJECT_STORE_FIELDS]
     uris.append(("spec.dataset.uri", spec.dataset.uri))
-    if spec.model.source in ("pvc", "uri"):
+    # A hub id has no scheme: a hub model naming one is a mistake this check reports.
+    if spec.model.source in ("pvc", "uri") or "://" in spec.model.name:
         field = "spec.model.path" if spec.model.path else "spec.model.name"
         uris.append((field, spec.model.weights_location() or ""))
     return uris
@@ -317,8 +318,8 @@ def _read_problem(field: str, uri: str, spec: FineTuneJobSpec) -> str | None:
             return f"{uri!r}: a glob (*) is allowed only in the last part of the key"
     elif spec.model.source != "uri":
         return (
-            f"{uri!r}: source {spec.model.source} reads a mounted volume; weights on object "
-            "storage need spec.model.source uri"
+            f"{uri!r}: source {spec.model.source} does not read object storage; weights on "
+            "object storage need spec.model.source uri"
         )
     return None
 

@@ -183,6 +183,9 @@ def stage_dataset(
     budget), checked before downloading."""
     if not is_object_store_uri(spec.uri):
         return None
+    if spec.format not in ("jsonl", "parquet"):  # refused at plan time too (api/storage.py)
+        raise _refusal(spec, f"format {spec.format} is not read from object storage; use "
+                             "jsonl or parquet objects")  # fmt: skip
     data_dir = data_dir or Path(tempfile.gettempdir()) / "finetune-data"
     pattern = locate(spec.uri, "dataset.uri", object_store=store)
     objects = list_objects(spec, pattern)
