@@ -1,7 +1,7 @@
 """Bytes each rank fetches of pretrained safetensors on object storage, against the whole model
 (what a download per rank would fetch), at several FSDP world sizes, in the same run.
 
-A ~60M-parameter Llama (fp32, 5 safetensors shards) is saved to a bucket of moto's S3 server
+A 67M-parameter Llama (256 MiB in fp32, 5 safetensors shards) is saved to a bucket of moto's S3 server
 on loopback; torchrun ranks load it the trainer's way (meta -> shard -> ranged reads into the
 shards: finetune_trainer.safetensors_ranges) and report the bytes they read; the loaded
 logits are checked against `from_pretrained` of the same files.
