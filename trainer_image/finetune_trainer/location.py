@@ -1,5 +1,6 @@
-"""Where checkpoints and the exported model live: a directory on a local (or mounted) filesystem
-or a prefix in object storage (`s3://bucket/prefix`), behind one small interface over fsspec.
+"""Where checkpoints and the exported model live (and where a dataset or pretrained weights are
+read from): a directory on a local (or mounted) filesystem or a prefix in object storage
+(`s3://bucket/prefix`), behind one small interface over fsspec.
 
 The checkpoint store, the ownership records and the exporter use only this interface, so one
 code path serves both. The two kinds differ in two ways that matter, handled here and nowhere

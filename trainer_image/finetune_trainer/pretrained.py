@@ -81,7 +81,8 @@ def _underlying(exc: BaseException) -> BaseException:
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
-        return first[0] if isinstance(first, tuple) else first
+        cause = first[0] if isinstance(first, tuple) else first
+        return cause if isinstance(cause, BaseException) else exc
     return exc
 
 

@@ -208,11 +208,11 @@ def stage_dataset(
                     "corpus and its tokenized blocks)"
                 ))  # fmt: skip
             directory.mkdir()
-            for local, obj in zip(local_names(objects), objects, strict=True):
-                _download(spec, pattern, obj, directory / local)
+            for filename, obj in zip(local_names(objects), objects, strict=True):
+                _download(spec, pattern, obj, directory / filename)
             write_synced(directory / MANIFEST, json.dumps([o.identity() for o in objects]).encode())
             fsync_dir(directory)
             log.info("dataset %s: fetched %d objects, %d bytes", spec.uri, len(objects),
                      sum(o.size for o in objects))  # fmt: skip
-    local = spec.model_copy(update={"uri": str(directory / "[0-9]*")})
-    return StagedDataset(spec=local, files=[o.identity() for o in objects])
+    copy = spec.model_copy(update={"uri": str(directory / "[0-9]*")})
+    return StagedDataset(spec=copy, files=[o.identity() for o in objects])
