@@ -158,3 +158,25 @@ def test_denied_credentials_are_refused_naming_the_uri(
         with pytest.raises(UnsupportedConfigError) as err:
             build_tokenizer(model, server.spec())
         assert "spec.model.path 's3://some-bucket/model': access denied" in str(err.value)
+
+
+def test_a_short_download_is_an_error_naming_the_object_and_leaves_no_file(
+    bucket: tuple[MotoServer, str], tmp_path: Path
+) -> None:
+    """Fewer bytes than the listing promised (a broken connection, or the object replaced
+    meanwhile): not a refusal (a restart fetches it again), and nothing half-written stays."""
+    from finetune_trainer.data.remote import download
+
+    server, root = bucket
+    corpus = write_corpus(tmp_path / "a.jsonl")
+    uri = f"{root}/data.jsonl"
+    put(server, uri, corpus)
+    promised = RemoteObject(uri, corpus.stat().st_size + 10, "etag", None)
+    target = tmp_path / "copy" / "00000-data.jsonl"
+    target.parent.mkdir()
+    with pytest.raises(OSError) as err:
+        download(DatasetSpec(uri=uri), locate(uri, "test", object_store=server.spec()),
+                  promised, target)  # fmt: skip
+    assert not isinstance(err.value, UnsupportedConfigError)
+    assert f"{uri} downloaded {corpus.stat().st_size} of {promised.size} bytes" in str(err.value)
+    assert list(target.parent.iterdir()) == []

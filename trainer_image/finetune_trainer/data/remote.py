@@ -131,7 +131,8 @@ def _intact(directory: Path, objects: list[RemoteObject]) -> bool:
     return True
 
 
-def _download(spec: DatasetSpec, source: Location, obj: RemoteObject, target: Path) -> None:
+def download(spec: DatasetSpec, source: Location, obj: RemoteObject, target: Path) -> None:
+    """One object to `target`, through a temporary name: complete, or not there at all."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         source.fs.get_file(source.fs._strip_protocol(obj.url), str(tmp))
@@ -209,7 +210,7 @@ def stage_dataset(
                 ))  # fmt: skip
             directory.mkdir()
             for filename, obj in zip(local_names(objects), objects, strict=True):
-                _download(spec, pattern, obj, directory / filename)
+                download(spec, pattern, obj, directory / filename)
             write_synced(directory / MANIFEST, json.dumps([o.identity() for o in objects]).encode())
             fsync_dir(directory)
             log.info("dataset %s: fetched %d objects, %d bytes", spec.uri, len(objects),
