@@ -89,12 +89,14 @@ def test_deepspeed_plans_are_accepted(strategy: str, offload: str) -> None:
         (_spec(model__attention="flash"), _plan(), "spec.model.attention"),
         (_spec(method__type="qlora", resources__device="gpu", resources__gpu={"memoryGiB": 80}),
          _plan("fsdp-full-shard"), "spec.method.type"),
-        (_spec(dataset__uri="s3://bucket/data.jsonl"), _plan(), "spec.dataset.uri"),
+        # s3:// datasets are read (data.remote); s3:// weights not by DeepSpeed's loaders.
+        (_spec(model__source="uri", model__path="s3://bucket/model",
+               strategy__backend="deepspeed"), _plan("zero3", "deepspeed"), "spec.model.path"),
     ],
     ids=["fp16-deepspeed-cpu", "qlora-deepspeed", "nvme", "offload-ddp", "adamw8bit-cpu",
          "adamw8bit-fsdp", "qlora-cpu", "flash-cpu",
          "qlora-fsdp",
-         "s3-dataset"],
+         "s3-weights-deepspeed"],
 )
 def test_refusals_name_the_field(spec: FineTuneJobSpec, plan: Plan, field: str) -> None:
     problems = trainer_refusals(spec, plan)

@@ -3,8 +3,9 @@
 - a PersistentVolumeClaim: the job mounts a claim, the local kubelet binds it to a host
   directory on first use (as a provisioner would), a killed worker's replacement resumes from
   the checkpoints on the claim, and nothing lands in the pods' working directory;
-- object storage: checkpoints and the exported model on s3:// (a real S3-compatible server,
-  moto's, started by the test), the credentials from a Secret the job names. Without the
+- object storage: the pretrained model (config, tokenizer, safetensors read by ranges into
+  the shards), the dataset, checkpoints and the exported model on s3:// (a real S3-compatible
+  server, moto's, started by the test), the credentials from a Secret the job names. Without the
   Secret the workers do not start and the job says why; once it exists they train; a worker
   stopped with SIGTERM (a preemption) makes the group's final save to the bucket, the group
   resumes from exactly that step, and the model lands in the bucket."""
@@ -14,6 +15,7 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +23,9 @@ import pytest
 from finetune_local.session import LocalSession, is_finished, phase_of
 from finetune_operator.api.constants import COND_WORKERS_READY
 from finetune_trainer import checkpoint_store as store
+from finetune_trainer.data import resolve_uri
 from finetune_trainer.export import FINISHED_MARKER, resolve_output
+from finetune_trainer.location import Location, locate
 from tests.e2e.conftest import committed_steps, resumed_steps, slowed_session
 from tests.objectstore import CREDENTIALS, MotoServer, moto_server
 
@@ -84,9 +88,27 @@ def _condition_message(job: dict[str, Any], ctype: str) -> str:
     return str(next((c.get("message") for c in conditions if c["type"] == ctype), ""))
 
 
+def _upload_pretrained(architecture: dict[str, Any], local: Path, target: Location) -> None:
+    """The quickstart's architecture as a Hugging Face model directory, in the bucket."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune_operator.api.spec import ModelArchitecture
+    from finetune_trainer.model import hf_config_kwargs
+    from finetune_trainer.tokenizer import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    kwargs = hf_config_kwargs(ModelArchitecture.model_validate(architecture))
+    config = LlamaConfig(**kwargs, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(local, max_shard_size="100KB")
+    tok.save_pretrained(local)
+    for path in sorted(local.iterdir()):
+        (target / path.name).upload(path)
+
+
 def test_checkpoint_and_resume_through_s3_with_a_secret(
     session: LocalSession, s3: MotoServer, quickstart_doc: dict[str, Any],
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:  # fmt: skip
     assert session.core is not None
     bucket = s3.new_bucket()
@@ -98,6 +120,16 @@ def test_checkpoint_and_resume_through_s3_with_a_secret(
     spec["output"]["uri"] = f"s3://{bucket}/models/{name}"
     spec["storage"] = {"objectStore": {"secretName": secret, "endpointUrl": s3.endpoint,
                                        "region": "eu-west-1", "pathStyle": True}}  # fmt: skip
+    # The base model and the corpus are read from the bucket too.
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    base = f"s3://{bucket}/base/{name}"
+    _upload_pretrained(spec["model"]["architecture"], tmp_path / "base",
+                       locate(base, "test", object_store=s3.spec()))  # fmt: skip
+    corpus = locate(f"s3://{bucket}/data/quickstart.jsonl", "test", object_store=s3.spec())
+    corpus.upload(Path(resolve_uri(spec["dataset"]["uri"])))
+    spec["model"].update({"source": "uri", "path": base})
+    spec["dataset"]["uri"] = corpus.url
     session.submit(quickstart_doc)
 
     # No Secret yet: the workers wait in CreateContainerConfigError, and the job says so.
@@ -127,10 +159,13 @@ def test_checkpoint_and_resume_through_s3_with_a_secret(
     stop_step, committed = int(stopped.group(1)), int(stopped.group(2))
     assert stop_step == committed >= at_kill > 0, (stop_step, committed, at_kill)
     assert resumed_steps(log)[0] == stop_step, resumed_steps(log)
+    # DDP: each start of the worker read the whole replica, once (sharded strategies read
+    # their shards: tests/trainer/test_remote_weights.py).
+    read = re.findall(r"pretrained weights: read (\d+) of (\d+) bytes from s3://", text)
+    assert read and all(n == total for n, total in read), read
+    assert f"dataset {corpus.url}: fetched 1 objects" in text
 
     # What the job wrote is in the bucket, and nothing of it on a local disk.
-    for key, value in CREDENTIALS.items():
-        monkeypatch.setenv(key, value)
     root = store.resolve_root(spec["checkpoint"]["uri"], object_store=s3.spec())
     steps = [c.step for c in store.committed_newest_first(root)]
     assert steps[0] == 15 and len(steps) == spec["checkpoint"].get("keep", 3), steps  # keep-last-K

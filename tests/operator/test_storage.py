@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 from pydantic import ValidationError
 
+from finetune_operator.api.capabilities import trainer_refusals
 from finetune_operator.api.manifest import load_manifest
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.storage import StorageSpec, object_store_problems, unmounted_paths
@@ -98,9 +99,36 @@ STORE = {"objectStore": {"secretName": "s3-credentials", "endpointUrl": "http://
          ("spec.checkpoint.uri", "https://storage.googleapis.com")),
         ({"checkpoint": {"uri": "az://b/ckpt"}}, ("spec.checkpoint.uri", "az:// is not supported")),
         ({"checkpoint": {"uri": "file:///shared/ckpt"}, "storage": SHARED}, None),
+        ({"dataset": {"uri": "s3://b/data/train-*.jsonl", "format": "jsonl"}, "storage": STORE},
+         None),
+        ({"dataset": {"uri": "s3://b/data/train.parquet", "format": "parquet"}}, (
+            "spec.dataset.uri", "needs spec.storage.objectStore")),
+        ({"dataset": {"uri": "s3://b/data/", "format": "jsonl"}, "storage": STORE},
+         ("spec.dataset.uri", "names no object")),
+        ({"dataset": {"uri": "s3://b/*/train.jsonl", "format": "jsonl"}, "storage": STORE},
+         ("spec.dataset.uri", "only in the last part")),
+        ({"dataset": {"uri": "s3://b/ds", "format": "hf"}, "storage": STORE},
+         ("spec.dataset.uri", "read as jsonl or parquet")),
+        ({"dataset": {"uri": "gs://b/train.jsonl", "format": "jsonl"}, "storage": STORE},
+         ("spec.dataset.uri", "gs:// is not supported")),
+        ({"dataset": {"uri": "builtin://quickstart"}}, None),
+        ({"model": {"name": "Llama-3.1-8B", "source": "uri", "path": "s3://b/llama"},
+          "storage": STORE}, None),
+        ({"model": {"name": "Llama-3.1-8B", "source": "uri", "path": "s3://b/llama"}},
+         ("spec.model.path", "needs spec.storage.objectStore")),
+        ({"model": {"name": "Llama-3.1-8B", "source": "pvc", "path": "s3://b/llama"},
+          "storage": STORE}, ("spec.model.path", "need spec.model.source uri")),
+        ({"model": {"name": "s3://b/llama", "source": "hub"}, "storage": STORE},
+         ("spec.model.name", "source hub does not read object storage")),
+        ({"model": {"name": "s3:///llama", "source": "uri"}, "storage": STORE},
+         ("spec.model.name", "names no bucket")),
+        ({"model": {"name": "Llama-3.1-8B", "source": "uri", "path": "az://b/llama"}},
+         ("spec.model.path", "az:// is not supported")),
     ],
     ids=["s3-with-store", "s3-checkpoint-no-store", "s3-output-no-store", "no-bucket", "gs",
-         "az", "file"],
+         "az", "file", "dataset-s3-glob", "dataset-no-store", "dataset-no-key",
+         "dataset-glob-in-prefix", "dataset-hf-format", "dataset-gs", "dataset-builtin",
+         "model-s3", "model-no-store", "model-pvc-source", "model-hub-source", "model-no-bucket", "model-az"],
 )  # fmt: skip
 def test_object_store_uris_are_checked_at_plan_time(
     sections: dict[str, Any], problem: tuple[str, str] | None
@@ -175,3 +203,35 @@ def test_every_example_plans_and_its_pods_validate_with_their_volumes(path: Path
     declared = {p for p, _ in spec.storage.mounts()}
     mounted = {m["mountPath"] for m in worker["spec"]["containers"][0]["volumeMounts"]}
     assert declared <= mounted
+
+
+@pytest.mark.parametrize(
+    ("strategy", "method", "device", "refusal"),
+    [("fsdp-full-shard", "full", "cpu", None), ("ddp", "lora", "cpu", None),
+     ("zero3", "full", "cpu", "spec.model.path: DeepSpeed reads pretrained weights from a volume"),
+     ("ddp", "qlora", "gpu", "spec.model.path: qlora quantises while loading from a volume")],
+    ids=["fsdp", "ddp-lora", "deepspeed", "qlora"],
+)  # fmt: skip
+def test_s3_weights_are_refused_where_the_trainer_cannot_read_them(
+    strategy: str, method: str, device: str, refusal: str | None
+) -> None:
+    """The torch backends read s3:// weights by ranges; DeepSpeed's loaders and QLoRA's
+    quantising load read a volume: refused at plan time naming the field."""
+    spec = spec_with(model={"source": "uri", "path": "s3://b/tiny"}, storage=STORE,
+                     method={"type": method}, resources={"device": device})  # fmt: skip
+    backend = "deepspeed" if strategy.startswith("zero") else "fsdp"
+    plan = make_plan().model_copy(update={"strategy": strategy, "backend": backend})
+    refusals = [r for r in trainer_refusals(spec, plan) if r.startswith("spec.model")]
+    if refusal is None:
+        assert refusals == []
+    else:
+        assert len(refusals) == 1 and refusals[0].startswith(refusal), refusals
+
+
+def test_an_s3_model_the_catalog_does_not_know_needs_its_architecture_in_the_spec() -> None:
+    spec = spec_with(model={"name": "my-model", "source": "uri", "path": "s3://b/my-model",
+                            "architecture": None}, storage=STORE)  # fmt: skip
+    with pytest.raises(PlanningError) as err:
+        plan_job(spec)
+    assert err.value.field == "spec.model.architecture"
+    assert "does not read s3://b/my-model" in str(err.value)

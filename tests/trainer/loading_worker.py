@@ -3,7 +3,8 @@ way the trainer does (meta -> shard -> materialise), then report per rank.
 
 Modes:
   model   OUT JOB   rank 0 writes {"logits": of a fixed input, "state": the full state dict,
-                    "tied": whether the head is still the embedding} to OUT (torch.save)
+                    "tied": whether the head is still the embedding, "fetched": per rank, the
+                    bytes of pretrained weights read from object storage} to OUT (torch.save)
   memory  OUT JOB [--old]   peak RSS while loading, per rank, appended as JSON lines to OUT
                     (--old: the previous path, a whole model per rank, then fully_shard)
 """
@@ -11,6 +12,7 @@ Modes:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import sys
@@ -48,6 +50,18 @@ def local_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+class Fetched(logging.Handler):
+    """What finetune_trainer.pretrained logs of a ranged (object-store) read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "bytes_read"):
+            self.rows.append({"bytes_read": record.bytes_read, "bytes_total": record.bytes_total})
+
+
 def main() -> None:
     mode, out, job_path = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     old = "--old" in sys.argv
@@ -55,8 +69,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     job = JobConfig.model_validate_json(job_path.read_text())
     spec = job.spec
-    tok = build_tokenizer(spec.model)
+    tok = build_tokenizer(spec.model, spec.storage.object_store)
     torch.manual_seed(spec.training.seed)
+    fetched = Fetched()
+    logging.getLogger("finetune_trainer.pretrained").addHandler(fetched)
+    logging.getLogger("finetune_trainer.pretrained").setLevel(logging.INFO)
     base = rss_bytes()
     t0 = time.perf_counter()
     if old:  # the whole model on every rank, then sharded (the code before meta loading)
@@ -85,8 +102,10 @@ def main() -> None:
         )
         base = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped
         tied = base.get_output_embeddings().weight is base.get_input_embeddings().weight
+        reads: list[object] = [None] * world
+        dist.all_gather_object(reads, fetched.rows[0] if fetched.rows else None)
         if rank == 0:
-            torch.save({"logits": logits, "state": state, "tied": tied}, out)
+            torch.save({"logits": logits, "state": state, "tied": tied, "fetched": reads}, out)
     dist.destroy_process_group()
 
 

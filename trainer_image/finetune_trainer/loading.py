@@ -20,9 +20,11 @@ from finetune_operator.api.deepspeed_config import uses_deepspeed
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.strategies import STRATEGIES
+from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.materialize import materialize
-from finetune_trainer.model import build_meta_model, is_meta, weights_dir
+from finetune_trainer.model import build_meta_model, is_meta, weights_dir, weights_source
 from finetune_trainer.parallelize import Parallel, parallelize
+from finetune_trainer.remote_model import remote_weights, weights_field
 
 
 def shards_parameters(plan: Plan) -> bool:
@@ -41,6 +43,7 @@ def load_parallel_model(
     """Build on meta, shard, materialise (see the module docstring); `compile_model` compiles
     the decoder blocks (parallelize.compile_blocks: lazy, so the meta model is fine)."""
     spec = job.spec
+    store = spec.storage.object_store
     if uses_deepspeed(job.plan):
         return _deepspeed_model(job, tokenizer, device)
     model = build_meta_model(
@@ -52,7 +55,9 @@ def load_parallel_model(
         architecture=spec.model.architecture or job.plan.architecture,
         activation_checkpointing=job.plan.activation_checkpointing,
         precision=spec.training.precision,
+        object_store=store,
     )
+    weights = weights_source(spec.model, store)
     seed = spec.training.seed
     # FSDP2's CPUOffloadPolicy wants its shards on the host from the start (they move to the
     # GPU per unit while computing), so they are materialised there.
@@ -62,7 +67,7 @@ def load_parallel_model(
 
     def fill(m: nn.Module) -> None:
         if is_meta(m):
-            materialize(m, init_device, seed=seed, weights=weights_dir(spec.model))
+            materialize(m, init_device, seed=seed, weights=weights)
 
     sharded = shards_parameters(job.plan)
     if not sharded:
@@ -96,6 +101,12 @@ def _deepspeed_model(
     )
 
     spec = job.spec
+    if remote_weights(spec.model, spec.storage.object_store) is not None:
+        # Refused at plan time too (api/capabilities.py): ZeRO reads weights from a volume.
+        raise UnsupportedConfigError(
+            f"{weights_field(spec.model)}: DeepSpeed reads pretrained weights from a volume, "
+            "not s3:// yet; use an FSDP or DDP strategy"
+        )
     if zero_stage(job.plan.strategy) == 3:
         from finetune_trainer.deepspeed_loading import load_zero3_model
 

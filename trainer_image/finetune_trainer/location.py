@@ -1,5 +1,6 @@
-"""Where checkpoints and the exported model live: a directory on a local (or mounted) filesystem
-or a prefix in object storage (`s3://bucket/prefix`), behind one small interface over fsspec.
+"""Where checkpoints and the exported model live (and where a dataset or pretrained weights are
+read from): a directory on a local (or mounted) filesystem or a prefix in object storage
+(`s3://bucket/prefix`), behind one small interface over fsspec.
 
 The checkpoint store, the ownership records and the exporter use only this interface, so one
 code path serves both. The two kinds differ in two ways that matter, handled here and nowhere
@@ -220,6 +221,20 @@ class Location:
         if self.is_local:
             return FileSystemReader(self.path)
         return FsspecReader(self.url, **self.options)
+
+
+def access_problem(exc: BaseException) -> str | None:
+    """What a read's error means to the user, for the errors that are the job's configuration
+    (s3fs turns NoSuchBucket/NoSuchKey into FileNotFoundError, AccessDenied, a bad key or
+    signature into PermissionError); None for the others (network, throttling: transient)."""
+    if isinstance(exc, FileNotFoundError):
+        return "no such bucket or object"
+    if isinstance(exc, PermissionError):
+        return (
+            "access denied (check the keys in the Secret storage.objectStore.secretName names, "
+            "or the pod's own role, against the bucket's policy)"
+        )
+    return None
 
 
 def locate(

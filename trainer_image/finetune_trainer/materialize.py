@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from finetune_trainer.location import Location
 from finetune_trainer.pretrained import hf_model, load_safetensors
 
 INIT_DTYPE = torch.float32
@@ -163,10 +164,11 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 def materialize(
-    model: nn.Module, device: torch.device, *, seed: int, weights: Path | None = None
+    model: nn.Module, device: torch.device, *, seed: int, weights: Path | Location | None = None
 ) -> None:
     """Allocate `model`'s meta (possibly sharded) tensors on `device`, read the pretrained
-    `weights` (a Hugging Face safetensors directory) into them when given, and initialise the
+    `weights` (a Hugging Face safetensors directory or object-store prefix) into them when
+    given, and initialise the
     rest (all of an inline model; the adapters of a pretrained one). The global RNG is left as
     it was, so training's random streams do not depend on how the model was built."""
     shared = _shared_parameters(model)

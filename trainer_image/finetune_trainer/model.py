@@ -25,8 +25,11 @@ from transformers import (
 )
 
 from finetune_operator.api.spec import MethodSpec, ModelArchitecture, ModelSpec, Precision
+from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.location import Location
 from finetune_trainer.materialize import materialize
+from finetune_trainer.remote_model import model_files, remote_weights, weights_field
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +60,22 @@ def base_dtype(method: MethodSpec, precision: Precision) -> torch.dtype:
     return torch.float32
 
 
-def weights_dir(spec: ModelSpec) -> Path | None:
-    """Where a pretrained model's config and safetensors are: a directory (source pvc/uri, or
-    a hub id already on disk), else the hub snapshot (downloaded by every rank into its own
-    cache; no weights for inline models)."""
+def weights_dir(spec: ModelSpec, object_store: ObjectStoreSpec | None = None) -> Path | None:
+    """Where a pretrained model's config (and, but for object storage, safetensors) are: a
+    directory (source pvc/uri, or a hub id already on disk), the config and tokenizer files
+    fetched from an s3:// prefix (remote_model), else the hub snapshot (downloaded by every
+    rank into its own cache; no weights for inline models)."""
     location = spec.weights_location()
     if location is None:
         return None
+    remote = remote_weights(spec, object_store)
+    if remote is not None:
+        return model_files(remote, weights_field(spec))
     path = Path(location.removeprefix("file://"))
     if path.is_dir():
         return path
     if spec.source != "hub":
-        field = "spec.model.path" if spec.path else "spec.model.name"
+        field = weights_field(spec)
         raise UnsupportedConfigError(
             f"{field} {location!r}: no such directory (source {spec.source} reads a Hugging "
             "Face model directory on a mounted volume)"
@@ -84,14 +91,23 @@ def weights_dir(spec: ModelSpec) -> Path | None:
     )
 
 
+def weights_source(
+    spec: ModelSpec, object_store: ObjectStoreSpec | None = None
+) -> Path | Location | None:
+    """Where the safetensors are read from: the object-store prefix itself (read by ranges
+    into the shards, never downloaded), else the weights directory."""
+    return remote_weights(spec, object_store) or weights_dir(spec)
+
+
 def model_config(
     spec: ModelSpec,
     tokenizer: PreTrainedTokenizerBase,
     architecture: ModelArchitecture | None,
+    object_store: ObjectStoreSpec | None = None,
 ) -> PretrainedConfig:
     """The config to build: the weights' own config.json for pretrained models, else the
     architecture the planner resolved (spec, catalog or config.json: `Plan.architecture`)."""
-    weights = weights_dir(spec)
+    weights = weights_dir(spec, object_store)
     if weights is not None:
         config: PretrainedConfig = AutoConfig.from_pretrained(weights)
         return config
@@ -162,21 +178,27 @@ def build_meta_model(
     activation_checkpointing: bool,
     precision: Precision,
     construct_in: contextlib.AbstractContextManager[object] | None = None,
+    object_store: ObjectStoreSpec | None = None,
 ) -> nn.Module:
     """The model with LoRA adapters, on the meta device: shapes and dtypes only, no memory.
     Shard it (parallelize), then `materialize` it; QLoRA is built loaded (see above).
     `construct_in`: the context the base model is constructed in instead of the meta device
     (DeepSpeed ZeRO-3's `zero.Init`, which partitions each module as it is created:
-    deepspeed_loading); the adapters are then created outside it, whole."""
+    deepspeed_loading); the adapters are then created outside it, whole. `object_store`: where
+    an s3:// model's files are (spec.storage.objectStore)."""
     if method.type == "qlora" and device.type != "cuda":
         raise UnsupportedConfigError(
             "method.type qlora needs a CUDA GPU (bitsandbytes 4-bit weights); "
             "use method.type lora on CPU"
         )
+    if method.type == "qlora" and remote_weights(spec, object_store) is not None:
+        raise UnsupportedConfigError(
+            f"{weights_field(spec)}: qlora quantises while loading from a volume, not s3://"
+        )
     if method.type == "qlora":
         model = _load_qlora_base(spec, device)
     else:
-        config = model_config(spec, tokenizer, architecture)
+        config = model_config(spec, tokenizer, architecture, object_store)
         attn = _attention(spec, device)
         # dtype explicitly: transformers 5 defaults to "auto" (the checkpoint's own dtype),
         # which would silently drop full fine-tuning's fp32 master weights.
@@ -212,6 +234,7 @@ def build_model(
     precision: Precision,
     architecture: ModelArchitecture | None = None,
     seed: int | None = None,
+    object_store: ObjectStoreSpec | None = None,
 ) -> nn.Module:
     """A whole, unsharded model on `device` in the dtypes `precision` asks for (see the module
     docstring): the same weights the trainer gives its shards for this seed (default: the
@@ -224,10 +247,11 @@ def build_model(
         architecture=architecture or spec.architecture,
         activation_checkpointing=activation_checkpointing,
         precision=precision,
+        object_store=object_store,
     )
     if is_meta(model):
         seed = torch.initial_seed() if seed is None else seed
-        materialize(model, device, seed=seed, weights=weights_dir(spec))
+        materialize(model, device, seed=seed, weights=weights_source(spec, object_store))
     return model
 
 

@@ -4,17 +4,26 @@ DCP's `HuggingFaceStorageReader` plans the read like a checkpoint load: each ran
 for the slices its DTensor shards cover and safetensors reads just those bytes (`get_slice`),
 so no rank ever holds a whole tensor it does not own. Under DDP the parameters are plain
 tensors and every rank reads them whole (a full replica is what DDP is). The checkpoint's
-dtype is converted on copy (bf16 on disk into fp32 masters for full fine-tuning)."""
+dtype is converted on copy (bf16 on disk into fp32 masters for full fine-tuning).
+
+On object storage (`s3://`) the same load plan is served by byte ranges
+(finetune_trainer.safetensors_ranges): each rank fetches its shards' rows, never the model."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.location import Location, access_problem
+from finetune_trainer.safetensors_ranges import RangedSafetensorsReader, WeightsReadError
+
+log = logging.getLogger(__name__)
 
 # peft wraps each targeted linear: its weight moves under `.base_layer`.
 _PEFT_BASE = ".base_layer."
@@ -41,21 +50,74 @@ def has_safetensors(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
-def load_safetensors(model: nn.Module, path: Path) -> set[int]:
-    """Read every base parameter of `model` from the safetensors in `path`; returns the ids
-    of the parameters filled. A missing or mis-shaped tensor is an error naming the model."""
-    if not has_safetensors(path):
+def load_safetensors(model: nn.Module, weights: Path | Location) -> set[int]:
+    """Read every base parameter of `model` from the safetensors in `weights` (a directory, or
+    an object-store prefix); returns the ids of the parameters filled. A missing or
+    mis-shaped tensor is an error naming the model."""
+    if isinstance(weights, Location) and weights.is_local:
+        weights = weights.local_path
+    if isinstance(weights, Location):
+        return _load_ranged(model, weights)
+    if not has_safetensors(weights):
         raise UnsupportedConfigError(
-            f"spec.model: no *.safetensors weights in {path} (the trainer reads Hugging "
+            f"spec.model: no *.safetensors weights in {weights} (the trainer reads Hugging "
             "Face safetensors; convert .bin checkpoints with save_pretrained)"
         )
     params = checkpoint_keys(model)
     state: dict[str, torch.Tensor] = dict(params)
     try:
-        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    except Exception as exc:  # DCP wraps per-rank failures in CheckpointException
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(weights)))
+    # DCP wraps per-rank failures in CheckpointException, a BaseException.
+    except (Exception, CheckpointException) as exc:
         raise UnsupportedConfigError(
-            f"spec.model: cannot read the weights in {path} into the model built from "
+            f"spec.model: cannot read the weights in {weights} into the model built from "
             f"its config: {exc}"
         ) from exc
+    return {id(p) for p in params.values()}
+
+
+def _underlying(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (else `exc`)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        cause = first[0] if isinstance(first, tuple) else first
+        return cause if isinstance(cause, BaseException) else exc
+    return exc
+
+
+def _load_ranged(model: nn.Module, weights: Location) -> set[int]:
+    try:
+        found = any(e.name.endswith(".safetensors") for e in weights.children())
+    except OSError as e:
+        raise UnsupportedConfigError(f"spec.model: {weights.url}: {access_problem(e) or e}") from e
+    if not found:
+        raise UnsupportedConfigError(
+            f"spec.model: no *.safetensors objects under {weights.url} (the trainer reads "
+            "Hugging Face safetensors; convert .bin checkpoints with save_pretrained)"
+        )
+    params = checkpoint_keys(model)
+    state: dict[str, torch.Tensor] = dict(params)
+    reader = RangedSafetensorsReader(weights)
+    try:
+        dcp.load(state, storage_reader=reader)
+    except (Exception, CheckpointException) as exc:
+        cause = _underlying(exc)
+        # A short read or the network: may pass on a restart, so not a refusal.
+        if isinstance(cause, WeightsReadError) or (
+            isinstance(cause, OSError) and access_problem(cause) is None
+        ):
+            raise RuntimeError(f"reading the weights under {weights.url}: {cause}") from exc
+        problem = access_problem(cause) or str(cause)
+        raise UnsupportedConfigError(
+            f"spec.model: cannot read the weights under {weights.url} into the model built "
+            f"from its config: {problem}"
+        ) from exc
+    log.info(
+        "pretrained weights: read %d of %d bytes from %s",
+        reader.bytes_read,
+        reader.bytes_total,
+        weights.url,
+        extra={"bytes_read": reader.bytes_read, "bytes_total": reader.bytes_total},
+    )
     return {id(p) for p in params.values()}

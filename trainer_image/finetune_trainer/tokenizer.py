@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from finetune_operator.api.spec import ModelSpec
+from finetune_operator.api.storage import ObjectStoreSpec
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 
@@ -47,10 +48,18 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def build_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+def build_tokenizer(
+    spec: ModelSpec, object_store: ObjectStoreSpec | None = None
+) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; `object_store`: where an s3:// model's files are (its tokenizer
+    files are fetched with its config: remote_model)."""
     if spec.source == "inline":
         return build_byte_tokenizer()
-    tok = AutoTokenizer.from_pretrained(spec.weights_location(), revision=spec.revision)
+    from finetune_trainer.remote_model import model_files, remote_weights, weights_field
+
+    remote = remote_weights(spec, object_store)
+    where = model_files(remote, weights_field(spec)) if remote else spec.weights_location()
+    tok = AutoTokenizer.from_pretrained(where, revision=spec.revision)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -16,6 +16,7 @@ from finetune_trainer.checkpointer import build_checkpointer
 from finetune_trainer.collective_timeout import TrainingTimeout
 from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.data import CacheSettings, build_dataset
+from finetune_trainer.data.remote import stage_dataset
 from finetune_trainer.data.shared import shared_cache_for
 from finetune_trainer.deepspeed_engine import select_accelerator
 from finetune_trainer.distributed import init_distributed, select_device, set_training_timeout
@@ -108,10 +109,13 @@ class Trainer:
         check_precision(spec.training.precision)  # refuse early
         torch.manual_seed(spec.training.seed)
 
-        tokenizer = build_tokenizer(spec.model)
+        tokenizer = build_tokenizer(spec.model, spec.storage.object_store)
+        store = spec.storage.object_store
+        staged = stage_dataset(spec.dataset, store, env.data_cache_dir, env.data_cache_limit_bytes)
         self.data = build_dataset(
-            spec.dataset, tokenizer, spec.training.sequence_length, cache=data_cache(env, job)
-        )
+            spec.dataset, tokenizer, spec.training.sequence_length, cache=data_cache(env, job),
+            staged=staged,
+        )  # fmt: skip
         self.startup.mark("data", note=self.data.source)
         self.parallel = load_parallel_model(
             job,

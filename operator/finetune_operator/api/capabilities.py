@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.storage import is_object_store_uri
 from finetune_operator.api.strategies import STRATEGIES, StrategyTable
-
-_OBJECT_STORES = ("s3://", "gs://", "az://", "abfs://")
 
 
 def trainer_refusals(
@@ -62,11 +61,19 @@ def trainer_refusals(
     if spec.model.source == "inline" and spec.model.architecture is plan.architecture is None:
         # The planner resolves catalog names and config.json paths into plan.architecture.
         problems.append("spec.model.architecture: source inline builds the model from it")
-    # Checkpoints and the export go to s3:// (api/storage.py checks those URIs at plan time);
-    # the dataset is read from a volume.
-    if spec.dataset.uri.startswith(_OBJECT_STORES):
-        problems.append(
-            "spec.dataset.uri: datasets on object storage are not implemented yet; use a path "
-            "on a volume of spec.storage"
-        )
+    # Object-store URIs themselves are checked at plan time by api/storage.py; here, what
+    # the trainer's loading paths do not read from one.
+    weights = spec.model.weights_location() if spec.model.source == "uri" else None
+    if weights is not None and is_object_store_uri(weights):
+        field = "spec.model.path" if spec.model.path else "spec.model.name"
+        if deepspeed:
+            problems.append(
+                f"{field}: DeepSpeed reads pretrained weights from a volume, not s3:// yet; "
+                "use an FSDP or DDP strategy, or a path on a volume of spec.storage"
+            )
+        elif spec.method.type == "qlora":
+            problems.append(
+                f"{field}: qlora quantises while loading from a volume, not s3://; use a path "
+                "on a volume of spec.storage"
+            )
     return problems

@@ -94,7 +94,9 @@ class ModelSpec(SpecModel):
         max_length=lim.MAX_URI_LENGTH,
         description=(
             "Directory of the Hugging Face model (config.json, *.safetensors) on a mounted "
-            "volume, for source pvc or uri; defaults to name. name stays the catalog/hub id."
+            "volume, for source pvc or uri, or s3://bucket/prefix for source uri (weights "
+            "read by byte ranges into each rank's shards); defaults to name. name stays the "
+            "catalog/hub id."
         ),
     )
     attention: AttentionImpl = Field("sdpa", description="Attention implementation.")

@@ -9,8 +9,10 @@ between pods). Checkpoints and output are written by every worker: their claim m
 ReadWriteMany (NFS, CephFS, Filestore, EFS, Azure Files...).
 
 Checkpoints and the exported model may instead go to object storage (`s3://bucket/prefix`: AWS
-S3 or an S3-compatible store) described by `storage.objectStore`; its credentials stay in a
-Secret the job names, which the kubelet turns into the workers' environment."""
+S3 or an S3-compatible store) described by `storage.objectStore`, and the dataset (jsonl or
+parquet objects) and pretrained weights (`model.source: uri`) may be read from it; its
+credentials stay in a Secret the job names, which the kubelet turns into the workers'
+environment."""
 
 from __future__ import annotations
 
@@ -42,8 +44,11 @@ CLAIM_VOLUME_PREFIX = "claim-"
 SECRET_KEYS_REQUIRED = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 SECRET_KEYS_OPTIONAL = ("AWS_SESSION_TOKEN",)
 OBJECT_STORE_SCHEME = "s3://"
-# Written fields that may name an object store (the dataset and weights are read from volumes).
+# Written fields that may name an object store; the dataset and the weights of a model of
+# source uri are read from one (object_store_uris).
 _OBJECT_STORE_FIELDS = ("checkpoint", "output")
+# Schemes that are not object stores: a path, or a dataset shipped in the trainer image.
+_NOT_OBJECT_STORES = ("file", "builtin")
 
 
 class ClaimMount(SpecModel):
@@ -77,7 +82,8 @@ class VolumeMount(SpecModel):
 
 
 class ObjectStoreSpec(SpecModel):
-    """Where s3:// URIs of checkpoint.uri and output.uri live, and the Secret with the keys."""
+    """Where the job's s3:// URIs (checkpoint, output, dataset, model path) live, and the
+    Secret with the keys."""
 
     secret_name: str | None = Field(
         None,
@@ -121,8 +127,8 @@ class StorageSpec(SpecModel):
     object_store: ObjectStoreSpec | None = Field(
         None,
         description=(
-            "Object storage for s3:// checkpoint.uri and output.uri: endpoint, region and the "
-            "Secret holding the credentials (never in the spec)."
+            "Object storage for s3:// checkpoint.uri, output.uri, dataset.uri and model.path: "
+            "endpoint, region and the Secret holding the credentials (never in the spec)."
         ),
     )
     claims: list[ClaimMount] = Field(
@@ -281,14 +287,52 @@ def unmounted_paths(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
     return problems
 
 
+def is_object_store_uri(uri: str) -> bool:
+    """Whether the trainer reads or writes `uri` through the object store (s3://)."""
+    return uri.startswith(OBJECT_STORE_SCHEME)
+
+
+def object_store_uris(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
+    """(field, URI) of every field of the job that may name an object store."""
+    uris = [(f"spec.{name}.uri", getattr(spec, name).uri or "") for name in _OBJECT_STORE_FIELDS]
+    uris.append(("spec.dataset.uri", spec.dataset.uri))
+    # A hub id has no scheme: a hub model naming one is a mistake this check reports.
+    if spec.model.source in ("pvc", "uri") or "://" in spec.model.name:
+        field = "spec.model.path" if spec.model.path else "spec.model.name"
+        uris.append((field, spec.model.weights_location() or ""))
+    return uris
+
+
+def _read_problem(field: str, uri: str, spec: FineTuneJobSpec) -> str | None:
+    """What the trainer cannot read of an s3:// URI it reads (dataset, weights)."""
+    key = uri.removeprefix(OBJECT_STORE_SCHEME).partition("/")[2]
+    if field == "spec.dataset.uri":
+        if spec.dataset.format not in ("jsonl", "parquet"):
+            return (
+                f"{uri!r}: a dataset on object storage is read as jsonl or parquet objects; "
+                f"format {spec.dataset.format} reads a hub id or a save_to_disk directory"
+            )
+        if not key or key.endswith("/"):
+            return f"{uri!r} names no object: s3://<bucket>/<key> (a * glob in the last part)"
+        if "*" in key.rpartition("/")[0]:
+            return f"{uri!r}: a glob (*) is allowed only in the last part of the key"
+    elif spec.model.source != "uri":
+        return (
+            f"{uri!r}: source {spec.model.source} does not read object storage; weights on "
+            "object storage need spec.model.source uri"
+        )
+    return None
+
+
 def object_store_problems(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
     """(field, reason) for each object-store URI of the job the trainer cannot use: another
-    scheme than s3://, no bucket, or no storage.objectStore to say where and with which keys."""
+    scheme than s3://, no bucket, no storage.objectStore to say where and with which keys, or
+    a read the trainer does not do (a dataset not in jsonl/parquet objects, weights of a
+    source other than uri)."""
     problems: list[tuple[str, str]] = []
-    uris = [(f"spec.{name}.uri", getattr(spec, name).uri or "") for name in _OBJECT_STORE_FIELDS]
-    for field, uri in uris:
+    for field, uri in object_store_uris(spec):
         scheme, sep, rest = uri.partition("://")
-        if not sep or scheme == "file":
+        if not sep or scheme in _NOT_OBJECT_STORES:
             continue
         if scheme == "gs":
             problems.append((field, (
@@ -305,4 +349,8 @@ def object_store_problems(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
                 f"{uri!r} needs spec.storage.objectStore (secretName: a Secret with "
                 f"{' and '.join(SECRET_KEYS_REQUIRED)}; endpointUrl for S3-compatible stores)"
             )))
+        elif field not in ("spec.checkpoint.uri", "spec.output.uri"):
+            problem = _read_problem(field, uri, spec)
+            if problem:
+                problems.append((field, problem))
     return problems

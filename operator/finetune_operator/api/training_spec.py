@@ -28,8 +28,10 @@ class DatasetSpec(SpecModel):
         ...,
         min_length=1,
         max_length=lim.MAX_URI_LENGTH,
-        description="A file (jsonl/parquet) or directory on a volume of spec.storage, a "
-        "Hugging Face dataset id (format hf), or builtin://quickstart; not object storage yet.",
+        description="A file (jsonl/parquet) or directory on a volume of spec.storage, "
+        "s3://bucket/key (jsonl/parquet objects, a * glob in the last part; fetched once per "
+        "pod into its data-cache volume), a Hugging Face dataset id (format hf), or "
+        "builtin://quickstart.",
     )
     format: Literal["jsonl", "parquet", "hf"] = Field("jsonl", description="Dataset format.")
     text_field: str | None = Field(

@@ -176,6 +176,14 @@ def resolve_model(model: ModelSpec) -> ModelShape:
     if arch is None:
         entry = lookup(model.name)
         arch = entry.architecture if entry else _from_path(model.path or model.name)
+    if arch is None and "://" in (model.path or model.name):
+        # The operator holds no object-store credentials: it never reads the bucket.
+        raise PlanningError(
+            "spec.model.architecture",
+            f"model {model.name!r} is not in the planner's catalog and the operator does not "
+            f"read {model.path or model.name}: name a catalog model in spec.model.name, or "
+            "set spec.model.architecture (hiddenSize, numHiddenLayers, ...)",
+        )
     if arch is None:
         raise PlanningError(
             "spec.model.architecture",

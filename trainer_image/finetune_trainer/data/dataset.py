@@ -20,6 +20,7 @@ from finetune_trainer.data.cache import (
     files_identity,
     tokenizer_identity,
 )
+from finetune_trainer.data.remote import StagedDataset
 from finetune_trainer.errors import UnsupportedConfigError
 
 if TYPE_CHECKING:
@@ -86,16 +87,23 @@ def _in_memory(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, packer: Bl
 
 
 def _cached(
-    cache: CacheSettings, spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, packer: BlockPacker
+    cache: CacheSettings,
+    spec: DatasetSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    packer: BlockPacker,
+    staged: StagedDataset | None,
 ) -> tuple[Blocks | None, str]:
-    files = files_identity(spec)
+    # A staged (object-store) dataset is keyed on the objects' identity (ETag, size,
+    # version) and the job's own URI, not on the local copy's paths and mtimes.
+    files = staged.files if staged is not None else files_identity(spec)
     if files is None:
         log.info("dataset %s: a hub dataset is not cached (its content cannot be checked)", spec.uri)
         return None, "tokenized"
     key = cache_key(spec, files, tokenizer_identity(tokenizer), packer.seq_len, packer.dtype.str)
+    read = staged.spec if staged is not None else spec
 
     def build(writer: EntryWriter) -> int:
-        for blocks in stream_blocks(spec, tokenizer, packer):
+        for blocks in stream_blocks(read, tokenizer, packer):
             writer.write(blocks)
         return packer.samples
 
@@ -111,19 +119,21 @@ def build_dataset(
     tokenizer: PreTrainedTokenizerBase,
     seq_len: int,
     cache: CacheSettings | None = None,
+    staged: StagedDataset | None = None,
 ) -> TokenBlocks:
     """The dataset's blocks; through `cache` when given (a hit neither reads the records
-    nor calls the tokenizer)."""
+    nor calls the tokenizer). `staged`: the pod's local copy of an object-store dataset
+    (data.remote), read in its place."""
     pad_id = pad_id_for(spec, tokenizer)
     dtype = token_dtype(tokenizer)
     blocks: Blocks | None = None
     source = "tokenized"
     packer = BlockPacker(seq_len, dtype, pad_id)
     if cache is not None:
-        blocks, source = _cached(cache, spec, tokenizer, packer)
+        blocks, source = _cached(cache, spec, tokenizer, packer, staged)
     if blocks is None:
         packer = BlockPacker(seq_len, dtype, pad_id)
-        blocks = _in_memory(spec, tokenizer, packer)
+        blocks = _in_memory(staged.spec if staged is not None else spec, tokenizer, packer)
     if len(blocks) == 0:
         raise UnsupportedConfigError(
             f"dataset {spec.uri!r} yields no block of training.sequenceLength {seq_len} tokens"

@@ -45,8 +45,8 @@ def resolve_uri(uri: str) -> str:
         return uri.removeprefix("file://")
     if "://" in uri:
         raise UnsupportedConfigError(
-            f"dataset.uri {uri!r}: only local/shared-filesystem paths, HF dataset ids and "
-            "builtin:// are implemented yet"
+            f"dataset.uri {uri!r}: only paths, HF dataset ids, builtin:// and s3:// "
+            "(fetched first: data.remote) are read"
         )
     return uri
 

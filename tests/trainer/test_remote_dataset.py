@@ -1,0 +1,182 @@
+"""A dataset on object storage (dataset.uri s3://...), against a real S3-compatible server
+(moto): fetched once per pod into its data area, read like files (jsonl, parquet, a glob),
+and tokenized through the per-pod cache, whose key follows the objects' identity (ETag): a
+rewritten object is fetched again and never served from the stale entry. Errors name the URI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from finetune_operator.api.spec import DatasetSpec
+from finetune_trainer.data import CacheSettings, TokenBlocks, build_dataset
+from finetune_trainer.data.remote import (
+    OBJECTS_DIR,
+    RemoteObject,
+    fits,
+    local_names,
+    stage_dataset,
+)
+from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.location import locate
+from finetune_trainer.tokenizer import build_byte_tokenizer
+from tests.objectstore import MotoServer
+from tests.trainer.test_data_cache import SEQ, reference_blocks, write_corpus
+
+
+def obj(url: str, size: int = 1) -> RemoteObject:
+    return RemoteObject(url, size, "e", None)
+
+
+def test_local_names_keep_key_order_and_tell_equal_base_names_apart() -> None:
+    names = local_names([obj("s3://b/a/part.jsonl"), obj("s3://b/b/part.jsonl"), obj("s3://b/c.jsonl")])
+    assert names == ["00000-part.jsonl", "00001-part.jsonl", "00002-c.jsonl"]
+    assert sorted(names) == names
+
+
+@pytest.mark.parametrize(("budget", "want"), [(None, True), (30, True), (29, False)],
+                         ids=["no-limit", "exact", "over"])  # fmt: skip
+def test_a_corpus_must_fit_the_data_area(budget: int | None, want: bool) -> None:
+    assert fits([obj("s3://b/x", 10), obj("s3://b/y", 20)], budget) is want
+
+
+def texts(path: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def bucket(s3_credentials: MotoServer) -> tuple[MotoServer, str]:
+    return s3_credentials, f"s3://{s3_credentials.new_bucket()}"
+
+
+def put(server: MotoServer, uri: str, source: Path) -> None:
+    locate(uri, "test", object_store=server.spec()).upload(source)
+
+
+def load(server: MotoServer, spec: DatasetSpec, data_dir: Path, **kw: Any) -> TokenBlocks:
+    staged = stage_dataset(spec, server.spec(), data_dir, kw.get("limit"))
+    assert staged is not None
+    cache = CacheSettings(data_dir, kw.get("limit"))
+    return build_dataset(spec, build_byte_tokenizer(), SEQ, cache, staged=staged)
+
+
+def test_jsonl_objects_are_fetched_once_and_a_changed_object_is_not_served_stale(
+    bucket: tuple[MotoServer, str], tmp_path: Path
+) -> None:
+    server, root = bucket
+    first, second = write_corpus(tmp_path / "a.jsonl"), write_corpus(tmp_path / "b.jsonl", seed=1)
+    put(server, f"{root}/corpus/part-0.jsonl", first)
+    put(server, f"{root}/corpus/part-1.jsonl", second)
+    put(server, f"{root}/corpus/notes.txt", first)  # outside the glob
+    spec = DatasetSpec(uri=f"{root}/corpus/part-*.jsonl", format="jsonl")
+    data = tmp_path / "pod"
+    built = load(server, spec, data)
+    assert built.source == "cache built"
+    assert np.array_equal(np.asarray(built.blocks), reference_blocks(texts(first) + texts(second), SEQ))
+    copies = sorted((data / OBJECTS_DIR).glob("*/[0-9]*"))
+    assert [p.name for p in copies] == ["00000-part-0.jsonl", "00001-part-1.jsonl"]
+    stamps = [p.stat().st_mtime_ns for p in copies]
+    # A restart of the pod's workers: the copy is current, the entry is hit.
+    assert load(server, spec, data).source == "cache hit"
+    assert [p.stat().st_mtime_ns for p in copies] == stamps
+    # The same key rewritten with other records of the very same size: only its ETag says.
+    changed = tmp_path / "c.jsonl"
+    changed.write_text(second.read_text().replace("quick", "brown"))
+    assert changed.stat().st_size == second.stat().st_size and texts(changed) != texts(second)
+    put(server, f"{root}/corpus/part-1.jsonl", changed)
+    rebuilt = load(server, spec, data)
+    assert rebuilt.source == "cache built"
+    want = reference_blocks(texts(first) + texts(changed), SEQ)
+    assert np.array_equal(np.asarray(rebuilt.blocks), want)
+
+
+def test_a_parquet_object_reads_like_the_same_file_on_a_volume(
+    bucket: tuple[MotoServer, str], tmp_path: Path
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    server, root = bucket
+    rows = texts(write_corpus(tmp_path / "a.jsonl"))
+    pq.write_table(pa.table({"text": rows}), tmp_path / "train.parquet", row_group_size=40)
+    put(server, f"{root}/train.parquet", tmp_path / "train.parquet")
+    remote = load(server, DatasetSpec(uri=f"{root}/train.parquet", format="parquet"), tmp_path / "pod")
+    local = build_dataset(DatasetSpec(uri=str(tmp_path / "train.parquet"), format="parquet"),
+                          build_byte_tokenizer(), SEQ)  # fmt: skip
+    assert np.array_equal(np.asarray(remote.blocks), local.blocks)
+
+
+def test_missing_objects_and_buckets_and_a_corpus_too_big_are_refused_naming_the_uri(
+    bucket: tuple[MotoServer, str], tmp_path: Path
+) -> None:
+    server, root = bucket
+    put(server, f"{root}/big.jsonl", write_corpus(tmp_path / "a.jsonl", rows=400))
+    cases = [
+        (f"{root}/absent.jsonl", None, "no such bucket or object"),
+        (f"{root}/absent-*.jsonl", None, "no such object"),
+        ("s3://no-such-bucket-anywhere/x.jsonl", None, "no such bucket or object"),
+        (f"{root}/big.jsonl", 1000, "raise dataset.cacheSizeLimit"),
+    ]
+    for uri, limit, message in cases:
+        with pytest.raises(UnsupportedConfigError) as err:
+            stage_dataset(DatasetSpec(uri=uri), server.spec(), tmp_path / "pod", limit)
+        assert f"dataset.uri {uri!r}" in str(err.value) and message in str(err.value), err.value
+
+
+def test_paths_are_not_staged(tmp_path: Path) -> None:
+    assert stage_dataset(DatasetSpec(uri=str(tmp_path / "x.jsonl")), None, tmp_path) is None
+    assert stage_dataset(DatasetSpec(uri="builtin://quickstart"), None, tmp_path) is None
+
+
+def test_a_dataset_not_in_jsonl_or_parquet_objects_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedConfigError, match="format hf is not read from object storage"):
+        stage_dataset(DatasetSpec(uri="s3://b/ds", format="hf"), None, tmp_path)
+
+
+def test_denied_credentials_are_refused_naming_the_uri(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that checks keys (moto with IAM auth from the first request): the test's keys
+    belong to no user, so every request is denied (InvalidAccessKeyId, 403)."""
+    from finetune_operator.api.spec import ModelSpec
+    from finetune_trainer.tokenizer import build_tokenizer
+    from tests.objectstore import CREDENTIALS, moto_server
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")
+    with moto_server() as server:
+        uri = "s3://some-bucket/data.jsonl"
+        with pytest.raises(UnsupportedConfigError) as err:
+            stage_dataset(DatasetSpec(uri=uri), server.spec(), tmp_path)
+        assert f"dataset.uri {uri!r}: access denied" in str(err.value)
+        model = ModelSpec(name="m", source="uri", path="s3://some-bucket/model")
+        with pytest.raises(UnsupportedConfigError) as err:
+            build_tokenizer(model, server.spec())
+        assert "spec.model.path 's3://some-bucket/model': access denied" in str(err.value)
+
+
+def test_a_short_download_is_an_error_naming_the_object_and_leaves_no_file(
+    bucket: tuple[MotoServer, str], tmp_path: Path
+) -> None:
+    """Fewer bytes than the listing promised (a broken connection, or the object replaced
+    meanwhile): not a refusal (a restart fetches it again), and nothing half-written stays."""
+    from finetune_trainer.data.remote import download
+
+    server, root = bucket
+    corpus = write_corpus(tmp_path / "a.jsonl")
+    uri = f"{root}/data.jsonl"
+    put(server, uri, corpus)
+    promised = RemoteObject(uri, corpus.stat().st_size + 10, "etag", None)
+    target = tmp_path / "copy" / "00000-data.jsonl"
+    target.parent.mkdir()
+    with pytest.raises(OSError) as err:
+        download(DatasetSpec(uri=uri), locate(uri, "test", object_store=server.spec()),
+                  promised, target)  # fmt: skip
+    assert not isinstance(err.value, UnsupportedConfigError)
+    assert f"{uri} downloaded {corpus.stat().st_size} of {promised.size} bytes" in str(err.value)
+    assert list(target.parent.iterdir()) == []

@@ -1,0 +1,210 @@
+"""Pretrained weights on object storage (model.source uri, model.path s3://...): the header and
+range arithmetic of the ranged safetensors reader, and loads against a real S3-compatible
+server (moto) giving the logits of a plain `from_pretrained` of the same files, with the
+bytes each rank fetched; errors that name the URI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from finetune_operator.api.jobconfig import JobConfig
+from finetune_operator.api.spec import MethodSpec, ModelSpec
+from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.loading import load_parallel_model
+from finetune_trainer.location import Location, locate
+from finetune_trainer.safetensors_ranges import Span, batches, parse_header, row_range
+from finetune_trainer.tokenizer import build_tokenizer
+from tests.objectstore import MotoServer
+from tests.trainer.conftest import REPO, TORCHRUN, free_port, make_job, write_job
+from tests.trainer.test_loading import INPUT, plain_logits, save_pretrained
+
+CPU = torch.device("cpu")
+WORKER = REPO / "tests" / "trainer" / "loading_worker.py"
+
+
+# ---- pure parts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("shape", "offsets", "lengths", "want"),
+    [((6, 4), (0, 0), (3, 4), (100, 148)), ((6, 4), (3, 0), (3, 4), (148, 196)),
+     ((6, 4), (2, 1), (1, 2), (132, 148)), ((5,), (4,), (1,), (116, 120)), ((), (), (), (100, 104))],
+    ids=["first-half", "second-half", "inner-slice-reads-whole-rows", "vector", "scalar"],
+)  # fmt: skip
+def test_a_slice_reads_the_rows_of_dim0_it_covers(
+    shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...],
+    want: tuple[int, int],
+) -> None:  # fmt: skip
+    n = 1
+    for d in shape:
+        n *= d
+    span = Span("f", torch.float32, shape, 100, 100 + 4 * n)
+    assert row_range(span, offsets, lengths) == want
+
+
+@pytest.mark.parametrize(
+    ("sizes", "limit", "want"),
+    [([10, 10, 10], 25, [[0, 1], [2]]), ([30, 5], 25, [[0], [1]]), ([], 5, []),
+     ([5, 5, 5], 15, [[0, 1, 2]])],
+    ids=["split", "oversized-alone", "empty", "exact"],
+)  # fmt: skip
+def test_reads_are_batched_by_bytes(sizes: list[int], limit: int, want: list[list[int]]) -> None:
+    assert batches(sizes, limit) == want
+
+
+def header(entries: dict[str, object]) -> bytes:
+    return json.dumps(entries).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [(b"\xff not json", "header is not JSON"),
+     (header({"w": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}), "dtype 'F8_E4M3'"),
+     (header({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}), "spans 8 bytes")],
+    ids=["not-json", "unknown-dtype", "span-shape-mismatch"],
+)  # fmt: skip
+def test_bad_headers_are_refused_naming_the_file(raw: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        parse_header("s3://b/m/model.safetensors", raw, 8 + len(raw))
+    assert "s3://b/m/model.safetensors" in str(err.value)
+
+
+def test_header_spans_are_absolute() -> None:
+    raw = header({"__metadata__": {"format": "pt"},
+                  "a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+                  "b": {"dtype": "F32", "shape": [], "data_offsets": [12, 16]}})  # fmt: skip
+    spans = parse_header("f", raw, 8 + len(raw))
+    assert spans["a"] == Span("f", torch.bfloat16, (2, 3), 8 + len(raw), 20 + len(raw))
+    assert spans["b"].begin == 20 + len(raw) and spans["b"].shape == ()
+
+
+# ---- against moto ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world_one() -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def upload_dir(local: Path, target: Location) -> None:
+    for path in sorted(local.iterdir()):
+        (target / path.name).upload(path)
+
+
+def s3_job(server: MotoServer, uri: str, *, strategy: str, method: str = "full") -> JobConfig:
+    job = make_job(strategy=strategy)
+    job.spec.model = ModelSpec(name="tiny-llama", source="uri", path=uri)
+    job.spec.method = MethodSpec(type=method)  # type: ignore[arg-type]
+    job.spec.storage.object_store = server.spec()
+    return job
+
+
+@pytest.fixture
+def s3_model(tmp_path: Path, s3_credentials: MotoServer) -> tuple[MotoServer, str, Path]:
+    """A tiny Llama saved as sharded safetensors, uploaded to a fresh bucket."""
+    save_pretrained(tmp_path / "m", tied=False)
+    uri = f"s3://{s3_credentials.new_bucket()}/models/tiny"
+    upload_dir(tmp_path / "m", locate(uri, "test", object_store=s3_credentials.spec()))
+    return s3_credentials, uri, tmp_path / "m"
+
+
+class Fetched(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "bytes_read"):
+            self.rows.append((record.bytes_read, record.bytes_total))
+
+
+def test_s3_weights_load_like_from_pretrained_reading_the_whole_model_once(
+    s3_model: tuple[MotoServer, str, Path], world_one: None
+) -> None:
+    server, uri, local = s3_model
+    job = s3_job(server, uri, strategy="fsdp-full-shard")
+    tokenizer = build_tokenizer(job.spec.model, job.spec.storage.object_store)
+    assert tokenizer.pad_token == "<pad>"  # the tokenizer files came with the config
+    fetched = Fetched()
+    logging.getLogger("finetune_trainer.pretrained").addHandler(fetched)
+    logging.getLogger("finetune_trainer.pretrained").setLevel(logging.INFO)
+    try:
+        model = load_parallel_model(job, tokenizer, CPU, 1).model.eval()
+    finally:
+        logging.getLogger("finetune_trainer.pretrained").removeHandler(fetched)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=INPUT).logits, plain_logits(local))
+    # One rank holds every shard: it read every file once, headers and all, no more.
+    total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
+    assert fetched.rows == [(total, total)]
+
+
+def test_missing_bucket_and_missing_model_are_refused_naming_the_uri(
+    s3_credentials: MotoServer, world_one: None
+) -> None:
+    for uri in ("s3://no-such-bucket-here/m", f"s3://{s3_credentials.new_bucket()}/absent"):
+        job = s3_job(s3_credentials, uri, strategy="ddp")
+        with pytest.raises(UnsupportedConfigError) as err:
+            build_tokenizer(job.spec.model, job.spec.storage.object_store)
+        assert uri in str(err.value) and "spec.model.path" in str(err.value)
+
+
+def test_a_truncated_weights_object_is_an_error_naming_it_not_a_refusal(
+    s3_model: tuple[MotoServer, str, Path], world_one: None
+) -> None:
+    server, uri, local = s3_model
+    store = locate(uri, "test", object_store=server.spec())
+    name = sorted(p.name for p in local.glob("*.safetensors"))[-1]
+    data = (local / name).read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    assert len(data) > 8 + length + 16
+    (store / name).write_atomic(data[:-16])  # the header promises 16 bytes more
+    job = s3_job(server, uri, strategy="fsdp-full-shard")
+    tokenizer = build_tokenizer(job.spec.model, job.spec.storage.object_store)
+    with pytest.raises(RuntimeError) as err:
+        load_parallel_model(job, tokenizer, CPU, 1)
+    assert not isinstance(err.value, UnsupportedConfigError)
+    assert f"{uri}/{name}" in str(err.value) and "shorter than its header says" in str(err.value)
+
+
+# ---- torchrun ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_ranks_read_their_shards_from_s3_not_the_model(
+    tmp_path: Path, s3_model: tuple[MotoServer, str, Path]
+) -> None:
+    server, uri, local = s3_model
+    job = s3_job(server, uri, strategy="fsdp-full-shard")
+    cfg = write_job(tmp_path / "job.json", job)
+    out = tmp_path / "out.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "model", str(out), str(cfg)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = torch.load(out, weights_only=False)
+    assert torch.equal(got["logits"], plain_logits(local))
+    total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
+    fetched = [row["bytes_read"] for row in got["fetched"]]
+    headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in local.glob("*.safetensors"))
+    # Each rank: every header, and half the data (dim-0 shards of even sizes); together, the
+    # data exactly once.
+    assert sum(fetched) == 2 * headers + (total - headers), (fetched, total, headers)
+    for n in fetched:
+        assert n < 0.6 * total, (fetched, total)

@@ -1,0 +1,219 @@
+"""A dataset on object storage (`dataset.uri: s3://bucket/key`, a `*` glob allowed in the last
+part; jsonl or parquet objects), fetched once per pod into its local data area and then read
+like files on a volume.
+
+Why a local copy rather than streaming: the tokenizer passes over the records once, but a pod
+restarts (torchelastic) and re-reads them; and jsonl/parquet readers want seekable files.
+The copy lives in the pod's data-cache emptyDir (`objects/`, beside the tokenized entries of
+`cache.py`), so its bytes count against the volume's sizeLimit, which the pod requests as
+ephemeral-storage: a corpus that does not fit is refused before a byte is downloaded (an
+emptyDir over its sizeLimit gets the pod evicted).
+
+Layout under `<data dir>/objects/`:
+
+    <uri hash>.lock          flock: one local rank downloads, the others wait, then reuse
+    <uri hash>/NNNNN-<name>  the objects, numbered in key order (the read order)
+    <uri hash>/objects.json  written last: the identity of what was downloaded
+
+The identity of an object is (URL, size, ETag, version id): the same key rewritten gets a new
+ETag, so the copy is refreshed and the tokenized cache's key (which hashes the identity instead
+of local paths and mtimes) changes: a changed corpus is never served from a stale cache."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune_operator.api.spec import DatasetSpec
+from finetune_operator.api.storage import ObjectStoreSpec, is_object_store_uri
+from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.files import fsync_dir, remove, write_synced
+from finetune_trainer.location import Location, access_problem, locate
+
+log = logging.getLogger(__name__)
+
+OBJECTS_DIR = "objects"
+MANIFEST = "objects.json"
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    url: str
+    size: int
+    etag: str
+    version: str | None
+
+    def identity(self) -> list[Any]:
+        return [self.url, self.size, self.etag, self.version]
+
+
+@dataclass(frozen=True)
+class StagedDataset:
+    """A remote dataset's local copy: `spec` reads it (its uri is the copy's glob), `files`
+    is the remote identity the tokenized cache keys on (cache.cache_key)."""
+
+    spec: DatasetSpec
+    files: list[list[Any]]
+
+
+def local_names(objects: list[RemoteObject]) -> list[str]:
+    """Pure: the local file names of the objects, numbered so that name order is key order
+    (two keys may share a base name under different prefixes)."""
+    return [f"{i:05d}-{posixpath.basename(o.url)}" for i, o in enumerate(objects)]
+
+
+def fits(objects: list[RemoteObject], budget: int | None) -> bool:
+    """Pure: whether the objects fit the bytes the data area may still take (None: no limit)."""
+    return budget is None or sum(o.size for o in objects) <= budget
+
+
+def _refusal(spec: DatasetSpec, problem: str) -> UnsupportedConfigError:
+    return UnsupportedConfigError(f"dataset.uri {spec.uri!r}: {problem}")
+
+
+def list_objects(spec: DatasetSpec, pattern: Location) -> list[RemoteObject]:
+    """The objects the URI names, in key order; none is a configuration error naming it."""
+    fs = pattern.fs
+    try:
+        if "*" in pattern.name:
+            infos = dict(fs.glob(pattern.path, detail=True))
+        else:
+            infos = {pattern.path: fs.info(pattern.path)}
+    except OSError as e:
+        raise _refusal(spec, access_problem(e) or str(e)) from e
+    objects = [
+        RemoteObject(
+            url=str(fs.unstrip_protocol(path)),
+            size=int(info.get("size") or 0),
+            etag=str(info.get("ETag") or info.get("etag") or "").strip('"'),
+            version=info.get("VersionId"),
+        )
+        for path, info in sorted(infos.items())
+        if info.get("type") != "directory"
+    ]
+    if not objects:
+        raise _refusal(spec, "no such object")
+    return objects
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _intact(directory: Path, objects: list[RemoteObject]) -> bool:
+    """Whether the copy in `directory` is of exactly these objects, complete."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest != [o.identity() for o in objects]:
+        return False
+    for name, obj in zip(local_names(objects), objects, strict=True):
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != obj.size:
+            return False
+    return True
+
+
+def download(spec: DatasetSpec, source: Location, obj: RemoteObject, target: Path) -> None:
+    """One object to `target`, through a temporary name: complete, or not there at all."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        source.fs.get_file(source.fs._strip_protocol(obj.url), str(tmp))
+    except OSError as e:
+        problem = access_problem(e)
+        if problem:
+            raise _refusal(spec, f"{obj.url}: {problem}") from e
+        raise
+    got = tmp.stat().st_size
+    if got != obj.size:
+        remove(tmp)
+        # Not a refusal: a broken connection or an object replaced meanwhile; a restart
+        # downloads it again.
+        raise OSError(f"dataset.uri {spec.uri!r}: {obj.url} downloaded {got} of {obj.size} "
+                      "bytes (truncated, or the object changed while downloading)")
+    os.replace(tmp, target)
+
+
+def _used_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _evict_others(objects_dir: Path, keep: str) -> None:
+    """Remove the copies of other URIs that no local rank is fetching now."""
+    for lock in objects_dir.glob("*.lock"):
+        other = lock.name.removesuffix(".lock")
+        if other == keep:
+            continue
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            try:
+                remove(objects_dir / other)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def stage_dataset(
+    spec: DatasetSpec,
+    store: ObjectStoreSpec | None,
+    data_dir: Path | None,
+    limit_bytes: int | None = None,
+) -> StagedDataset | None:
+    """The local copy of an s3:// dataset, fetched if this pod has none of these exact
+    objects (None: not on object storage). `data_dir`: the pod's data-cache volume (None:
+    the temporary directory); `limit_bytes`: what it may hold in all (the data cache's
+    budget), checked before downloading."""
+    if not is_object_store_uri(spec.uri):
+        return None
+    if spec.format not in ("jsonl", "parquet"):  # refused at plan time too (api/storage.py)
+        raise _refusal(spec, f"format {spec.format} is not read from object storage; use "
+                             "jsonl or parquet objects")  # fmt: skip
+    data_dir = data_dir or Path(tempfile.gettempdir()) / "finetune-data"
+    pattern = locate(spec.uri, "dataset.uri", object_store=store)
+    objects = list_objects(spec, pattern)
+    objects_dir = data_dir / OBJECTS_DIR
+    objects_dir.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(spec.uri.encode()).hexdigest()[:16]
+    directory = objects_dir / name
+    with _locked(objects_dir / f"{name}.lock"):
+        if _intact(directory, objects):
+            log.info("dataset %s: the pod's copy is current (%d objects)", spec.uri, len(objects))
+        else:
+            remove(directory)
+            _evict_others(objects_dir, name)
+            budget = None if limit_bytes is None else limit_bytes - _used_bytes(data_dir)
+            if not fits(objects, budget):
+                total = sum(o.size for o in objects)
+                raise _refusal(spec, (
+                    f"the objects take {total} bytes, more than the {budget} the pod's data "
+                    "area has left: raise dataset.cacheSizeLimit (it holds the downloaded "
+                    "corpus and its tokenized blocks)"
+                ))  # fmt: skip
+            directory.mkdir()
+            for filename, obj in zip(local_names(objects), objects, strict=True):
+                download(spec, pattern, obj, directory / filename)
+            write_synced(directory / MANIFEST, json.dumps([o.identity() for o in objects]).encode())
+            fsync_dir(directory)
+            log.info("dataset %s: fetched %d objects, %d bytes", spec.uri, len(objects),
+                     sum(o.size for o in objects))  # fmt: skip
+    copy = spec.model_copy(update={"uri": str(directory / "[0-9]*")})
+    return StagedDataset(spec=copy, files=[o.identity() for o in objects])

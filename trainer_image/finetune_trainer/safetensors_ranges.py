@@ -1,0 +1,241 @@
+"""Pretrained safetensors on object storage, read by byte ranges straight into each rank's
+shards: a DCP `StorageReader` over fsspec.
+
+torch's `HuggingFaceStorageReader` opens every file with `safe_open`, which memory-maps a
+local file: it cannot read `s3://`. Downloading the model first would put a whole copy on
+every node's disk (and, without care, in every rank's memory). A safetensors file needs no
+library to read by ranges: 8 bytes of header length, a JSON header giving each tensor's dtype,
+shape and byte span, then the raw little-endian data in row-major order. So a rank reads the
+headers (kilobytes), and for each slice DCP's load plan asks of it, only the rows of dim 0
+the slice covers: with FSDP2's dim-0 shards that is exactly its shard's bytes. The requests
+of a batch go out concurrently (`cat_ranges`), a batch bounded in bytes so the raw buffers
+never exceed `batch_bytes` next to the shards."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from finetune_trainer.location import Location
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+HEADER_LEN_BYTES = 8
+# Bounds one header read: real headers are a few hundred KB at most.
+MAX_HEADER_BYTES = 100 << 20
+BATCH_BYTES = 256 << 20
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class WeightsReadError(RuntimeError):
+    """Bytes that did not arrive as the header promised (a short read): may pass on retry."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one tensor's bytes lie in its file (absolute offsets)."""
+
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def parse_header(file: str, raw: bytes, data_start: int) -> dict[str, Span]:
+    """Pure: the tensors of a safetensors header (the JSON after the 8-byte length), by
+    name; `data_start` = 8 + header length. A dtype this reader does not know, or a span that
+    does not match its shape, is an error naming the file and tensor."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not a safetensors file (header is not JSON: {e})") from None
+    spans: dict[str, Span] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{file}: tensor {name} has dtype {entry.get('dtype')!r}, not read")
+        shape = tuple(int(n) for n in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{file}: tensor {name} spans {end - begin} bytes, not {shape}")
+        spans[name] = Span(file, dtype, shape, data_start + begin, data_start + end)
+    return spans
+
+
+def row_range(span: Span, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:
+    """Pure: the byte range [start, end) holding the rows of dim 0 that a slice (offsets,
+    lengths per dim) covers; the slice of the other dims is cut from them in memory."""
+    if not span.shape:
+        return span.begin, span.end
+    row_bytes = math.prod(span.shape[1:]) * span.dtype.itemsize
+    start = span.begin + offsets[0] * row_bytes
+    return start, start + lengths[0] * row_bytes
+
+
+def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Pure: indices grouped in order, each group's sizes summing to at most `limit` (a
+    single larger item gets a group of its own)."""
+    out: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if out and total + size <= limit:
+            out[-1].append(i)
+            total += size
+        else:
+            out.append([i])
+            total = size
+    return out
+
+
+class RangedSafetensorsReader(StorageReader):
+    """Hugging Face safetensors under `location` (any fsspec filesystem), read by ranges.
+    `bytes_read` counts what this rank fetched (headers included); `bytes_total` is the size
+    of the safetensors files."""
+
+    def __init__(self, location: Location, *, batch_bytes: int = BATCH_BYTES) -> None:
+        super().__init__()
+        self.location = location
+        self.batch_bytes = batch_bytes
+        self.storage_data: dict[MetadataIndex, Span] = {}
+        self.bytes_read = 0
+        self.bytes_total = 0
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.storage_data = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # never chosen by DCP itself: only passed explicitly
+
+    def _cat(self, path: str, start: int, end: int) -> bytes:
+        data = bytes(self.location.fs.cat_file(path, start=start, end=end))
+        self.bytes_read += len(data)
+        if len(data) != end - start:
+            raise WeightsReadError(
+                f"{self.location.fs.unstrip_protocol(path)}: read {len(data)} bytes of "
+                f"{end - start} at {start} (the object is shorter than its header says)"
+            )
+        return data
+
+    def _header(self, path: str) -> dict[str, Span]:
+        (length,) = struct.unpack("<Q", self._cat(path, 0, HEADER_LEN_BYTES))
+        url = self.location.fs.unstrip_protocol(path)
+        if length > MAX_HEADER_BYTES:
+            raise ValueError(f"{url}: not a safetensors file (header length {length})")
+        raw = self._cat(path, HEADER_LEN_BYTES, HEADER_LEN_BYTES + length)
+        return parse_header(url, raw, HEADER_LEN_BYTES + length)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        files = sorted(
+            (e for e in self.location.children() if e.name.endswith(SUFFIX) and not e.is_dir),
+            key=lambda e: e.name,
+        )
+        self.bytes_total = sum(e.size for e in files)
+        tensors: dict[str, TensorStorageMetadata] = {}
+        storage: dict[MetadataIndex, Span] = {}
+        for entry in files:
+            path = (self.location / entry.name).path
+            for name, span in self._header(path).items():
+                zero = torch.Size([0] * len(span.shape))
+                tensors[name] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=span.dtype),
+                    size=torch.Size(span.shape),
+                    chunks=[ChunkStorageMetadata(offsets=zero, sizes=torch.Size(span.shape))],
+                )
+                storage[MetadataIndex(fqn=name, offset=zero)] = span
+        return Metadata(state_dict_metadata=dict(tensors), storage_data=storage)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        items = list(plan.items)
+        ranges = [self._range(item) for item in items]
+        for group in batches([end - start for _, start, end in ranges], self.batch_bytes):
+            paths = [ranges[i][0].file for i in group]
+            raw = self.location.fs.cat_ranges(
+                [self.location.fs._strip_protocol(p) for p in paths],
+                [ranges[i][1] for i in group],
+                [ranges[i][2] for i in group],
+            )
+            for i, data in zip(group, raw, strict=True):
+                if isinstance(data, BaseException):
+                    raise data
+                span, start, end = ranges[i]
+                self.bytes_read += len(data)
+                if len(data) != end - start:
+                    raise WeightsReadError(
+                        f"{span.file}: read {len(data)} bytes of {end - start} at {start} "
+                        "(a truncated read or an object shorter than its header says)"
+                    )
+                self._copy(items[i], span, bytes(data), planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _range(self, item: ReadItem) -> tuple[Span, int, int]:
+        span = self.storage_data[item.storage_index]
+        start, end = row_range(span, item.storage_offsets, item.lengths)
+        return span, start, end
+
+    @staticmethod
+    def _copy(item: ReadItem, span: Span, data: bytes, planner: LoadPlanner) -> None:
+        rows = torch.frombuffer(bytearray(data), dtype=span.dtype)
+        if span.shape:
+            rows = rows.view(-1, *span.shape[1:])
+            rest = tuple(
+                slice(o, o + n)
+                for o, n in zip(item.storage_offsets[1:], item.lengths[1:], strict=True)
+            )
+            rows = rows[(slice(None), *rest)]
+        else:
+            rows = rows.view(())
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != rows.size():
+            raise ValueError(
+                f"{span.file}: {item.storage_index.fqn} slice {tuple(rows.size())} does not fit "
+                f"{tuple(target.size())}"
+            )
+        target.copy_(rows)
+        planner.commit_tensor(item, target)
