@@ -53,6 +53,7 @@ from finetune_trainer.checkpoint_compat import (
     compare,
     metadata_shapes,
     refusal_message,
+    tolerate,
 )
 from finetune_trainer.checkpointer import AsyncMode, save_due
 from finetune_trainer.location import Location
@@ -192,7 +193,8 @@ class DcpCheckpointer:
     def _refuse_if_incompatible(self, step: int, path: Location, saved: dict[str, Shape]) -> None:
         """Collective: every rank refuses if any rank's state does not fit the checkpoint
         (checkpoint_compat), so none is left waiting in DCP's load."""
-        differences = compare(saved, self.state.expected_shapes(set(saved)))
+        expected = self.state.expected_shapes(set(saved))
+        differences = compare(saved, expected)
         mine = None
         if differences:
             marker = store.read_marker(path) or {}
@@ -208,6 +210,9 @@ class DcpCheckpointer:
         refusal = next((v for v in verdicts if v), None)
         if refusal is not None:
             raise IncompatibleCheckpointError(refusal)
+        allowance = tolerate(saved, expected)  # what TrainState.load leaves out
+        if allowance and self.rank == 0:
+            log.warning("checkpoint step %d in %s: %s", step, self.root, allowance.describe())
 
     def load(self) -> int:
         """Resume from the newest committed checkpoint that loads; skip corrupt ones. Returns
