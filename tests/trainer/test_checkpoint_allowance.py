@@ -84,7 +84,7 @@ def test_an_expert_no_token_reached_resumes_and_starts_its_state_at_its_first_gr
 
     fresh = moe_state()
     resumed = checkpointer(fresh, tmp_path, ckpt_group)
-    with caplog.at_level(logging.WARNING, logger="finetune_trainer.dcp_checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="finetune_trainer.dcp_resume"):
         assert resumed.load() == 4
     resumed.close()
     warning = next(r.getMessage() for r in caplog.records if "optimizer state" in r.getMessage())
@@ -137,7 +137,7 @@ def test_an_optimizer_setting_one_torch_has_and_the_other_not_loads(
     if side == "job":
         fresh.optimizer.param_groups[0]["new_setting"] = 0.25
     resumed = checkpointer(fresh, tmp_path, ckpt_group)
-    with caplog.at_level(logging.WARNING, logger="finetune_trainer.dcp_checkpointer"):
+    with caplog.at_level(logging.WARNING, logger="finetune_trainer.dcp_resume"):
         assert resumed.load() == 2
     resumed.close()
     group = fresh.optimizer.param_groups[0]
