@@ -54,6 +54,10 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         ("spec.training.maxSteps", 10**9, "spec.training.maxSteps", "less than or equal"),
         ("spec.checkpoint.uri", "../other-job", "spec.checkpoint.uri", "'..' path segments"),
         ("spec.output.uri", "out/../../etc", "spec.output.uri", "'..' path segments"),
+        # Taken as "unset" before: the trained model went nowhere without a word.
+        ("spec.output.uri", "", "spec.output.uri", "should be at least 1"),
+        # Accepted and ignored before (the quickstart is a full fine-tune).
+        ("spec.output.mergeLora", True, "spec.output.mergeLora", "needs method lora or qlora"),
         ("spec.dataset.uri", "s3://bucket/../x", "spec.dataset.uri", "'..' path segments"),
         ("metadata", "job", "metadata", "must be an object"),
         ("metadata", ["job"], "metadata", "must be an object"),
@@ -129,6 +133,21 @@ def test_parent_segments_refused_by_pydantic_too(field: str, uri: str) -> None:
     with pytest.raises(ManifestError) as err:
         parse_spec(spec)
     assert f"{field}.uri" in str(err.value) and "'..'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("spec.output.uri", "", "output.uri is empty"),
+        ("spec.output.mergeLora", True, "output.mergeLora is true but method.type is 'full'"),
+    ],
+)
+def test_refused_by_pydantic_too(field: str, value: Any, reason: str) -> None:
+    """The operator's own validation (its InvalidSpec condition), the CRD's twin aside."""
+    with pytest.raises(ManifestError, match=reason):
+        parse_spec(_set(_quickstart(), field, value)["spec"])
+    lora = _set(_set(_quickstart(), "spec.method.type", "lora"), "spec.output.mergeLora", True)
+    assert parse_spec(lora["spec"]).output.merge_lora
 
 
 @pytest.mark.parametrize("uri", ["/abs/path", "a..b/c", "s3://bucket/x..y", "checkpoints/job"])
