@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +238,46 @@ def test_yaml_1_1_booleans_as_kubectl_reads_them(text: str, value: bool) -> None
         )
     )
     assert problems == [] and doc["spec"]["output"]["mergeLora"] is value
+
+
+@pytest.mark.parametrize(
+    ("written", "key", "warns"),
+    [("y", "true", True), ("N", "false", True), ("on", "true", True), ("off", "false", True),
+     ("yes", "true", True), ("true", "true", False), ("'on'", "on", False), ("8", "8", False),
+     ("1.5", "1.5", False), ("1e2", "100", False), ("0.1234567891", "0.12345679", False)],
+)  # fmt: skip
+def test_keys_are_named_as_kubectl_names_them(written: str, key: str, warns: bool) -> None:
+    """sigs.k8s.io/yaml turns a boolean or number key into its JSON string ("true", "8"; a
+    float as Go's float32 text): a YAML 1.1 reader kept the boolean True, which then read as
+    'key True is not a string' (and merged `y:` with `1:`, True == 1 in Python)."""
+    text = (
+        (EXAMPLES / "quickstart.yaml")
+        .read_text()
+        .replace("output:\n", f"output:\n    {written}: x\n    1: z\n")
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        doc, problems = parse_yaml_document(text)
+    assert (
+        problems == [] and doc["spec"]["output"][key] == "x" and doc["spec"]["output"]["1"] == "z"
+    )
+    said = [str(w.message) for w in caught]
+    assert bool(said) == warns
+    if warns:
+        assert (
+            f"key {written} is the boolean {key} to kubectl" in said[0]
+            and f"'{written}'" in said[0]
+        )
+    # The API server then refuses the field by the name kubectl sent.
+    with pytest.raises(ManifestError, match=rf"spec\.output\.{re.escape(key)}"):
+        parse_manifest(doc, "job.yaml")
+
+
+def test_two_keys_kubectl_names_alike_are_refused() -> None:
+    """`true:` and `on:` are one key to kubectl, which would keep one value: nothing lost."""
+    doc, problems = parse_yaml_document("a:\n  true: 1\n  on: 2\n")
+    assert doc is None
+    assert (
+        'mapping key "on" already defined at line 2 (as "true": both are the key "true"'
+        in (problems[0][1])
+    )
