@@ -151,7 +151,8 @@ def tolerate(saved: Collection[str], expected: Collection[str]) -> Allowance:
         and f"model.{p}" in saved
         and f"model.{p}" in expected
     ]
-    keys = {k for k in expected if k.startswith(STATE) and _state_param(k) in stateless}
+    without = set(stateless)
+    keys = {k for k in expected if k.startswith(STATE) and _state_param(k) in without}
 
     def settings(side: Collection[str], other: Collection[str]) -> list[tuple[int, str]]:
         found: dict[tuple[int, str], None] = {}
