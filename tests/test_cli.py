@@ -322,3 +322,45 @@ def test_plan_warns_when_the_trained_model_is_kept_nowhere(
     assert main(["plan", _write(tmp_path, doc)]) == 0  # a warning, not a refusal
     err = capsys.readouterr().err
     assert ("warning: spec.output.uri" in err and "kept nowhere" in err) == warns, err
+
+
+@pytest.mark.parametrize(
+    ("spec", "flags", "status", "said"),
+    [
+        # Against the operator's defaults: a warning that names the field and how to check.
+        ({"image": "evil.example/miner:1"}, [], 0,
+         "warning: spec.image 'evil.example/miner:1' is not an allowed trainer image"),
+        ({"resources": {"serviceAccountName": "admin"}}, [], 0,
+         "warning: spec.resources.serviceAccountName 'admin' is not an allowed trainer "
+         "ServiceAccount (none: leave it unset) under the operator's default job policy"),
+        # Against the policy given: what the operator would do (Failed/NotAllowed).
+        ({"image": "evil.example/miner:1"}, ["--allowed-image", "registry.example/*"], 2,
+         "error: spec.image 'evil.example/miner:1' is not an allowed trainer image "
+         "(ghcr.io/finetune-operator/trainer:0.1.0, registry.example/*): the operator's job "
+         "policy refuses it"),
+        ({"resources": {"serviceAccountName": "admin"}}, ["--trainer-service-account", "trainer"],
+         2, "error: spec.resources.serviceAccountName 'admin' is not an allowed trainer "
+         "ServiceAccount (trainer)"),
+        ({"image": "registry.example/trainer:2"}, ["--allowed-image", "registry.example/*"], 0, ""),
+        ({"resources": {"serviceAccountName": "trainer"}}, ["--trainer-service-account", "trainer"],
+         0, ""),
+    ],
+    ids=["image-default", "account-default", "image-given", "account-given", "image-allowed",
+         "account-allowed"],
+)
+def test_plan_reports_what_the_job_policy_refuses(
+    spec: dict[str, Any], flags: list[str], status: int, said: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """`spec.image` and `serviceAccountName` that the operator refuses (Failed/NotAllowed)
+    passed `ftjob plan` without a word."""
+    doc = _quickstart()
+    for key, value in spec.items():
+        doc["spec"][key] = {**doc["spec"].get(key, {}), **value} if key == "resources" else value
+    assert main(["plan", _write(tmp_path, doc), *flags]) == status
+    captured = capsys.readouterr()
+    assert "Verdict" in captured.out
+    if said:
+        assert said in captured.err
+    else:
+        assert "policy" not in captured.err

@@ -15,7 +15,18 @@ from importlib.metadata import entry_points
 from finetune_operator.api.capabilities import trainer_refusals
 from finetune_operator.api.crd import render_crd_yaml
 from finetune_operator.api.manifest import ManifestError, load_manifest
-from finetune_operator.settings import add_operator_arguments, settings_from_args
+from finetune_operator.api.policy import JobPolicy, policy_refusals
+from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.settings import (
+    add_image_policy_arguments,
+    add_operator_arguments,
+    image_policy_from_args,
+    settings_from_args,
+)
+
+# `ftjob plan` does not know the cluster's policy: without its flags it checks against the
+# operator's defaults (the chart's with no policy values), and only warns.
+POLICY_FLAGS = ("allowed_image", "allowed_service_account", "trainer_service_account")
 
 
 def _cmd_crd(_: argparse.Namespace) -> int:
@@ -47,6 +58,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         from finetune_operator.planner.trace import format_trace_comparison, trace_plan
 
         print(format_trace_comparison(plan, trace_plan(manifest.spec, plan)))
+    policy_given = _report_policy(manifest.spec, args)
     if not plan.fits:
         return 1
     # What the operator refuses next (the job would end Failed/Unsupported): the plan is
@@ -57,7 +69,35 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     elif refusals:  # one "field: reason" line each, as for an invalid manifest
         lines = "".join(f"\n  {refusal}" for refusal in refusals)
         print(f"error: the trainer cannot run {args.manifest}:{lines}", file=sys.stderr)
-    return 2 if refusals else 0
+    return 2 if refusals or policy_given else 0
+
+
+def _policy_given(args: argparse.Namespace) -> bool:
+    default = JobPolicy().trainer_image
+    return any(getattr(args, f) for f in POLICY_FLAGS) or args.trainer_image != default
+
+
+def _report_policy(spec: FineTuneJobSpec, args: argparse.Namespace) -> bool:
+    """What the operator's job policy (api/policy.py) refuses of `spec.image` and
+    `spec.resources.serviceAccountName`: an error against a policy given by flags (True:
+    refused), a warning against the defaults, which the cluster's may widen."""
+    refusals = policy_refusals(spec, image_policy_from_args(args))
+    if not refusals:
+        return False
+    if _policy_given(args):
+        for refusal in refusals:
+            print(f"error: {refusal}: the operator's job policy refuses it", file=sys.stderr)
+        return True
+    for refusal in refusals:
+        print(
+            f"warning: {refusal} under the operator's default job policy: the job would end "
+            "Failed/NotAllowed unless your operator allows it (chart values policy.allowedImages, "
+            "policy.allowedServiceAccounts, trainer.*); pass its policy (--allowed-image, "
+            "--allowed-service-account, --trainer-image, --trainer-service-account) to check "
+            "against it",
+            file=sys.stderr,
+        )
+    return False
 
 
 def _local_runner() -> Callable[..., int] | None:
@@ -153,12 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="plan GPUs, strategy and memory for a FineTuneJob",
         epilog="exit status: 0 a plan fits; 1 valid, but no configuration fits; "
-        "2 invalid (refused as the API server would, by the planner, or as something the "
-        "trainer does not implement: the operator would fail the job), naming the field",
+        "2 invalid (refused as the API server would, by the planner, as something the "
+        "trainer does not implement, or by the job policy given by the flags below: the "
+        "operator would fail the job), naming the field",
     )
     plan.add_argument("manifest", help="FineTuneJob YAML")
     plan.add_argument("-o", "--output", choices=["table", "json"], default="table")
     plan.add_argument("--trace", action="store_true", help="also trace the step with PyTorch")
+    add_image_policy_arguments(
+        plan.add_argument_group(
+            "job policy: the operator's, to check spec.image and "
+            "spec.resources.serviceAccountName against (default: the operator's defaults, "
+            "warnings only; given: refusals are errors)"
+        ),
+        os.environ,
+    )
     plan.set_defaults(func=_cmd_plan)
 
     run = sub.add_parser(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from finetune_operator.api.constants import DEFAULT_TRAINER_IMAGE
 from finetune_operator.api.policy import JobPolicy
@@ -95,22 +95,7 @@ def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, st
         help="server-side timeout of kopf's watch requests (default: %(default)s)",
     )
     pol = parser.add_argument_group("job policy (what FineTuneJobs may ask for)")
-    pol.add_argument("--trainer-image", default=_env(env, "TRAINER_IMAGE", DEFAULT_TRAINER_IMAGE),
-                     help="image of jobs with no spec.image")  # fmt: skip
-    pol.add_argument(
-        "--allowed-image",
-        action="append",
-        metavar="GLOB",
-        help="another image jobs may name (repeat; '*' allows any); the trainer image always",
-    )
-    pol.add_argument("--trainer-service-account", default="",
-                     help="ServiceAccount of jobs that name none")  # fmt: skip
-    pol.add_argument(
-        "--allowed-service-account",
-        action="append",
-        metavar="GLOB",
-        help="another ServiceAccount jobs may name (repeat; '*' allows any)",
-    )
+    add_image_policy_arguments(pol, env)
     pol.add_argument(
         "--network-policy",
         action="store_true",
@@ -131,18 +116,47 @@ def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, st
                      "(default: that scheduler's usual name)")  # fmt: skip
 
 
+def add_image_policy_arguments(group: argparse._ArgumentGroup, env: Mapping[str, str]) -> None:
+    """The images and ServiceAccounts jobs may use: `ftjob operator`'s policy, which
+    `ftjob plan` takes too to check a manifest against it."""
+    group.add_argument("--trainer-image",
+                       default=_env(env, "TRAINER_IMAGE", DEFAULT_TRAINER_IMAGE),
+                       help="image of jobs with no spec.image")  # fmt: skip
+    group.add_argument(
+        "--allowed-image",
+        action="append",
+        metavar="GLOB",
+        help="another image jobs may name (repeat; '*' allows any); the trainer image always",
+    )
+    group.add_argument("--trainer-service-account", default="",
+                       help="ServiceAccount of jobs that name none")  # fmt: skip
+    group.add_argument(
+        "--allowed-service-account",
+        action="append",
+        metavar="GLOB",
+        help="another ServiceAccount jobs may name (repeat; '*' allows any)",
+    )
+
+
+def image_policy_from_args(args: argparse.Namespace) -> JobPolicy:
+    """The policy of `add_image_policy_arguments`' flags (the rest: JobPolicy's defaults). By
+    default only the trainer image and the trainer ServiceAccount (or none: the namespace's
+    default, without its token)."""
+    return JobPolicy(
+        trainer_image=args.trainer_image,
+        allowed_images=tuple(args.allowed_image or ()),
+        trainer_service_account=args.trainer_service_account or None,
+        allowed_service_accounts=tuple(args.allowed_service_account or ()),
+    )
+
+
 def settings_from_args(
     args: argparse.Namespace, env: Mapping[str, str] | None = None
 ) -> OperatorSettings:
     """`env` gives the operator's own namespace (POD_NAMESPACE, from the downward API)."""
     namespaces = None if args.all_namespaces else tuple(args.namespace or ["default"])
-    # By default only the trainer image and the trainer ServiceAccount (or none: the
-    # namespace's default, without its token).
-    policy = JobPolicy(
-        trainer_image=args.trainer_image,
-        allowed_images=tuple(args.allowed_image or ()),
-        trainer_service_account=args.trainer_service_account or None,
-        allowed_service_accounts=tuple(args.allowed_service_account or ()),
+    policy = replace(
+        image_policy_from_args(args),
         network_policy=args.network_policy,
         operator_namespace=(env or {}).get("POD_NAMESPACE") or None,
         monitoring_namespaces=tuple(args.monitoring_namespace or ()),

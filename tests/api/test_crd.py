@@ -11,7 +11,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from finetune_operator.api.crd import CEL_RULES, INT_OR_AUTO_RULE, build_crd, render_crd_yaml
+from finetune_operator.api.crd import (
+    CEL_RULES,
+    INT_OR_AUTO_RULE,
+    SPEC_CEL_RULES,
+    build_crd,
+    render_crd_yaml,
+)
 from tests.conftest import CRD_PATH
 
 
@@ -62,7 +68,8 @@ def _cel(rule: str, obj: Any) -> bool:
 
 
 def _rules_pass(model: str, obj: dict[str, Any]) -> bool:
-    return all(_cel(r["rule"], obj) for r in CEL_RULES[model])
+    rules = SPEC_CEL_RULES if model == "FineTuneJobSpec" else CEL_RULES[model]
+    return all(_cel(r["rule"], obj) for r in rules)
 
 
 @pytest.mark.parametrize(
@@ -102,6 +109,10 @@ def _rules_pass(model: str, obj: dict[str, Any]) -> bool:
         ("DatasetSpec", {"uri": "d", "cacheSizeLimit": "32GB"}, False),
         ("DatasetSpec", {"uri": "d", "cacheSizeLimit": "-1Gi"}, False),
         ("DatasetSpec", {"uri": "d", "cacheSizeLimit": 0}, False),
+        ("FineTuneJobSpec", {"method": {"type": "full"}, "output": {"mergeLora": True}}, False),
+        ("FineTuneJobSpec", {"method": {"type": "lora"}, "output": {"mergeLora": True}}, True),
+        ("FineTuneJobSpec", {"method": {"type": "full"}, "output": {"mergeLora": False}}, True),
+        ("FineTuneJobSpec", {"method": {"type": "full"}, "output": {}}, True),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else "",
 )

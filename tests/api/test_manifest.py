@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,10 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         ("spec.training.maxSteps", 10**9, "spec.training.maxSteps", "less than or equal"),
         ("spec.checkpoint.uri", "../other-job", "spec.checkpoint.uri", "'..' path segments"),
         ("spec.output.uri", "out/../../etc", "spec.output.uri", "'..' path segments"),
+        # Taken as "unset" before: the trained model went nowhere without a word.
+        ("spec.output.uri", "", "spec.output.uri", "should be at least 1"),
+        # Accepted and ignored before (the quickstart is a full fine-tune).
+        ("spec.output.mergeLora", True, "spec.output.mergeLora", "needs method lora or qlora"),
         ("spec.dataset.uri", "s3://bucket/../x", "spec.dataset.uri", "'..' path segments"),
         ("metadata", "job", "metadata", "must be an object"),
         ("metadata", ["job"], "metadata", "must be an object"),
@@ -129,6 +135,21 @@ def test_parent_segments_refused_by_pydantic_too(field: str, uri: str) -> None:
     with pytest.raises(ManifestError) as err:
         parse_spec(spec)
     assert f"{field}.uri" in str(err.value) and "'..'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("spec.output.uri", "", "output.uri is empty"),
+        ("spec.output.mergeLora", True, "output.mergeLora is true but method.type is 'full'"),
+    ],
+)
+def test_refused_by_pydantic_too(field: str, value: Any, reason: str) -> None:
+    """The operator's own validation (its InvalidSpec condition), the CRD's twin aside."""
+    with pytest.raises(ManifestError, match=reason):
+        parse_spec(_set(_quickstart(), field, value)["spec"])
+    lora = _set(_set(_quickstart(), "spec.method.type", "lora"), "spec.output.mergeLora", True)
+    assert parse_spec(lora["spec"]).output.merge_lora
 
 
 @pytest.mark.parametrize("uri", ["/abs/path", "a..b/c", "s3://bucket/x..y", "checkpoints/job"])
@@ -217,3 +238,46 @@ def test_yaml_1_1_booleans_as_kubectl_reads_them(text: str, value: bool) -> None
         )
     )
     assert problems == [] and doc["spec"]["output"]["mergeLora"] is value
+
+
+@pytest.mark.parametrize(
+    ("written", "key", "warns"),
+    [("y", "true", True), ("N", "false", True), ("on", "true", True), ("off", "false", True),
+     ("yes", "true", True), ("true", "true", False), ("'on'", "on", False), ("8", "8", False),
+     ("1.5", "1.5", False), ("1e2", "100", False), ("0.1234567891", "0.12345679", False)],
+)  # fmt: skip
+def test_keys_are_named_as_kubectl_names_them(written: str, key: str, warns: bool) -> None:
+    """sigs.k8s.io/yaml turns a boolean or number key into its JSON string ("true", "8"; a
+    float as Go's float32 text): a YAML 1.1 reader kept the boolean True, which then read as
+    'key True is not a string' (and merged `y:` with `1:`, True == 1 in Python)."""
+    text = (
+        (EXAMPLES / "quickstart.yaml")
+        .read_text()
+        .replace("output:\n", f"output:\n    {written}: x\n    1: z\n")
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        doc, problems = parse_yaml_document(text)
+    assert (
+        problems == [] and doc["spec"]["output"][key] == "x" and doc["spec"]["output"]["1"] == "z"
+    )
+    said = [str(w.message) for w in caught]
+    assert bool(said) == warns
+    if warns:
+        assert (
+            f"key {written} is the boolean {key} to kubectl" in said[0]
+            and f"'{written}'" in said[0]
+        )
+    # The API server then refuses the field by the name kubectl sent.
+    with pytest.raises(ManifestError, match=rf"spec\.output\.{re.escape(key)}"):
+        parse_manifest(doc, "job.yaml")
+
+
+def test_two_keys_kubectl_names_alike_are_refused() -> None:
+    """`true:` and `on:` are one key to kubectl, which would keep one value: nothing lost."""
+    doc, problems = parse_yaml_document("a:\n  true: 1\n  on: 2\n")
+    assert doc is None
+    assert (
+        'mapping key "on" already defined at line 2 (as "true": both are the key "true"'
+        in (problems[0][1])
+    )

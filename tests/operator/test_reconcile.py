@@ -359,6 +359,10 @@ def test_suspend_and_resume() -> None:
         (lambda s: s["training"].pop("maxSteps"), None, "InvalidSpec", "maxSteps"),
         (lambda s: s["resources"].update(minNodes=3), None, "InvalidSpec", "minNodes"),
         (lambda s: s["training"].update(bogus=1), None, "InvalidSpec", "spec.training.bogus"),
+        (lambda s: s.update(output={"mergeLora": True}), None, "InvalidSpec",
+         "output.mergeLora is true but method.type is 'full'"),
+        (lambda s: s.update(output={"uri": ""}), None, "InvalidSpec",
+         "spec.output.uri: Value error, output.uri is empty"),
         (
             lambda s: None,
             PlanningError("spec.model.name", "unknown model 'x'; known: llama-3.1-8b"),
@@ -373,8 +377,8 @@ def test_suspend_and_resume() -> None:
             "spec.training.optimizer: adamw8bit (bitsandbytes) needs a CUDA GPU",
         ),
     ],
-    ids=["missing-steps", "min-over-max", "unknown-field", "planning-error", "infeasible",
-         "not-implemented-by-trainer"],
+    ids=["missing-steps", "min-over-max", "unknown-field", "merge-lora-of-a-full-fine-tune",
+         "empty-output-uri", "planning-error", "infeasible", "not-implemented-by-trainer"],
 )
 def test_refused_job_creates_nothing(
     mutate: Any, planner_result: Any, reason: str, message_part: str

@@ -324,6 +324,21 @@ def test_report_is_aligned_table_in_gib() -> None:
     assert len(rows) == 2 and len({len(r) for r in rows}) == 1  # right-aligned numbers
 
 
+@pytest.mark.parametrize(
+    ("device", "hours", "shown"),
+    [
+        ("cpu", 0.0035, "none (CPU job: 0.0035 process-hours)"),
+        ("gpu", 0.0035, "0.0035"),  # a short job is not "0.0"
+        ("gpu", 1234.56, "1,234.6"),
+    ],
+)
+def test_report_says_what_the_job_costs_on_its_device(device: str, hours: float, shown: str) -> None:
+    """A CPU plan printed "GPU-hours 0.0": no GPU was ever involved."""
+    plan = plan_job(make_spec()).model_copy(update={"device": device, "gpu_hours": hours})
+    line = next(x for x in render_plan(plan).splitlines() if x.startswith("GPU-hours"))
+    assert line.split(None, 1)[1] == shown
+
+
 def test_report_names_the_backend_as_such() -> None:
     """"ddp (fsdp)" read as DDP inside FSDP; the backend is labelled."""
     plan = plan_job(make_spec(strategy={"type": "ddp"}))

@@ -36,12 +36,15 @@ __all__ = ["ckpt_group"]  # the module's process group fixture, shared
 Q_A = "model.base_model.model.layers.0.q_proj.lora_A.default.weight"
 Q_B = "model.base_model.model.layers.0.q_proj.lora_B.default.weight"
 V_A = "model.base_model.model.layers.0.v_proj.lora_A.default.weight"
+B_STATE = "optim.state.base_model.model.layers.0.q_proj.lora_B.default.weight"
+V_STATE = "optim.state.base_model.model.layers.0.v_proj.lora_A.default.weight"
 SAVED: dict[str, Shape] = {
     Q_A: (8, 64),
     Q_B: (64, 8),
     "optim.state.base_model.model.layers.0.q_proj.lora_A.default.weight.exp_avg": (8, 64),
     "optim.state.base_model.model.layers.0.q_proj.lora_A.default.weight.step": (),
     "optim.param_groups.0.lr": None,
+    "optim.param_groups.0.params": None,
     "train": None,
     "rng.rank0.cpu": (5056,),
 }
@@ -74,6 +77,25 @@ def without(*keys: str) -> dict[str, Shape]:
         pytest.param(SAVED, changed(train=(1,)), [Difference("train", None, (1,))],
                      id="tensor-where-bytes-were"),
         pytest.param(SAVED, without("train"), [], id="an-entry-the-job-does-not-read"),
+        # lora_B never had a gradient before the save: no optimizer state for it there.
+        pytest.param(SAVED, changed(**{f"{B_STATE}.exp_avg": (64, 8), f"{B_STATE}.step": ()}),
+                     [], id="a-parameter-without-optimizer-state"),
+        # The same optimizer keys for a parameter the checkpoint's model lacks: another model.
+        pytest.param(SAVED, changed(**{V_A: (8, 64), f"{V_STATE}.exp_avg": (8, 64)}),
+                     [Difference(V_A, None, (8, 64), in_checkpoint=False),
+                      Difference(f"{V_STATE}.exp_avg", None, (8, 64), in_checkpoint=False)],
+                     id="a-new-parameter-is-another-model"),
+        pytest.param(without("optim.state.base_model.model.layers.0.q_proj.lora_A.default.weight"
+                             ".exp_avg", "optim.state.base_model.model.layers.0.q_proj.lora_A."
+                             "default.weight.step"), SAVED,
+                     [Difference(k, None, SAVED[k], in_checkpoint=False) for k in SAVED
+                      if k.startswith("optim.state.")],
+                     id="no-optimizer-state-at-all-is-no-torch-optimizers"),
+        pytest.param(SAVED, changed(**{"optim.param_groups.0.new": None}), [],
+                     id="a-setting-this-torch-adds"),
+        pytest.param(SAVED, changed(**{"optim.param_groups.1.lr": None}),
+                     [Difference("optim.param_groups.1.lr", None, None, in_checkpoint=False)],
+                     id="a-param-group-more"),
     ],
 )
 def test_compare(

@@ -219,6 +219,29 @@ def test_the_pod_log_ends_with_our_root_cause_after_torchruns(
     assert "not rank" not in err
 
 
+def test_a_pod_that_only_lost_a_peer_says_its_log_is_not_the_jobs_root_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its torchrun summary and report name a peer loss, while the job's condition names the
+    other pod's failure (reconcile/crash.py): the log's last line says so."""
+    from finetune_trainer import launch
+
+    peer = _error_file(tmp_path, RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1"))
+
+    def torchrun(_: list[str]) -> None:
+        raise ChildFailedError("trainer", {0: ProcessFailure(0, 6, 1, peer)})
+
+    log = tmp_path / "termination-log"
+    log.touch()
+    monkeypatch.setattr(launch, "torchrun_main", torchrun)
+    monkeypatch.setenv("FT_TERMINATION_LOG", str(log))
+    assert launch.main([]) == launch.EXIT_FAILED
+    assert json.loads(log.read_text())["crash"]["kind"] == KIND_PEER_LOST
+    last = capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert last.startswith("crash report: this pod's ranks only lost a peer in another pod")
+    assert "Restarting (or Failed) condition names" in last
+
+
 def test_config_path_is_the_programs() -> None:
     argv = ["--nnodes=1", "-m", "finetune_trainer", "--config", "/x/job.json"]
     assert config_path(argv) == "/x/job.json"

@@ -17,6 +17,15 @@ unsharded ones on every path, names normalised by `get_state_dict` / by paramete
 another rank count's RNG streams, and anything that is not a tensor of the model or the
 optimizer (the step, sampler and schedule travel as one `train` entry).
 
+Not another model either, so loaded (with a warning line naming them; `tolerate`):
+- a parameter with no optimizer state in the checkpoint while others have some: it never got
+  a gradient before the save (an MoE expert no token was routed to, a part of the model the
+  data never reached). Its state is left out, as it was in the saving run: the optimizer
+  creates it at the parameter's first gradient, as on a first step.
+- an optimizer setting (param-group key) one side has and the other lacks: another torch
+  records another set. One the checkpoint lacks keeps this job's value; one this job lacks is
+  not read. Its model weights' keys and sizes still have to match exactly.
+
 What counts as damage stays damage (dcp_checkpointer skips to the previous checkpoint):
 unreadable metadata, a missing COMMITTED marker, a manifest or size mismatch, a failing
 read. Only a checkpoint that has passed those checks is compared here.
@@ -24,8 +33,8 @@ read. Only a checkpoint that has passed those checks is compared here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +48,8 @@ Shape = tuple[int, ...] | None
 # ranks' RNG streams, hyperparameters a newer torch records) is ignored, as DCP ignores it.
 LEARNED_PREFIXES = ("model.", "optim.")
 SHOWN = 3  # differences named in a refusal; the rest are counted
+STATE = "optim.state."  # + parameter FQN + "." + state name (exp_avg, step: no dots)
+GROUPS = "optim.param_groups."  # + group index + "." + setting (lr, betas, params)
 
 
 class IncompatibleCheckpointError(UnsupportedConfigError):
@@ -65,15 +76,111 @@ def _show(shape: Shape) -> str:
     return "not a tensor" if shape is None else str(list(shape))
 
 
+@dataclass(frozen=True)
+class Allowance:
+    """What the checkpoint lacks, or holds more of, without being another model's: the
+    torch optimizer's layout only (a DeepSpeed checkpoint has neither `optim.state.` nor
+    `optim.param_groups.` keys, so nothing is ever allowed there)."""
+
+    stateless: tuple[str, ...] = ()  # parameters (FQN) with no optimizer state saved
+    added: tuple[tuple[int, str], ...] = ()  # (group, setting) this job has, the checkpoint not
+    dropped: tuple[tuple[int, str], ...] = ()  # (group, setting) the checkpoint has, this job not
+    keys: frozenset[str] = field(default_factory=frozenset)  # every key of both sides concerned
+
+    def __bool__(self) -> bool:
+        return bool(self.stateless or self.added or self.dropped)
+
+    def describe(self) -> str:
+        """The warning line: what is loaded differently, and why that is not another model."""
+        parts = []
+        if self.stateless:
+            parts.append(
+                f"{len(self.stateless)} parameter(s) have no optimizer state in it (no gradient "
+                "before the save, e.g. an MoE expert no token was routed to): their state "
+                f"starts at their first gradient, as on a first step: {_names(self.stateless)}"
+            )
+        if self.added:
+            parts.append(
+                "optimizer settings it lacks (another torch) keep this job's values: "
+                + _names([f"group {g} {k}" for g, k in self.added])
+            )
+        if self.dropped:
+            parts.append(
+                "optimizer settings this torch does not have are not read: "
+                + _names([f"group {g} {k}" for g, k in self.dropped])
+            )
+        return "; ".join(parts)
+
+    def leave_out(self, sd: dict[str, Any]) -> dict[tuple[int, str], Any]:
+        """Take what the checkpoint lacks out of `sd` (a `TrainState` state dict, nested) so
+        DCP does not look for it: the stateless parameters' optimizer state, and the settings
+        added, returned with this job's values to be set again after the load."""
+        optim = sd.get("optim", {})
+        for fqn in self.stateless:
+            optim["state"].pop(fqn, None)
+        return {(g, k): optim["param_groups"][g].pop(k) for g, k in self.added}
+
+
+def _names(items: Collection[str]) -> str:
+    shown = ", ".join(list(items)[:SHOWN])
+    more = len(items) - SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _state_param(key: str) -> str:
+    return key[len(STATE) :].rsplit(".", 1)[0]
+
+
+def _group_setting(key: str) -> tuple[int, str] | None:
+    group, _, setting = key[len(GROUPS) :].partition(".")
+    return (int(group), setting.split(".")[0]) if group.isdigit() and setting else None
+
+
+def tolerate(saved: Collection[str], expected: Collection[str]) -> Allowance:
+    """The keys on which the checkpoint (`saved`) and the job (`expected`) differ for a reason
+    that is not another model (module docstring). Keys only: a size that differs is never
+    allowed. A stateless parameter must be in the model on both sides, and the checkpoint
+    must hold optimizer state for some other one (else it is no torch optimizer's)."""
+    saved_params = {_state_param(k) for k in saved if k.startswith(STATE)}
+    job_params = dict.fromkeys(_state_param(k) for k in expected if k.startswith(STATE))
+    stateless = [
+        p
+        for p in job_params
+        if saved_params
+        and p not in saved_params
+        and f"model.{p}" in saved
+        and f"model.{p}" in expected
+    ]
+    without = set(stateless)
+    keys = {k for k in expected if k.startswith(STATE) and _state_param(k) in without}
+
+    def settings(side: Collection[str], other: Collection[str]) -> list[tuple[int, str]]:
+        found: dict[tuple[int, str], None] = {}
+        for key in side:
+            gs = _group_setting(key) if key.startswith(GROUPS) and key not in other else None
+            # Only in a group both sides have (its parameter list saved): never a group more.
+            if gs is not None and gs[1] != "params" and f"{GROUPS}{gs[0]}.params" in other:
+                found[gs] = None
+                keys.add(key)
+        return list(found)
+
+    added, dropped = settings(expected, saved), settings(saved, expected)
+    return Allowance(tuple(stateless), tuple(added), tuple(dropped), frozenset(keys))
+
+
 def compare(saved: Mapping[str, Shape], expected: Mapping[str, Shape]) -> list[Difference]:
     """The differences that make a checkpoint unusable for this job: a key the job loads that
     the checkpoint lacks, a size (or tensor/non-tensor) that differs, and a learned tensor of
-    the checkpoint the job has no place for. Empty: compatible. The model's come first, then
-    in the job's order (its parameters' order), then the checkpoint's."""
+    the checkpoint the job has no place for; but not what `tolerate` allows. Empty:
+    compatible. The model's come first, then in the job's order (its parameters' order),
+    then the checkpoint's."""
+    allowed = tolerate(saved, expected).keys
     keys = [*expected, *(k for k in saved if k not in expected)]
     keys.sort(key=lambda k: not k.startswith("model."))  # stable
     out: list[Difference] = []
     for key in keys:
+        if key in allowed:
+            continue
         if key not in saved:
             out.append(Difference(key, None, expected[key], in_checkpoint=False))
         elif key not in expected:

@@ -18,13 +18,9 @@ The root is a directory on a volume or an s3:// prefix (`location.Location`, whi
 out DCP's storage writer and reader: fsspec's for a bucket, DCP's os-based ones for a volume);
 everything else goes through the same interface, so every property here holds on both.
 
-Load path: the committed steps, newest first; a step is used only if every rank verified its
-share of the manifest and loaded it. Any failure (DCP raises `CheckpointException`, which
-derives from BaseException, not Exception) falls back to the previous step; rank 0 moves the
-damaged one aside. `resumed_from_step` and `skipped` say what happened. A verified checkpoint
-whose keys or sizes do not match this job's state (written for another model or setup:
-checkpoint_compat) is not damage: every rank refuses the job before reading it, and nothing
-is moved.
+Load path (`dcp_resume.Resume`): the newest committed checkpoint that every rank verifies and
+loads; a damaged one is skipped and moved aside, another model's refused
+(`checkpoint_compat`). `resumed_from_step` and `skipped` say what happened.
 """
 
 from __future__ import annotations
@@ -33,7 +29,6 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -47,14 +42,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
-from finetune_trainer.checkpoint_compat import (
-    IncompatibleCheckpointError,
-    Shape,
-    compare,
-    metadata_shapes,
-    refusal_message,
-)
 from finetune_trainer.checkpointer import AsyncMode, save_due
+from finetune_trainer.dcp_resume import Resume, agree
 from finetune_trainer.location import Location
 from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.ownership import claim_checkpoint_root
@@ -62,11 +51,6 @@ from finetune_trainer.staging import HostStaging, StagedState
 from finetune_trainer.state import TrainState
 
 log = logging.getLogger(__name__)
-
-# Everything a failed load can raise, but not the interpreter's own exits (KeyboardInterrupt,
-# SystemExit): DCP wraps every rank's failure in CheckpointException, a BaseException.
-LOAD_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
-
 
 # Opt-in: stage through a snapshot in GPU memory (staging.py); costs a copy of the state there.
 DEVICE_SNAPSHOT_ENV = "FT_CHECKPOINT_DEVICE_SNAPSHOT"
@@ -118,110 +102,18 @@ class DcpCheckpointer:
         )
         self._prepared = False
 
-    # ---- load -------------------------------------------------------------------------------
-
-    def _candidates(self) -> list[int]:
-        """Rank 0 cleans partial saves and lists committed steps, newest first; all ranks
-        get the same list so they try the same checkpoints in the same order."""
-        steps: list[int] = []
-        if self.rank == 0:
-            for path in store.remove_partial(self.root):
-                log.warning("removed uncommitted checkpoint %s", path)
-            steps = [c.step for c in store.committed_newest_first(self.root)]
-        box: list[Any] = [steps]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return list(box[0])
-
-    def _verify(self, path: Location) -> None:
-        """Structure, then this rank's share of the manifest (sizes, then hashes)."""
-        store.validate(path)
-        manifest = store.manifest_of(store.read_marker(path))
-        if manifest is None:
-            log.warning("checkpoint %s has no manifest (older format): structure checked only", path)
-            return
-        world = dist.get_world_size(self.group)
-        store.verify_files(path, manifest, store.share_of(manifest, self.rank, world))
-
-    def _agree(self, ok: bool) -> bool:
-        """True only if every rank says ok: ranks never resume from different steps, nor
-        diverge on what is committed (the load and the save paths both agree through it)."""
-        flag = torch.tensor([1.0 if ok else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item() == 1.0)
-
-    def _try_load(self, step: int) -> bool:
-        path = store.step_dir(self.root, step)
-        ok = self._attempt_load(path, lambda: self._verify(path))
-        # Agree on each check before the next collective (DCP's load runs its own): a rank
-        # that skipped one would leave the others waiting in it.
-        saved: dict[str, Shape] = {}
-        if self._agree(ok):
-            ok = self._attempt_load(path, lambda: saved.update(self._saved_shapes(path)))
-            ok = self._agree(ok)
-        else:
-            ok = False
-        if ok:
-            # Undamaged, so a mismatch is another model's checkpoint: refused, never moved.
-            self._refuse_if_incompatible(step, path, saved)
-
-            def read(sd: dict[str, Any], path: Location = path) -> None:
-                dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
-
-            ok = self._attempt_load(path, lambda: self.state.load(read, set(saved)))
-            ok = self._agree(ok)
-        if not ok and self.rank == 0:
-            # Out of the way of the save that will reach this step again, kept for a look.
-            try:
-                log.warning("moved damaged checkpoint to %s", store.quarantine(path))
-            except OSError as e:
-                log.warning("could not move damaged checkpoint %s aside: %s", path, e)
-        return ok
-
-    def _attempt_load(self, path: Location, action: Callable[[], object]) -> bool:
-        try:
-            action()
-        except LOAD_ERRORS as e:
-            log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
-            return False
-        return True
-
-    @staticmethod
-    def _saved_shapes(path: Location) -> dict[str, Shape]:
-        return metadata_shapes(path.dcp_reader().read_metadata().state_dict_metadata)
-
-    def _refuse_if_incompatible(self, step: int, path: Location, saved: dict[str, Shape]) -> None:
-        """Collective: every rank refuses if any rank's state does not fit the checkpoint
-        (checkpoint_compat), so none is left waiting in DCP's load."""
-        differences = compare(saved, self.state.expected_shapes(set(saved)))
-        mine = None
-        if differences:
-            marker = store.read_marker(path) or {}
-            mine = refusal_message(
-                step,
-                str(self.root),
-                differences,
-                saved_backend=marker.get("backend"),
-                backend=self.meta.get("backend"),
-            )
-        verdicts: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(verdicts, mine, group=self.group)
-        refusal = next((v for v in verdicts if v), None)
-        if refusal is not None:
-            raise IncompatibleCheckpointError(refusal)
+    # ---- load (dcp_resume) --------------------------------------------------------------
 
     def load(self) -> int:
-        """Resume from the newest committed checkpoint that loads; skip corrupt ones. Returns
-        the step to continue from (0: nothing usable, start fresh). A checkpoint that failed
-        on one rank leaves the others' state half-restored; the next one loaded overwrites
-        all of it, and a fresh start (0) is only reached by a rank that loaded nothing."""
-        for step in self._candidates():
-            if self._try_load(step):
-                self.last_committed_step = self._last_saved = self.resumed_from_step = step
-                self.metrics.last_ckpt_step.set(step)
-                self.metrics.observe_resume(step, self.skipped)
-                log.info("resumed from checkpoint step %d (%s)", step, self.root)
-                return step
-            self.skipped.append(step)
+        """Resume from the newest committed checkpoint that loads; skip damaged ones
+        (dcp_resume). Returns the step to continue from (0: nothing usable, start fresh)."""
+        step = Resume(self.root, self.state, self.group, self.meta, self.skipped).newest_loadable()
+        if step:
+            self.last_committed_step = self._last_saved = self.resumed_from_step = step
+            self.metrics.last_ckpt_step.set(step)
+            self.metrics.observe_resume(step, self.skipped)
+            log.info("resumed from checkpoint step %d (%s)", step, self.root)
+            return step
         self.metrics.observe_resume(0, self.skipped)
         log.info("no usable checkpoint under %s: starting at step 0", self.root)
         return 0
@@ -287,7 +179,7 @@ class DcpCheckpointer:
                     self.state.capture(), storage_writer=path.dcp_writer(), process_group=self.group
                 )
 
-            self._conclude(self._agree(self._attempt(step, "save", save)), step, t0)
+            self._conclude(agree(self._attempt(step, "save", save), self.group), step, t0)
         self._last_saved = step
         self._last_save_time = time.monotonic()
         self.metrics.checkpoint_save_returned(step, time.monotonic() - t0)
@@ -314,7 +206,7 @@ class DcpCheckpointer:
         finally:
             ready.set_result(None)  # the loop may go on; a failure is reported below
         ok = ok and staged is not None and self._attempt(step, "staging", staged.wait_device)
-        if self._agree(ok) and staged is not None:
+        if agree(ok, self.group) and staged is not None:
             path = store.step_dir(self.root, step)
             ok = self._attempt(
                 step,
@@ -323,7 +215,7 @@ class DcpCheckpointer:
                     staged.state_dict, storage_writer=path.dcp_writer(), process_group=self.group
                 ),
             )
-            ok = self._agree(ok)
+            ok = agree(ok, self.group)
         else:
             ok = False
         return self._conclude(ok, step, t0)
@@ -398,9 +290,3 @@ class DcpCheckpointer:
         self._committer.shutdown(wait=True)
         if self.staging is not None:
             self.staging.close()
-
-
-def _short(e: BaseException) -> str:
-    """DCP's CheckpointException message embeds every rank's traceback: keep the first line."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"

@@ -30,6 +30,7 @@ from torch.distributed.run import main as torchrun_main
 
 from finetune_trainer.crash import (
     KIND_EXIT,
+    KIND_PEER_LOST,
     RankFailure,
     crash_report,
     failure_from_process,
@@ -95,6 +96,14 @@ def crash_line(report: dict[str, Any], first_rank: int, first: RankFailure) -> s
             f"\ncrash report: the root cause is rank {crash['rank']}, not rank {first_rank} "
             f'that torchrun\'s "Root Cause" above names ({why}: torchrun picks the earliest '
             "whole-second timestamp)"
+        )
+    if crash.get("kind") == KIND_PEER_LOST:
+        # The operator names another pod's failure for the job (reconcile/crash.py): this
+        # pod's log must not read as the job's root cause.
+        line += (
+            "\ncrash report: this pod's ranks only lost a peer in another pod: the job's "
+            "root cause is that pod's failure, which the FineTuneJob's Restarting (or Failed) "
+            "condition names"
         )
     return line
 

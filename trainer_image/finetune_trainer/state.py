@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LRScheduler
 
-from finetune_trainer.checkpoint_compat import Shape, state_dict_shapes
+from finetune_trainer.checkpoint_compat import Shape, state_dict_shapes, tolerate
 from finetune_trainer.loss_scale import LossScale, NoLossScale
 from finetune_trainer.sampler import StepSampler
 
@@ -40,6 +40,9 @@ class TrainState:
     seed: int
     step: int = 0
     loss_scale: LossScale = field(default_factory=NoLossScale)
+    # False while restoring a checkpoint that lacks some parameters' optimizer state (they
+    # never had a gradient): set_state_dict would refuse it as strict.
+    _strict: bool = field(default=True, init=False, repr=False)
 
     def _rng_key(self) -> str:
         # One entry per rank (each rank's dropout stream); a rank missing from an older,
@@ -49,7 +52,7 @@ class TrainState:
     def _options(self) -> StateDictOptions:
         frozen = any(not p.requires_grad for p in self.model.parameters())
         # strict=False on load: the frozen base is absent from the checkpoint by design.
-        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+        return StateDictOptions(ignore_frozen_params=frozen, strict=self._strict and not frozen)
 
     # The model and optimizer parts: get_state_dict/set_state_dict here; other backends
     # (deepspeed_checkpoint.DeepSpeedTrainState) override these four (and load) and keep the rest.
@@ -116,8 +119,19 @@ class TrainState:
         every rank calls it equally often). A backend whose model and optimizer cannot be
         held whole at once reads them in parts first (DeepSpeedTrainState)."""
         sd = self.template(saved_keys)
+        # What the checkpoint lacks without being another model's (checkpoint_compat; the
+        # checkpointer has refused anything else and logged this): not read from it.
+        allowance = tolerate(saved_keys, state_dict_shapes(sd))
+        kept = allowance.leave_out(sd)
         read(sd)
-        self.restore(sd)
+        self._strict = not allowance.stateless
+        try:
+            self.restore(sd)
+        finally:
+            self._strict = True
+        # The optimizer took the checkpoint's param groups, without the settings it lacks.
+        for (group, setting), value in kept.items():
+            self.optimizer.param_groups[group][setting] = value
 
     def restore(self, sd: dict[str, Any]) -> None:
         self.restore_model_optim(sd["model"], sd["optim"])

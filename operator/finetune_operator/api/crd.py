@@ -131,6 +131,17 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
     ],
 }
 
+# Rules across parts of the spec (the spec's own, mirroring FineTuneJobSpec's validators).
+SPEC_CEL_RULES: list[dict[str, str]] = [
+    {
+        "rule": "!has(self.output) || !has(self.output.mergeLora) || !self.output.mergeLora || "
+        "(has(self.method) && has(self.method.type) && self.method.type != 'full')",
+        "message": "output.mergeLora needs method lora or qlora: a full fine-tune has no "
+        "adapters to merge",
+        "fieldPath": ".output.mergeLora",
+    },
+]
+
 # Storage URIs: no `..` segments (spec.refuse_parent_segments), on the string itself.
 URI_RULES: dict[str, dict[str, str]] = {
     "DatasetSpec": {
@@ -328,8 +339,8 @@ def build_crd() -> dict[str, Any]:
         "Desired state: what to fine-tune, on what, and how. Immutable once created, except "
         "suspend."
     )
-    spec_schema.setdefault("x-kubernetes-validations", []).append(
-        immutable_spec_rule(spec_schema)
+    spec_schema.setdefault("x-kubernetes-validations", []).extend(
+        [*copy.deepcopy(SPEC_CEL_RULES), immutable_spec_rule(spec_schema)]
     )
     status_schema = _model_schema(FineTuneJobStatus)
     status_schema["description"] = "Observed state, written by the operator."

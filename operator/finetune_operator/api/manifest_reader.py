@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import re
+import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +27,87 @@ Problem = tuple[str, str]
 _BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+def _go_float_key(value: float) -> str:
+    """A float key as sigs.k8s.io/yaml writes it: strconv.FormatFloat(f, 'g', -1, 32), the
+    shortest text of its float32, with go-yaml's names for infinities and NaN."""
+    if math.isnan(value):
+        return ".nan"
+    if math.isinf(value):
+        return ".inf" if value > 0 else "-.inf"
+    single = struct.unpack("f", struct.pack("f", value))[0]
+    for digits in range(1, 10):
+        text = f"{single:.{digits}g}"
+        if struct.unpack("f", struct.pack("f", float(text)))[0] == single:
+            return text
+    return f"{single:.9g}"
+
+
+def _kubectl_key(key: Any) -> Any:
+    """The JSON key kubectl sends for a YAML key (sigs.k8s.io/yaml's map key conversion): a
+    boolean becomes "true"/"false", a number its decimal text; any other non-string stays,
+    for json_problems to refuse as kubectl does ('unsupported map key')."""
+    if isinstance(key, bool):
+        return "true" if key else "false"
+    if isinstance(key, int):
+        return str(key)
+    if isinstance(key, float):
+        return _go_float_key(key)
+    return key
+
+
 class _Loader(_BaseLoader):  # type: ignore[valid-type,misc]
     """YAML as kubectl reads it: timestamps stay strings (sigs.k8s.io/yaml goes through JSON,
     which has no date type), so `revision: 2024-01-01` is the string it looks like; a key
     given twice in one mapping is refused (kubectl: 'mapping key "x" already defined'), where
-    a YAML 1.1 reader would keep the last value silently."""
+    a YAML 1.1 reader would keep the last value silently. A boolean or number key becomes the
+    string kubectl makes of it (`on:` and `y:` are the key "true"), with a warning for the
+    words that are not `true`/`false`: the name is not what it looks like."""
+
+    key_warnings: list[str]  # filled by parse_yaml_document's loader, shown as warnings
 
     def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
-            first: dict[tuple[str, str], yaml.Node] = {}
-            for key_node, _ in node.value:
-                # Merge keys (<<) may override; only keys written out in this mapping count.
-                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
-                    continue
-                seen = first.setdefault((key_node.tag, key_node.value), key_node)
-                if seen is not key_node:
-                    raise yaml.constructor.ConstructorError(
-                        None, None,
-                        f'mapping key "{key_node.value}" already defined at line '
-                        f"{seen.start_mark.line + 1}",
-                        key_node.start_mark,
-                    )  # fmt: skip
-        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        if not isinstance(node, yaml.MappingNode):
+            return dict(super().construct_mapping(node, deep=deep))
+        # Keys by kubectl's name for them, built here: a Python dict would merge `y`, `true`
+        # and `1` (True == 1) before any conversion.
+        first: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            # Merge keys (<<) may override; only keys written out in this mapping count.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            name = _kubectl_key(self.construct_object(key_node))
+            seen = first.setdefault(name, key_node)
+            if seen is not key_node:
+                same = seen.value == key_node.value
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f'mapping key "{key_node.value}" already defined at line '
+                    f"{seen.start_mark.line + 1}"
+                    + ("" if same else f' (as "{seen.value}": both are the key "{name}" to kubectl)'),
+                    key_node.start_mark,
+                )  # fmt: skip
+            self._warn_boolean_key(key_node, name)
+        self.flatten_mapping(node)
+        mapping: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    "found unhashable key", key_node.start_mark,
+                ) from None  # fmt: skip
+            mapping[_kubectl_key(key)] = self.construct_object(value_node, deep=deep)
         return mapping
+
+    def _warn_boolean_key(self, key_node: yaml.ScalarNode, name: Any) -> None:
+        if key_node.tag.endswith(":bool") and key_node.value.lower() not in ("true", "false"):
+            self.key_warnings.append(
+                f"line {key_node.start_mark.line + 1}: key {key_node.value} is the boolean "
+                f'{name} to kubectl (YAML 1.1), so the field is named "{name}"; quote it '
+                f"('{key_node.value}':) to name it {key_node.value}"
+            )
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -129,16 +189,31 @@ def read_manifest_text(path: str | Path) -> tuple[str | None, list[Problem]]:
         return None, [("", f"is not UTF-8 text (byte {err.start}: {raw[err.start]:#04x})")]
 
 
+def _load_all(text: str, key_warnings: list[str]) -> list[Any]:
+    loader = _Loader(text)
+    loader.key_warnings = key_warnings
+    try:
+        docs = []
+        while loader.check_data():
+            docs.append(loader.get_data())
+        return docs
+    finally:
+        loader.dispose()
+
+
 def parse_yaml_document(text: str) -> tuple[Any, list[Problem]]:
     """The single object in the text (empty documents skipped, a List unwrapped)."""
     if _flow_depth(text) > limits.MAX_NESTING:
         return None, [("", f"nested deeper than {limits.MAX_NESTING} levels")]
+    key_warnings: list[str] = []
     try:
-        docs = [doc for doc in yaml.load_all(text, Loader=_Loader) if doc is not None]
+        docs = [doc for doc in _load_all(text, key_warnings) if doc is not None]
     except yaml.YAMLError as err:
         return None, [("", f"not valid YAML: {err}")]
     except RecursionError:
         return None, [("", f"nested deeper than {limits.MAX_NESTING} levels")]
+    for message in key_warnings:
+        warnings.warn(message, UserWarning, stacklevel=2)
     if len(docs) == 1 and isinstance(docs[0], dict) and docs[0].get("kind") == "List":
         items = docs[0].get("items")
         docs = items if isinstance(items, list) else [docs[0]]

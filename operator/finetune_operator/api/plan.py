@@ -69,7 +69,9 @@ class Plan(ApiModel):
     headroom: float = Field(..., description="1 - total/gpuMemoryBytes.")
     estimated_step_seconds: float = Field(..., ge=0, description="Modelled optimizer-step time.")
     tokens_per_second: float = Field(0.0, ge=0, description="Modelled throughput, all ranks.")
-    gpu_hours: float = Field(0.0, ge=0, description="Modelled GPU-hours for the whole job.")
+    gpu_hours: float = Field(
+        0.0, ge=0, description="Modelled GPU-hours for the whole job (device cpu: process-hours)."
+    )
     reason: str = Field(..., description="Why this plan (or why nothing fits).")
     memory: MemoryBreakdown
     candidates_evaluated: int = Field(0, ge=0, description="Configurations the search tried.")

@@ -198,10 +198,27 @@ class FaultToleranceSpec(SpecModel):
 
 class OutputSpec(SpecModel):
     uri: str | None = Field(
-        None, max_length=lim.MAX_URI_LENGTH, description="Where the final model is written."
+        None,
+        min_length=1,
+        max_length=lim.MAX_URI_LENGTH,
+        description="Where the final model is written (a directory or s3:// URI); omitted: "
+        "no export, the model is only in the checkpoints.",
     )
     format: Literal["hf-safetensors"] = Field("hf-safetensors", description="Output format.")
-    merge_lora: bool = Field(False, description="Merge adapters into the base weights.")
+    merge_lora: bool = Field(
+        False,
+        description="Merge adapters into the base weights (method lora or qlora only).",
+    )
+
+    @field_validator("uri", mode="before")
+    @classmethod
+    def _uri_not_empty(cls, uri: object) -> object:
+        # "" is no place to write to; taken as "unset", the model would silently go nowhere.
+        if uri == "":
+            raise ValueError(
+                "output.uri is empty: give a directory or s3:// URI, or omit it for no export"
+            )
+        return uri
 
     @field_validator("uri")
     @classmethod
@@ -239,3 +256,14 @@ class FineTuneJobSpec(SpecModel):
         "Must match the operator's allowed images (chart value policy.allowedImages).",
     )
     suspend: bool = Field(False, description="Delete pods, keep checkpoints; false resumes.")
+
+    @model_validator(mode="after")
+    def _merge_lora_needs_adapters(self) -> FineTuneJobSpec:
+        # Accepted and ignored before: a user asking for merged weights got no answer.
+        if self.output.merge_lora and self.method.type == "full":
+            raise ValueError(
+                "output.mergeLora is true but method.type is 'full': there are no adapters to "
+                "merge (a full fine-tune already exports whole weights); remove "
+                "output.mergeLora or use method lora/qlora"
+            )
+        return self

@@ -27,6 +27,18 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _hours(h: float) -> str:
+    # Two significant digits below an hour: a short job's 0.004 h must not print as 0.0.
+    return f"{h:,.1f}" if h >= 1 or h == 0 else f"{h:.2g}"
+
+
+def _compute(plan: Plan) -> tuple[str, str]:
+    """The cost row: GPU-hours, or for a CPU job (no GPU at all) its process-hours."""
+    if plan.device == "gpu":
+        return ("GPU-hours", _hours(plan.gpu_hours))
+    return ("GPU-hours", f"none (CPU job: {_hours(plan.gpu_hours)} process-hours)")
+
+
 def render_plan(plan: Plan, width: int = 88) -> str:
     """Key facts, the per-GPU memory breakdown, then the reason wrapped to `width`."""
     verdict = "fits" if plan.fits else "DOES NOT FIT"
@@ -46,7 +58,7 @@ def render_plan(plan: Plan, width: int = 88) -> str:
         ),
         ("Step time", f"{plan.estimated_step_seconds:.3f} s (modelled)"),
         ("Throughput", f"{plan.tokens_per_second:,.0f} tokens/s"),
-        ("GPU-hours", f"{plan.gpu_hours:,.1f}"),
+        _compute(plan),
         ("Evaluated", _configurations(plan.candidates_evaluated)),
     ]
     key_w = max(len(k) for k, _ in facts)

@@ -1,0 +1,176 @@
+"""The load path of `dcp_checkpointer.DcpCheckpointer`: resume from the newest committed
+checkpoint that loads on every rank.
+
+The committed steps, newest first; a step is used only if every rank verified its share of
+the manifest and loaded it. Any failure (DCP raises `CheckpointException`, which derives from
+BaseException, not Exception) falls back to the previous step; rank 0 moves the damaged one
+aside. A verified checkpoint whose keys or sizes do not match this job's state (written for
+another model or setup: checkpoint_compat) is not damage: every rank refuses the job before
+reading it, and nothing is moved. What checkpoint_compat allows (optimizer state of
+parameters that never had a gradient, param-group settings of another torch) is loaded,
+with a warning line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from finetune_trainer import checkpoint_store as store
+from finetune_trainer.checkpoint_compat import (
+    IncompatibleCheckpointError,
+    Shape,
+    compare,
+    metadata_shapes,
+    refusal_message,
+    tolerate,
+)
+from finetune_trainer.location import Location
+from finetune_trainer.state import TrainState
+
+log = logging.getLogger(__name__)
+
+# Everything a failed load can raise, but not the interpreter's own exits (KeyboardInterrupt,
+# SystemExit): DCP wraps every rank's failure in CheckpointException, a BaseException.
+LOAD_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+
+def agree(ok: bool, group: dist.ProcessGroup) -> bool:
+    """True only if every rank says ok: ranks never resume from different steps, nor
+    diverge on what is committed (the load and the save paths both agree through it)."""
+    flag = torch.tensor([1.0 if ok else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item() == 1.0)
+
+
+class Resume:
+    """One resume attempt over the committed checkpoints under `root` (a collective: every
+    rank of `group` runs it). `skipped`: the committed steps found unusable, newest first,
+    appended to as they are (the caller's list: still true when a refusal ends the attempt)."""
+
+    def __init__(
+        self,
+        root: Location,
+        state: TrainState,
+        group: dist.ProcessGroup,
+        meta: dict[str, Any],
+        skipped: list[int],
+    ) -> None:
+        self.root = root
+        self.state = state
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.meta = meta
+        self.skipped = skipped
+
+    def newest_loadable(self) -> int:
+        """Load the newest committed checkpoint that loads; skip damaged ones. Returns its
+        step (0: nothing usable). A checkpoint that failed on one rank leaves the others'
+        state half-restored; the next one loaded overwrites all of it, and a fresh start (0)
+        is only reached by a rank that loaded nothing."""
+        for step in self._candidates():
+            if self._try_load(step):
+                return step
+            self.skipped.append(step)
+        return 0
+
+    def _candidates(self) -> list[int]:
+        """Rank 0 cleans partial saves and lists committed steps, newest first; all ranks
+        get the same list so they try the same checkpoints in the same order."""
+        steps: list[int] = []
+        if self.rank == 0:
+            for path in store.remove_partial(self.root):
+                log.warning("removed uncommitted checkpoint %s", path)
+            steps = [c.step for c in store.committed_newest_first(self.root)]
+        box: list[Any] = [steps]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return list(box[0])
+
+    def _verify(self, path: Location) -> None:
+        """Structure, then this rank's share of the manifest (sizes, then hashes)."""
+        store.validate(path)
+        manifest = store.manifest_of(store.read_marker(path))
+        if manifest is None:
+            log.warning(
+                "checkpoint %s has no manifest (older format): structure checked only", path
+            )
+            return
+        world = dist.get_world_size(self.group)
+        store.verify_files(path, manifest, store.share_of(manifest, self.rank, world))
+
+    def _try_load(self, step: int) -> bool:
+        path = store.step_dir(self.root, step)
+        ok = _attempt(path, lambda: self._verify(path))
+        # Agree on each check before the next collective (DCP's load runs its own): a rank
+        # that skipped one would leave the others waiting in it.
+        saved: dict[str, Shape] = {}
+        if agree(ok, self.group):
+            ok = _attempt(path, lambda: saved.update(_saved_shapes(path)))
+            ok = agree(ok, self.group)
+        else:
+            ok = False
+        if ok:
+            # Undamaged, so a mismatch is another model's checkpoint: refused, never moved.
+            self._refuse_if_incompatible(step, path, saved)
+
+            def read(sd: dict[str, Any], path: Location = path) -> None:
+                dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
+
+            ok = _attempt(path, lambda: self.state.load(read, set(saved)))
+            ok = agree(ok, self.group)
+        if not ok and self.rank == 0:
+            # Out of the way of the save that will reach this step again, kept for a look.
+            try:
+                log.warning("moved damaged checkpoint to %s", store.quarantine(path))
+            except OSError as e:
+                log.warning("could not move damaged checkpoint %s aside: %s", path, e)
+        return ok
+
+    def _refuse_if_incompatible(self, step: int, path: Location, saved: dict[str, Shape]) -> None:
+        """Collective: every rank refuses if any rank's state does not fit the checkpoint
+        (checkpoint_compat), so none is left waiting in DCP's load."""
+        expected = self.state.expected_shapes(set(saved))
+        differences = compare(saved, expected)
+        mine = None
+        if differences:
+            marker = store.read_marker(path) or {}
+            mine = refusal_message(
+                step,
+                str(self.root),
+                differences,
+                saved_backend=marker.get("backend"),
+                backend=self.meta.get("backend"),
+            )
+        verdicts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(verdicts, mine, group=self.group)
+        refusal = next((v for v in verdicts if v), None)
+        if refusal is not None:
+            raise IncompatibleCheckpointError(refusal)
+        allowance = tolerate(saved, expected)  # what TrainState.load leaves out
+        if allowance and self.rank == 0:
+            log.warning("checkpoint step %d in %s: %s", step, self.root, allowance.describe())
+
+
+def _attempt(path: Location, action: Callable[[], object]) -> bool:
+    try:
+        action()
+    except LOAD_ERRORS as e:
+        log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
+        return False
+    return True
+
+
+def _saved_shapes(path: Location) -> dict[str, Shape]:
+    return metadata_shapes(path.dcp_reader().read_metadata().state_dict_metadata)
+
+
+def _short(e: BaseException) -> str:
+    """DCP's CheckpointException message embeds every rank's traceback: keep the first line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
