@@ -86,7 +86,7 @@ def measure(world: int, stage: int, code: Path, label: str, tmp: Path) -> list[d
     out = run(workdir, job, "resume", [str(RESUME_WORKER)], code)
     rows = [json.loads(x) for x in re.findall(r"^resume-peak (\{.*\})$", out, re.M)]
     assert len(rows) == world, out[-3000:]
-    (step,) = (workdir / "checkpoints").glob("*/step-*")
+    (step,) = (p for p in (workdir / "checkpoints").rglob("step-*") if p.is_dir())
     stored = sum(f.stat().st_size for f in step.glob("*.distcp"))
     return [{**r, "stage": stage, "code": label, "stored": stored} for r in rows]
 
