@@ -84,7 +84,8 @@ def measure(world: int, stage: int, code: Path, label: str, tmp: Path) -> list[d
     job = resume_job(world, stage, workdir)
     run(workdir, job, "save", ["-m", "finetune_trainer"], code)
     out = run(workdir, job, "resume", [str(RESUME_WORKER)], code)
-    rows = [json.loads(x) for x in re.findall(r"^resume-peak (\{.*\})$", out, re.M)]
+    # The ranks' lines may interleave in the shared output: each row is flat JSON.
+    rows = [json.loads(x) for x in re.findall(r"resume-peak (\{[^{}]*\})", out)]
     assert len(rows) == world, out[-3000:]
     (step,) = (p for p in (workdir / "checkpoints").rglob("step-*") if p.is_dir())
     stored = sum(f.stat().st_size for f in step.glob("*.distcp"))
@@ -127,8 +128,13 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3], choices=[1, 2, 3])
     parser.add_argument("--before", default=BEFORE, help="git revision of the 'before' trainer")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--rows", type=Path, default=None,
+                        help="JSON lines of measured rows: appended to, and not measured again")  # fmt: skip
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
+    if args.rows and args.rows.exists():
+        rows = [json.loads(x) for x in args.rows.read_text().splitlines() if x]
+    done = {(r["world"], r["stage"], r["code"]) for r in rows}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         before = tmp / "before"
@@ -139,7 +145,13 @@ def main() -> None:
         for world in args.worlds:
             for stage in args.stages:
                 for label, code in (("before", before), ("after", REPO)):
-                    rows += measure(world, stage, code, label, tmp)
+                    if (world, stage, label) in done:
+                        continue
+                    new = measure(world, stage, code, label, tmp)
+                    rows += new
+                    if args.rows:
+                        with args.rows.open("a") as f:
+                            f.writelines(json.dumps(r) + "\n" for r in new)
                     print(f"measured world {world} ZeRO-{stage} {label}", flush=True)
     text = report(rows)
     print(text)
