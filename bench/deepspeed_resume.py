@@ -6,7 +6,9 @@ per path, under tests/trainer/deepspeed_resume_worker.py, which counts the resto
 - old: the path before groups (FT_TEST_RESUME_OLD): full fp32 templates of every tensor of
   every parameter on every rank, then handed to DeepSpeed;
 - new: finetune_trainer.deepspeed_resume: groups of at most 1 GiB (or --cap), each rank
-  reading every master weight and only its own ZeRO-2 partition's optimizer states.
+  reading only what it holds (bench/results/deepspeed_resume.txt was measured before the
+  chunked layout, when each rank still read every master weight; the bytes each rank reads
+  from storage now: bench/deepspeed_resume_reads.py).
 "live" is the most bytes of tensors allocated and alive at once during the restore (counted per
 op, so the allocator's retention does not blur it), "read" what the rank read, "rss" the rank's
 peak RSS over the whole run (the step before the save included).

@@ -9,6 +9,8 @@ from pydantic import ValidationError
 
 from finetune_operator.api.elastic_timeouts import (
     collective_timeouts,
+    node_resume_read_bytes,
+    rank_resume_read_bytes,
     rendezvous_last_call_seconds,
     steady_collective_seconds,
     worker_stop_seconds,
@@ -87,8 +89,17 @@ def test_worker_stop_never_beyond_torchrun_sigkill() -> None:
         (spec(hangTimeoutSeconds=15), plan(step=20.0), None, 60.0),  # the floor beats hang/2
         (spec(collectiveTimeoutSeconds=15), plan(step=20.0), 30.0, 15.0),  # the user's wins
     ],
-    ids=["floor", "steps", "measured-slower", "measured-faster", "hang-share", "ceiling",
-         "mid-hang", "short-hang", "override"],
+    ids=[
+        "floor",
+        "steps",
+        "measured-slower",
+        "measured-faster",
+        "hang-share",
+        "ceiling",
+        "mid-hang",
+        "short-hang",
+        "override",
+    ],
 )
 def test_steady(job: FineTuneJobSpec, p: Plan, measured: float | None, expected: float) -> None:
     assert steady_collective_seconds(job, p, measured) == pytest.approx(expected)
@@ -101,9 +112,53 @@ def test_startup_and_checkpoint_grow_with_the_job() -> None:
     big = collective_timeouts(spec(), plan(step=3.0, load_peak_gb=2, compiled=True))
     assert big.startup == pytest.approx(916)
     # 70B full: 850 GB of checkpoint over 1 node is 850 s to write: three of them.
-    huge = collective_timeouts(spec(), plan(step=57, checkpoint_gb=850, nodes=1))
+    huge = collective_timeouts(fixed_nodes(1), plan(step=57, checkpoint_gb=850, nodes=1))
     assert huge.checkpoint == pytest.approx(2550) and huge.startup == pytest.approx(1450)
     assert collective_timeouts(spec(), plan(checkpoint_gb=10**5, nodes=1)).checkpoint == 7200
+
+
+def fixed_nodes(nodes: int) -> FineTuneJobSpec:
+    raw = quickstart_raw()
+    raw["resources"] = {**raw["resources"], "minNodes": nodes, "maxNodes": nodes}
+    return FineTuneJobSpec.model_validate(raw)
+
+
+@pytest.mark.parametrize(
+    ("job", "strategy", "backend", "nodes", "per_rank"),
+    [
+        # Every rank loads the whole replicated state.
+        pytest.param(fixed_nodes(2), "ddp", "fsdp", 2, 160.0, id="ddp"),
+        # Sharded 1/world, saved and resumed at the same world: its own chunks.
+        pytest.param(fixed_nodes(2), "fsdp-full-shard", "fsdp", 2, 10.0, id="fsdp-same-world"),
+        pytest.param(fixed_nodes(2), "zero3", "deepspeed", 2, 10.0, id="zero3-same-world"),
+        # Elastic 1..2 nodes at 2: the chunks saved at 1 node (8 ranks, 20 GB) around its share.
+        pytest.param(spec(), "zero3", "deepspeed", 2, 10.0 + 20.0, id="zero3-elastic"),
+        # Sharded within a node: each node reads the whole state once.
+        pytest.param(fixed_nodes(2), "fsdp-hybrid", "fsdp", 2, 20.0, id="hybrid"),
+        # ZeRO-1/2: its partition's parameters whole, boundaries allowed as one more share.
+        pytest.param(fixed_nodes(2), "zero2", "deepspeed", 2, 20.0, id="zero2"),
+    ],
+)
+def test_what_a_resume_reads_per_backend(
+    job: FineTuneJobSpec, strategy: str, backend: str, nodes: int, per_rank: float
+) -> None:
+    p = plan(checkpoint_gb=160, nodes=nodes).model_copy(
+        update={"strategy": strategy, "backend": backend}
+    )
+    assert rank_resume_read_bytes(job, p) == pytest.approx(per_rank * GB)
+    assert node_resume_read_bytes(job, p) == pytest.approx(8 * per_rank * GB)
+
+
+def test_a_replicated_resume_lengthens_the_checkpoint_timeout() -> None:
+    """DDP's ranks each read the whole checkpoint: a node reads 8 times what FSDP's does."""
+    sharded = plan(checkpoint_gb=100, nodes=2)
+    replicated = sharded.model_copy(update={"strategy": "ddp"})
+    job = fixed_nodes(2)
+    # FSDP: 50 GB a node: startup 600 + 50 s, the checkpoint group never below it.
+    assert collective_timeouts(job, sharded).checkpoint == 650
+    # DDP: 800 GB a node: startup 600 + 800 s, three reads of 800 s for the checkpoint group.
+    ddp = collective_timeouts(job, replicated)
+    assert (ddp.startup, ddp.checkpoint) == (1400, 2400)
 
 
 def test_startup_override_and_never_below_steady() -> None:

@@ -5,15 +5,17 @@ the same global batches: the sampler does not depend on the world size or the ba
 its loss curve must match DDP's step for step, within floating-point noise. Each run checks
 several properties at once to keep the multi-process time down:
 
-- ZeRO-1 with optimizer offload, 2 ranks: the curve, committed checkpoints, the export; then
-  resumed from its first checkpoint, read in groups of one tensor, each rank reading only the
-  optimizer states of its own partition, to the same export;
-- ZeRO-2, 2 ranks, stopped mid-run by SIGTERM (its final save); resumed as ZeRO-3 with
+- ZeRO-1 with optimizer offload, 2 ranks: the curve, committed checkpoints (in the whole layout
+  of checkpoints written before the chunked one), the export; then resumed from its first
+  checkpoint, read in groups of one tensor, each rank reading from storage only the tensors
+  of its own partition's parameters, to the same export;
+- ZeRO-2, 2 ranks, stopped mid-run by SIGTERM (its final save, chunked); resumed as ZeRO-3 with
   parameter and optimizer offload on 1 rank: resume at another world size (and stage), the
   loss going on as DDP's does, the resume's peak of live tensor bytes one group, not the whole
-  checkpoint (tests/trainer/deepspeed_resume_worker.py counts it);
+  checkpoint (tests/trainer/deepspeed_resume_worker.py counts it, and the bytes read);
 - ZeRO-3, 2 ranks, built partitioned under zero.Init: the curve (the initial weights are the
-  torch path's);
+  torch path's); resumed at 2 ranks, each reading only its own chunks: the checkpoint once in
+  all, not once per rank;
 - fp16 LoRA on ZeRO-2: one overflowing step is skipped and the loss scale lowered, training
   goes on; the user's deepspeedConfig is merged (hysteresis kept, a contradicting key
   overridden); the adapters are exported.
@@ -125,7 +127,9 @@ def test_zero1_with_optimizer_offload_matches_ddp(
     tmp_path: Path, procs: list[Proc], ddp_losses: list[float]
 ) -> None:
     job = ds_job("zero1", offload="cpu", checkpoint={"intervalSteps": 4})
-    p = launch(tmp_path, "zero1", job, 2)
+    # Saved in the whole layout (one full tensor per key) that checkpoints written before the
+    # chunked layout have: they must still resume.
+    p = launch(tmp_path, "zero1", job, 2, [str(RESUME_WORKER)], FT_TEST_SAVE_WHOLE="1")
     procs.append(p)
     assert p.wait(180) == 0, tail(p.log)
     config = deepspeed_config_logged(p.log)
@@ -138,9 +142,10 @@ def test_zero1_with_optimizer_offload_matches_ddp(
     exported = tmp_path / "output" / "quickstart" / "model.safetensors"
     first = load_file(exported)
 
-    # Resumed from step 4 (step 8 lost), in groups of one tensor: each rank reads every
-    # master weight but only the optimizer states of its own ZeRO-1 partition, and training
-    # goes on to the same weights (a state not restored would change them).
+    # Resumed from step 4 (step 8 lost), in groups of one tensor: each rank reads only the
+    # tensors of the parameters in its own ZeRO-1 partition (masters included: the
+    # low-precision weights are all-gathered by DeepSpeed), and training goes on to the same
+    # weights (a state not restored would change them).
     shutil.rmtree(root / "step-00000008")
     again = launch(tmp_path, "zero1-resume", job, 2, [str(RESUME_WORKER)],
                    FT_TEST_RESUME_CAP=str(RESUME_CAP))  # fmt: skip
@@ -153,14 +158,17 @@ def test_zero1_with_optimizer_offload_matches_ddp(
     for name, t in first.items():
         assert torch.allclose(t, second[name], atol=1e-5), name
     rows = resume_rows(again.log)
-    assert len(rows) == 2
-    masters = rows[0]["full_bytes"] // 3  # AdamW: master, exp_avg, exp_avg_sq, equal sizes
-    states = [r["read_bytes"] - masters for r in rows]
-    # Every state read by its owner; a parameter across the partition boundary by both.
-    assert 2 * masters <= sum(states) <= 2 * masters + 2 * 2 * rows[0]["largest"], rows
+    assert len(rows) == 2 and not any(r["chunked"] for r in rows), rows
+    full = rows[0]["full_bytes"]
+    # Every tensor read by its partition's rank; a parameter across the partition boundary
+    # (master and two states) by both.
+    assert full <= sum(r["read_bytes"] for r in rows) <= full + 2 * 3 * rows[0]["largest"], rows
+    stored = checkpoint_bytes(root / "step-00000004")
     for row in rows:
-        assert row["read_bytes"] < row["full_bytes"], row  # each skipped the other's states
+        assert row["storage_bytes"] < stored, (row, stored)  # each skipped the other's part
         assert_resume_bounded(row)
+    # Together less than before, when each rank also read every master weight it did not own.
+    assert sum(r["storage_bytes"] for r in rows) < stored + full / 3, (rows, stored)
 
 
 def test_zero2_sigterm_resumes_as_zero3_offload_at_world_one(
@@ -190,6 +198,9 @@ def test_zero2_sigterm_resumes_as_zero3_offload_at_world_one(
     assert resumed == stopped
     (row,) = resume_rows(second.log)
     assert row["groups"] > 1 and row["read_bytes"] == row["full_bytes"]  # world 1: all its own
+    # Saved in chunks at 2 ranks, read whole at 1: every chunk once.
+    assert row["chunked"], row
+    assert row["storage_bytes"] <= checkpoint_bytes(root / f"step-{stopped:08d}"), row
     assert_resume_bounded(row)
     assert "world 1, micro-batch 2, grad accumulation 4" in log
     config = deepspeed_config_logged(second.log)["zero_optimization"]
@@ -253,7 +264,7 @@ def test_zero3_two_ranks_built_partitioned_matches_ddp(
     initial weights: the same loss curve as DDP's. The optimizer groups the matrices by their
     real shape (a grouping by the empty partition placeholders left an empty group, which
     broke the LR scheduler at the first step)."""
-    job = ds_job("zero3", checkpoint={"enabled": False})
+    job = ds_job("zero3", checkpoint={"intervalSteps": 4})
     p = launch(tmp_path, "zero3-2", job, 2)
     procs.append(p)
     assert p.wait(180) == 0, tail(p.log)
@@ -264,3 +275,29 @@ def test_zero3_two_ranks_built_partitioned_matches_ddp(
     losses = {s["step"]: s["loss"] for s in step_lines(p.log)}
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert_matches(losses, ddp_losses)
+
+    # Resumed from step 4 (step 8 lost) at 2 ranks: each rank saved its ZeRO-3 partition as a
+    # chunk of its own (the chunked layout), so each reads only those chunks from storage:
+    # together the checkpoint once, not once per rank; the loss goes on as DDP's does.
+    root = tmp_path / "checkpoints" / "quickstart"
+    shutil.rmtree(root / "step-00000008")
+    again = launch(tmp_path, "zero3-2-resume", job, 2, [str(RESUME_WORKER)],
+                   FT_TEST_RESUME_CAP=str(RESUME_CAP))  # fmt: skip
+    procs.append(again)
+    assert again.wait(180) == 0, tail(again.log)
+    assert "resumed from checkpoint step 4" in again.log.read_text()
+    after = {s["step"]: s["loss"] for s in step_lines(again.log)}
+    assert sorted(after) == list(range(5, STEPS + 1))
+    assert_matches(after, ddp_losses)
+    rows = resume_rows(again.log)
+    assert len(rows) == 2 and all(r["chunked"] for r in rows), rows
+    stored = checkpoint_bytes(root / "step-00000004")
+    assert sum(r["storage_bytes"] for r in rows) <= stored, (rows, stored)
+    for row in rows:
+        assert 2 * row["read_bytes"] == pytest.approx(row["full_bytes"], rel=0.05), row
+        assert_resume_bounded(row)
+
+
+def checkpoint_bytes(step_dir: Path) -> int:
+    """What a checkpoint step holds in storage: its DCP data files (every saved item)."""
+    return sum(f.stat().st_size for f in step_dir.glob("*.distcp"))

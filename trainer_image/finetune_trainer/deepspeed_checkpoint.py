@@ -2,33 +2,30 @@
 
 The format: the trainer's own committed DCP checkpoint (dcp_checkpointer.DcpCheckpointer, the same
 store, COMMITTED marker + manifest, keep-last-K, skip-corrupt, async write), whose model and
-optimizer entries are **one full fp32 tensor per trainable parameter, by name**: the fp32
-master weight (`model.<name>`) and each optimizer state (`optim.<name>.exp_avg`, ...), read
-out of ZeRO's partitions with DeepSpeed's public fragment API (`safe_get_full_fp32_param`,
-`safe_get_full_optimizer_state`) and written back with its setters. Why this and not
-DeepSpeed's own `save_checkpoint` + universal checkpoint conversion:
+optimizer entries are **one fp32 tensor per trainable parameter, by name**: the fp32 master
+weight and each optimizer state (exp_avg, ...), read out of ZeRO's partitions with DeepSpeed's
+fragment API and written back into them (deepspeed_fragments). Why this and not DeepSpeed's own
+`save_checkpoint` + universal checkpoint conversion:
 
-- world-size independent by construction: the names and shapes do not depend on the ZeRO
+- world-size independent by construction: the names and sizes do not depend on the ZeRO
   stage or the number of ranks, so a checkpoint from 2 ranks loads into 1 or 3, and from
   ZeRO-2 into ZeRO-3, with no offline `ds_to_universal` pass between the kill and the resume
   (that pass reads every rank's files and rewrites them: minutes for a large model, on the
   critical path of an elastic re-form, and a second copy on the volume);
 - one store: the COMMITTED/manifest/keep/quarantine logic is the torch path's, not a second
   implementation around DeepSpeed's `latest` file (which is written before all ranks finish);
-- async: the gather is a collective on the training group (main thread, blocking), but the
-  tensors it returns are fresh copies, so the write and commit run in the checkpointer's
-  background thread exactly as on the torch path.
+- async: the tensors a save captures are fresh host copies, so the write and commit run in the
+  checkpointer's background thread exactly as on the torch path.
 
-The cost: every rank gathers every parameter (ZeRO-1/2: an all-reduce of its fragment;
-ZeRO-3: an all-gather), but keeps only the parameters it owns (round-robin by name), so the
-host memory a save holds is 1/N of the fp32 state and the ranks write in parallel. A load
-reads the tensors in groups of at most 1 GiB (finetune_trainer.deepspeed_resume), each rank
-only those it has a fragment of (every master weight; the optimizer states of its own ZeRO-1/2
-partitions), so the host memory a resume adds is bounded whatever the model's size.
+Each tensor is saved flattened, each rank writing its own chunk of it (deepspeed_layout's
+chunked layout: ZeRO-3's partition of the parameter), so a resume reads from storage only the
+chunks overlapping what each rank holds (deepspeed_resume), not the whole checkpoint on every
+rank. A save under ZeRO-3 gathers nothing (each rank writes the partition it holds); under
+ZeRO-1/2 every rank gathers each tensor (an all-reduce of the fragments) and keeps its chunk.
+Either way a save holds 1/N of the fp32 state on each rank's host, and the ranks write in
+parallel. Checkpoints written before (one whole tensor per key) still load.
 
-The low-precision module weights are set from the loaded masters too (ZeRO-1/2: every rank
-holds them whole; ZeRO-3: through `GatheredParameters`, rank 0's copy re-partitioned). LoRA
-checkpoints hold only the adapters (the frozen base is not trainable), like the torch path.
+LoRA checkpoints hold only the adapters (the frozen base is not trainable), like the torch path.
 fp16's dynamic loss scale and the optimizer's step count travel in the `train` entry.
 """
 
@@ -43,7 +40,9 @@ import torch.distributed as dist
 from torch import nn
 
 from finetune_trainer.checkpoint_compat import Shape
-from finetune_trainer.deepspeed_resume import Read, ResumeStats, full_shape, restore_in_groups
+from finetune_trainer.deepspeed_fragments import full_shape, local_chunk, refresh_low_precision
+from finetune_trainer.deepspeed_layout import CHUNKED, ChunkedLayout, is_chunked, saved_shapes
+from finetune_trainer.deepspeed_resume import Read, ResumeStats, restore_in_groups
 from finetune_trainer.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -108,21 +107,22 @@ class DeepSpeedTrainState(TrainState):
     # ---- save ------------------------------------------------------------------------------
 
     def capture_model_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Collective (every rank, same order). Each rank keeps the parameters it owns."""
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
+        """Collective under ZeRO-1/2 (every rank, same order). Each rank captures its chunk of
+        every tensor (deepspeed_layout), as a DTensor DCP writes with its place in the whole."""
         self._link_optimizer_state()
-        world, rank = dist.get_world_size(), dist.get_rank()
+        layout = ChunkedLayout()
         model_sd: dict[str, Any] = {}
         optim_sd: dict[str, Any] = {}
-        for i, (name, p) in enumerate(_trainable(self._engine().module)):
-            mine = i % world == rank
-            full = safe_get_full_fp32_param(p)
-            states = {k: safe_get_full_optimizer_state(p, k) for k in self._state_keys()}
-            if mine:
-                model_sd[name] = full.detach().cpu()
-                optim_sd[name] = {k: v.detach().cpu() for k, v in states.items()}
-        return model_sd, optim_sd
+        for name, p in _trainable(self._engine().module):
+            numel = full_shape(p).numel()
+            start, length = layout.chunk(numel)
+            chunks = {
+                key: layout.wrap(local_chunk(p, key, start, length, layout.world), numel)
+                for key in ("", *self._state_keys())
+            }  # the master first, then the states: the same order (collectives) on every rank
+            model_sd[name] = chunks.pop("")
+            optim_sd[name] = chunks
+        return {CHUNKED: model_sd}, {CHUNKED: optim_sd}
 
     def capture_train_extra(self) -> dict[str, Any]:
         steps = [
@@ -139,21 +139,26 @@ class DeepSpeedTrainState(TrainState):
     # ---- load ------------------------------------------------------------------------------
 
     def load(self, read: Read, saved_keys: set[str]) -> None:
-        """The master weights and optimizer states in bounded groups (deepspeed_resume),
-        then the rest of the state (step, sampler, schedule, RNG, loss scale) as on the
-        torch path, with empty model and optimizer parts."""
+        """The master weights and optimizer states in bounded groups, each rank reading what
+        it holds (deepspeed_resume), then the rest of the state (step, sampler, schedule, RNG,
+        loss scale) as on the torch path, with empty model and optimizer parts."""
         self._link_optimizer_state()
         self.resume_stats = restore_in_groups(
             _trainable(self._engine().module),
             self._state_keys(),
             read,
             stage3=self._stage() == 3,
+            chunked=is_chunked(saved_keys),
         )
+        # The forward's low-precision weights from the fp32 partitions just set (DeepSpeed's
+        # own end-of-step copy and all-gather; under ZeRO-3 its small persistent parameters
+        # are gathered whole again, as after every step).
+        refresh_low_precision(self._engine().optimizer, stage3=self._stage() == 3)
         s = self.resume_stats
         log.info(
-            "DeepSpeed resume: %d groups of at most %d bytes; this rank read %d of the "
-            "checkpoint's %d bytes of model and optimizer state",
-            s.groups, s.budget, s.read_bytes, s.full_bytes,
+            "DeepSpeed resume (%s layout): %d groups of at most %d bytes; this rank asked for "
+            "%d of the checkpoint's %d bytes of model and optimizer state",
+            "chunked" if s.chunked else "whole", s.groups, s.budget, s.read_bytes, s.full_bytes,
         )  # fmt: skip
         super().load(read, saved_keys)
 
@@ -162,12 +167,12 @@ class DeepSpeedTrainState(TrainState):
 
     def expected_shapes(self, saved_keys: set[str]) -> dict[str, Shape]:
         """What `load` reads in groups, by name with full sizes (the same at any ZeRO stage
-        and world size): every trainable parameter's master and optimizer states."""
+        and world size), in the layout of the checkpoint (`saved_keys`): every trainable
+        parameter's master and optimizer states."""
         shapes = super().expected_shapes(saved_keys)  # train and RNG
+        chunked = is_chunked(saved_keys)
         for name, p in _trainable(self._engine().module):
-            size = tuple(int(n) for n in full_shape(p))
-            shapes[f"model.{name}"] = size
-            shapes.update({f"optim.{name}.{k}": size for k in self._state_keys()})
+            shapes.update(saved_shapes(name, full_shape(p), self._state_keys(), chunked=chunked))
         return shapes
 
     def restore_model_optim(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:

@@ -24,6 +24,18 @@ ceiling, and the user may set any of them under `spec.faultTolerance`.
   export. It only matters on a peer lost in those phases, so it is generous.
 - **Checkpoint group timeout**: the dedicated group DCP saves and loads on; its collectives
   wait for the slowest rank's write (or read) of its share, so it grows with the checkpoint.
+
+What a node reads to resume (`node_resume_read_bytes`) depends on how the backend saved and
+loads the state, not just on the checkpoint's size over the nodes: DCP reads a saved chunk
+whole, so a rank reads every chunk overlapping what it holds.
+- DDP (replicated): every rank loads the whole state: `checkpointBytes` per rank.
+- FSDP2 and DeepSpeed ZeRO-3 (each rank holds 1/world of every tensor, saved as a chunk per
+  rank: finetune_trainer.deepspeed_layout): at the world it saved at, a rank reads its own
+  chunks, `T/M`; an elastic job re-formed at another world reads the chunks overlapping its
+  share, at most `T/M + T/N`, N the smallest other world within `minNodes..maxNodes`.
+- FSDP hybrid: sharded within a node, so each node reads the whole state once.
+- DeepSpeed ZeRO-1/2: a rank reads whole the tensors of the parameters in its fp32 partition:
+  `T/M` plus those across its partition's boundaries, allowed for as one more share.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from typing import Final
 from finetune_operator.api.constants import FINAL_SAVE_GRACE_SECONDS, TORCHRUN_STOP_SECONDS
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.strategies import STRATEGIES
 
 # torch 2.13's c10d rendezvous default is 30 s; we had 5 s for every job.
 LAST_CALL_FLOOR_S: Final = 5.0
@@ -83,6 +96,37 @@ def node_checkpoint_seconds(plan: Plan) -> float:
     return per_node / NODE_STORAGE_BYTES_PER_S
 
 
+def rank_resume_read_bytes(spec: FineTuneJobSpec, plan: Plan) -> float:
+    """What one rank reads from storage to resume (see the module docstring), at most the
+    whole checkpoint."""
+    total = float(plan.checkpoint_bytes)
+    row = STRATEGIES.effective(STRATEGIES.resolve(plan.strategy, plan.backend))
+    world = plan.world_size
+    if row.replicated:
+        return total
+    if row.shard_within_node:
+        return total / plan.gpus_per_node
+    if row.shards_params:
+        # At the world it was saved at, a rank reads its own chunks; an elastic job re-formed
+        # at another world also reads the parts of the saved chunks around its share: at most
+        # one more chunk, as large as the smallest other world the job may have saved at.
+        r = spec.resources
+        low, high = r.min_nodes or plan.nodes, max(r.max_nodes or plan.nodes, plan.nodes)
+        others = [n * plan.gpus_per_node for n in range(low, high + 1) if n != plan.nodes]
+        return min(total, total / world + (total / min(others) if others else 0.0))
+    return min(total, 2 * total / world)  # ZeRO-1/2: its share and the boundary tensors
+
+
+def node_resume_read_bytes(spec: FineTuneJobSpec, plan: Plan) -> float:
+    """What one node's ranks together read from storage to resume."""
+    return rank_resume_read_bytes(spec, plan) * plan.gpus_per_node
+
+
+def node_resume_seconds(spec: FineTuneJobSpec, plan: Plan) -> float:
+    """Modelled time for one node to read what its ranks resume from."""
+    return node_resume_read_bytes(spec, plan) / NODE_STORAGE_BYTES_PER_S
+
+
 def worker_stop_seconds(spec: FineTuneJobSpec, plan: Plan) -> float:
     """How long a worker told to stop takes to exit: the step in flight, then its final
     checkpoint; the grace period (counted from the signal) cuts the save, torchrun's SIGKILL
@@ -126,7 +170,7 @@ def startup_collective_seconds(spec: FineTuneJobSpec, plan: Plan) -> float:
         return float(fixed)
     # What a node loads before its first collective can complete: the weights (each local
     # rank's load peak holds its shard plus a whole module: an overestimate) or a checkpoint.
-    load_bytes = max(plan.load_peak_bytes * plan.gpus_per_node, plan.checkpoint_bytes / plan.nodes)
+    load_bytes = max(plan.load_peak_bytes * plan.gpus_per_node, node_resume_read_bytes(spec, plan))
     derived = STARTUP_BASE_S + load_bytes / NODE_STORAGE_BYTES_PER_S
     if plan.compiled_blocks:
         derived += COMPILE_ALLOWANCE_S
@@ -139,11 +183,9 @@ def collective_timeouts(
     steady = steady_collective_seconds(spec, plan, measured_step_seconds)
     # Never shorter than steady: a user's long steady timeout holds in every phase.
     startup = max(startup_collective_seconds(spec, plan), steady)
-    checkpoint = round(
-        _clamp(
-            CHECKPOINT_SAVE_MULTIPLE * node_checkpoint_seconds(plan), startup, CHECKPOINT_CEILING_S
-        )
-    )
+    # Its collectives wait for the slowest node's write of its share, or read at a resume.
+    transfer = max(node_checkpoint_seconds(plan), node_resume_seconds(spec, plan))
+    checkpoint = round(_clamp(CHECKPOINT_SAVE_MULTIPLE * transfer, startup, CHECKPOINT_CEILING_S))
     return CollectiveTimeouts(
         startup=startup,
         steady=steady,

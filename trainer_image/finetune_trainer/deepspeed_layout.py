@@ -1,0 +1,100 @@
+"""Where a DeepSpeed checkpoint's tensors lie in storage: each rank writes its own chunk.
+
+A DeepSpeed checkpoint (deepspeed_checkpoint) holds one fp32 tensor per trainable parameter and
+key (the master weight, each optimizer state). Two layouts, told apart by their keys:
+
+- **chunked** (written since this module): `model.chunked.<name>` and
+  `optim.chunked.<name>.<state>`, each the parameter's *flattened* tensor (`numel` elements)
+  saved as a DTensor sharded `Shard(0)` over a 1-D mesh of the saving world: rank r of N
+  writes elements [r*c, min(numel, (r+1)*c)) with c = ceil(numel/N) (torch.chunk's rule).
+  That is exactly ZeRO-3's partition of the parameter (DeepSpeed pads each parameter to a
+  multiple of the world and gives every rank `ceil(numel/N)` elements), so a ZeRO-3 rank
+  saves its partition as it holds it (no gather), and a ZeRO-3 resume at M ranks asks DCP for
+  its own partition only: DCP reads the saved chunks overlapping it (at most ceil(N/M)+1 of
+  them, each read whole), not the whole tensor. Flat, because ZeRO's partitions are ranges of
+  the flattened parameter, not rows: a row-sharded tensor would cut them across chunks.
+- **whole** (written before): `model.<name>` and `optim.<name>.<state>`, one full-shaped tensor
+  each, written by one rank. DCP reads a saved tensor whole, so a rank that needs any part of it
+  reads all of it. Still loaded (deepspeed_resume), at any stage and world size.
+
+What a rank reads at a resume (deepspeed_resume) follows from what DeepSpeed's fragment setters
+need: ZeRO-3 its partition (chunked: only the overlapping chunks); ZeRO-1/2 the parameters
+that overlap its fp32 partition (`_hp_mapping`), whole (their fragments are arbitrary ranges of
+the flattened parameter): ~1/M of the checkpoint plus the tensors across a partition boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+CHUNKED = "chunked"  # the chunked layout's keys: model.chunked.<name>, optim.chunked.<name>.<k>
+
+
+def chunk_range(numel: int, world: int, rank: int) -> tuple[int, int]:
+    """(start, length) of rank's chunk of a flattened tensor of `numel` elements at `world`
+    ranks: torch.chunk's rule, as DTensor's Shard(0) and ZeRO-3's partitions cut it (the last
+    ranks' chunks are short or empty)."""
+    size = -(-numel // world)
+    start = min(rank * size, numel)
+    return start, max(0, min(size, numel - start))
+
+
+def is_chunked(saved_keys: Iterable[str]) -> bool:
+    prefixes = (f"model.{CHUNKED}.", f"optim.{CHUNKED}.")
+    return any(k.startswith(prefixes) for k in saved_keys)
+
+
+def saved_shapes(
+    name: str, shape: torch.Size, state_keys: Iterable[str], *, chunked: bool
+) -> dict[str, tuple[int, ...]]:
+    """The keys one trainable parameter has in a checkpoint of the given layout, with their
+    full (global) sizes, as DCP's metadata lists them."""
+    if chunked:
+        flat = (shape.numel(),)
+        return {
+            f"model.{CHUNKED}.{name}": flat,
+            **{f"optim.{CHUNKED}.{name}.{k}": flat for k in state_keys},
+        }
+    full = tuple(int(n) for n in shape)
+    return {f"model.{name}": full, **{f"optim.{name}.{k}": full for k in state_keys}}
+
+
+class ChunkedLayout:
+    """The chunked layout at this world: wraps a rank's chunk as the DTensor DCP saves, and
+    makes the templates a resume reads a rank's chunk into."""
+
+    def __init__(self) -> None:
+        # The training group spans the world (DeepSpeed's data-parallel group); the mesh only
+        # gives DCP each rank's coordinate (no collective runs on it: the DTensors are built
+        # with run_check=False and DCP uses its own checkpoint group).
+        world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("the chunked layout needs the default process group")
+        self.mesh = DeviceMesh.from_group(world, "cpu")
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+
+    def chunk(self, numel: int) -> tuple[int, int]:
+        return chunk_range(numel, self.world, self.rank)
+
+    def wrap(self, local: torch.Tensor, numel: int) -> DTensor:
+        """This rank's chunk (a 1-D host tensor of `chunk(numel)`'s length) as a shard of the
+        flattened tensor."""
+        if local.numel() != self.chunk(numel)[1]:
+            raise ValueError(
+                f"rank {self.rank}'s chunk of a {numel}-element tensor has {local.numel()} "
+                f"elements, expected {self.chunk(numel)[1]}"
+            )
+        return DTensor.from_local(
+            local.reshape(-1), self.mesh, [Shard(0)], run_check=False,
+            shape=torch.Size([numel]), stride=(1,),
+        )  # fmt: skip
+
+    def template(self, numel: int) -> DTensor:
+        """Where DCP reads this rank's chunk of a chunked tensor into (fp32, on the host)."""
+        return self.wrap(torch.empty(self.chunk(numel)[1], dtype=torch.float32), numel)
