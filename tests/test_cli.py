@@ -273,9 +273,8 @@ def test_operator_without_a_cluster_says_so(
     [
         ({"training": {"optimizer": "adamw8bit"}}, "spec.training.optimizer"),
         ({"model": {"attention": "flash"}}, "spec.model.attention"),
-        ({"dataset": {"uri": "s3://bucket/data.jsonl"}}, "spec.dataset.uri"),
     ],
-    ids=["adamw8bit-on-cpu", "flash-on-cpu", "dataset-on-s3"],
+    ids=["adamw8bit-on-cpu", "flash-on-cpu"],
 )
 def test_plan_refuses_what_the_operator_would_fail_as_unsupported(
     change: dict[str, dict[str, str]], field: str, tmp_path: Path,
