@@ -355,3 +355,36 @@ def test_both_priority_sources_validate_upstream(owner: Owner, quickstart_spec: 
     wrong = PriorityRef("kueue.x-k8s.io", "PriorityClass", "urgent")
     errors = _upstream_schema().validate(build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (wrong, 5)))
     assert any("only the WorkloadPriorityClass kind" in msg for _, msg in errors)
+
+
+def _pods_ready_of(out: Outcome) -> tuple[str, str] | None:
+    patch = out.actions.workload_status
+    conds = {c["type"]: c for c in (patch or {}).get("status", {}).get("conditions", [])}
+    c = conds.get("PodsReady")
+    return None if c is None else (c["status"], c["reason"])
+
+
+def test_an_eviction_takes_pods_ready_back_with_the_quota() -> None:
+    """Kueue's job reconciler writes PodsReady False (WaitForStart) for a Workload no longer
+    admitted; left True, the re-admitted job would count as ready before any pod is, and its
+    start would be timed as a recovery."""
+    was_running = (*ADMITTED, _cond("PodsReady", "True", "Started"))
+    evicted = workload(*was_running, _cond("Evicted", "True", "Preempted", "Preempted"), count=2)
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    gone = kstep(live, [], evicted, 12)
+    assert _pods_ready_of(gone) == ("False", "WaitForStart")
+    # Admission taken away by someone else (no eviction pending here): the same.
+    requeued = workload(_cond("QuotaReserved", "False", "Pending"), _cond("PodsReady", "True", "Started"))
+    assert _pods_ready_of(kstep(live, [], requeued, 14)) == ("False", "WaitForStart")
+    # Re-admitted and starting: False already, nothing written; once ready, Started again.
+    again = workload(*ADMITTED, _cond("Evicted", "False", "QuotaReserved"),
+                     _cond("PodsReady", "False", "WaitForStart"), count=2)  # fmt: skip
+    starting = kstep(gone.status, [], again, 30)
+    assert created(starting) == list(ALL) and starting.actions.workload_status is None
+    assert _pods_ready_of(kstep(starting.status, running(*ALL), again, 40)) == ("True", "Started")
+
+
+def test_pods_ready_after_waiting_for_recovery_is_recovered() -> None:
+    recovering = workload(*ADMITTED, _cond("PodsReady", "False", "WaitForRecovery"), count=2)
+    out = kstep(FineTuneJobStatus(), running(*ALL), recovering)
+    assert _pods_ready_of(out) == ("True", "Recovered")

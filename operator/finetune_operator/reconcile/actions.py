@@ -20,7 +20,13 @@ from finetune_operator.api.constants import (
     ROLE_WORKER,
 )
 from finetune_operator.api.status import FineTuneJobStatus
-from finetune_operator.reconcile.admission import finish_patch, pods_ready_patch, release_patch
+from finetune_operator.reconcile.admission import (
+    WAIT_FOR_START,
+    finish_patch,
+    pods_ready_patch,
+    pods_ready_reason,
+    release_patch,
+)
 from finetune_operator.reconcile.assess import Assessment, Mode, assess
 from finetune_operator.reconcile.conditions import EventSpec
 from finetune_operator.reconcile.evaluation import Evaluation
@@ -204,14 +210,21 @@ def _pods_ready(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] 
     ready = a.desired > 0 and a.ready >= a.desired
     if q.pods_ready is ready:
         return None
-    return pods_ready_patch(q.raw, ready, q.pods_ready, now)
+    return pods_ready_patch(q.raw, ready, pods_ready_reason(ready, q.pods_ready, q.pods_ready_reason), now)
 
 
 def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
     """An evicted (or deactivated) Workload's quota is given back once every pod is gone:
-    Kueue requeues it then, and admits it again when there is room."""
+    Kueue requeues it then, and admits it again when there is room. A Workload found no
+    longer admitted with its PodsReady still True has that set False."""
     q = ev.queue
-    if q is None or q.raw is None or q.evicted is None or not q.quota_reserved:
+    if q is None or q.raw is None:
+        return None
+    if q.evicted is None or not q.quota_reserved:
+        # Not admitted (any more) without it being this pass's doing: PodsReady is False
+        # then, as Kueue's job reconciler keeps it (release_patch says why).
+        if q.pods_ready and not q.quota_reserved and not q.foreign:
+            return pods_ready_patch(q.raw, False, WAIT_FOR_START, now)
         return None
     if a.terminating or a.live_pods:
         return None
