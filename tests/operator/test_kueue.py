@@ -388,3 +388,40 @@ def test_pods_ready_after_waiting_for_recovery_is_recovered() -> None:
     recovering = workload(*ADMITTED, _cond("PodsReady", "False", "WaitForRecovery"), count=2)
     out = kstep(FineTuneJobStatus(), running(*ALL), recovering)
     assert _pods_ready_of(out) == ("True", "Recovered")
+
+
+def _asking_for_other_pods(wl: dict[str, Any]) -> dict[str, Any]:
+    """`wl` as written for an earlier spec of the job: other requests per worker."""
+    container = wl["spec"]["podSets"][0]["template"]["spec"]["containers"][0]
+    container["resources"] = {"requests": {"cpu": "64", "memory": "512Gi"}}
+    return wl
+
+
+def test_a_workload_written_for_an_earlier_spec_is_rewritten_while_it_holds_no_quota() -> None:
+    """Kueue admits the quota its Workload asks for: one left as written before the job was
+    edited would be admitted for pods the operator does not create."""
+    pending = _asking_for_other_pods(workload(_cond("QuotaReserved", "False", "Pending")))
+    out = kstep(FineTuneJobStatus(), [], pending)
+    assert out.actions.workload is not None and out.actions.workload_pod_sets
+    rewritten = out.actions.workload["spec"]["podSets"][0]["template"]["spec"]["containers"][0]
+    assert rewritten["resources"] != {"requests": {"cpu": "64", "memory": "512Gi"}}
+    assert created(out) == [] and "changed since its Workload was written" in (
+        next(c for c in out.status.conditions if c.type == "Succeeded").message
+    )
+    # As written for this spec: nothing to rewrite.
+    same = kstep(out.status, [], workload(_cond("QuotaReserved", "False", "Pending")), 5)
+    assert same.actions.workload is None and not same.actions.workload_pod_sets
+
+
+def test_an_admitted_workload_for_an_earlier_spec_stops_the_workers_and_is_replaced() -> None:
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    stale = _asking_for_other_pods(admitted(2))
+    stop = kstep(live, running(*ALL), stale, 5)
+    assert sorted(deleted(stop)) == sorted(ALL) and created(stop) == []
+    assert stop.actions.workload is None and stop.actions.remove == ()  # its quota kept while pods run
+    gone = kstep(stop.status, [], stale, 10)
+    assert [(r.kind, r.name) for r in gone.actions.remove] == [("Workload", "qs")]
+    assert created(gone) == [] and gone.actions.workload is None
+    # The next pass finds none and creates it as the job now is.
+    anew = kstep(gone.status, [], None, 15)
+    assert anew.actions.workload is not None and anew.actions.workload["spec"]["podSets"][0]["count"] == 2

@@ -41,7 +41,14 @@ from finetune_operator.resources import (
 )
 from finetune_operator.resources.podgroup import KIND as POD_GROUP_KIND
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
-from finetune_operator.resources.workload import build_workload, place_worker, workload_name
+from finetune_operator.resources.workload import (
+    KUEUE_API_VERSION,
+    WORKLOAD_KIND,
+    WORKLOAD_PLURAL,
+    build_workload,
+    place_worker,
+    workload_name,
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ class Actions:
     # is created in a pass where it could not be; and a merge patch of its status (the quota
     # given back after an eviction, or Finished).
     workload: dict[str, Any] | None = None
+    workload_pod_sets: bool = False  # and rewrite its podSets (stale, no quota reserved)
     workload_status: dict[str, Any] | None = None
     workload_name: str = ""
 
@@ -197,9 +205,21 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     if q.raw is None and q.priority_problem:
         return None  # created once its priority can be read: Kueue cannot change it later
     wanted = build_workload(ev.job.owner, ev.spec, ev.plan, q.queue, q.priority)
+    if q.stale and not q.quota_reserved:
+        return wanted  # with its podSets (Actions.workload_pod_sets)
     if q.raw is not None and (q.raw.get("spec") or {}).get("active", True) == wanted["spec"]["active"]:
         return None
     return wanted
+
+
+def _stale_workload_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
+    """A stale Workload that holds quota is deleted once the job's pods are gone (the quota
+    goes with it; Kueue forbids changing podSets while reserved); the next pass creates it
+    anew, as Kueue's job reconciler does with a Workload no longer equivalent to its job."""
+    q = ev.queue
+    if q is None or not q.stale or not q.quota_reserved or a.terminating or a.live_pods:
+        return ()
+    return (ObjectRef(KUEUE_API_VERSION, WORKLOAD_KIND, WORKLOAD_PLURAL, workload_name(ev.job.owner)),)
 
 
 def _pods_ready(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
@@ -286,10 +306,12 @@ def decide_actions(
         Mode.INVALID: ev.failure_reason or REASON_INVALID_SPEC,
     }[a.mode]
     status_patch = _finish(ev, a, now) if a.mode is Mode.FAILED else _release(ev, a, now)
+    workload = _workload(ev) if a.mode in (Mode.SUSPENDED, Mode.QUEUED) else None
     return Actions(
         delete=_deletions(a.live_pods, reason),
-        remove=_pod_group_removal(ev, a),
-        workload=_workload(ev) if a.mode in (Mode.SUSPENDED, Mode.QUEUED) else None,
+        remove=_pod_group_removal(ev, a) + _stale_workload_removal(ev, a),
+        workload=workload,
+        workload_pod_sets=workload is not None and ev.queue is not None and ev.queue.stale,
         workload_status=status_patch,
         workload_name=workload_name(ev.job.owner),
     )

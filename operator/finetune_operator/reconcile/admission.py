@@ -59,6 +59,10 @@ class QueueState:
     # A Workload of that name owned by something else (a deleted job of the same name, not yet
     # garbage-collected): never written to, never read as this job's admission.
     foreign: bool = False
+    # Its podSets no longer match the job's (the spec was edited after it was written): Kueue
+    # would admit quota the pods do not ask for. Rewritten while it holds no quota; with
+    # quota reserved, the workers stop and it is deleted and created anew (core.py sets it).
+    stale: bool = False
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -70,6 +74,8 @@ class QueueState:
         """Why the job waits, for its condition: the queue, and Kueue's message."""
         if self.foreign:
             return f"queued in LocalQueue {self.queue}: a Workload of the job's name belongs to another owner; waiting for it to be deleted"
+        if self.stale:
+            return f"queued in LocalQueue {self.queue}: the job's pods changed since its Workload was written; replacing it (its workers stop first)"
         if self.evicted is not None:
             return f"evicted by Kueue from LocalQueue {self.queue} ({self.evicted}); workers stopped, waiting to be admitted again"
         if not self.exists and self.priority_problem:
@@ -185,6 +191,31 @@ def read_queue_state(
     if missing:
         return replace(state, missing_flavors=missing)
     return replace(state, admitted_count=count, placement=placement)
+
+
+# What a podSet's quota and flavor choice depend on; the rest of its template may be
+# defaulted or rewritten by the API server or Kueue's webhook, and must not read as a change.
+_POD_SHAPE = ("nodeSelector", "tolerations", "priorityClassName", "runtimeClassName", "overhead")
+
+
+def _pod_set_shape(workload: Mapping[str, Any]) -> dict[str, Any] | None:
+    pod_set = next((ps for ps in (workload.get("spec") or {}).get("podSets") or [] if ps.get("name") == POD_SET), None)
+    if pod_set is None:
+        return None
+    spec = (pod_set.get("template") or {}).get("spec") or {}
+    containers = {
+        kind: {c.get("name"): c.get("resources") or {} for c in spec.get(kind) or []}
+        for kind in ("containers", "initContainers")
+    }
+    return {"count": pod_set.get("count", 1), "minCount": pod_set.get("minCount"),
+            **containers, **{k: spec.get(k) or None for k in _POD_SHAPE}}  # fmt: skip
+
+
+def pod_sets_differ(existing: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """Whether the Workload Kueue holds asks for other pods than the one the job now wants
+    (count, minCount, each container's resources, what picks the flavor): Kueue's own job
+    reconciler then rewrites it, or stops the job and replaces it (equivalentToWorkload)."""
+    return _pod_set_shape(existing) != _pod_set_shape(wanted)
 
 
 def _condition(ctype: str, status: str, reason: str, message: str, now: datetime,
