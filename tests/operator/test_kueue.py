@@ -425,3 +425,12 @@ def test_an_admitted_workload_for_an_earlier_spec_stops_the_workers_and_is_repla
     # The next pass finds none and creates it as the job now is.
     anew = kstep(gone.status, [], None, 15)
     assert anew.actions.workload is not None and anew.actions.workload["spec"]["podSets"][0]["count"] == 2
+
+
+def test_a_min_count_kueue_dropped_is_not_an_edit_of_the_job() -> None:
+    """Kueue's webhook removes minCount when its PartialAdmission gate is off: the Workload
+    still asks for the job's pods, and must not be replaced (nor its workers stopped)."""
+    no_partial = admitted(2)
+    del no_partial["spec"]["podSets"][0]["minCount"]
+    out = kstep(FineTuneJobStatus(), running(*ALL), no_partial)
+    assert deleted(out) == [] and out.actions.remove == () and out.actions.workload is None
