@@ -402,7 +402,7 @@ def test_a_workload_written_for_an_earlier_spec_is_rewritten_while_it_holds_no_q
     edited would be admitted for pods the operator does not create."""
     pending = _asking_for_other_pods(workload(_cond("QuotaReserved", "False", "Pending")))
     out = kstep(FineTuneJobStatus(), [], pending)
-    assert out.actions.workload is not None and out.actions.workload_pod_sets
+    assert out.actions.workload is not None and out.actions.workload_rewrite
     rewritten = out.actions.workload["spec"]["podSets"][0]["template"]["spec"]["containers"][0]
     assert rewritten["resources"] != {"requests": {"cpu": "64", "memory": "512Gi"}}
     assert created(out) == [] and "changed since its Workload was written" in (
@@ -410,7 +410,7 @@ def test_a_workload_written_for_an_earlier_spec_is_rewritten_while_it_holds_no_q
     )
     # As written for this spec: nothing to rewrite.
     same = kstep(out.status, [], workload(_cond("QuotaReserved", "False", "Pending")), 5)
-    assert same.actions.workload is None and not same.actions.workload_pod_sets
+    assert same.actions.workload is None and not same.actions.workload_rewrite
 
 
 def test_an_admitted_workload_for_an_earlier_spec_stops_the_workers_and_is_replaced() -> None:
@@ -434,3 +434,17 @@ def test_a_min_count_kueue_dropped_is_not_an_edit_of_the_job() -> None:
     del no_partial["spec"]["podSets"][0]["minCount"]
     out = kstep(FineTuneJobStatus(), running(*ALL), no_partial)
     assert deleted(out) == [] and out.actions.remove == () and out.actions.workload is None
+
+
+def test_a_changed_queue_label_moves_the_workload_until_it_holds_quota() -> None:
+    pending = workload(_cond("QuotaReserved", "False", "Pending"))
+    moved = read_queue_state("team-b", pending, {})
+    out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), [], T0,
+                        planner=lambda _: make_plan(2), queue=moved)  # fmt: skip
+    assert out.actions.workload is not None and out.actions.workload_rewrite
+    assert out.actions.workload["spec"]["queueName"] == "team-b"
+    # Admitted by the old queue: it runs on there (Kueue forbids moving a reserved Workload).
+    running_there = read_queue_state("team-b", admitted(2), {"spot": SPOT})
+    out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), running(*ALL), T0,
+                        planner=lambda _: make_plan(2), queue=running_there)  # fmt: skip
+    assert out.actions.workload is None and deleted(out) == []

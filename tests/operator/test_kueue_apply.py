@@ -51,12 +51,12 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
     assert asyncio.run(cluster.apply("default", Actions(workload=_workload(suspend=True)))).errors == []
     wl = asyncio.run(cluster.read_workload("default", "queued"))
     assert wl is not None and wl["spec"]["active"] is False and wl["spec"]["podSets"][0]["minCount"] == 1
-    # Written for an earlier spec and holding no quota: its podSets are rewritten too.
+    # Written for an earlier spec (or queue) and holding no quota: podSets and queue rewritten.
     spec = FineTuneJobSpec.model_validate(quickstart_raw() | {"suspend": True})
-    resized = build_workload(OWNER, spec, make_plan(3), "q")
-    assert asyncio.run(cluster.apply("default", Actions(workload=resized, workload_pod_sets=True))).errors == []
+    resized = build_workload(OWNER, spec, make_plan(3), "q2")
+    assert asyncio.run(cluster.apply("default", Actions(workload=resized, workload_rewrite=True))).errors == []
     wl = asyncio.run(cluster.read_workload("default", "queued"))
-    assert wl is not None and wl["spec"]["podSets"][0]["count"] == 3
+    assert wl is not None and wl["spec"]["podSets"][0]["count"] == 3 and wl["spec"]["queueName"] == "q2"
     asyncio.run(_create_flavor(cluster))
     asyncio.run(cluster.patch_workload_status("default", "queued", {"status": {
         "conditions": [{"type": t, "status": "True", "reason": t, "message": "", "lastTransitionTime": "2026-01-01T12:00:00Z"}

@@ -86,7 +86,9 @@ class Actions:
     # is created in a pass where it could not be; and a merge patch of its status (the quota
     # given back after an eviction, or Finished).
     workload: dict[str, Any] | None = None
-    workload_pod_sets: bool = False  # and rewrite its podSets (stale, no quota reserved)
+    # and rewrite its podSets and queueName (written for an earlier spec or queue label; only
+    # while it holds no quota)
+    workload_rewrite: bool = False
     workload_status: dict[str, Any] | None = None
     workload_name: str = ""
 
@@ -205,8 +207,8 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     if q.raw is None and q.priority_problem:
         return None  # created once its priority can be read: Kueue cannot change it later
     wanted = build_workload(ev.job.owner, ev.spec, ev.plan, q.queue, q.priority)
-    if q.stale and not q.quota_reserved:
-        return wanted  # with its podSets (Actions.workload_pod_sets)
+    if (q.stale or q.moved) and not q.quota_reserved:
+        return wanted  # rewritten (Actions.workload_rewrite)
     if q.raw is not None and (q.raw.get("spec") or {}).get("active", True) == wanted["spec"]["active"]:
         return None
     return wanted
@@ -311,7 +313,7 @@ def decide_actions(
         delete=_deletions(a.live_pods, reason),
         remove=_pod_group_removal(ev, a) + _stale_workload_removal(ev, a),
         workload=workload,
-        workload_pod_sets=workload is not None and ev.queue is not None and ev.queue.stale,
+        workload_rewrite=workload is not None and ev.queue is not None and (ev.queue.stale or ev.queue.moved),
         workload_status=status_patch,
         workload_name=workload_name(ev.job.owner),
     )

@@ -63,6 +63,9 @@ class QueueState:
     # would admit quota the pods do not ask for. Rewritten while it holds no quota; with
     # quota reserved, the workers stop and it is deleted and created anew (core.py sets it).
     stale: bool = False
+    # Its queueName is not the job's queue-name label any more (the label was changed): moved
+    # while it holds no quota, as Kueue's job reconciler does; once admitted it runs on there.
+    moved: bool = False
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -180,8 +183,9 @@ def read_queue_state(
     # flavors to pod set workers: insufficient quota..."), or, once quota is reserved, the
     # Admitted one's (admission checks still pending).
     why = conds.get(ADMITTED if reserved else QUOTA_RESERVED, {}).get("message", "")
+    moved = (workload.get("spec") or {}).get("queueName") != queue
     state = QueueState(queue, True, None, Placement(), reserved, evicted, evicted_message, why,
-                       finished, pods_ready, pods_ready_reason, raw=workload)  # fmt: skip
+                       finished, pods_ready, pods_ready_reason, moved=moved, raw=workload)  # fmt: skip
     assignment = _our_assignment(workload)
     if not (_is_true(conds, ADMITTED) and assignment is not None) or evicted is not None:
         return state
