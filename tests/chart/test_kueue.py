@@ -1,5 +1,6 @@
 """The chart's Kueue value: RBAC on exactly what the operator calls on Kueue's objects
-(reconcile/apply.py: Workloads created, read and patched, their status patched; the
+(reconcile/apply.py: Workloads created, read, patched and deleted (one written for an
+earlier spec of its job), their status patched; the
 ResourceFlavors an admission names and the priority class a Workload is created with, read), absent by default, in the ClusterRole or in each
 watched namespace's Role, and every rendered object valid."""
 
@@ -30,7 +31,7 @@ def test_absent_by_default(render: Render) -> None:
 def test_cluster_wide_grants_workloads_and_flavors(render: Render) -> None:
     docs = render("kueue.enabled=true")
     grants = _kueue_grants([only(docs, "ClusterRole")])
-    assert grants == {WORKLOADS: {"create", "get", "patch"}, STATUS: {"patch"}, FLAVORS: {"get"},
+    assert grants == {WORKLOADS: {"create", "get", "patch", "delete"}, STATUS: {"patch"}, FLAVORS: {"get"},
                       WPC: {"get"}, PRIORITY: {"get"}}
     for doc in docs:
         if doc["kind"] in ("ClusterRole", "Role"):
@@ -44,4 +45,4 @@ def test_namespaced_mode_grants_workloads_per_namespace_and_flavors_cluster_wide
     roles = [d for d in docs if d["kind"] == "Role"]
     assert len(roles) == 2
     for role in roles:
-        assert _kueue_grants([role]) == {WORKLOADS: {"create", "get", "patch"}, STATUS: {"patch"}}
+        assert _kueue_grants([role]) == {WORKLOADS: {"create", "get", "patch", "delete"}, STATUS: {"patch"}}

@@ -143,6 +143,8 @@ def test_queued_admitted_evicted_readmitted_succeeds(quickstart_doc: dict[str, A
         released = wait_until(lambda: kueue.conditions().get("QuotaReserved", {}).get("status") == "False",
                               "the quota given back", timeout=30)
         assert released and "admission" not in ((kueue.workload() or {}).get("status") or {})
+        # And PodsReady with it, as Kueue's job reconciler: the next admission starts unready.
+        assert kueue.conditions().get("PodsReady", {}).get("status") != "True"
 
         # Admitted again: it resumes from the checkpoint and finishes; the Workload is Finished.
         kueue.admit(1)

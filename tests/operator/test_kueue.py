@@ -355,3 +355,96 @@ def test_both_priority_sources_validate_upstream(owner: Owner, quickstart_spec: 
     wrong = PriorityRef("kueue.x-k8s.io", "PriorityClass", "urgent")
     errors = _upstream_schema().validate(build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (wrong, 5)))
     assert any("only the WorkloadPriorityClass kind" in msg for _, msg in errors)
+
+
+def _pods_ready_of(out: Outcome) -> tuple[str, str] | None:
+    patch = out.actions.workload_status
+    conds = {c["type"]: c for c in (patch or {}).get("status", {}).get("conditions", [])}
+    c = conds.get("PodsReady")
+    return None if c is None else (c["status"], c["reason"])
+
+
+def test_an_eviction_takes_pods_ready_back_with_the_quota() -> None:
+    """Kueue's job reconciler writes PodsReady False (WaitForStart) for a Workload no longer
+    admitted; left True, the re-admitted job would count as ready before any pod is, and its
+    start would be timed as a recovery."""
+    was_running = (*ADMITTED, _cond("PodsReady", "True", "Started"))
+    evicted = workload(*was_running, _cond("Evicted", "True", "Preempted", "Preempted"), count=2)
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    gone = kstep(live, [], evicted, 12)
+    assert _pods_ready_of(gone) == ("False", "WaitForStart")
+    # Admission taken away by someone else (no eviction pending here): the same.
+    requeued = workload(_cond("QuotaReserved", "False", "Pending"), _cond("PodsReady", "True", "Started"))
+    assert _pods_ready_of(kstep(live, [], requeued, 14)) == ("False", "WaitForStart")
+    # Re-admitted and starting: False already, nothing written; once ready, Started again.
+    again = workload(*ADMITTED, _cond("Evicted", "False", "QuotaReserved"),
+                     _cond("PodsReady", "False", "WaitForStart"), count=2)  # fmt: skip
+    starting = kstep(gone.status, [], again, 30)
+    assert created(starting) == list(ALL) and starting.actions.workload_status is None
+    assert _pods_ready_of(kstep(starting.status, running(*ALL), again, 40)) == ("True", "Started")
+
+
+def test_pods_ready_after_waiting_for_recovery_is_recovered() -> None:
+    recovering = workload(*ADMITTED, _cond("PodsReady", "False", "WaitForRecovery"), count=2)
+    out = kstep(FineTuneJobStatus(), running(*ALL), recovering)
+    assert _pods_ready_of(out) == ("True", "Recovered")
+
+
+def _asking_for_other_pods(wl: dict[str, Any]) -> dict[str, Any]:
+    """`wl` as written for an earlier spec of the job: other requests per worker."""
+    container = wl["spec"]["podSets"][0]["template"]["spec"]["containers"][0]
+    container["resources"] = {"requests": {"cpu": "64", "memory": "512Gi"}}
+    return wl
+
+
+def test_a_workload_written_for_an_earlier_spec_is_rewritten_while_it_holds_no_quota() -> None:
+    """Kueue admits the quota its Workload asks for: one left as written before the job was
+    edited would be admitted for pods the operator does not create."""
+    pending = _asking_for_other_pods(workload(_cond("QuotaReserved", "False", "Pending")))
+    out = kstep(FineTuneJobStatus(), [], pending)
+    assert out.actions.workload is not None and out.actions.workload_rewrite
+    rewritten = out.actions.workload["spec"]["podSets"][0]["template"]["spec"]["containers"][0]
+    assert rewritten["resources"] != {"requests": {"cpu": "64", "memory": "512Gi"}}
+    assert created(out) == [] and "changed since its Workload was written" in (
+        next(c for c in out.status.conditions if c.type == "Succeeded").message
+    )
+    # As written for this spec: nothing to rewrite.
+    same = kstep(out.status, [], workload(_cond("QuotaReserved", "False", "Pending")), 5)
+    assert same.actions.workload is None and not same.actions.workload_rewrite
+
+
+def test_an_admitted_workload_for_an_earlier_spec_stops_the_workers_and_is_replaced() -> None:
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    stale = _asking_for_other_pods(admitted(2))
+    stop = kstep(live, running(*ALL), stale, 5)
+    assert sorted(deleted(stop)) == sorted(ALL) and created(stop) == []
+    assert stop.actions.workload is None and stop.actions.remove == ()  # its quota kept while pods run
+    gone = kstep(stop.status, [], stale, 10)
+    assert [(r.kind, r.name) for r in gone.actions.remove] == [("Workload", "qs")]
+    assert created(gone) == [] and gone.actions.workload is None
+    # The next pass finds none and creates it as the job now is.
+    anew = kstep(gone.status, [], None, 15)
+    assert anew.actions.workload is not None and anew.actions.workload["spec"]["podSets"][0]["count"] == 2
+
+
+def test_a_min_count_kueue_dropped_is_not_an_edit_of_the_job() -> None:
+    """Kueue's webhook removes minCount when its PartialAdmission gate is off: the Workload
+    still asks for the job's pods, and must not be replaced (nor its workers stopped)."""
+    no_partial = admitted(2)
+    del no_partial["spec"]["podSets"][0]["minCount"]
+    out = kstep(FineTuneJobStatus(), running(*ALL), no_partial)
+    assert deleted(out) == [] and out.actions.remove == () and out.actions.workload is None
+
+
+def test_a_changed_queue_label_moves_the_workload_until_it_holds_quota() -> None:
+    pending = workload(_cond("QuotaReserved", "False", "Pending"))
+    moved = read_queue_state("team-b", pending, {})
+    out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), [], T0,
+                        planner=lambda _: make_plan(2), queue=moved)  # fmt: skip
+    assert out.actions.workload is not None and out.actions.workload_rewrite
+    assert out.actions.workload["spec"]["queueName"] == "team-b"
+    # Admitted by the old queue: it runs on there (Kueue forbids moving a reserved Workload).
+    running_there = read_queue_state("team-b", admitted(2), {"spot": SPOT})
+    out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), running(*ALL), T0,
+                        planner=lambda _: make_plan(2), queue=running_there)  # fmt: skip
+    assert out.actions.workload is None and deleted(out) == []

@@ -1,5 +1,5 @@
 """The apply layer with Kueue, against the local API server over HTTP: the Workload created
-(then only its `active` patched), read back with the flavors its admission names, its status
+(then only its `active` patched, or its podSets when stale), read back with the flavors its admission names, its status
 patched as Kueue's job controllers do; and where Kueue is not installed, a clear reason."""
 
 from __future__ import annotations
@@ -51,6 +51,12 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
     assert asyncio.run(cluster.apply("default", Actions(workload=_workload(suspend=True)))).errors == []
     wl = asyncio.run(cluster.read_workload("default", "queued"))
     assert wl is not None and wl["spec"]["active"] is False and wl["spec"]["podSets"][0]["minCount"] == 1
+    # Written for an earlier spec (or queue) and holding no quota: podSets and queue rewritten.
+    spec = FineTuneJobSpec.model_validate(quickstart_raw() | {"suspend": True})
+    resized = build_workload(OWNER, spec, make_plan(3), "q2")
+    assert asyncio.run(cluster.apply("default", Actions(workload=resized, workload_rewrite=True))).errors == []
+    wl = asyncio.run(cluster.read_workload("default", "queued"))
+    assert wl is not None and wl["spec"]["podSets"][0]["count"] == 3 and wl["spec"]["queueName"] == "q2"
     asyncio.run(_create_flavor(cluster))
     asyncio.run(cluster.patch_workload_status("default", "queued", {"status": {
         "conditions": [{"type": t, "status": "True", "reason": t, "message": "", "lastTransitionTime": "2026-01-01T12:00:00Z"}

@@ -20,7 +20,13 @@ from finetune_operator.api.constants import (
     ROLE_WORKER,
 )
 from finetune_operator.api.status import FineTuneJobStatus
-from finetune_operator.reconcile.admission import finish_patch, pods_ready_patch, release_patch
+from finetune_operator.reconcile.admission import (
+    WAIT_FOR_START,
+    finish_patch,
+    pods_ready_patch,
+    pods_ready_reason,
+    release_patch,
+)
 from finetune_operator.reconcile.assess import Assessment, Mode, assess
 from finetune_operator.reconcile.conditions import EventSpec
 from finetune_operator.reconcile.evaluation import Evaluation
@@ -35,7 +41,14 @@ from finetune_operator.resources import (
 )
 from finetune_operator.resources.podgroup import KIND as POD_GROUP_KIND
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
-from finetune_operator.resources.workload import build_workload, place_worker, workload_name
+from finetune_operator.resources.workload import (
+    KUEUE_API_VERSION,
+    WORKLOAD_KIND,
+    WORKLOAD_PLURAL,
+    build_workload,
+    place_worker,
+    workload_name,
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,9 @@ class Actions:
     # is created in a pass where it could not be; and a merge patch of its status (the quota
     # given back after an eviction, or Finished).
     workload: dict[str, Any] | None = None
+    # and rewrite its podSets and queueName (written for an earlier spec or queue label; only
+    # while it holds no quota)
+    workload_rewrite: bool = False
     workload_status: dict[str, Any] | None = None
     workload_name: str = ""
 
@@ -191,9 +207,21 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     if q.raw is None and q.priority_problem:
         return None  # created once its priority can be read: Kueue cannot change it later
     wanted = build_workload(ev.job.owner, ev.spec, ev.plan, q.queue, q.priority)
+    if (q.stale or q.moved) and not q.quota_reserved:
+        return wanted  # rewritten (Actions.workload_rewrite)
     if q.raw is not None and (q.raw.get("spec") or {}).get("active", True) == wanted["spec"]["active"]:
         return None
     return wanted
+
+
+def _stale_workload_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
+    """A stale Workload that holds quota is deleted once the job's pods are gone (the quota
+    goes with it; Kueue forbids changing podSets while reserved); the next pass creates it
+    anew, as Kueue's job reconciler does with a Workload no longer equivalent to its job."""
+    q = ev.queue
+    if q is None or not q.stale or not q.quota_reserved or a.terminating or a.live_pods:
+        return ()
+    return (ObjectRef(KUEUE_API_VERSION, WORKLOAD_KIND, WORKLOAD_PLURAL, workload_name(ev.job.owner)),)
 
 
 def _pods_ready(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
@@ -204,14 +232,21 @@ def _pods_ready(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] 
     ready = a.desired > 0 and a.ready >= a.desired
     if q.pods_ready is ready:
         return None
-    return pods_ready_patch(q.raw, ready, q.pods_ready, now)
+    return pods_ready_patch(q.raw, ready, pods_ready_reason(ready, q.pods_ready, q.pods_ready_reason), now)
 
 
 def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
     """An evicted (or deactivated) Workload's quota is given back once every pod is gone:
-    Kueue requeues it then, and admits it again when there is room."""
+    Kueue requeues it then, and admits it again when there is room. A Workload found no
+    longer admitted with its PodsReady still True has that set False."""
     q = ev.queue
-    if q is None or q.raw is None or q.evicted is None or not q.quota_reserved:
+    if q is None or q.raw is None:
+        return None
+    if q.evicted is None or not q.quota_reserved:
+        # Not admitted (any more) without it being this pass's doing: PodsReady is False
+        # then, as Kueue's job reconciler keeps it (release_patch says why).
+        if q.pods_ready and not q.quota_reserved and not q.foreign:
+            return pods_ready_patch(q.raw, False, WAIT_FOR_START, now)
         return None
     if a.terminating or a.live_pods:
         return None
@@ -273,10 +308,12 @@ def decide_actions(
         Mode.INVALID: ev.failure_reason or REASON_INVALID_SPEC,
     }[a.mode]
     status_patch = _finish(ev, a, now) if a.mode is Mode.FAILED else _release(ev, a, now)
+    workload = _workload(ev) if a.mode in (Mode.SUSPENDED, Mode.QUEUED) else None
     return Actions(
         delete=_deletions(a.live_pods, reason),
-        remove=_pod_group_removal(ev, a),
-        workload=_workload(ev) if a.mode in (Mode.SUSPENDED, Mode.QUEUED) else None,
+        remove=_pod_group_removal(ev, a) + _stale_workload_removal(ev, a),
+        workload=workload,
+        workload_rewrite=workload is not None and ev.queue is not None and (ev.queue.stale or ev.queue.moved),
         workload_status=status_patch,
         workload_name=workload_name(ev.job.owner),
     )

@@ -27,6 +27,14 @@ PODS_READY = "PodsReady"
 # Kueue's reason for a Workload waiting for quota (UnsetQuotaReservationWithCondition's).
 REASON_PENDING = "Pending"
 MAX_CONDITION_MESSAGE = 32768  # metav1.Condition's limit
+# PodsReady's reasons and messages, Kueue's (WorkloadStarted, WorkloadWaitForStart, ...).
+STARTED = "Started"
+RECOVERED = "Recovered"
+WAIT_FOR_START = "WaitForStart"
+WAIT_FOR_RECOVERY = "WaitForRecovery"
+_READY_MESSAGE = "All pods reached readiness and the workload is running"
+_NOT_READY_MESSAGE = "Not all pods are ready or succeeded"
+_RECOVERY_MESSAGE = "At least one pod has failed, waiting for recovery"
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class QueueState:
     message: str = ""  # Kueue's own words on why it is not admitted (QuotaReserved/Admitted)
     finished: bool = False
     pods_ready: bool | None = None  # the Workload's PodsReady condition (None: never set)
+    pods_ready_reason: str = ""  # and its reason (WaitForRecovery makes the next True Recovered)
     missing_flavors: tuple[str, ...] = ()  # assigned ResourceFlavors the operator could not read
     # Its priority class and value, resolved before the Workload is created; or why not.
     priority: tuple[PriorityRef, int] | None = None
@@ -50,6 +59,13 @@ class QueueState:
     # A Workload of that name owned by something else (a deleted job of the same name, not yet
     # garbage-collected): never written to, never read as this job's admission.
     foreign: bool = False
+    # Its podSets no longer match the job's (the spec was edited after it was written): Kueue
+    # would admit quota the pods do not ask for. Rewritten while it holds no quota; with
+    # quota reserved, the workers stop and it is deleted and created anew (core.py sets it).
+    stale: bool = False
+    # Its queueName is not the job's queue-name label any more (the label was changed): moved
+    # while it holds no quota, as Kueue's job reconciler does; once admitted it runs on there.
+    moved: bool = False
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -61,6 +77,8 @@ class QueueState:
         """Why the job waits, for its condition: the queue, and Kueue's message."""
         if self.foreign:
             return f"queued in LocalQueue {self.queue}: a Workload of the job's name belongs to another owner; waiting for it to be deleted"
+        if self.stale:
+            return f"queued in LocalQueue {self.queue}: the job's pods changed since its Workload was written; replacing it (its workers stop first)"
         if self.evicted is not None:
             return f"evicted by Kueue from LocalQueue {self.queue} ({self.evicted}); workers stopped, waiting to be admitted again"
         if not self.exists and self.priority_problem:
@@ -160,12 +178,14 @@ def read_queue_state(
         evicted_message = str(ev.get("message", ""))
         evicted = f"{ev.get('reason', '')}: {evicted_message}".strip(": ")
     pods_ready = conds[PODS_READY].get("status") == "True" if PODS_READY in conds else None
+    pods_ready_reason = str(conds.get(PODS_READY, {}).get("reason", ""))
     # Kueue's reason for waiting: the QuotaReserved condition's message ("couldn't assign
     # flavors to pod set workers: insufficient quota..."), or, once quota is reserved, the
     # Admitted one's (admission checks still pending).
     why = conds.get(ADMITTED if reserved else QUOTA_RESERVED, {}).get("message", "")
+    moved = (workload.get("spec") or {}).get("queueName") != queue
     state = QueueState(queue, True, None, Placement(), reserved, evicted, evicted_message, why,
-                       finished, pods_ready, raw=workload)  # fmt: skip
+                       finished, pods_ready, pods_ready_reason, moved=moved, raw=workload)  # fmt: skip
     assignment = _our_assignment(workload)
     if not (_is_true(conds, ADMITTED) and assignment is not None) or evicted is not None:
         return state
@@ -175,6 +195,35 @@ def read_queue_state(
     if missing:
         return replace(state, missing_flavors=missing)
     return replace(state, admitted_count=count, placement=placement)
+
+
+# What a podSet's quota and flavor choice depend on; the rest of its template may be
+# defaulted or rewritten by the API server or Kueue's webhook, and must not read as a change.
+_POD_SHAPE = ("nodeSelector", "tolerations", "priorityClassName", "runtimeClassName", "overhead")
+
+
+def _pod_set_shape(workload: Mapping[str, Any]) -> dict[str, Any] | None:
+    pod_set = next((ps for ps in (workload.get("spec") or {}).get("podSets") or [] if ps.get("name") == POD_SET), None)
+    if pod_set is None:
+        return None
+    spec = (pod_set.get("template") or {}).get("spec") or {}
+    containers = {
+        kind: {c.get("name"): c.get("resources") or {} for c in spec.get(kind) or []}
+        for kind in ("containers", "initContainers")
+    }
+    return {"count": pod_set.get("count", 1), "minCount": pod_set.get("minCount"),
+            **containers, **{k: spec.get(k) or None for k in _POD_SHAPE}}  # fmt: skip
+
+
+def pod_sets_differ(existing: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """Whether the Workload Kueue holds asks for other pods than the one the job now wants
+    (count, minCount, each container's resources, what picks the flavor): Kueue's own job
+    reconciler then rewrites it, or stops the job and replaces it (equivalentToWorkload)."""
+    held, asked = _pod_set_shape(existing), _pod_set_shape(wanted)
+    if held is not None and asked is not None and held["minCount"] is None:
+        # Kueue's webhook drops minCount where its PartialAdmission gate is off: not a change.
+        asked["minCount"] = None
+    return held != asked
 
 
 def _condition(ctype: str, status: str, reason: str, message: str, now: datetime,
@@ -220,31 +269,50 @@ def release_patch(
 ) -> dict[str, Any]:
     """The status merge patch that gives an evicted Workload's quota back once its pods are
     gone, as Kueue's UnsetQuotaReservationWithCondition: admission cleared, QuotaReserved
-    False (Pending, with the eviction's message), Admitted False. Kueue requeues it."""
+    False (Pending, with the eviction's message), Admitted False. Kueue requeues it.
+    A True PodsReady goes False (WaitForStart) with it, as Kueue's job reconciler writes it
+    for a Workload no longer admitted: left True, the next admission would count as ready
+    before any pod is (waitForPodsReady's blockAdmission would not hold the queue back) and
+    its first not-ready pass would read as a recovery (timed by recoveryTimeout, if any,
+    instead of the start timeout)."""
     gen = int((workload.get("metadata") or {}).get("generation") or 0)
     conds = (workload.get("status") or {}).get("conditions") or []
     new = [_condition(QUOTA_RESERVED, "False", REASON_PENDING, message, now, gen)]
     if _is_true(_conditions(workload), ADMITTED):
         new.append(_condition(ADMITTED, "False", "NoReservation", "The workload has no reservation", now, gen))
+    if _is_true(_conditions(workload), PODS_READY):
+        new.append(_pods_ready_condition(False, WAIT_FOR_START, now, gen))
     return _guarded(workload, {"admission": None, "conditions": _with(conds, new)})
 
 
+def _pods_ready_condition(ready: bool, reason: str, now: datetime, generation: int) -> dict[str, Any]:
+    message = {STARTED: _READY_MESSAGE, RECOVERED: _READY_MESSAGE, WAIT_FOR_RECOVERY: _RECOVERY_MESSAGE}
+    return _condition(PODS_READY, "True" if ready else "False", reason,
+                      message.get(reason, _NOT_READY_MESSAGE), now, generation)  # fmt: skip
+
+
+def pods_ready_reason(ready: bool, was_ready: bool | None, was_reason: str) -> str:
+    """The PodsReady reason Kueue's job reconciler gives (generatePodsReadyCondition): ready
+    is Started, or Recovered after a WaitForRecovery; not ready is WaitForRecovery once it
+    had been ready (or while it recovers), else WaitForStart."""
+    if ready:
+        return RECOVERED if was_reason in (WAIT_FOR_RECOVERY, RECOVERED) else STARTED
+    if was_ready or (was_ready is False and was_reason == WAIT_FOR_RECOVERY):
+        return WAIT_FOR_RECOVERY
+    return WAIT_FOR_START
+
+
 def pods_ready_patch(
-    workload: Mapping[str, Any], ready: bool, was_ready: bool | None, now: datetime
+    workload: Mapping[str, Any], ready: bool, reason: str, now: datetime
 ) -> dict[str, Any]:
     """The Workload's PodsReady condition, as Kueue's job integrations keep it: True once the
     admitted number of workers is ready; False while they start (WaitForStart) or after one
-    was lost (WaitForRecovery). Kueue's waitForPodsReady evicts a Workload that stays False
-    past its timeout, and holds the next admissions back until it is True."""
+    was lost (WaitForRecovery); `reason` from pods_ready_reason. Kueue's waitForPodsReady
+    evicts a Workload that stays False past its timeout, and holds the next admissions back
+    until it is True."""
     gen = int((workload.get("metadata") or {}).get("generation") or 0)
     conds = (workload.get("status") or {}).get("conditions") or []
-    if ready:
-        cond = _condition(PODS_READY, "True", "Started" if not was_ready else "Recovered",
-                          "All pods reached readiness and the workload is running", now, gen)  # fmt: skip
-    else:
-        reason = "WaitForRecovery" if was_ready else "WaitForStart"
-        cond = _condition(PODS_READY, "False", reason, "Not all pods are ready or succeeded", now, gen)
-    return _guarded(workload, {"conditions": _with(conds, [cond])})
+    return _guarded(workload, {"conditions": _with(conds, [_pods_ready_condition(ready, reason, now, gen)])})
 
 
 def finish_patch(

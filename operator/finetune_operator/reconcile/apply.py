@@ -152,9 +152,10 @@ class ClusterApi:
         )  # fmt: skip
         return False
 
-    async def ensure_workload(self, obj: dict[str, Any]) -> bool:
+    async def ensure_workload(self, obj: dict[str, Any], rewrite: bool = False) -> bool:
         """Create the job's Workload, or set its `active` (the rest of its spec is Kueue's
-        to keep: podSets are immutable); True if it was created."""
+        to keep), and its podSets and queueName when `rewrite` (Kueue allows it only while
+        it holds no quota); True if it was created."""
         group, _, version = obj["apiVersion"].rpartition("/")
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         try:
@@ -163,7 +164,9 @@ class ClusterApi:
         except ApiException as err:
             if err.status != 409:
                 raise
-        patch = {"spec": {"active": obj["spec"]["active"]}}
+        patch: dict[str, Any] = {"spec": {"active": obj["spec"]["active"]}}
+        if rewrite:
+            patch["spec"].update(podSets=obj["spec"]["podSets"], queueName=obj["spec"]["queueName"])
         await self._call(
             self.custom.patch_namespaced_custom_object, group, version, ns, WORKLOAD_PLURAL, name, patch,
             _content_type=MERGE_PATCH,
@@ -275,7 +278,7 @@ class ClusterApi:
                 result.errors.append(f"{obj['kind']} {obj['metadata']['name']}: {_describe(err)}")
         if actions.workload is not None:
             try:
-                await self.ensure_workload(actions.workload)
+                await self.ensure_workload(actions.workload, actions.workload_rewrite)
             except ApiException as err:
                 result.errors.append(describe_workload_error(actions.workload, err))
         if actions.workload_status is not None:

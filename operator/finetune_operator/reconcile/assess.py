@@ -140,7 +140,8 @@ def assess(
     if ev.queue is not None:
         # Kueue decides how many workers run, between minNodes and the planned nodes; an
         # eviction stops them like a suspend: nothing after this point is counted.
-        if not ev.queue.admitted or ev.queue.admitted_count is None:
+        # A stale Workload's admission is for other pods: they stop until it is replaced.
+        if not ev.queue.admitted or ev.queue.admitted_count is None or ev.queue.stale:
             return replace(seen, mode=Mode.QUEUED)
         count = ev.queue.admitted_count
         seen = replace(seen, desired=count, min_nodes=min(seen.min_nodes, count))

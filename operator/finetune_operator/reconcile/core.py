@@ -12,13 +12,14 @@ from pydantic import ValidationError
 from finetune_operator.api.policy import JobPolicy
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.actions import Actions, decide_actions
-from finetune_operator.reconcile.admission import QueueState
+from finetune_operator.reconcile.admission import QueueState, pod_sets_differ
 from finetune_operator.reconcile.conditions import EventSpec, condition_events
 from finetune_operator.reconcile.evaluation import Evaluation, JobRef, PlanFn, evaluate_job
 from finetune_operator.reconcile.health import HealthInput, assess_health
 from finetune_operator.reconcile.observed import PodView, mark_terminating
 from finetune_operator.reconcile.samples import RecordBuffer
 from finetune_operator.reconcile.status import compute_status
+from finetune_operator.resources.workload import build_workload
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,14 @@ def read_status(raw: Mapping[str, Any] | None) -> FineTuneJobStatus:
         return FineTuneJobStatus()
 
 
+def _with_sync(ev: Evaluation, queue: QueueState) -> QueueState:
+    """`queue`, stale when its Workload no longer asks for the pods the job's spec makes."""
+    if queue.raw is None or queue.foreign or queue.finished or ev.spec is None or ev.plan is None:
+        return queue
+    wanted = build_workload(ev.job.owner, ev.spec, ev.plan, queue.queue)
+    return replace(queue, stale=pod_sets_differ(queue.raw, wanted))
+
+
 def reconcile_job(
     job: JobRef,
     raw_spec: Mapping[str, Any],
@@ -65,7 +74,7 @@ def reconcile_job(
     seen = mark_terminating(pods, deleted_uids)
     ev = evaluate_job(job, raw_spec, status, planner, policy)
     if ev.ok and queue is not None:
-        ev = replace(ev, queue=queue)
+        ev = replace(ev, queue=_with_sync(ev, queue))
     new_status = compute_status(ev, status, seen, now)
     actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation)
     extra: tuple[EventSpec, ...] = ()
