@@ -180,3 +180,37 @@ def test_a_short_download_is_an_error_naming_the_object_and_leaves_no_file(
     assert not isinstance(err.value, UnsupportedConfigError)
     assert f"{uri} downloaded {corpus.stat().st_size} of {promised.size} bytes" in str(err.value)
     assert list(target.parent.iterdir()) == []
+
+
+def test_an_object_rewritten_while_fetched_is_not_kept_under_its_listed_etag(
+    bucket: tuple[MotoServer, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key rewritten (same size) between the listing and the end of its download: the
+    bytes are not the listed object's, so neither the copy nor its manifest is kept (else the
+    tokenized cache would serve the new records for the old ETag); a restart fetches anew."""
+    server, root = bucket
+    first = write_corpus(tmp_path / "a.jsonl")
+    changed = tmp_path / "b.jsonl"
+    changed.write_text(first.read_text().replace("quick", "brown"))
+    assert changed.stat().st_size == first.stat().st_size
+    uri = f"{root}/corpus/part-0.jsonl"
+    put(server, uri, first)
+    spec = DatasetSpec(uri=f"{root}/corpus/part-*.jsonl", format="jsonl")
+    source = locate(uri, "test", object_store=server.spec())
+    fs, original = source.fs, source.fs.get_file
+    # Another process's client: this process's cached listing does not see its write.
+    writer = type(fs)(**{**fs.storage_options, "skip_instance_cache": True})
+
+    def get_then_rewrite(rpath: str, lpath: str, **kw: Any) -> None:
+        original(rpath, lpath, **kw)
+        writer.put_file(str(changed), source.path)  # a writer replacing the object meanwhile
+
+    monkeypatch.setattr(fs, "get_file", get_then_rewrite)
+    data = tmp_path / "pod"
+    with pytest.raises(OSError, match="changed while downloading") as err:
+        stage_dataset(spec, server.spec(), data)
+    assert not isinstance(err.value, UnsupportedConfigError)  # transient: a restart
+    assert list((data / OBJECTS_DIR).glob("*/*")) == []
+    monkeypatch.setattr(fs, "get_file", original)
+    built = load(server, spec, data)  # the restart: the object as it is now
+    assert np.array_equal(np.asarray(built.blocks), reference_blocks(texts(changed), SEQ))

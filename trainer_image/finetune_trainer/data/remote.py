@@ -77,6 +77,16 @@ def fits(objects: list[RemoteObject], budget: int | None) -> bool:
     return budget is None or sum(o.size for o in objects) <= budget
 
 
+def remote_object(url: str, info: dict[str, Any]) -> RemoteObject:
+    """Pure: an object's identity from its listing (fsspec `info`)."""
+    return RemoteObject(
+        url=url,
+        size=int(info.get("size") or 0),
+        etag=str(info.get("ETag") or info.get("etag") or "").strip('"'),
+        version=info.get("VersionId"),
+    )
+
+
 def _refusal(spec: DatasetSpec, problem: str) -> UnsupportedConfigError:
     return UnsupportedConfigError(f"dataset.uri {spec.uri!r}: {problem}")
 
@@ -92,12 +102,7 @@ def list_objects(spec: DatasetSpec, pattern: Location) -> list[RemoteObject]:
     except OSError as e:
         raise _refusal(spec, access_problem(e) or str(e)) from e
     objects = [
-        RemoteObject(
-            url=str(fs.unstrip_protocol(path)),
-            size=int(info.get("size") or 0),
-            etag=str(info.get("ETag") or info.get("etag") or "").strip('"'),
-            version=info.get("VersionId"),
-        )
+        remote_object(str(fs.unstrip_protocol(path)), info)
         for path, info in sorted(infos.items())
         if info.get("type") != "directory"
     ]
@@ -148,6 +153,22 @@ def download(spec: DatasetSpec, source: Location, obj: RemoteObject, target: Pat
         # downloads it again.
         raise OSError(f"dataset.uri {spec.uri!r}: {obj.url} downloaded {got} of {obj.size} "
                       "bytes (truncated, or the object changed while downloading)")
+    # The bytes are whatever the key held while they were read (s3fs fetches a large object
+    # in concurrent ranges): rewritten since the listing, even to the same size, they are not
+    # the listed object, and the tokenized cache would key them on the listed ETag, serving
+    # them for it ever after. Asked again after the download: the same identity, or a
+    # restart lists and fetches anew.
+    path = source.fs._strip_protocol(obj.url)
+    try:
+        now = remote_object(obj.url, source.fs.info(path))
+    except OSError:
+        remove(tmp)
+        raise
+    # Size and ETag: a listing (ListObjectsV2) gives no version id where a HEAD may.
+    if (now.size, now.etag) != (obj.size, obj.etag):
+        remove(tmp)
+        raise OSError(f"dataset.uri {spec.uri!r}: {obj.url} changed while downloading "
+                      f"(ETag {obj.etag} listed, {now.etag} now)")  # fmt: skip
     os.replace(tmp, target)
 
 
