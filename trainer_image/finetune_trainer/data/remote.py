@@ -29,7 +29,7 @@ import logging
 import os
 import posixpath
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,11 +198,15 @@ def stage_dataset(
     store: ObjectStoreSpec | None,
     data_dir: Path | None,
     limit_bytes: int | None = None,
+    agree: Callable[[list[RemoteObject]], list[RemoteObject]] | None = None,
 ) -> StagedDataset | None:
     """The local copy of an s3:// dataset, fetched if this pod has none of these exact
     objects (None: not on object storage). `data_dir`: the pod's data-cache volume (None:
     the temporary directory); `limit_bytes`: what it may hold in all (the data cache's
-    budget), checked before downloading."""
+    budget), checked before downloading; `agree`: this rank's listing in, the one every rank
+    uses out (rank 0's, broadcast): ranks that listed either side of a rewrite would
+    otherwise tokenize different corpora (another length, another step count: a hang), and a
+    local rank would replace the copy another one is reading."""
     if not is_object_store_uri(spec.uri):
         return None
     if spec.format not in ("jsonl", "parquet"):  # refused at plan time too (api/storage.py)
@@ -211,6 +215,8 @@ def stage_dataset(
     data_dir = data_dir or Path(tempfile.gettempdir()) / "finetune-data"
     pattern = locate(spec.uri, "dataset.uri", object_store=store)
     objects = list_objects(spec, pattern)
+    if agree is not None:
+        objects = agree(objects)
     objects_dir = data_dir / OBJECTS_DIR
     objects_dir.mkdir(parents=True, exist_ok=True)
     name = hashlib.sha256(spec.uri.encode()).hexdigest()[:16]
