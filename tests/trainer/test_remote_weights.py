@@ -234,3 +234,20 @@ def test_two_ranks_read_their_shards_from_s3_not_the_model(
     assert sum(fetched) == 2 * headers + (total - headers), (fetched, total, headers)
     for n in fetched:
         assert n < 0.6 * total, (fetched, total)
+
+
+def test_a_tensor_in_two_files_of_the_prefix_is_refused_naming_both(tmp_path: Path) -> None:
+    """A consolidated model.safetensors left beside the shards (or two models under one
+    prefix): which copy of the tensor would be read is an accident, so neither is."""
+    from safetensors.torch import save_file
+
+    from finetune_trainer.safetensors_ranges import RangedSafetensorsReader
+
+    save_file({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, str(tmp_path / "model.safetensors"))
+    save_file({"w": torch.ones(2, 3)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    reader = RangedSafetensorsReader(locate(str(tmp_path), "test"))
+    with pytest.raises(ValueError, match="tensor w is also in") as err:
+        reader.read_metadata()
+    assert "model.safetensors" in str(err.value) and "model-00001-of-00001" in str(err.value)
+    (tmp_path / "model.safetensors").unlink()
+    assert set(reader.read_metadata().state_dict_metadata) == {"w"}

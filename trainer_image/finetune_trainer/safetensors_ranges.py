@@ -182,9 +182,18 @@ class RangedSafetensorsReader(StorageReader):
         self.bytes_total = sum(e.size for e in files)
         tensors: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, Span] = {}
+        files_of: dict[str, str] = {}
         for entry in files:
             path = (self.location / entry.name).path
             for name, span in self._header(path, entry.size).items():
+                if name in files_of:
+                    # Two files holding one tensor: two models (or a consolidated copy beside
+                    # the shards) under one prefix; which one is read would be an accident.
+                    raise ValueError(
+                        f"{span.file}: tensor {name} is also in {files_of[name]}: one model's "
+                        "safetensors per prefix"
+                    )
+                files_of[name] = span.file
                 zero = torch.Size([0] * len(span.shape))
                 tensors[name] = TensorStorageMetadata(
                     properties=TensorProperties(dtype=span.dtype),
