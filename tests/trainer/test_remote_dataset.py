@@ -259,3 +259,20 @@ def test_the_listing_rank_0_broadcasts_arrives_whole() -> None:
         assert group.rank0s(listing) == listing
     finally:
         dist.destroy_process_group()
+
+
+def test_an_object_gone_between_listing_and_download_is_not_a_refusal(
+    bucket: tuple[MotoServer, str], tmp_path: Path
+) -> None:
+    """Rank 0 listed it; it was deleted (or replaced by delete and put) before this rank's
+    download: a race a restart's listing settles, so not exit 2."""
+    server, root = bucket
+    uri = f"{root}/corpus/part-0.jsonl"
+    put(server, uri, write_corpus(tmp_path / "a.jsonl"))
+    spec = DatasetSpec(uri=f"{root}/corpus/part-*.jsonl", format="jsonl")
+    rank0 = list_objects(spec, locate(spec.uri, "test", object_store=server.spec()))
+    put(server, f"{root}/corpus/part-1.jsonl", tmp_path / "a.jsonl")  # the glob still matches
+    locate(uri, "test", object_store=server.spec()).remove()
+    with pytest.raises(OSError, match="was listed but is gone") as err:
+        stage_dataset(spec, server.spec(), tmp_path / "pod", agree=lambda _: rank0)
+    assert not isinstance(err.value, UnsupportedConfigError)

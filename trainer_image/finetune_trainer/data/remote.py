@@ -141,7 +141,13 @@ def download(spec: DatasetSpec, source: Location, obj: RemoteObject, target: Pat
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         source.fs.get_file(source.fs._strip_protocol(obj.url), str(tmp))
+    except FileNotFoundError as e:
+        remove(tmp)
+        # Listed a moment ago (by this rank or rank 0): deleted or replaced since, a race a
+        # restart's listing settles (it refuses a URI that names nothing any more).
+        raise OSError(f"dataset.uri {spec.uri!r}: {obj.url} was listed but is gone") from e
     except OSError as e:
+        remove(tmp)
         problem = access_problem(e)
         if problem:
             raise _refusal(spec, f"{obj.url}: {problem}") from e
