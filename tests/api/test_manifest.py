@@ -244,7 +244,10 @@ def test_yaml_1_1_booleans_as_kubectl_reads_them(text: str, value: bool) -> None
     ("written", "key", "warns"),
     [("y", "true", True), ("N", "false", True), ("on", "true", True), ("off", "false", True),
      ("yes", "true", True), ("true", "true", False), ("'on'", "on", False), ("8", "8", False),
-     ("1.5", "1.5", False), ("1e2", "100", False), ("0.1234567891", "0.12345679", False)],
+     ("1.5", "1.5", False), ("1e2", "100", False), ("0.1234567891", "0.12345679", False),
+     # Go's shortest %g: an exponent from 1e6 on, none below, whatever the digits' count.
+     ("10.0", "10", False), ("1e6", "1e+06", False), ("1234567.0", "1.234567e+06", False),
+     ("1234567.5", "1.2345675e+06", False), ("0.00001", "1e-05", False)],
 )  # fmt: skip
 def test_keys_are_named_as_kubectl_names_them(written: str, key: str, warns: bool) -> None:
     """sigs.k8s.io/yaml turns a boolean or number key into its JSON string ("true", "8"; a

@@ -18,6 +18,7 @@ from finetune_trainer.data.remote import (
     OBJECTS_DIR,
     RemoteObject,
     fits,
+    list_objects,
     local_names,
     stage_dataset,
 )
@@ -180,3 +181,98 @@ def test_a_short_download_is_an_error_naming_the_object_and_leaves_no_file(
     assert not isinstance(err.value, UnsupportedConfigError)
     assert f"{uri} downloaded {corpus.stat().st_size} of {promised.size} bytes" in str(err.value)
     assert list(target.parent.iterdir()) == []
+
+
+def test_an_object_rewritten_while_fetched_is_not_kept_under_its_listed_etag(
+    bucket: tuple[MotoServer, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key rewritten (same size) between the listing and the end of its download: the
+    bytes are not the listed object's, so neither the copy nor its manifest is kept (else the
+    tokenized cache would serve the new records for the old ETag); a restart fetches anew."""
+    server, root = bucket
+    first = write_corpus(tmp_path / "a.jsonl")
+    changed = tmp_path / "b.jsonl"
+    changed.write_text(first.read_text().replace("quick", "brown"))
+    assert changed.stat().st_size == first.stat().st_size
+    uri = f"{root}/corpus/part-0.jsonl"
+    put(server, uri, first)
+    spec = DatasetSpec(uri=f"{root}/corpus/part-*.jsonl", format="jsonl")
+    source = locate(uri, "test", object_store=server.spec())
+    fs, original = source.fs, source.fs.get_file
+    # Another process's client: this process's cached listing does not see its write.
+    writer = type(fs)(**{**fs.storage_options, "skip_instance_cache": True})
+
+    def get_then_rewrite(rpath: str, lpath: str, **kw: Any) -> None:
+        original(rpath, lpath, **kw)
+        writer.put_file(str(changed), source.path)  # a writer replacing the object meanwhile
+
+    monkeypatch.setattr(fs, "get_file", get_then_rewrite)
+    data = tmp_path / "pod"
+    with pytest.raises(OSError, match="changed while downloading") as err:
+        stage_dataset(spec, server.spec(), data)
+    assert not isinstance(err.value, UnsupportedConfigError)  # transient: a restart
+    assert list((data / OBJECTS_DIR).glob("*/*")) == []
+    monkeypatch.setattr(fs, "get_file", original)
+    built = load(server, spec, data)  # the restart: the object as it is now
+    assert np.array_equal(np.asarray(built.blocks), reference_blocks(texts(changed), SEQ))
+
+
+def test_every_rank_stages_the_listing_it_is_given_not_its_own(
+    bucket: tuple[MotoServer, str], tmp_path: Path
+) -> None:
+    """Rank 0 listed before a second object appeared (its listing broadcast: `agree`): this
+    rank, listing after, still stages rank 0's objects, so both tokenize one corpus (the same
+    length, the same step count) and the tokenized cache is keyed alike."""
+    server, root = bucket
+    first, second = write_corpus(tmp_path / "a.jsonl"), write_corpus(tmp_path / "b.jsonl", seed=1)
+    put(server, f"{root}/corpus/part-0.jsonl", first)
+    spec = DatasetSpec(uri=f"{root}/corpus/part-*.jsonl", format="jsonl")
+    rank0 = list_objects(spec, locate(spec.uri, "test", object_store=server.spec()))
+    put(server, f"{root}/corpus/part-1.jsonl", second)
+    seen: list[list[RemoteObject]] = []
+
+    def agree(mine: list[RemoteObject]) -> list[RemoteObject]:
+        seen.append(mine)
+        return rank0
+
+    staged = stage_dataset(spec, server.spec(), tmp_path / "pod", agree=agree)
+    assert staged is not None and len(seen[0]) == 2  # its own listing had both
+    assert staged.files == [o.identity() for o in rank0]
+    assert [p.name for p in (tmp_path / "pod" / OBJECTS_DIR).glob("*/[0-9]*")] == [
+        "00000-part-0.jsonl"
+    ]
+
+
+def test_the_listing_rank_0_broadcasts_arrives_whole() -> None:
+    """What the trainer passes as `agree` (one rank here: the pickling round trip)."""
+    import torch
+    import torch.distributed as dist
+
+    from finetune_trainer.distributed import Distributed
+    from tests.trainer.conftest import free_port
+
+    listing = [RemoteObject("s3://b/k/part-0.jsonl", 12, "9b2cf535f27731c974343645a3985328", None)]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        group = Distributed(torch.device("cpu"), 1, 0, checkpoint_group=dist.group.WORLD)
+        assert group.rank0s(listing) == listing
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_object_gone_between_listing_and_download_is_not_a_refusal(
+    bucket: tuple[MotoServer, str], tmp_path: Path
+) -> None:
+    """Rank 0 listed it; it was deleted (or replaced by delete and put) before this rank's
+    download: a race a restart's listing settles, so not exit 2."""
+    server, root = bucket
+    uri = f"{root}/corpus/part-0.jsonl"
+    put(server, uri, write_corpus(tmp_path / "a.jsonl"))
+    spec = DatasetSpec(uri=f"{root}/corpus/part-*.jsonl", format="jsonl")
+    rank0 = list_objects(spec, locate(spec.uri, "test", object_store=server.spec()))
+    put(server, f"{root}/corpus/part-1.jsonl", tmp_path / "a.jsonl")  # the glob still matches
+    locate(uri, "test", object_store=server.spec()).remove()
+    with pytest.raises(OSError, match="was listed but is gone") as err:
+        stage_dataset(spec, server.spec(), tmp_path / "pod", agree=lambda _: rank0)
+    assert not isinstance(err.value, UnsupportedConfigError)

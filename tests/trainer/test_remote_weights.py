@@ -70,12 +70,15 @@ def header(entries: dict[str, object]) -> bytes:
     ("raw", "message"),
     [(b"\xff not json", "header is not JSON"),
      (header({"w": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}), "dtype 'F8_E4M3'"),
-     (header({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}), "spans 8 bytes")],
-    ids=["not-json", "unknown-dtype", "span-shape-mismatch"],
+     (header({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}), "spans 8 bytes"),
+     (header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}), "truncated")],
+    ids=["not-json", "unknown-dtype", "span-shape-mismatch", "past-the-object"],
 )  # fmt: skip
 def test_bad_headers_are_refused_naming_the_file(raw: bytes, message: str) -> None:
+    # The object as listed: its data ends 1 byte short of the last tensor's.
+    size = 8 + len(raw) + 15
     with pytest.raises(ValueError, match=message) as err:
-        parse_header("s3://b/m/model.safetensors", raw, 8 + len(raw))
+        parse_header("s3://b/m/model.safetensors", raw, 8 + len(raw), size)
     assert "s3://b/m/model.safetensors" in str(err.value)
 
 
@@ -162,9 +165,11 @@ def test_missing_bucket_and_missing_model_are_refused_naming_the_uri(
         assert uri in str(err.value) and "spec.model.path" in str(err.value)
 
 
-def test_a_truncated_weights_object_is_an_error_naming_it_not_a_refusal(
+def test_a_truncated_weights_object_is_refused_naming_it(
     s3_model: tuple[MotoServer, str, Path], world_one: None
 ) -> None:
+    """The object itself is shorter than its header says (a broken upload): every restart
+    would read the same bytes, so it is a refusal (exit 2), not a restart loop."""
     server, uri, local = s3_model
     store = locate(uri, "test", object_store=server.spec())
     name = sorted(p.name for p in local.glob("*.safetensors"))[-1]
@@ -174,10 +179,31 @@ def test_a_truncated_weights_object_is_an_error_naming_it_not_a_refusal(
     (store / name).write_atomic(data[:-16])  # the header promises 16 bytes more
     job = s3_job(server, uri, strategy="fsdp-full-shard")
     tokenizer = build_tokenizer(job.spec.model, job.spec.storage.object_store)
+    with pytest.raises(UnsupportedConfigError) as err:
+        load_parallel_model(job, tokenizer, CPU, 1)
+    assert f"{uri}/{name}" in str(err.value) and "truncated: upload it again" in str(err.value)
+
+
+def test_a_short_read_of_a_whole_object_is_an_error_naming_it_not_a_refusal(
+    s3_model: tuple[MotoServer, str, Path], world_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fewer bytes than asked of an object that has them (a broken connection): a restart
+    may read them, so not a refusal."""
+    server, uri, _ = s3_model
+    fs = locate(uri, "test", object_store=server.spec()).fs
+    original = fs.cat_ranges
+
+    def short(paths: list[str], starts: list[int], ends: list[int], **kw: object) -> list[bytes]:
+        got = original(paths, starts, ends, **kw)
+        return [got[0][:-1], *got[1:]]
+
+    monkeypatch.setattr(fs, "cat_ranges", short)
+    job = s3_job(server, uri, strategy="fsdp-full-shard")
+    tokenizer = build_tokenizer(job.spec.model, job.spec.storage.object_store)
     with pytest.raises(RuntimeError) as err:
         load_parallel_model(job, tokenizer, CPU, 1)
     assert not isinstance(err.value, UnsupportedConfigError)
-    assert f"{uri}/{name}" in str(err.value) and "shorter than its header says" in str(err.value)
+    assert f"{uri}/" in str(err.value) and "a truncated read" in str(err.value)
 
 
 # ---- torchrun ----------------------------------------------------------------------------
@@ -208,3 +234,20 @@ def test_two_ranks_read_their_shards_from_s3_not_the_model(
     assert sum(fetched) == 2 * headers + (total - headers), (fetched, total, headers)
     for n in fetched:
         assert n < 0.6 * total, (fetched, total)
+
+
+def test_a_tensor_in_two_files_of_the_prefix_is_refused_naming_both(tmp_path: Path) -> None:
+    """A consolidated model.safetensors left beside the shards (or two models under one
+    prefix): which copy of the tensor would be read is an accident, so neither is."""
+    from safetensors.torch import save_file
+
+    from finetune_trainer.safetensors_ranges import RangedSafetensorsReader
+
+    save_file({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, str(tmp_path / "model.safetensors"))
+    save_file({"w": torch.ones(2, 3)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    reader = RangedSafetensorsReader(locate(str(tmp_path), "test"))
+    with pytest.raises(ValueError, match="tensor w is also in") as err:
+        reader.read_metadata()
+    assert "model.safetensors" in str(err.value) and "model-00001-of-00001" in str(err.value)
+    (tmp_path / "model.safetensors").unlink()
+    assert set(reader.read_metadata().state_dict_metadata) == {"w"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torch.distributed import ProcessGroupGloo, distributed_c10d
 from finetune_trainer.config import RuntimeEnv
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POD_GLOO = "podgloo"
 # How a collective's timeout reads: gloo raises "Timed out waiting <ms>ms for recv operation
@@ -66,6 +68,13 @@ class Distributed:
         )
         dist.all_reduce(t)
         return [float(v) for v in t.tolist()]
+
+    def rank0s(self, value: T) -> T:
+        """Rank 0's `value` on every rank (a small picklable object, on the training group:
+        for what ranks must agree on while starting, e.g. a dataset's listing)."""
+        box: list[Any] = [value]
+        dist.broadcast_object_list(box, src=0)
+        return cast(T, box[0])
 
 
 def select_device(resources_device: str, env: RuntimeEnv) -> torch.device:

@@ -72,10 +72,13 @@ class Span:
     end: int
 
 
-def parse_header(file: str, raw: bytes, data_start: int) -> dict[str, Span]:
+def parse_header(
+    file: str, raw: bytes, data_start: int, size: int | None = None
+) -> dict[str, Span]:
     """Pure: the tensors of a safetensors header (the JSON after the 8-byte length), by
-    name; `data_start` = 8 + header length. A dtype this reader does not know, or a span that
-    does not match its shape, is an error naming the file and tensor."""
+    name; `data_start` = 8 + header length. A dtype this reader does not know, a span that
+    does not match its shape, or one past the file's listed `size` (a truncated upload: no
+    restart reads bytes the object does not have) is an error naming the file and tensor."""
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -91,6 +94,11 @@ def parse_header(file: str, raw: bytes, data_start: int) -> dict[str, Span]:
         begin, end = (int(x) for x in entry["data_offsets"])
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"{file}: tensor {name} spans {end - begin} bytes, not {shape}")
+        if size is not None and data_start + end > size:
+            raise ValueError(
+                f"{file}: tensor {name} ends at byte {data_start + end}, but the object has "
+                f"{size} (truncated: upload it again)"
+            )
         spans[name] = Span(file, dtype, shape, data_start + begin, data_start + end)
     return spans
 
@@ -146,17 +154,25 @@ class RangedSafetensorsReader(StorageReader):
         if len(data) != end - start:
             raise WeightsReadError(
                 f"{self.location.fs.unstrip_protocol(path)}: read {len(data)} bytes of "
-                f"{end - start} at {start} (the object is shorter than its header says)"
+                f"{end - start} at {start} (a truncated read, or the object replaced since "
+                "it was listed)"
             )
         return data
 
-    def _header(self, path: str) -> dict[str, Span]:
-        (length,) = struct.unpack("<Q", self._cat(path, 0, HEADER_LEN_BYTES))
+    def _header(self, path: str, size: int) -> dict[str, Span]:
+        # Against the listed size, what the object lacks is the object's fault (a refusal);
+        # a read that returns less than the object has is the network's (WeightsReadError).
         url = self.location.fs.unstrip_protocol(path)
-        if length > MAX_HEADER_BYTES:
-            raise ValueError(f"{url}: not a safetensors file (header length {length})")
+        if size < HEADER_LEN_BYTES:
+            raise ValueError(f"{url}: not a safetensors file ({size} bytes)")
+        (length,) = struct.unpack("<Q", self._cat(path, 0, HEADER_LEN_BYTES))
+        if length > min(MAX_HEADER_BYTES, size - HEADER_LEN_BYTES):
+            raise ValueError(
+                f"{url}: not a safetensors file, or truncated (header length {length}, "
+                f"{size} bytes)"
+            )
         raw = self._cat(path, HEADER_LEN_BYTES, HEADER_LEN_BYTES + length)
-        return parse_header(url, raw, HEADER_LEN_BYTES + length)
+        return parse_header(url, raw, HEADER_LEN_BYTES + length, size)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         files = sorted(
@@ -166,9 +182,18 @@ class RangedSafetensorsReader(StorageReader):
         self.bytes_total = sum(e.size for e in files)
         tensors: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, Span] = {}
+        files_of: dict[str, str] = {}
         for entry in files:
             path = (self.location / entry.name).path
-            for name, span in self._header(path).items():
+            for name, span in self._header(path, entry.size).items():
+                if name in files_of:
+                    # Two files holding one tensor: two models (or a consolidated copy beside
+                    # the shards) under one prefix; which one is read would be an accident.
+                    raise ValueError(
+                        f"{span.file}: tensor {name} is also in {files_of[name]}: one model's "
+                        "safetensors per prefix"
+                    )
+                files_of[name] = span.file
                 zero = torch.Size([0] * len(span.shape))
                 tensors[name] = TensorStorageMetadata(
                     properties=TensorProperties(dtype=span.dtype),
@@ -207,7 +232,7 @@ class RangedSafetensorsReader(StorageReader):
                 if len(data) != end - start:
                     raise WeightsReadError(
                         f"{span.file}: read {len(data)} bytes of {end - start} at {start} "
-                        "(a truncated read or an object shorter than its header says)"
+                        "(a truncated read, or the object replaced since it was listed)"
                     )
                 self._copy(items[i], span, bytes(data), planner)
         done: Future[None] = Future()

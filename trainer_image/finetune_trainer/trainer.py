@@ -111,7 +111,10 @@ class Trainer:
 
         tokenizer = build_tokenizer(spec.model, spec.storage.object_store)
         store = spec.storage.object_store
-        staged = stage_dataset(spec.dataset, store, env.data_cache_dir, env.data_cache_limit_bytes)
+        staged = stage_dataset(
+            spec.dataset, store, env.data_cache_dir, env.data_cache_limit_bytes,
+            agree=self.dist.rank0s,
+        )  # fmt: skip
         self.data = build_dataset(
             spec.dataset, tokenizer, spec.training.sequence_length, cache=data_cache(env, job),
             staged=staged,

@@ -27,6 +27,9 @@ Problem = tuple[str, str]
 _BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+_GO_SHORTEST_G_EXPONENT = 6  # strconv.FormatFloat(f, 'g', -1, ...): eprec = 6 when shortest
+
+
 def _go_float_key(value: float) -> str:
     """A float key as sigs.k8s.io/yaml writes it: strconv.FormatFloat(f, 'g', -1, 32), the
     shortest text of its float32, with go-yaml's names for infinities and NaN."""
@@ -35,11 +38,20 @@ def _go_float_key(value: float) -> str:
     if math.isinf(value):
         return ".inf" if value > 0 else "-.inf"
     single = struct.unpack("f", struct.pack("f", value))[0]
-    for digits in range(1, 10):
-        text = f"{single:.{digits}g}"
-        if struct.unpack("f", struct.pack("f", float(text)))[0] == single:
-            return text
-    return f"{single:.9g}"
+    digits = next(
+        (
+            d
+            for d in range(1, 10)
+            if struct.unpack("f", struct.pack("f", float(f"{single:.{d - 1}e}")))[0] == single
+        ),
+        9,
+    )
+    exponent = int(f"{single:.{digits - 1}e}".partition("e")[2])
+    # Go's shortest %g switches to an exponent at 1e6 (Python's %g only at the digits'
+    # count: 10.0 would be "1e+01", 1234567.0 "1234567"; Go writes "10", "1.234567e+06").
+    if exponent < -4 or exponent >= _GO_SHORTEST_G_EXPONENT:
+        return f"{single:.{digits - 1}e}"
+    return f"{single:.{max(digits - 1 - exponent, 0)}f}"
 
 
 def _kubectl_key(key: Any) -> Any:
@@ -75,7 +87,7 @@ class _Loader(_BaseLoader):  # type: ignore[valid-type,misc]
             # Merge keys (<<) may override; only keys written out in this mapping count.
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
                 continue
-            name = _kubectl_key(self.construct_object(key_node))
+            name = self._key_name(key_node)
             seen = first.setdefault(name, key_node)
             if seen is not key_node:
                 same = seen.value == key_node.value
@@ -98,8 +110,15 @@ class _Loader(_BaseLoader):  # type: ignore[valid-type,misc]
                     "while constructing a mapping", node.start_mark,
                     "found unhashable key", key_node.start_mark,
                 ) from None  # fmt: skip
-            mapping[_kubectl_key(key)] = self.construct_object(value_node, deep=deep)
+            mapping[self._key_name(key_node)] = self.construct_object(value_node, deep=deep)
         return mapping
+
+    def _key_name(self, key_node: yaml.Node) -> Any:
+        # A float key stays a float (go-yaml decodes it to float64): the values' rule that
+        # an integral float is an integer (Go's JSON encoder) is not kubectl's for keys.
+        if isinstance(key_node, yaml.ScalarNode) and key_node.tag.endswith(":float"):
+            return _go_float_key(yaml.SafeLoader.construct_yaml_float(self, key_node))
+        return _kubectl_key(self.construct_object(key_node))
 
     def _warn_boolean_key(self, key_node: yaml.ScalarNode, name: Any) -> None:
         if key_node.tag.endswith(":bool") and key_node.value.lower() not in ("true", "false"):

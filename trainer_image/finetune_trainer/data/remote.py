@@ -29,7 +29,7 @@ import logging
 import os
 import posixpath
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,16 @@ def fits(objects: list[RemoteObject], budget: int | None) -> bool:
     return budget is None or sum(o.size for o in objects) <= budget
 
 
+def remote_object(url: str, info: dict[str, Any]) -> RemoteObject:
+    """Pure: an object's identity from its listing (fsspec `info`)."""
+    return RemoteObject(
+        url=url,
+        size=int(info.get("size") or 0),
+        etag=str(info.get("ETag") or info.get("etag") or "").strip('"'),
+        version=info.get("VersionId"),
+    )
+
+
 def _refusal(spec: DatasetSpec, problem: str) -> UnsupportedConfigError:
     return UnsupportedConfigError(f"dataset.uri {spec.uri!r}: {problem}")
 
@@ -92,12 +102,7 @@ def list_objects(spec: DatasetSpec, pattern: Location) -> list[RemoteObject]:
     except OSError as e:
         raise _refusal(spec, access_problem(e) or str(e)) from e
     objects = [
-        RemoteObject(
-            url=str(fs.unstrip_protocol(path)),
-            size=int(info.get("size") or 0),
-            etag=str(info.get("ETag") or info.get("etag") or "").strip('"'),
-            version=info.get("VersionId"),
-        )
+        remote_object(str(fs.unstrip_protocol(path)), info)
         for path, info in sorted(infos.items())
         if info.get("type") != "directory"
     ]
@@ -136,7 +141,13 @@ def download(spec: DatasetSpec, source: Location, obj: RemoteObject, target: Pat
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         source.fs.get_file(source.fs._strip_protocol(obj.url), str(tmp))
+    except FileNotFoundError as e:
+        remove(tmp)
+        # Listed a moment ago (by this rank or rank 0): deleted or replaced since, a race a
+        # restart's listing settles (it refuses a URI that names nothing any more).
+        raise OSError(f"dataset.uri {spec.uri!r}: {obj.url} was listed but is gone") from e
     except OSError as e:
+        remove(tmp)
         problem = access_problem(e)
         if problem:
             raise _refusal(spec, f"{obj.url}: {problem}") from e
@@ -148,6 +159,22 @@ def download(spec: DatasetSpec, source: Location, obj: RemoteObject, target: Pat
         # downloads it again.
         raise OSError(f"dataset.uri {spec.uri!r}: {obj.url} downloaded {got} of {obj.size} "
                       "bytes (truncated, or the object changed while downloading)")
+    # The bytes are whatever the key held while they were read (s3fs fetches a large object
+    # in concurrent ranges): rewritten since the listing, even to the same size, they are not
+    # the listed object, and the tokenized cache would key them on the listed ETag, serving
+    # them for it ever after. Asked again after the download: the same identity, or a
+    # restart lists and fetches anew.
+    path = source.fs._strip_protocol(obj.url)
+    try:
+        now = remote_object(obj.url, source.fs.info(path))
+    except OSError:
+        remove(tmp)
+        raise
+    # Size and ETag: a listing (ListObjectsV2) gives no version id where a HEAD may.
+    if (now.size, now.etag) != (obj.size, obj.etag):
+        remove(tmp)
+        raise OSError(f"dataset.uri {spec.uri!r}: {obj.url} changed while downloading "
+                      f"(ETag {obj.etag} listed, {now.etag} now)")  # fmt: skip
     os.replace(tmp, target)
 
 
@@ -177,11 +204,15 @@ def stage_dataset(
     store: ObjectStoreSpec | None,
     data_dir: Path | None,
     limit_bytes: int | None = None,
+    agree: Callable[[list[RemoteObject]], list[RemoteObject]] | None = None,
 ) -> StagedDataset | None:
     """The local copy of an s3:// dataset, fetched if this pod has none of these exact
     objects (None: not on object storage). `data_dir`: the pod's data-cache volume (None:
     the temporary directory); `limit_bytes`: what it may hold in all (the data cache's
-    budget), checked before downloading."""
+    budget), checked before downloading; `agree`: this rank's listing in, the one every rank
+    uses out (rank 0's, broadcast): ranks that listed either side of a rewrite would
+    otherwise tokenize different corpora (another length, another step count: a hang), and a
+    local rank would replace the copy another one is reading."""
     if not is_object_store_uri(spec.uri):
         return None
     if spec.format not in ("jsonl", "parquet"):  # refused at plan time too (api/storage.py)
@@ -190,6 +221,8 @@ def stage_dataset(
     data_dir = data_dir or Path(tempfile.gettempdir()) / "finetune-data"
     pattern = locate(spec.uri, "dataset.uri", object_store=store)
     objects = list_objects(spec, pattern)
+    if agree is not None:
+        objects = agree(objects)
     objects_dir = data_dir / OBJECTS_DIR
     objects_dir.mkdir(parents=True, exist_ok=True)
     name = hashlib.sha256(spec.uri.encode()).hexdigest()[:16]
