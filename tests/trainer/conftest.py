@@ -70,6 +70,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture(scope="module")
+def world_one() -> Iterator[None]:
+    """A one-rank gloo process group for a module's in-process tests (torch imported here:
+    this conftest serves tests that never import it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def step_lines(log: Path) -> list[dict[str, Any]]:
     """The rank-0 JSON step lines of a torchrun log."""
     return [r for r in json_lines(log.read_text(errors="replace")) if "step" in r]

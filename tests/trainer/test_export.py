@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -36,7 +34,6 @@ from finetune_trainer.tokenizer import build_byte_tokenizer
 from tests.objectstore import MotoServer
 from tests.trainer.conftest import (
     Proc,
-    free_port,
     launch_standalone,
     make_job,
     tail,
@@ -44,14 +41,6 @@ from tests.trainer.conftest import (
 )
 
 INPUT = torch.tensor([[256, *b"The export reloads.", 257]])
-
-
-@pytest.fixture(scope="module")
-def world_one() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def trained(method: MethodSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module:

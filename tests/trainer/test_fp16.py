@@ -6,12 +6,10 @@ from __future__ import annotations
 import math
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from finetune_operator.api.spec import TrainingSpec
@@ -23,7 +21,6 @@ from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from tests.trainer.conftest import (
     Proc,
-    free_port,
     launch_standalone,
     make_job,
     step_lines,
@@ -32,14 +29,6 @@ from tests.trainer.conftest import (
 )
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def world_one() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _backward(model: nn.Module, scale: DynamicLossScale) -> None:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -23,19 +21,11 @@ from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.model import build_model
 from finetune_trainer.tokenizer import build_byte_tokenizer
-from tests.trainer.conftest import REPO, TORCHRUN, free_port, make_job, write_job
+from tests.trainer.conftest import REPO, TORCHRUN, make_job, write_job
 
 CPU = torch.device("cpu")
 WORKER = REPO / "tests" / "trainer" / "loading_worker.py"
 INPUT = torch.tensor([[1, 5, 9, 42, 7, 3, 100, 17]] * 2)  # loading_worker.INPUT
-
-
-@pytest.fixture(scope="module")
-def world_one() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def inline_job(*, strategy: str, method: str = "full", tied: bool = False,

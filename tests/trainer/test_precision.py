@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
@@ -26,7 +24,6 @@ from finetune_trainer.tokenizer import build_byte_tokenizer
 from finetune_trainer.trainer import precision_context
 from tests.trainer.conftest import (
     Proc,
-    free_port,
     launch_standalone,
     make_job,
     step_lines,
@@ -36,14 +33,6 @@ from tests.trainer.conftest import (
 
 CPU = torch.device("cpu")
 INPUT = torch.tensor([[256, *b"Mixed precision, as planned.", 257]] * 2)
-
-
-@pytest.fixture(scope="module")
-def world_one() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def model(method: str = "full", precision: Precision = "bf16") -> nn.Module:

@@ -10,12 +10,10 @@ import logging
 import os
 import struct
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import MethodSpec, ModelSpec
@@ -25,7 +23,7 @@ from finetune_trainer.location import Location, locate
 from finetune_trainer.safetensors_ranges import Span, batches, parse_header, row_range
 from finetune_trainer.tokenizer import build_tokenizer
 from tests.objectstore import MotoServer
-from tests.trainer.conftest import REPO, TORCHRUN, free_port, make_job, write_job
+from tests.trainer.conftest import REPO, TORCHRUN, make_job, write_job
 from tests.trainer.test_loading import INPUT, plain_logits, save_pretrained
 
 CPU = torch.device("cpu")
@@ -92,14 +90,6 @@ def test_header_spans_are_absolute() -> None:
 
 
 # ---- against moto ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def world_one() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def upload_dir(local: Path, target: Location) -> None:

@@ -135,16 +135,24 @@ class ClusterApi:
         await self._call(patch, name, ns, obj, _content_type=MERGE_PATCH)
         return False
 
-    async def ensure_custom(self, obj: dict[str, Any], plural: str) -> bool:
-        """Create the custom object, or merge-patch its spec; True if it was created."""
+    async def _create_custom(self, obj: dict[str, Any], plural: str) -> bool:
+        """Create the custom object; False if it exists already (409)."""
         group, _, version = obj["apiVersion"].rpartition("/")
-        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        ns = obj["metadata"]["namespace"]
         try:
             await self._call(self.custom.create_namespaced_custom_object, group, version, ns, plural, obj)
-            return True
         except ApiException as err:
             if err.status != 409:
                 raise
+            return False
+        return True
+
+    async def ensure_custom(self, obj: dict[str, Any], plural: str) -> bool:
+        """Create the custom object, or merge-patch its spec; True if it was created."""
+        if await self._create_custom(obj, plural):
+            return True
+        group, _, version = obj["apiVersion"].rpartition("/")
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         patch = {"metadata": {"labels": obj["metadata"].get("labels", {})}, "spec": obj["spec"]}
         await self._call(
             self.custom.patch_namespaced_custom_object, group, version, ns, plural, name, patch,
@@ -156,14 +164,10 @@ class ClusterApi:
         """Create the job's Workload, or set its `active` (the rest of its spec is Kueue's
         to keep), and its podSets and queueName when `rewrite` (Kueue allows it only while
         it holds no quota); True if it was created."""
+        if await self._create_custom(obj, WORKLOAD_PLURAL):
+            return True
         group, _, version = obj["apiVersion"].rpartition("/")
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        try:
-            await self._call(self.custom.create_namespaced_custom_object, group, version, ns, WORKLOAD_PLURAL, obj)
-            return True
-        except ApiException as err:
-            if err.status != 409:
-                raise
         patch: dict[str, Any] = {"spec": {"active": obj["spec"]["active"]}}
         if rewrite:
             patch["spec"].update(podSets=obj["spec"]["podSets"], queueName=obj["spec"]["queueName"])
