@@ -202,7 +202,9 @@ async def _queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> Que
     priority its Workload is to be created with); None for a job not queued in Kueue."""
     if job.queue_name is None:
         return None
-    workload = await cluster.read_workload(job.namespace, workload_name(job.owner))
+    workload, unreadable = await cluster.read_workload(job.namespace, workload_name(job.owner))
+    if unreadable:
+        return read_queue_state(job.queue_name, None, {}, unreadable=unreadable)
     if workload is not None:
         flavors = await cluster.read_flavors(flavors_assigned(workload))
         return read_queue_state(job.queue_name, workload, flavors, owner_uid=job.uid)

@@ -197,8 +197,9 @@ def test_an_admission_without_a_count_is_the_pod_set_s_count() -> None:
 
 
 def kstep(status: FineTuneJobStatus, pods: list[PodView], wl: dict[str, Any] | None, seconds: float = 0,
-          *, spec: dict[str, Any] | None = None) -> Outcome:  # fmt: skip
-    queue = read_queue_state(QUEUE, wl, {"spot": SPOT})
+          *, spec: dict[str, Any] | None = None, unreadable: str = "",
+          flavors: dict[str, Any] | None = None) -> Outcome:  # fmt: skip
+    queue = read_queue_state(QUEUE, wl, {"spot": SPOT} if flavors is None else flavors, unreadable=unreadable)
     return reconcile_job(JOB, spec or quickstart_raw(), status, pods, T0 + timedelta(seconds=seconds),
                          planner=lambda _: make_plan(2), ensured_generation=1, queue=queue)  # fmt: skip
 
@@ -448,3 +449,35 @@ def test_a_changed_queue_label_moves_the_workload_until_it_holds_quota() -> None
     out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), running(*ALL), T0,
                         planner=lambda _: make_plan(2), queue=running_there)  # fmt: skip
     assert out.actions.workload is None and deleted(out) == []
+
+
+NOT_SERVED = "Workload qs (HTTP 404 Not Found): the API server does not serve workloads.kueue.x-k8s.io/v1beta2"
+
+
+@pytest.mark.parametrize(("wl", "unreadable", "flavors"),
+                         [(None, NOT_SERVED, None), (None, "Workload qs (HTTP 403 Forbidden): may not", None),
+                          ("admitted", "", {})],
+                         ids=["crd-gone", "no-permission", "flavor-unreadable"])  # fmt: skip
+def test_an_admission_that_cannot_be_read_keeps_the_running_workers(
+    wl: str | None, unreadable: str, flavors: dict[str, Any] | None
+) -> None:
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    workload_now = admitted(2) if wl else None
+    out = kstep(live, running(*ALL), workload_now, 5, unreadable=unreadable, flavors=flavors)
+    assert deleted(out) == [] and created(out) == [] and out.actions.workload is None
+    assert out.status.phase == "Running"
+    ready = next(c for c in out.status.conditions if c.type == "WorkersReady")
+    assert "Kueue admission cannot be read" in ready.message and "running workers kept" in ready.message
+    # A worker lost meanwhile is not replaced (no pod without a known admission).
+    one = [*running("qs-rdzv", "qs-worker-0")]
+    assert created(kstep(out.status, one, workload_now, 10, unreadable=unreadable, flavors=flavors)) == []
+    # Nothing running: the job waits, and says why.
+    idle = kstep(FineTuneJobStatus(), [], workload_now, unreadable=unreadable, flavors=flavors)
+    assert created(idle) == [] and idle.status.phase == "Pending"
+
+
+def test_a_workload_deleted_while_its_crd_is_served_stops_the_workers() -> None:
+    """Kueue's semantics: a job whose Workload is gone runs only once a new one is admitted."""
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    out = kstep(live, running(*ALL), None, 5)
+    assert sorted(deleted(out)) == sorted(ALL) and out.actions.workload is not None

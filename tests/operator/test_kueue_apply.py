@@ -44,18 +44,21 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
         (error,) = result.errors
         assert "workloads.kueue.x-k8s.io/v1beta2" in error and "HTTP 404" in error
         assert "install Kueue" in error and "kueue.x-k8s.io/queue-name" in error
-        assert asyncio.run(cluster.read_workload("default", "queued")) is None
+        # Not served: unreadable, with why (not "absent": that would stop running workers).
+        found, why = asyncio.run(cluster.read_workload("default", "queued"))
+        assert found is None and "install Kueue" in why
         return
     assert result.errors == []
+    assert asyncio.run(cluster.read_workload("default", "never-written")) == (None, "")  # served, absent
     # Suspending patches `active` only (podSets are immutable in Kueue).
     assert asyncio.run(cluster.apply("default", Actions(workload=_workload(suspend=True)))).errors == []
-    wl = asyncio.run(cluster.read_workload("default", "queued"))
+    wl = asyncio.run(cluster.read_workload("default", "queued"))[0]
     assert wl is not None and wl["spec"]["active"] is False and wl["spec"]["podSets"][0]["minCount"] == 1
     # Written for an earlier spec (or queue) and holding no quota: podSets and queue rewritten.
     spec = FineTuneJobSpec.model_validate(quickstart_raw() | {"suspend": True})
     resized = build_workload(OWNER, spec, make_plan(3), "q2")
     assert asyncio.run(cluster.apply("default", Actions(workload=resized, workload_rewrite=True))).errors == []
-    wl = asyncio.run(cluster.read_workload("default", "queued"))
+    wl = asyncio.run(cluster.read_workload("default", "queued"))[0]
     assert wl is not None and wl["spec"]["podSets"][0]["count"] == 3 and wl["spec"]["queueName"] == "q2"
     asyncio.run(_create_flavor(cluster))
     asyncio.run(cluster.patch_workload_status("default", "queued", {"status": {
@@ -63,7 +66,7 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
                        for t in ("QuotaReserved", "Admitted")],
         "admission": {"clusterQueue": "cq", "podSetAssignments": [
             {"name": "workers", "count": 2, "flavors": {"cpu": "spot", "memory": "spot"}}]}}}))  # fmt: skip
-    wl = asyncio.run(cluster.read_workload("default", "queued"))
+    wl = asyncio.run(cluster.read_workload("default", "queued"))[0]
     assert wl is not None and flavors_assigned(wl) == ["spot"]
     flavors = asyncio.run(cluster.read_flavors(["spot", "absent"]))
     assert set(flavors) == {"spot"}
@@ -72,7 +75,7 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
     patch = finish_patch(wl, True, "done", datetime(2026, 1, 1, tzinfo=UTC))
     result = asyncio.run(cluster.apply("default", Actions(workload_status=patch, workload_name="queued")))
     assert result.errors == []
-    wl = asyncio.run(cluster.read_workload("default", "queued"))
+    wl = asyncio.run(cluster.read_workload("default", "queued"))[0]
     assert wl is not None
     conds = {c["type"]: c["status"] for c in wl["status"]["conditions"]}
     assert conds == {"QuotaReserved": "True", "Admitted": "True", "Finished": "True"}
@@ -99,7 +102,7 @@ def test_a_stale_status_patch_is_refused_and_not_an_error(with_kueue: LocalClust
     owner = Owner(name="stale", namespace="default", uid=UID)
     spec = FineTuneJobSpec.model_validate(quickstart_raw())
     assert asyncio.run(cluster.apply("default", Actions(workload=build_workload(owner, spec, make_plan(2), "q")))).errors == []
-    read = asyncio.run(cluster.read_workload("default", "stale"))
+    read = asyncio.run(cluster.read_workload("default", "stale"))[0]
     assert read is not None
     evicted = {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by Kueue",
                "lastTransitionTime": "2026-01-01T12:00:00Z"}  # fmt: skip
@@ -107,5 +110,5 @@ def test_a_stale_status_patch_is_refused_and_not_an_error(with_kueue: LocalClust
     stale = finish_patch(read, True, "done", datetime(2026, 1, 1, tzinfo=UTC))
     result = asyncio.run(cluster.apply("default", Actions(workload_status=stale, workload_name="stale")))
     assert result.errors == []
-    now = asyncio.run(cluster.read_workload("default", "stale"))
+    now = asyncio.run(cluster.read_workload("default", "stale"))[0]
     assert now is not None and [c["type"] for c in now["status"]["conditions"]] == ["Evicted"]

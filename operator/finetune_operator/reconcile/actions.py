@@ -180,7 +180,8 @@ def _active(
         )
         for p, v in a.preempted_now
     )
-    create = tuple(_create_pods(ev, status, remaining))
+    # While Kueue's admission cannot be read, the workers that run are kept but none is added.
+    create = tuple(_create_pods(ev, status, remaining)) if not a.hold else ()
     # The PodGroup with each new generation, and again whenever pods are to be created (one
     # deleted by hand would otherwise leave the new pods waiting for a group that never comes).
     pod_group = None
@@ -192,7 +193,7 @@ def _active(
         create=create,
         events=events,
         pod_group=pod_group,
-        workload=_workload(ev),
+        workload=_workload(ev) if not a.hold else None,
         workload_status=_pods_ready(ev, a, now),
         workload_name=workload_name(ev.job.owner),
     )

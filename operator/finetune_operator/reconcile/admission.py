@@ -66,12 +66,27 @@ class QueueState:
     # Its queueName is not the job's queue-name label any more (the label was changed): moved
     # while it holds no quota, as Kueue's job reconciler does; once admitted it runs on there.
     moved: bool = False
+    # Why the Workload could not be read at all (its CRD not served, no permission): not a
+    # withdrawn admission. Running workers are kept (new pods wait), as with a flavor that
+    # cannot be read; only a Workload known absent gates the job as not admitted.
+    unreadable: str = ""
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def admitted(self) -> bool:
         return self.admitted_count is not None and self.evicted is None
+
+    @property
+    def unknown(self) -> bool:
+        """Whether the admission cannot be told (the Workload or an assigned flavor cannot
+        be read): workers already running keep running, no pod is created."""
+        return bool(self.unreadable or self.missing_flavors)
+
+    def describe_hold(self) -> str:
+        """What the job's condition says while running workers are kept on an unknown admission."""
+        why = self.unreadable or self.describe_wait()
+        return f"Kueue admission cannot be read ({why}): running workers kept, no new pod until it can"
 
     def describe_wait(self) -> str:
         """Why the job waits, for its condition: the queue, and Kueue's message."""
@@ -81,6 +96,8 @@ class QueueState:
             return f"queued in LocalQueue {self.queue}: the job's pods changed since its Workload was written; replacing it (its workers stop first)"
         if self.evicted is not None:
             return f"evicted by Kueue from LocalQueue {self.queue} ({self.evicted}); workers stopped, waiting to be admitted again"
+        if self.unreadable:
+            return f"queued in LocalQueue {self.queue}: {self.unreadable}"
         if not self.exists and self.priority_problem:
             return f"queued in LocalQueue {self.queue}: {self.priority_problem}; its Workload is created once it can be read"
         if not self.exists:
@@ -159,11 +176,15 @@ def read_queue_state(
     priority: tuple[PriorityRef, int] | None = None,
     priority_problem: str = "",
     owner_uid: str | None = None,
+    unreadable: str = "",
 ) -> QueueState:
     """The job's standing in Kueue from its Workload (None: not created yet) and the
     ResourceFlavor objects its admission names (by name). `priority` (or why it could not
     be read) matters only while the Workload is still to be created. `owner_uid`: the job's;
-    a Workload not owned by it is not its own."""
+    a Workload not owned by it is not its own. `unreadable`: why the Workload could not be
+    read (then `workload` is None, and nothing is known of its admission)."""
+    if unreadable:
+        return QueueState(queue, unreadable=unreadable)
     if workload is None:
         return QueueState(queue, priority=priority, priority_problem=priority_problem)
     owners = {o.get("uid") for o in (workload.get("metadata") or {}).get("ownerReferences") or []}

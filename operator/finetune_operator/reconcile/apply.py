@@ -7,6 +7,7 @@ The kubernetes client is synchronous; each call runs in a worker thread so kopf'
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
 from finetune_operator.resources.workload import (
     FLAVOR_PLURAL,
+    KUEUE_API_VERSION,
     KUEUE_GROUP,
     KUEUE_VERSION,
     QUEUE_LABEL,
@@ -77,6 +79,19 @@ def describe_pod_group_error(obj: dict[str, Any], err: ApiException) -> str:
             "value gangScheduling.schedulers; worker pods wait until it may"
         )
     return f"{head}; worker pods wait until it is created"
+
+
+def workload_absent(err: ApiException, name: str) -> bool:
+    """A 404 for the object itself (the API server names it in the Status details), not for
+    its resource: an unserved resource's 404 names no object ("the server could not find
+    the requested resource")."""
+    if err.status != 404:
+        return False
+    try:
+        details = (json.loads(err.body or "{}") or {}).get("details") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(details, dict) and details.get("name") == name
 
 
 def describe_workload_error(obj: dict[str, Any], err: ApiException) -> str:
@@ -177,19 +192,23 @@ class ClusterApi:
         )  # fmt: skip
         return False
 
-    async def read_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The job's Workload, None when it does not exist (a missing CRD or a missing
-        permission reads as absent too)."""
+    async def read_workload(self, namespace: str, name: str) -> tuple[dict[str, Any] | None, str]:
+        """The job's Workload (None when it does not exist), and why it cannot be read: its
+        CRD not served (Kueue uninstalled) or no permission (the chart's kueue.enabled off).
+        Only a Workload known absent may be created anew and gate the job as not admitted;
+        one that cannot be read says nothing about the admission its running workers have."""
         try:
             found: dict[str, Any] = await self._call(
                 self.custom.get_namespaced_custom_object,
                 KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL, name,
             )  # fmt: skip
-            return found
+            return found, ""
         except ApiException as err:
-            # Absent, or not readable: creating it then fails with the reason and what to do.
+            if workload_absent(err, name):
+                return None, ""
             if err.status in (403, 404):
-                return None
+                obj = {"apiVersion": KUEUE_API_VERSION, "metadata": {"name": name}}
+                return None, describe_workload_error(obj, err)
             raise
 
     async def read_flavors(self, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -53,6 +53,9 @@ class Assessment:
     any_worker_succeeded: bool = False
     message: str | None = None  # for terminal transitions: what happened
     failure_reason: str = REASON_BACKOFF_LIMIT_EXCEEDED  # the Failed condition's, in FAILED
+    # Kueue's admission cannot be read (admission.QueueState.unknown) while workers run: they
+    # are kept, and no pod is created; why, for the job's condition.
+    hold: str = ""
 
     @property
     def live_pods(self) -> list[PodView]:
@@ -141,9 +144,17 @@ def assess(
         # Kueue decides how many workers run, between minNodes and the planned nodes; an
         # eviction stops them like a suspend: nothing after this point is counted.
         # A stale Workload's admission is for other pods: they stop until it is replaced.
-        if not ev.queue.admitted or ev.queue.admitted_count is None or ev.queue.stale:
+        q = ev.queue
+        running = [i for i, p in workers.items() if p.active]
+        if q.unknown and q.evicted is None and not q.stale and running:
+            # Kueue uninstalled, the operator's access to it revoked, a flavor unreadable:
+            # no word that the admission was withdrawn, so what runs keeps running.
+            count = max(running) + 1
+            seen = replace(seen, hold=q.describe_hold())
+        elif not q.admitted or q.admitted_count is None or q.stale:
             return replace(seen, mode=Mode.QUEUED)
-        count = ev.queue.admitted_count
+        else:
+            count = q.admitted_count
         seen = replace(seen, desired=count, min_nodes=min(seen.min_nodes, count))
     # torchrun agents exit 0 only once the whole worker group finished, so one success with
     # nobody still running means the training is done, even if a straggling pod had failed.
