@@ -4,6 +4,7 @@ admission (count, flavor placement, eviction), and what a reconcile pass does in
 from __future__ import annotations
 
 import copy
+import dataclasses
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -481,3 +482,25 @@ def test_a_workload_deleted_while_its_crd_is_served_stops_the_workers() -> None:
     live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
     out = kstep(live, running(*ALL), None, 5)
     assert sorted(deleted(out)) == sorted(ALL) and out.actions.workload is not None
+
+
+def test_a_job_whose_spec_became_invalid_gives_its_quota_back() -> None:
+    """Deactivated (as a suspend), not Finished: Kueue evicts it and the quota is released
+    once the pods are gone; made valid again, the Workload is reactivated and requeued."""
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    broken = quickstart_raw()
+    broken["training"].pop("maxSteps")
+    out = kstep(live, running(*ALL), admitted(2), 5, spec=broken)
+    assert cond(out.status, "Failed") == ("True", "InvalidSpec") and sorted(deleted(out)) == sorted(ALL)
+    assert out.actions.workload_deactivate and out.actions.workload_name == "qs"
+    inactive = admitted(2)
+    inactive["spec"]["active"] = False
+    inactive["status"]["conditions"].append(_cond("Evicted", "True", "Deactivated", "The workload is deactivated"))
+    gone = kstep(out.status, [], inactive, 10, spec=broken)
+    assert not gone.actions.workload_deactivate  # already inactive
+    patch = gone.actions.workload_status
+    assert patch is not None and patch["status"]["admission"] is None  # the quota given back
+    edited = dataclasses.replace(JOB, generation=JOB.generation + 1)  # the spec edited valid again
+    fixed = reconcile_job(edited, quickstart_raw(), gone.status, [], T0 + timedelta(seconds=15),
+                          planner=lambda _: make_plan(2), queue=read_queue_state(QUEUE, inactive, {"spot": SPOT}))  # fmt: skip
+    assert fixed.actions.workload is not None and fixed.actions.workload["spec"]["active"] is True

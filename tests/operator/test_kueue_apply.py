@@ -50,6 +50,10 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
         return
     assert result.errors == []
     assert asyncio.run(cluster.read_workload("default", "never-written")) == (None, "")  # served, absent
+    # An invalid spec deactivates it (spec.active only).
+    assert asyncio.run(cluster.apply("default", Actions(workload_deactivate=True, workload_name="queued"))).errors == []
+    wl = asyncio.run(cluster.read_workload("default", "queued"))[0]
+    assert wl is not None and wl["spec"]["active"] is False and wl["spec"]["podSets"][0]["count"] == 2
     # Suspending patches `active` only (podSets are immutable in Kueue).
     assert asyncio.run(cluster.apply("default", Actions(workload=_workload(suspend=True)))).errors == []
     wl = asyncio.run(cluster.read_workload("default", "queued"))[0]

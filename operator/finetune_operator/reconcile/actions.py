@@ -91,12 +91,15 @@ class Actions:
     workload_rewrite: bool = False
     workload_status: dict[str, Any] | None = None
     workload_name: str = ""
+    # Set the existing Workload's `active` false (the job's spec became invalid: no Workload
+    # can be built, and the one admitted must give its quota back).
+    workload_deactivate: bool = False
 
     @property
     def empty(self) -> bool:
         return not (
             self.ensure or self.delete or self.create or self.pod_group or self.remove
-            or self.workload or self.workload_status
+            or self.workload or self.workload_status or self.workload_deactivate
         )  # fmt: skip
 
 
@@ -310,6 +313,15 @@ def decide_actions(
     }[a.mode]
     status_patch = _finish(ev, a, now) if a.mode is Mode.FAILED else _release(ev, a, now)
     workload = _workload(ev) if a.mode in (Mode.SUSPENDED, Mode.QUEUED) else None
+    q = ev.queue
+    # An invalid spec will not run until it is edited: its Workload is deactivated, as a
+    # suspend does, so Kueue evicts it and the quota goes back (released below once the
+    # pods are gone); editing the spec valid again reactivates it (_workload). Not Finished:
+    # Kueue never admits a finished Workload again, and the job is not over.
+    deactivate = (
+        a.mode is Mode.INVALID and q is not None and q.raw is not None and not q.foreign
+        and not q.finished and (q.raw.get("spec") or {}).get("active", True) is not False
+    )  # fmt: skip
     return Actions(
         delete=_deletions(a.live_pods, reason),
         remove=_pod_group_removal(ev, a) + _stale_workload_removal(ev, a),
@@ -317,4 +329,5 @@ def decide_actions(
         workload_rewrite=workload is not None and ev.queue is not None and (ev.queue.stale or ev.queue.moved),
         workload_status=status_patch,
         workload_name=workload_name(ev.job.owner),
+        workload_deactivate=deactivate,
     )

@@ -192,6 +192,14 @@ class ClusterApi:
         )  # fmt: skip
         return False
 
+    async def deactivate_workload(self, namespace: str, name: str) -> None:
+        """Set the Workload's `active` false: Kueue evicts it (Deactivated) and its quota is
+        given back once the pods are gone."""
+        await self._call(
+            self.custom.patch_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL,
+            name, {"spec": {"active": False}}, _content_type=MERGE_PATCH,
+        )  # fmt: skip
+
     async def read_workload(self, namespace: str, name: str) -> tuple[dict[str, Any] | None, str]:
         """The job's Workload (None when it does not exist), and why it cannot be read: its
         CRD not served (Kueue uninstalled) or no permission (the chart's kueue.enabled off).
@@ -304,6 +312,12 @@ class ClusterApi:
                 await self.ensure_workload(actions.workload, actions.workload_rewrite)
             except ApiException as err:
                 result.errors.append(describe_workload_error(actions.workload, err))
+        if actions.workload_deactivate:
+            try:
+                await self.deactivate_workload(namespace, actions.workload_name)
+            except ApiException as err:
+                if err.status != 404:  # gone: nothing holds quota
+                    result.errors.append(f"Workload {actions.workload_name} (active false): {_describe(err)}")
         if actions.workload_status is not None:
             try:
                 await self.patch_workload_status(namespace, actions.workload_name, actions.workload_status)

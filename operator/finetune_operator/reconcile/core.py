@@ -73,8 +73,9 @@ def reconcile_job(
     Workload as read, reconcile/admission.py) gates its pods on Kueue's admission."""
     seen = mark_terminating(pods, deleted_uids)
     ev = evaluate_job(job, raw_spec, status, planner, policy)
-    if ev.ok and queue is not None:
-        ev = replace(ev, queue=_with_sync(ev, queue))
+    if queue is not None:
+        # Also for an invalid spec: its Workload is deactivated, giving the quota back.
+        ev = replace(ev, queue=_with_sync(ev, queue) if ev.ok else queue)
     new_status = compute_status(ev, status, seen, now)
     actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation)
     extra: tuple[EventSpec, ...] = ()
