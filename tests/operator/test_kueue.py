@@ -244,6 +244,9 @@ def test_eviction_stops_the_workers_without_counting_and_gives_the_quota_back() 
     reserved = {c["type"]: c for c in patch["status"]["conditions"]}
     assert reserved["QuotaReserved"]["status"] == "False" and reserved["Admitted"]["status"] == "False"
     assert reserved["Evicted"]["status"] == "True"  # Kueue's own, kept
+    # Requeued as Kueue's job reconciler sets it: True after a preemption, with its words.
+    assert (reserved["Requeued"]["status"], reserved["Requeued"]["reason"]) == ("True", "Preempted")
+    assert reserved["Requeued"]["message"] == "Preempted to accommodate wl-b"
     # Kueue admits it again (its Evicted condition goes False): everything is created again.
     again = workload(*ADMITTED, _cond("Evicted", "False", "QuotaReserved"), count=2)
     back = kstep(gone.status, [], again, 30)
@@ -500,6 +503,8 @@ def test_a_job_whose_spec_became_invalid_gives_its_quota_back() -> None:
     assert not gone.actions.workload_deactivate  # already inactive
     patch = gone.actions.workload_status
     assert patch is not None and patch["status"]["admission"] is None  # the quota given back
+    requeued = next(c for c in patch["status"]["conditions"] if c["type"] == "Requeued")
+    assert (requeued["status"], requeued["reason"]) == ("False", "Deactivated")  # not after a deactivation
     edited = dataclasses.replace(JOB, generation=JOB.generation + 1)  # the spec edited valid again
     fixed = reconcile_job(edited, quickstart_raw(), gone.status, [], T0 + timedelta(seconds=15),
                           planner=lambda _: make_plan(2), queue=read_queue_state(QUEUE, inactive, {"spot": SPOT}))  # fmt: skip

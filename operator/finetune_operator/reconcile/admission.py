@@ -24,6 +24,11 @@ QUOTA_RESERVED = "QuotaReserved"
 EVICTED = "Evicted"
 FINISHED = "Finished"
 PODS_READY = "PodsReady"
+REQUEUED = "Requeued"
+# The eviction reasons after which Kueue's job reconciler sets Requeued True when it gives the
+# quota back (WorkloadEvictedByPreemption, WorkloadEvictedDueToNodeFailures); any other
+# (Deactivated, PodsReadyTimeout, an admission check...) sets it False, for Kueue to decide.
+_REQUEUED_AFTER = ("Preempted", "NodeFailures")
 # Kueue's reason for a Workload waiting for quota (UnsetQuotaReservationWithCondition's).
 REASON_PENDING = "Pending"
 MAX_CONDITION_MESSAGE = 32768  # metav1.Condition's limit
@@ -290,7 +295,7 @@ def release_patch(
 ) -> dict[str, Any]:
     """The status merge patch that gives an evicted Workload's quota back once its pods are
     gone, as Kueue's UnsetQuotaReservationWithCondition: admission cleared, QuotaReserved
-    False (Pending, with the eviction's message), Admitted False. Kueue requeues it.
+    False (Pending, with the eviction's message), Admitted False, Requeued set. Kueue requeues it.
     A True PodsReady goes False (WaitForStart) with it, as Kueue's job reconciler writes it
     for a Workload no longer admitted: left True, the next admission would count as ready
     before any pod is (waitForPodsReady's blockAdmission would not hold the queue back) and
@@ -299,6 +304,15 @@ def release_patch(
     gen = int((workload.get("metadata") or {}).get("generation") or 0)
     conds = (workload.get("status") or {}).get("conditions") or []
     new = [_condition(QUOTA_RESERVED, "False", REASON_PENDING, message, now, gen)]
+    # Requeued, as Kueue's job reconciler sets it with the release (SetRequeuedCondition):
+    # the eviction's reason and message. Kueue's queueing does not read it to admit (only
+    # finished, active and quota do), but its metrics time the wait from it, and its workload
+    # controller's requeue bookkeeping (backoff, reactivation) keys on its reason.
+    evicted = _conditions(workload).get(EVICTED)
+    if evicted is not None and evicted.get("status") == "True":
+        reason = str(evicted.get("reason") or "Evicted")
+        again = "True" if reason in _REQUEUED_AFTER else "False"
+        new.append(_condition(REQUEUED, again, reason, str(evicted.get("message", "")), now, gen))
     if _is_true(_conditions(workload), ADMITTED):
         new.append(_condition(ADMITTED, "False", "NoReservation", "The workload has no reservation", now, gen))
     if _is_true(_conditions(workload), PODS_READY):
