@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save
 
-from finetune_trainer.location import Location
+from finetune_trainer.location import Location, access_problem, credentials_expired
 from finetune_trainer.ranged_reads import (
     RetryPolicy,
     ShortReadError,
@@ -149,3 +149,42 @@ def test_a_denial_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
         load(location)
     assert "AccessDenied" in str(err.value)
     assert list(faults.seen.values()) == [1]
+
+
+# ---- expired credentials: transient, unlike a denial --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "text", "expired"),
+    [
+        ("ExpiredToken", "The provided token has expired.", True),
+        (None, "The provided token has expired.", True),
+        (None, "An error occurred (ExpiredToken) when calling the GetObject operation", True),
+        (None, "The security token included in the request is expired", True),
+        ("RequestExpired", "Request has expired", True),
+        ("AccessDenied", "Access Denied", False),
+        ("InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist", False),
+        ("SignatureDoesNotMatch", "The request signature we calculated does not match", False),
+    ],
+)
+def test_expired_credentials_are_told_from_a_denial(
+    code: str | None, text: str, expired: bool
+) -> None:
+    assert credentials_expired(code, text) is expired
+
+
+def test_an_expired_token_is_no_refusal_but_access_denied_is() -> None:
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    def s3_error(code: str, message: str) -> BaseException:
+        error = ClientError({"Error": {"Code": code, "Message": message}}, "GetObject")
+        return translate_boto_error(error)
+
+    expired = s3_error("ExpiredToken", "The provided token has expired.")
+    denied = s3_error("AccessDenied", "Access Denied")
+    # s3fs maps both to PermissionError; only the denial is the job's configuration.
+    assert isinstance(expired, PermissionError) and isinstance(denied, PermissionError)
+    assert access_problem(expired) is None
+    assert access_problem(denied) is not None and "access denied" in str(access_problem(denied))
+    assert not is_transient(expired)  # not retried in-process: the restart reads it anew

@@ -91,7 +91,10 @@ def _load_ranged(model: nn.Module, weights: Location) -> set[int]:
     try:
         found = any(e.name.endswith(".safetensors") for e in weights.children())
     except OSError as e:
-        raise UnsupportedConfigError(f"spec.model: {weights.url}: {access_problem(e) or e}") from e
+        problem = access_problem(e)
+        if problem is None:  # the network, throttling, expired credentials: a restart may pass
+            raise RuntimeError(f"listing the weights under {weights.url}: {e}") from e
+        raise UnsupportedConfigError(f"spec.model: {weights.url}: {problem}") from e
     if not found:
         raise UnsupportedConfigError(
             f"spec.model: no *.safetensors objects under {weights.url} (the trainer reads "
