@@ -17,9 +17,11 @@ import torch
 
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import MethodSpec, ModelSpec
+from finetune_trainer import safetensors_ranges
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.location import Location, locate
+from finetune_trainer.ranged_reads import RetryPolicy
 from finetune_trainer.safetensors_ranges import Span, batches, parse_header, row_range
 from finetune_trainer.tokenizer import build_tokenizer
 from tests.objectstore import MotoServer
@@ -188,6 +190,8 @@ def test_a_short_read_of_a_whole_object_is_an_error_naming_it_not_a_refusal(
         return [got[0][:-1], *got[1:]]
 
     monkeypatch.setattr(fs, "cat_ranges", short)
+    # Asked again (no pause here) and short every time: raised after the last attempt.
+    monkeypatch.setattr(safetensors_ranges, "DEFAULT_RETRY", RetryPolicy(sleep=lambda s: None))
     job = s3_job(server, uri, strategy="fsdp-full-shard")
     tokenizer = build_tokenizer(job.spec.model, job.spec.storage.object_store)
     with pytest.raises(RuntimeError) as err:

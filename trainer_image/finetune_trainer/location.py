@@ -223,13 +223,48 @@ class Location:
         return FsspecReader(self.url, **self.options)
 
 
+# Codes (and server messages) of credentials that have expired rather than been refused: a
+# rotated Secret or a refreshed IRSA token is read again by the restarted pod.
+EXPIRED_CODES = frozenset(
+    {"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired", "RequestExpired"}
+)
+EXPIRED_TEXTS = (
+    "token has expired",
+    "token is expired",
+    "token included in the request is expired",
+)
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an s3fs error (its cause is botocore's ClientError)."""
+    for e in (exc, exc.__cause__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+    return None
+
+
+def credentials_expired(code: str | None, text: str) -> bool:
+    """Pure: whether an error (its S3 code, when known, and its text) says the credentials
+    expired: transient, unlike a denial (s3fs maps ExpiredToken to PermissionError too)."""
+    if code in EXPIRED_CODES or any(c in text for c in EXPIRED_CODES):
+        return True
+    lowered = text.lower()
+    return any(t in lowered for t in EXPIRED_TEXTS)
+
+
 def access_problem(exc: BaseException) -> str | None:
     """What a read's error means to the user, for the errors that are the job's configuration
     (s3fs turns NoSuchBucket/NoSuchKey into FileNotFoundError, AccessDenied, a bad key or
-    signature into PermissionError); None for the others (network, throttling: transient)."""
+    signature into PermissionError); None for the others (network, throttling, expired
+    credentials: transient, a restarted pod reads the Secret or its token again)."""
     if isinstance(exc, FileNotFoundError):
         return "no such bucket or object"
     if isinstance(exc, PermissionError):
+        if credentials_expired(error_code(exc), str(exc)):
+            return None
         return (
             "access denied (check the keys in the Secret storage.objectStore.secretName names, "
             "or the pod's own role, against the bucket's policy)"

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.location import Location, access_problem
-from finetune_trainer.safetensors_ranges import RangedSafetensorsReader, WeightsReadError
+from finetune_trainer.ranged_reads import is_transient
+from finetune_trainer.safetensors_ranges import RangedSafetensorsReader
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,10 @@ def _load_ranged(model: nn.Module, weights: Location) -> set[int]:
     try:
         found = any(e.name.endswith(".safetensors") for e in weights.children())
     except OSError as e:
-        raise UnsupportedConfigError(f"spec.model: {weights.url}: {access_problem(e) or e}") from e
+        problem = access_problem(e)
+        if problem is None:  # the network, throttling, expired credentials: a restart may pass
+            raise RuntimeError(f"listing the weights under {weights.url}: {e}") from e
+        raise UnsupportedConfigError(f"spec.model: {weights.url}: {problem}") from e
     if not found:
         raise UnsupportedConfigError(
             f"spec.model: no *.safetensors objects under {weights.url} (the trainer reads "
@@ -102,11 +106,10 @@ def _load_ranged(model: nn.Module, weights: Location) -> set[int]:
     try:
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as exc:
-        cause = _underlying(exc)
-        # A short read or the network: may pass on a restart, so not a refusal.
-        if isinstance(cause, WeightsReadError) or (
-            isinstance(cause, OSError) and access_problem(cause) is None
-        ):
+        cause = reader.failure or _underlying(exc)
+        # A short read, the network, throttling (each range already retried) or expired
+        # credentials: may pass on a restart, so not a refusal.
+        if is_transient(cause) or (isinstance(cause, OSError) and access_problem(cause) is None):
             raise RuntimeError(f"reading the weights under {weights.url}: {cause}") from exc
         problem = access_problem(cause) or str(cause)
         raise UnsupportedConfigError(

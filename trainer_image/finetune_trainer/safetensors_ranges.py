@@ -9,7 +9,9 @@ shape and byte span, then the raw little-endian data in row-major order. So a ra
 headers (kilobytes), and for each slice DCP's load plan asks of it, only the rows of dim 0
 the slice covers: with FSDP2's dim-0 shards that is exactly its shard's bytes. The requests
 of a batch go out concurrently (`cat_ranges`), a batch bounded in bytes so the raw buffers
-never exceed `batch_bytes` next to the shards."""
+never exceed `batch_bytes` next to the shards (plus the tensor being assembled); a range
+larger than `part_bytes` goes out as parallel parts, and each part that fails transiently is
+asked again with backoff (finetune_trainer.ranged_reads)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from finetune_trainer.location import Location
+from finetune_trainer.ranged_reads import (
+    DEFAULT_RETRY,
+    PART_BYTES,
+    RetryPolicy,
+    ShortReadError,
+    cat_ranges_retrying,
+    split_range,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +67,8 @@ DTYPES = {
 }
 
 
-class WeightsReadError(RuntimeError):
-    """Bytes that did not arrive as the header promised (a short read): may pass on retry."""
+# Bytes that did not arrive as the header promised (a short read): may pass on a restart.
+WeightsReadError = ShortReadError
 
 
 @dataclass(frozen=True)
@@ -133,13 +143,26 @@ class RangedSafetensorsReader(StorageReader):
     `bytes_read` counts what this rank fetched (headers included); `bytes_total` is the size
     of the safetensors files."""
 
-    def __init__(self, location: Location, *, batch_bytes: int = BATCH_BYTES) -> None:
+    def __init__(
+        self,
+        location: Location,
+        *,
+        batch_bytes: int = BATCH_BYTES,
+        part_bytes: int = PART_BYTES,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         super().__init__()
         self.location = location
         self.batch_bytes = batch_bytes
+        self.part_bytes = part_bytes
+        # Looked up when reading, so that a test may replace the module's default.
+        self._retry = retry
         self.storage_data: dict[MetadataIndex, Span] = {}
         self.bytes_read = 0
         self.bytes_total = 0
+        # The first error of a read, as raised: DCP flattens a metadata read's error into
+        # an AssertionError's text, which the caller cannot classify.
+        self.failure: BaseException | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
@@ -148,16 +171,19 @@ class RangedSafetensorsReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False  # never chosen by DCP itself: only passed explicitly
 
+    @property
+    def retry(self) -> RetryPolicy:
+        return self._retry or DEFAULT_RETRY
+
+    def _fetch(self, paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
+        fs = self.location.fs
+        urls = [str(fs.unstrip_protocol(p)) for p in paths]
+        got = cat_ranges_retrying(fs, paths, starts, ends, urls, self.retry)
+        self.bytes_read += sum(len(b) for b in got)
+        return got
+
     def _cat(self, path: str, start: int, end: int) -> bytes:
-        data = bytes(self.location.fs.cat_file(path, start=start, end=end))
-        self.bytes_read += len(data)
-        if len(data) != end - start:
-            raise WeightsReadError(
-                f"{self.location.fs.unstrip_protocol(path)}: read {len(data)} bytes of "
-                f"{end - start} at {start} (a truncated read, or the object replaced since "
-                "it was listed)"
-            )
-        return data
+        return self._fetch([path], [start], [end])[0]
 
     def _header(self, path: str, size: int) -> dict[str, Span]:
         # Against the listed size, what the object lacks is the object's fault (a refusal);
@@ -175,6 +201,13 @@ class RangedSafetensorsReader(StorageReader):
         return parse_header(url, raw, HEADER_LEN_BYTES + length, size)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            return self._read_metadata()
+        except Exception as e:
+            self.failure = self.failure or e
+            raise
+
+    def _read_metadata(self) -> Metadata:
         files = sorted(
             (e for e in self.location.children() if e.name.endswith(SUFFIX) and not e.is_dir),
             key=lambda e: e.name,
@@ -215,29 +248,45 @@ class RangedSafetensorsReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        items = list(plan.items)
-        ranges = [self._range(item) for item in items]
-        for group in batches([end - start for _, start, end in ranges], self.batch_bytes):
-            paths = [ranges[i][0].file for i in group]
-            raw = self.location.fs.cat_ranges(
-                [self.location.fs._strip_protocol(p) for p in paths],
-                [ranges[i][1] for i in group],
-                [ranges[i][2] for i in group],
-            )
-            for i, data in zip(group, raw, strict=True):
-                if isinstance(data, BaseException):
-                    raise data
-                span, start, end = ranges[i]
-                self.bytes_read += len(data)
-                if len(data) != end - start:
-                    raise WeightsReadError(
-                        f"{span.file}: read {len(data)} bytes of {end - start} at {start} "
-                        "(a truncated read, or the object replaced since it was listed)"
-                    )
-                self._copy(items[i], span, bytes(data), planner)
+        try:
+            self._read_data(plan, planner)
+        except Exception as e:
+            self.failure = self.failure or e
+            raise
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        items = list(plan.items)
+        # Each item's range as parts (item index, start, end, offset in the item's bytes).
+        parts: list[tuple[int, int, int, int]] = []
+        buffers: dict[int, bytearray] = {}
+        left: dict[int, int] = {}
+        spans = [self._range(item) for item in items]
+        for i, (_, start, end) in enumerate(spans):
+            pieces = split_range(start, end, self.part_bytes)
+            left[i] = len(pieces)
+            parts.extend((i, s, e, s - start) for s, e in pieces)
+        strip = self.location.fs._strip_protocol
+        for group in batches([e - s for _, s, e, _ in parts], self.batch_bytes):
+            chosen = [parts[k] for k in group]
+            raw = self._fetch(
+                [strip(spans[i][0].file) for i, _, _, _ in chosen],
+                [s for _, s, _, _ in chosen],
+                [e for _, _, e, _ in chosen],
+            )
+            for (i, s, e, at), data in zip(chosen, raw, strict=True):
+                _, start, end = spans[i]
+                if (s, e) == (start, end):
+                    whole = bytearray(data)  # the item in one part
+                else:
+                    whole = buffers.setdefault(i, bytearray(end - start))
+                    whole[at : at + (e - s)] = data
+                left[i] -= 1
+                if left[i] == 0:
+                    buffers.pop(i, None)
+                    self._copy(items[i], spans[i][0], whole, planner)
 
     def _range(self, item: ReadItem) -> tuple[Span, int, int]:
         span = self.storage_data[item.storage_index]
@@ -245,8 +294,8 @@ class RangedSafetensorsReader(StorageReader):
         return span, start, end
 
     @staticmethod
-    def _copy(item: ReadItem, span: Span, data: bytes, planner: LoadPlanner) -> None:
-        rows = torch.frombuffer(bytearray(data), dtype=span.dtype)
+    def _copy(item: ReadItem, span: Span, data: bytearray, planner: LoadPlanner) -> None:
+        rows = torch.frombuffer(data, dtype=span.dtype)
         if span.shape:
             rows = rows.view(-1, *span.shape[1:])
             rest = tuple(

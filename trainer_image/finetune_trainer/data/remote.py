@@ -100,7 +100,10 @@ def list_objects(spec: DatasetSpec, pattern: Location) -> list[RemoteObject]:
         else:
             infos = {pattern.path: fs.info(pattern.path)}
     except OSError as e:
-        raise _refusal(spec, access_problem(e) or str(e)) from e
+        problem = access_problem(e)
+        if problem is None:
+            raise  # the network, throttling, expired credentials: a restart may pass
+        raise _refusal(spec, problem) from e
     objects = [
         remote_object(str(fs.unstrip_protocol(path)), info)
         for path, info in sorted(infos.items())

@@ -1,0 +1,104 @@
+"""A remote model's config and tokenizer files (finetune_trainer.remote_model): fetched into
+the pod's data-cache volume keyed by the objects' identity, reused by a restart, renamed into
+place only when complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from finetune_trainer.data.remote import RemoteObject
+from finetune_trainer.location import Location
+from finetune_trainer.remote_model import MODELS_DIR, STAGING, cache_name, model_files
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("FT_DATA_CACHE_DIR", str(tmp_path / "data-cache"))
+    model_files.cache_clear()  # once per process in the trainer; per test here
+    yield tmp_path / "data-cache" / MODELS_DIR
+    model_files.cache_clear()
+
+
+def remote(files: dict[str, bytes]) -> Location:
+    fs = fsspec.filesystem("memory")
+    root = f"/models-{uuid.uuid4().hex[:8]}"
+    for name, data in files.items():
+        fs.pipe_file(f"{root}/{name}", data)
+    return Location(fs, root, {})
+
+
+CONFIG = json.dumps({"model_type": "llama"}).encode()
+
+
+def test_the_key_changes_with_an_objects_etag() -> None:
+    a = RemoteObject("s3://b/m/config.json", 10, "etag-1", None)
+    b = RemoteObject("s3://b/m/config.json", 10, "etag-2", None)
+    assert cache_name("s3://b/m", [a]) != cache_name("s3://b/m", [b])
+    # One prefix, one URL hash: an older copy of the prefix is found by it.
+    assert cache_name("s3://b/m", [a]).split("-")[0] == cache_name("s3://b/m", [b]).split("-")[0]
+
+
+def test_files_go_to_the_data_cache_and_a_restart_reuses_them(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    location = remote({"config.json": CONFIG, "tokenizer.json": b"{}", "w.safetensors": b"x"})
+    got = model_files(location)
+    assert got.parent == cache_dir
+    assert sorted(p.name for p in got.iterdir()) == ["config.json", "tokenizer.json"]
+    assert (got / "config.json").read_bytes() == CONFIG
+
+    model_files.cache_clear()  # a restarted worker: a new process
+    def no_fetch(*a: object, **kw: object) -> bytes:
+        raise AssertionError("fetched again")
+
+    monkeypatch.setattr(location.fs, "cat_file", no_fetch)
+    assert model_files(location) == got
+
+
+def test_a_rewritten_config_is_fetched_again_and_the_old_copy_removed(cache_dir: Path) -> None:
+    location = remote({"config.json": CONFIG})
+    first = model_files(location)
+    location.fs.pipe_file(f"{location.path}/config.json", CONFIG + b" ")
+    model_files.cache_clear()
+    second = model_files(location)
+    assert second != first and not first.exists()
+    assert (second / "config.json").read_bytes() == CONFIG + b" "
+
+
+def test_a_fetch_that_fails_part_way_leaves_nothing_that_is_used(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    location = remote({"config.json": CONFIG, "tokenizer.json": b"{}"})
+    original = location.fs.cat_file
+
+    def reset(path: str, *a: object, **kw: object) -> bytes:
+        if path.endswith("tokenizer.json"):
+            raise ConnectionResetError("reset by peer")
+        return bytes(original(path, *a, **kw))
+
+    monkeypatch.setattr(location.fs, "cat_file", reset)
+    with pytest.raises(ConnectionResetError):  # transient: not a refusal
+        model_files(location)
+    assert list(cache_dir.iterdir()) == []  # config.json was fetched, but not renamed
+
+
+def test_a_killed_fetchs_staging_directory_is_removed_not_used(cache_dir: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale = cache_dir / f"{STAGING}{dead.stdout.strip()}-abcd1234"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_bytes(CONFIG[:5])  # killed mid-write
+    mine = cache_dir / f"{STAGING}{os.getpid()}-live0000"  # a live rank's: kept
+    mine.mkdir()
+    got = model_files(remote({"config.json": CONFIG}))
+    assert (got / "config.json").read_bytes() == CONFIG
+    assert not stale.exists() and mine.exists()
