@@ -14,8 +14,9 @@ several properties at once to keep the multi-process time down:
   loss going on as DDP's does, the resume's peak of live tensor bytes one group, not the whole
   checkpoint (tests/trainer/deepspeed_resume_worker.py counts it, and the bytes read);
 - ZeRO-3, 2 ranks, built partitioned under zero.Init: the curve (the initial weights are the
-  torch path's); resumed at 2 ranks, each reading only its own chunks: the checkpoint once in
-  all, not once per rank;
+  torch path's), its checkpoints recording each parameter's full shape (compared at a resume);
+  resumed at 2 ranks, each reading only its own chunks: the checkpoint once in all, not once
+  per rank;
 - fp16 LoRA on ZeRO-2: one overflowing step is skipped and the loss scale lowered, training
   goes on; the user's deepspeedConfig is merged (hysteresis kept, a contradicting key
   overridden); the adapters are exported.
@@ -35,9 +36,11 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import MethodSpec
+from finetune_trainer.deepspeed_layout import SHAPES_KEY
 from tests.trainer.conftest import (
     REPO,
     TRAINER_PROGRAM,
@@ -211,6 +214,18 @@ def test_zero2_sigterm_resumes_as_zero3_offload_at_world_one(
     assert committed(root)[STEPS]["worldSize"] == 1
 
 
+def assert_shapes_recorded(path: Path, marker: dict[str, Any]) -> None:
+    """The COMMITTED marker's record (deepspeed_layout.SHAPES_KEY) names every chunked
+    parameter, each with a shape of its saved element count; the matrices 2-D."""
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    counts = {k.removeprefix("model.chunked."): math.prod(m.size)
+              for k, m in metadata.items() if k.startswith("model.chunked.")}  # fmt: skip
+    recorded = marker[SHAPES_KEY]
+    assert isinstance(recorded, dict) and recorded.keys() == counts.keys(), marker
+    assert all(math.prod(recorded[n]) == c for n, c in counts.items()), recorded
+    assert any(len(shape) == 2 for shape in recorded.values()), recorded
+
+
 def resume_rows(log: Path) -> list[dict[str, Any]]:
     rows = [json.loads(x) for x in re.findall(r"^resume-peak (\{.*\})$", log.read_text(), re.M)]
     assert rows, tail(log)
@@ -276,10 +291,15 @@ def test_zero3_two_ranks_built_partitioned_matches_ddp(
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert_matches(losses, ddp_losses)
 
+    # The marker records each parameter's full shape (ZeRO-3's, not the empty placeholder's),
+    # which the flattened tensors' metadata lacks: the resume below compares it (refused if
+    # it differed) and loads.
+    root = tmp_path / "checkpoints" / "quickstart"
+    assert_shapes_recorded(root / "step-00000004", committed(root)[4])
+
     # Resumed from step 4 (step 8 lost) at 2 ranks: each rank saved its ZeRO-3 partition as a
     # chunk of its own (the chunked layout), so each reads only those chunks from storage:
     # together the checkpoint once, not once per rank; the loss goes on as DDP's does.
-    root = tmp_path / "checkpoints" / "quickstart"
     shutil.rmtree(root / "step-00000008")
     again = launch(tmp_path, "zero3-2-resume", job, 2, [str(RESUME_WORKER)],
                    FT_TEST_RESUME_CAP=str(RESUME_CAP))  # fmt: skip

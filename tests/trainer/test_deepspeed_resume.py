@@ -1,17 +1,25 @@
 """The grouping of a DeepSpeed resume (finetune_trainer.deepspeed_resume), pure: groups within
 the budget, in order, every tensor once, a larger tensor alone; which parameters a rank reads;
-the chunked layout's chunks (deepspeed_layout). The grouped restore itself, and the bytes each
+the chunked layout's chunks and its shape check (deepspeed_layout). The grouped restore itself, and the bytes each
 rank reads from storage, run under torchrun in test_deepspeed.py."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from torch import nn
 
 from finetune_operator.api.deepspeed_config import RESUME_CHUNK_BYTES, resume_chunk_budget
+from finetune_trainer.checkpoint_compat import Shape, compare
 from finetune_trainer.deepspeed_fragments import owns_fragment
-from finetune_trainer.deepspeed_layout import chunk_range, is_chunked, saved_shapes
+from finetune_trainer.deepspeed_layout import (
+    chunk_range,
+    comparable_shapes,
+    is_chunked,
+    saved_shapes,
+)
 from finetune_trainer.deepspeed_resume import Entry, plan_groups
 
 
@@ -79,3 +87,80 @@ def test_the_layout_is_told_by_the_keys() -> None:
     whole = saved_shapes("w", torch.Size([4, 3]), ["exp_avg"], chunked=False)
     assert whole == {"model.w": (4, 3), "optim.w.exp_avg": (4, 3)}
     assert is_chunked({"train", *chunked}) and not is_chunked({"train", *whole})
+
+
+STATES = ("exp_avg", "exp_avg_sq")
+
+
+def mlp(hidden: int, intermediate: int) -> dict[str, torch.Size]:
+    return {
+        "mlp.up_proj.weight": torch.Size([intermediate, hidden]),
+        "mlp.down_proj.weight": torch.Size([hidden, intermediate]),
+    }
+
+
+def side(params: dict[str, torch.Size], *, chunked: bool = True) -> dict[str, Shape]:
+    """One side's shapes as DCP's metadata (the checkpoint) or expected_shapes (the job)
+    list them."""
+    shapes: dict[str, Shape] = {"train": None}
+    for name, shape in params.items():
+        shapes.update(saved_shapes(name, shape, STATES, chunked=chunked))
+    return shapes
+
+
+def record(params: dict[str, torch.Size]) -> dict[str, list[int]]:
+    # Through JSON, as the COMMITTED marker holds it.
+    loaded: dict[str, list[int]] = json.loads(json.dumps({n: list(s) for n, s in params.items()}))
+    return loaded
+
+
+def test_a_chunked_checkpoint_of_other_shapes_with_the_same_counts_is_refused() -> None:
+    """hidden 64 / intermediate 128 against 128 / 64: the same names and element counts, the
+    MLP's matrices transposed. The flattened tensors' metadata cannot tell them apart; the
+    shapes the marker recorded do."""
+    saved, job = mlp(64, 128), mlp(128, 64)
+    assert compare(side(saved), side(job)) == []  # what counts alone would load
+    differences = compare(*comparable_shapes(side(saved), side(job), record(saved), record(job)))
+    assert len(differences) == 6  # each matrix's master and two states
+    assert differences[0].describe() == (
+        "model.chunked.mlp.up_proj.weight (checkpoint: [128, 64], this job: [64, 128])"
+    )
+    assert {d.key for d in differences} >= {"optim.chunked.mlp.down_proj.weight.exp_avg_sq"}
+
+
+def test_the_same_shapes_are_compatible_and_a_count_still_differs() -> None:
+    same = comparable_shapes(side(mlp(64, 128)), side(mlp(64, 128)), record(mlp(64, 128)),
+                             record(mlp(64, 128)))  # fmt: skip
+    assert compare(*same) == []
+    # A resized parameter differs on its count whether or not the record says so.
+    saved, job = mlp(64, 128), mlp(64, 96)
+    differences = compare(*comparable_shapes(side(saved), side(job), record(saved), record(job)))
+    assert differences[0].describe() == (
+        "model.chunked.mlp.up_proj.weight (checkpoint: [128, 64], this job: [96, 64])"
+    )
+    assert compare(side(saved), side(job))  # and on counts alone
+
+
+@pytest.mark.parametrize("saved_record", [None, "garbage", {"mlp.up_proj.weight": "x"}])
+def test_a_chunked_checkpoint_without_a_record_is_compared_on_counts(saved_record: object) -> None:
+    """Written before the record (or a record that holds no shape): loaded as before, on
+    counts only; a parameter the record lacks is compared on counts on both sides."""
+    saved, job = side(mlp(64, 128)), side(mlp(128, 64))
+    comparable = comparable_shapes(saved, job, saved_record, record(mlp(128, 64)))
+    assert comparable == (saved, job)
+    assert compare(*comparable) == []
+    partial = record(mlp(64, 128))
+    del partial["mlp.down_proj.weight"]
+    only_up = compare(*comparable_shapes(saved, job, partial, record(mlp(128, 64))))
+    assert {d.key for d in only_up} == {
+        "model.chunked.mlp.up_proj.weight",
+        "optim.chunked.mlp.up_proj.weight.exp_avg",
+        "optim.chunked.mlp.up_proj.weight.exp_avg_sq",
+    }
+
+
+def test_a_whole_layout_checkpoint_is_compared_on_its_full_shapes() -> None:
+    saved, job = side(mlp(64, 128), chunked=False), side(mlp(128, 64), chunked=False)
+    comparable = comparable_shapes(saved, job, record(mlp(64, 128)), record(mlp(128, 64)))
+    assert comparable == (saved, job)  # nothing to unflatten: already full-shaped
+    assert len(compare(*comparable)) == 6

@@ -1,6 +1,9 @@
 """Is a committed checkpoint one this job can resume from? Checked on the checkpoint's own DCP
 metadata (every key with its full tensor size; read without reading a tensor) against what
-the job would load (its state templates), before anything is loaded.
+the job would load (its state templates), before anything is loaded. A DeepSpeed checkpoint's
+tensors are saved flattened (their metadata has element counts only): their full shapes come
+from its COMMITTED marker's record, on both sides (`TrainState.comparable`,
+deepspeed_layout.comparable_shapes); one written before that record is compared on counts.
 
 A checkpoint written for another model or training setup is not damaged: the same job
 deleted and re-applied under the same namespace/name takes its storage over to resume

@@ -251,7 +251,13 @@ class DcpCheckpointer:
 
     def _mark_committed(self, step: int, manifest: dict[str, dict[str, Any]]) -> None:
         path = store.step_dir(self.root, step)
-        meta = {**self.meta, "step": step, "worldSize": self.world_size, "time": time.time()}
+        meta = {
+            **self.meta,
+            **self.state.marker_record(),  # what the state's own compatibility check reads
+            "step": step,
+            "worldSize": self.world_size,
+            "time": time.time(),
+        }
         meta[store.HASH_KEY] = store.HASH_ALGORITHM
         meta[store.MANIFEST_KEY] = manifest
         store.write_marker(path, meta)

@@ -135,11 +135,13 @@ class Resume:
     def _refuse_if_incompatible(self, step: int, path: Location, saved: dict[str, Shape]) -> None:
         """Collective: every rank refuses if any rank's state does not fit the checkpoint
         (checkpoint_compat), so none is left waiting in DCP's load."""
-        expected = self.state.expected_shapes(set(saved))
+        marker = store.read_marker(path) or {}
+        saved, expected = self.state.comparable(
+            saved, self.state.expected_shapes(set(saved)), marker
+        )  # a DeepSpeed checkpoint's flattened tensors with their recorded full shapes
         differences = compare(saved, expected)
         mine = None
         if differences:
-            marker = store.read_marker(path) or {}
             mine = refusal_message(
                 step,
                 str(self.root),

@@ -23,7 +23,9 @@ chunks overlapping what each rank holds (deepspeed_resume), not the whole checkp
 rank. A save under ZeRO-3 gathers nothing (each rank writes the partition it holds); under
 ZeRO-1/2 every rank gathers each tensor (an all-reduce of the fragments) and keeps its chunk.
 Either way a save holds 1/N of the fp32 state on each rank's host, and the ranks write in
-parallel. Checkpoints written before (one whole tensor per key) still load.
+parallel. Checkpoints written before (one whole tensor per key) still load. The COMMITTED
+marker records each trainable parameter's full shape (`marker_record`), which the flattened
+tensors' metadata lacks, for the compatibility check (deepspeed_layout.comparable_shapes).
 
 LoRA checkpoints hold only the adapters (the frozen base is not trainable), like the torch path.
 fp16's dynamic loss scale and the optimizer's step count travel in the `train` entry.
@@ -41,7 +43,14 @@ from torch import nn
 
 from finetune_trainer.checkpoint_compat import Shape
 from finetune_trainer.deepspeed_fragments import full_shape, local_chunk, refresh_low_precision
-from finetune_trainer.deepspeed_layout import CHUNKED, ChunkedLayout, is_chunked, saved_shapes
+from finetune_trainer.deepspeed_layout import (
+    CHUNKED,
+    SHAPES_KEY,
+    ChunkedLayout,
+    comparable_shapes,
+    is_chunked,
+    saved_shapes,
+)
 from finetune_trainer.deepspeed_resume import Read, ResumeStats, restore_in_groups
 from finetune_trainer.state import TrainState
 
@@ -123,6 +132,19 @@ class DeepSpeedTrainState(TrainState):
             model_sd[name] = chunks.pop("")
             optim_sd[name] = chunks
         return {CHUNKED: model_sd}, {CHUNKED: optim_sd}
+
+    def _shapes(self) -> dict[str, list[int]]:
+        return {name: list(full_shape(p)) for name, p in _trainable(self._engine().module)}
+
+    def marker_record(self) -> dict[str, Any]:
+        """The full shape of each trainable parameter, saved flattened (deepspeed_layout).
+        Called in the commit thread: the shapes (ZeRO-3's `ds_shape`) never change."""
+        return {SHAPES_KEY: self._shapes()}
+
+    def comparable(
+        self, saved: dict[str, Shape], expected: dict[str, Shape], marker: dict[str, Any]
+    ) -> tuple[dict[str, Shape], dict[str, Shape]]:
+        return comparable_shapes(saved, expected, marker.get(SHAPES_KEY), self._shapes())
 
     def capture_train_extra(self) -> dict[str, Any]:
         steps = [

@@ -21,18 +21,31 @@ What a rank reads at a resume (deepspeed_resume) follows from what DeepSpeed's f
 need: ZeRO-3 its partition (chunked: only the overlapping chunks); ZeRO-1/2 the parameters
 that overlap its fp32 partition (`_hp_mapping`), whole (their fragments are arbitrary ranges of
 the flattened parameter): ~1/M of the checkpoint plus the tensors across a partition boundary.
+
+A flattened tensor's DCP metadata has its element count only, so a model whose parameters
+have the same names and counts but other shapes (hidden 64 / intermediate 128 against 128 /
+64: the MLP's matrices transposed) would load into the wrong layout. So a chunked save records
+each trainable parameter's full shape in the COMMITTED marker (`SHAPES_KEY`, written with the
+manifest by rank 0; read back by every rank before the load), and the compatibility check
+(checkpoint_compat) compares those full shapes (`comparable_shapes`). A chunked checkpoint
+written before the record has none: it is compared on counts only, as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from finetune_trainer.checkpoint_compat import Shape
+
 CHUNKED = "chunked"  # the chunked layout's keys: model.chunked.<name>, optim.chunked.<name>.<k>
+# The COMMITTED marker's record of a chunked save: trainable parameter name -> its full shape.
+SHAPES_KEY = "parameterShapes"
 
 
 def chunk_range(numel: int, world: int, rank: int) -> tuple[int, int]:
@@ -62,6 +75,60 @@ def saved_shapes(
         }
     full = tuple(int(n) for n in shape)
     return {f"model.{name}": full, **{f"optim.{name}.{k}": full for k in state_keys}}
+
+
+def _param_of(key: str) -> str | None:
+    """The parameter a chunked key belongs to (None: not a chunked key)."""
+    for prefix in (f"model.{CHUNKED}.", f"optim.{CHUNKED}."):
+        if key.startswith(prefix):
+            rest = key[len(prefix) :]
+            return rest if prefix.startswith("model") else rest.rsplit(".", 1)[0]
+    return None
+
+
+def _dims(value: Any) -> tuple[int, ...] | None:
+    """A recorded shape, or None where the record does not hold one."""
+    if isinstance(value, list) and all(isinstance(n, int) and n >= 0 for n in value):
+        return tuple(value)
+    return None
+
+
+def _unflatten(
+    shapes: Mapping[str, Shape], record: Mapping[str, Sequence[int]]
+) -> dict[str, Shape]:
+    """`shapes` with each chunked key of a parameter in `record` given its full shape, where
+    the counts agree (else left flat: the difference is reported on the counts)."""
+    out = dict(shapes)
+    for key, shape in shapes.items():
+        name = _param_of(key)
+        full = record.get(name) if name is not None else None
+        flat = shape[0] if shape is not None and len(shape) == 1 else None
+        if full is not None and flat is not None and torch.Size(full).numel() == flat:
+            out[key] = tuple(full)
+    return out
+
+
+def comparable_shapes(
+    saved: Mapping[str, Shape],
+    expected: Mapping[str, Shape],
+    saved_record: Any,
+    job_record: Mapping[str, Sequence[int]],
+) -> tuple[dict[str, Shape], dict[str, Shape]]:
+    """The checkpoint's shapes (`saved`, from DCP's metadata) and the job's (`expected`) to
+    compare (checkpoint_compat.compare): for a chunked checkpoint whose marker recorded its
+    parameters' full shapes (`saved_record`, the marker's `SHAPES_KEY`), each chunked key with
+    its parameter's full shape on both sides (the job's from `job_record`), so that a model
+    with the same counts but other shapes differs. Otherwise unchanged: a whole-layout
+    checkpoint's tensors are full-shaped anyway; and a chunked checkpoint written before the
+    record (no `saved_record`) can only be compared on element counts, which still refuses
+    any parameter added, removed or resized, and still loads as before."""
+    if not is_chunked(saved) or not isinstance(saved_record, Mapping):
+        return dict(saved), dict(expected)
+    recorded = {str(n): d for n, v in saved_record.items() if (d := _dims(v)) is not None}
+    # Only the parameters the checkpoint recorded: one it did not is compared on counts on
+    # both sides, never full against flat.
+    mine = {n: tuple(s) for n, s in job_record.items() if n in recorded}
+    return _unflatten(saved, recorded), _unflatten(expected, mine)
 
 
 class ChunkedLayout:

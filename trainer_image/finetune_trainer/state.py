@@ -113,6 +113,19 @@ class TrainState:
         full size: what checkpoint_compat compares with the checkpoint's metadata."""
         return state_dict_shapes(self.template(saved_keys))
 
+    def marker_record(self) -> dict[str, Any]:
+        """What a commit adds to the checkpoint's COMMITTED marker (JSON) for `comparable`:
+        nothing here, every tensor being saved with its full shape."""
+        return {}
+
+    def comparable(
+        self, saved: dict[str, Shape], expected: dict[str, Shape], marker: dict[str, Any]
+    ) -> tuple[dict[str, Shape], dict[str, Shape]]:
+        """The checkpoint's shapes and `expected_shapes` as checkpoint_compat compares them,
+        given the checkpoint's marker: as they are here (DeepSpeed's flattened tensors take
+        their full shapes from `marker_record`'s)."""
+        return saved, expected
+
     def load(self, read: Callable[[dict[str, Any]], None], saved_keys: set[str]) -> None:
         """Fill this state from a checkpoint whose keys are `saved_keys`: `read(sd)` loads the
         checkpoint's values of the keys of `sd` into it in place (DCP's load, a collective:
