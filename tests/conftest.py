@@ -18,25 +18,11 @@ CRD_PATH = REPO / "crds" / "finetunejobs.finetune.dev.yaml"
 T = TypeVar("T")
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--ci-half", choices=("main", "side"), default=None,
-        help="`make test` runs the slow tests in two pytests at once: `main` takes every "
-        "end-to-end test and every other one of the remaining slow tests, `side` the others",
-    )
-
-
-@pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected theirs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """End-to-end tests last, the straggler module (the most load-sensitive) at the very end.
     `make test` runs the quick tests (`-m "not slow"`) in a second pytest beside the slow ones:
     this order keeps them beside the multi-process tests, long over before the first local
-    cluster starts.
-
-    With `--ci-half`, the slow tests that are neither end to end nor in-process are split
-    between two pytests by position, every other one (not by module: the long multi-process
-    tests spread over both halves), so both pytests, given the same `-k`, agree on the split
-    whatever `-m` each was given. `main` keeps everything else it selected."""
+    cluster starts."""
 
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("e2e") is None:
@@ -44,26 +30,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 2 if item.path.name == "test_stragglers.py" else 1
 
     items.sort(key=rank)  # stable: collection order within each rank
-    half = config.getoption("--ci-half")
-    if half is None:
-        return
-
-    def shared(item: pytest.Item) -> bool:
-        return all((item.get_closest_marker("slow") is not None,
-                    item.get_closest_marker("e2e") is None,
-                    item.get_closest_marker("inprocess") is None))
-
-    side = {item.nodeid for item in [i for i in items if shared(i)][1::2]}
-
-    def keep(item: pytest.Item) -> bool:
-        if shared(item):
-            return (item.nodeid in side) == (half == "side")
-        return half == "main"
-
-    dropped = [i for i in items if not keep(i)]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [i for i in items if keep(i)]
 
 
 @pytest.fixture(scope="session")

@@ -53,8 +53,11 @@ def _run_operator(kubeconfig: str, stop: threading.Event, ready: threading.Event
     from finetune_operator.handlers import operate
     from finetune_operator.settings import parse_operator_args
 
-    # The chart's flags, with a 1 s pass so the replacement happens within the test's budget.
-    settings = parse_operator_args(["--namespace=default", "--standalone", "--reconcile-interval=1"])
+    # The chart's flags, with a 1 s pass so the replacement happens within the test's budget,
+    # and no metrics server: its fixed default port (9090) may be taken on a shared machine.
+    settings = parse_operator_args(
+        ["--namespace=default", "--standalone", "--reconcile-interval=1", "--metrics-port=0"]
+    )
     asyncio.run(
         operate(
             settings,
