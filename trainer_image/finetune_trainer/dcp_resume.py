@@ -92,10 +92,11 @@ class Resume:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return list(box[0])
 
-    def _verify(self, path: Location) -> None:
-        """Structure, then this rank's share of the manifest (sizes, then hashes)."""
+    def _verify(self, path: Location, marker: dict[str, Any]) -> None:
+        """Structure, then this rank's share of the marker's manifest (sizes, then hashes)."""
         store.validate(path)
-        manifest = store.manifest_of(store.read_marker(path))
+        marker.update(store.read_marker(path) or {})
+        manifest = store.manifest_of(marker)
         if manifest is None:
             log.warning(
                 "checkpoint %s has no manifest (older format): structure checked only", path
@@ -106,7 +107,8 @@ class Resume:
 
     def _try_load(self, step: int) -> bool:
         path = store.step_dir(self.root, step)
-        ok = _attempt(path, lambda: self._verify(path))
+        marker: dict[str, Any] = {}  # COMMITTED, read once: the manifest, then the shapes
+        ok = _attempt(path, lambda: self._verify(path, marker))
         # Agree on each check before the next collective (DCP's load runs its own): a rank
         # that skipped one would leave the others waiting in it.
         saved: dict[str, Shape] = {}
@@ -117,7 +119,7 @@ class Resume:
             ok = False
         if ok:
             # Undamaged, so a mismatch is another model's checkpoint: refused, never moved.
-            self._refuse_if_incompatible(step, path, saved)
+            self._refuse_if_incompatible(step, saved, marker)
 
             def read(sd: dict[str, Any], path: Location = path) -> None:
                 dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
@@ -132,10 +134,11 @@ class Resume:
                 log.warning("could not move damaged checkpoint %s aside: %s", path, e)
         return ok
 
-    def _refuse_if_incompatible(self, step: int, path: Location, saved: dict[str, Shape]) -> None:
+    def _refuse_if_incompatible(
+        self, step: int, saved: dict[str, Shape], marker: dict[str, Any]
+    ) -> None:
         """Collective: every rank refuses if any rank's state does not fit the checkpoint
         (checkpoint_compat), so none is left waiting in DCP's load."""
-        marker = store.read_marker(path) or {}
         saved, expected = self.state.comparable(
             saved, self.state.expected_shapes(set(saved)), marker
         )  # a DeepSpeed checkpoint's flattened tensors with their recorded full shapes

@@ -23,13 +23,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import uuid
 from pathlib import Path
 
 from finetune_operator.api.spec import ModelSpec
 from finetune_operator.api.storage import ObjectStoreSpec, is_object_store_uri
-from finetune_trainer.data.remote import RemoteObject, remote_object
+from finetune_trainer.data.remote import RemoteObject, local_data_dir, remote_object
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.files import fsync_dir, remove, write_synced
 from finetune_trainer.location import Location, access_problem, locate
@@ -67,8 +66,7 @@ def cache_root(env: dict[str, str] | None = None) -> Path:
     the worker pod for its `data-cache` emptyDir), else the temporary directory (as the
     dataset's copy, data/remote.py)."""
     raw = (os.environ if env is None else env).get("FT_DATA_CACHE_DIR")
-    base = Path(raw) if raw else Path(tempfile.gettempdir()) / "finetune-data"
-    return base / MODELS_DIR
+    return local_data_dir(Path(raw) if raw else None) / MODELS_DIR
 
 
 def cache_name(url: str, objects: list[RemoteObject]) -> str:

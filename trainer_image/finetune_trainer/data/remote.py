@@ -46,6 +46,12 @@ OBJECTS_DIR = "objects"
 MANIFEST = "objects.json"
 
 
+def local_data_dir(configured: Path | None) -> Path:
+    """Where fetched objects live: the pod's data-cache volume (FT_DATA_CACHE_DIR), else the
+    temporary directory (a pod without the volume, a run outside one)."""
+    return configured or Path(tempfile.gettempdir()) / "finetune-data"
+
+
 @dataclass(frozen=True)
 class RemoteObject:
     url: str
@@ -221,7 +227,7 @@ def stage_dataset(
     if spec.format not in ("jsonl", "parquet"):  # refused at plan time too (api/storage.py)
         raise _refusal(spec, f"format {spec.format} is not read from object storage; use "
                              "jsonl or parquet objects")  # fmt: skip
-    data_dir = data_dir or Path(tempfile.gettempdir()) / "finetune-data"
+    data_dir = local_data_dir(data_dir)
     pattern = locate(spec.uri, "dataset.uri", object_store=store)
     objects = list_objects(spec, pattern)
     if agree is not None:
