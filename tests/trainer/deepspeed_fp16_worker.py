@@ -10,7 +10,6 @@ overflow check across ranks, the skipped step) is DeepSpeed's own code."""
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ["DS_ACCELERATOR"] = "cpu"
 OVERFLOW_STEP = 3
@@ -44,4 +43,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from finetune_trainer.distributed import exit_process
+
+    exit_process(main())  # not finalisation: see finetune_trainer.distributed

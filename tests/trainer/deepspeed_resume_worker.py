@@ -115,4 +115,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from finetune_trainer.distributed import exit_process
+
+    exit_process(main())  # not finalisation: see finetune_trainer.distributed

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer.distributed import exit_process
 from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.model import build_model
 from finetune_trainer.parallelize import parallelize
@@ -77,17 +78,31 @@ def main() -> None:
     base = rss_bytes()
     t0 = time.perf_counter()
     if old:  # the whole model on every rank, then sharded (the code before meta loading)
-        model = build_model(spec.model, spec.method, tok, CPU, activation_checkpointing=False,
-                            precision=spec.training.precision, architecture=job.plan.architecture)
-        wrapped = parallelize(model, job.plan, spec.strategy, CPU, world,
-                              precision=spec.training.precision).model
+        model = build_model(
+            spec.model,
+            spec.method,
+            tok,
+            CPU,
+            activation_checkpointing=False,
+            precision=spec.training.precision,
+            architecture=job.plan.architecture,
+        )
+        wrapped = parallelize(
+            model, job.plan, spec.strategy, CPU, world, precision=spec.training.precision
+        ).model
     else:
         wrapped = load_parallel_model(job, tok, CPU, world).model
     seconds = time.perf_counter() - t0
     if mode == "memory":
-        row = {"rank": rank, "world": world, "path": "old" if old else "new",
-               "base_rss": base, "peak_rss": peak_rss_bytes(), "shard_bytes": local_bytes(wrapped),
-               "seconds": round(seconds, 2)}
+        row = {
+            "rank": rank,
+            "world": world,
+            "path": "old" if old else "new",
+            "base_rss": base,
+            "peak_rss": peak_rss_bytes(),
+            "shard_bytes": local_bytes(wrapped),
+            "seconds": round(seconds, 2),
+        }
         rows = [None] * world
         dist.all_gather_object(rows, row)
         if rank == 0:
@@ -111,3 +126,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # not finalisation: see finetune_trainer.distributed.exit_process

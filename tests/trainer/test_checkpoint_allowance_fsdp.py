@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_trainer.dcp_checkpointer import DcpCheckpointer
+from finetune_trainer.distributed import exit_process
 from finetune_trainer.metrics import TrainerMetrics
 from finetune_trainer.optim import build_scheduler
 from finetune_trainer.sampler import StepSampler
@@ -104,6 +105,7 @@ def _rank_main(rank: int, root: str, port: int, results: str) -> None:
     )
     dist.barrier()
     dist.destroy_process_group()
+    exit_process(0)  # not finalisation: see finetune_trainer.distributed.exit_process
 
 
 def test_a_parameter_without_gradient_resumes_under_fsdp2_on_two_ranks(tmp_path: Path) -> None:

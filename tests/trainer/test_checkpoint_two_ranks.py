@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
+from finetune_trainer.distributed import exit_process
 from tests.objectstore import CREDENTIALS, MotoServer
 from tests.trainer.conftest import free_port
 
@@ -65,6 +66,7 @@ def _rank_main(rank: int, uri: str, endpoint: str, port: int, results: str) -> N
         Path(results, "solo").write_text(str(alone.step))
     dist.barrier()
     dist.destroy_process_group()
+    exit_process(0)  # not finalisation: see finetune_trainer.distributed.exit_process
 
 
 def test_damage_seen_by_one_rank_only_falls_back_on_both_then_resumes_at_world_one(

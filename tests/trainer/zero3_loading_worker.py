@@ -36,6 +36,7 @@ from finetune_trainer.deepspeed_engine import (
     job_deepspeed_config,
     select_accelerator,
 )
+from finetune_trainer.distributed import exit_process
 from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.model import build_model
 from finetune_trainer.pretrained import hf_model
@@ -153,3 +154,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # not finalisation: see finetune_trainer.distributed.exit_process

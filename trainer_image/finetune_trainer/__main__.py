@@ -13,7 +13,7 @@ import time
 from finetune_operator.api.constants import CONFIG_PATH
 from finetune_trainer.config import RuntimeEnv, load_job_config
 from finetune_trainer.crash import record_exception, recorded
-from finetune_trainer.distributed import describe_failure, destroy_distributed
+from finetune_trainer.distributed import describe_failure, destroy_distributed, exit_process
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.refusal import EXIT_CONFIG_ERROR, refuse
 from finetune_trainer.termination_log import write_error_report
@@ -80,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         destroy_distributed()
     if hard:
         # A save thread may still be blocked on a vanished peer: do not wait for it.
-        logging.shutdown()
-        os._exit(code)
+        exit_process(code)
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Not sys.exit: a clean finish would still abort in interpreter finalisation
+    # (distributed.exit_process says why).
+    exit_process(main())
