@@ -50,8 +50,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer_image")]
 
-CASES = ("before", "uncached", "first start", "restart", "replacement, tokenizing",
-         "replacement, shared hit")
+CASES = (
+    "before",
+    "uncached",
+    "first start",
+    "restart",
+    "replacement, tokenizing",
+    "replacement, shared hit",
+)
 # Per case: the pod's cache directory (a suffix of the run's; None: no cache) and whether it
 # uses the job's shared copy. Each replacement pod starts with an empty cache of its own.
 POD: dict[str, tuple[str | None, bool]] = {
@@ -66,7 +72,9 @@ POD: dict[str, tuple[str | None, bool]] = {
 
 def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
     quickstart = REPO / "trainer_image/finetune_trainer/data/quickstart.jsonl"
-    words = " ".join(json.loads(line)["text"] for line in quickstart.read_text().splitlines()).split()
+    words = " ".join(
+        json.loads(line)["text"] for line in quickstart.read_text().splitlines()
+    ).split()
     rng = random.Random(seed)
     target, written, rows = int(megabytes * 1e6), 0, 0
     with open(path, "w", encoding="utf-8") as f:
@@ -104,8 +112,11 @@ def train_bpe(corpus: Path, out: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<bos>", "<eos>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB,
+        special_tokens=["<bos>", "<eos>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     lines = (json.loads(line)["text"] for line in corpus.open(encoding="utf-8"))
     tok.train_from_iterator(lines, trainer)
     tok.save(str(out))
@@ -152,12 +163,16 @@ def child(case: str, uri: str, seq_len: int, cache: str, shared: str, out: str, 
     }))  # fmt: skip
 
 
-def run_case(case: str, ranks: int, uri: str, seq_len: int, work: Path, tok: str) -> list[dict[str, Any]]:
+def run_case(
+    case: str, ranks: int, uri: str, seq_len: int, work: Path, tok: str
+) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:2]), "OMP_NUM_THREADS": "1"}
     suffix, shared = POD[case]
     cache = "-" if suffix is None else str(work / f"cache-{ranks}{suffix}")
     store = str(work / f"checkpoints-{ranks}") if shared else "-"
-    outs = [work / f"{case.replace(' ', '-').replace(',', '')}-{ranks}-{r}.json" for r in range(ranks)]
+    outs = [
+        work / f"{case.replace(' ', '-').replace(',', '')}-{ranks}-{r}.json" for r in range(ranks)
+    ]
     procs = [
         subprocess.Popen([sys.executable, __file__, "--child", case, uri, str(seq_len), cache, store,
                           str(o), tok], env=env)
@@ -191,9 +206,13 @@ def main() -> None:
             train_bpe(Path(uri), Path(tok))
         name = "byte tokenizer" if tok == "byte" else f"byte-level BPE of {BPE_VOCAB} ids"
         print(f"corpus: {size / 1e6:.1f} MB, {rows} rows; seq len {args.seq_len}; {name}")
-        print(f"load (uptime): {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
-        print("| ranks | case | data phase, slowest rank | rank CPU, sum | x before | source (per rank) "
-              "| peak RSS, max | RSS added by the phase, max | cache on disk |")
+        print(
+            f"load (uptime): {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}"
+        )
+        print(
+            "| ranks | case | data phase, slowest rank | rank CPU, sum | x before | source (per rank) "
+            "| peak RSS, max | RSS added by the phase, max | cache on disk |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for ranks in args.ranks:
             cache = work / f"cache-{ranks}"
@@ -211,12 +230,18 @@ def main() -> None:
                       f"| {mib(disk) if POD[case][0] is not None else '-'} |")  # fmt: skip
             first = max(r["seconds"] for r in results["first start"])
             hit = max(r["seconds"] for r in results["restart"])
-            print(f"|   | restart / first start: {hit / first:.4f} ({first / hit:.0f}x faster) |||||||")
+            print(
+                f"|   | restart / first start: {hit / first:.4f} ({first / hit:.0f}x faster) |||||||"
+            )
             tokenizing = max(r["seconds"] for r in results["replacement, tokenizing"])
             shared_hit = max(r["seconds"] for r in results["replacement, shared hit"])
-            print(f"|   | replacement pod, shared hit / tokenizing: {shared_hit / tokenizing:.4f} "
-                  f"({tokenizing / shared_hit:.0f}x faster) |||||||")
-            published = sum(p.stat().st_size for p in (work / f"checkpoints-{ranks}").rglob("*") if p.is_file())
+            print(
+                f"|   | replacement pod, shared hit / tokenizing: {shared_hit / tokenizing:.4f} "
+                f"({tokenizing / shared_hit:.0f}x faster) |||||||"
+            )
+            published = sum(
+                p.stat().st_size for p in (work / f"checkpoints-{ranks}").rglob("*") if p.is_file()
+            )
             print(f"|   | shared copy on the checkpoint volume: {mib(published)} |||||||")
         print(f"load (uptime) after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:

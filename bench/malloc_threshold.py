@@ -104,7 +104,9 @@ def run(name: str, threshold: int | None) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threshold", type=int, default=2**20)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -116,7 +118,9 @@ def main() -> None:
     settings: dict[str, int | None] = {"dynamic": None, "fixed": args.threshold}
     print(f"glibc mmap threshold: dynamic (default) vs fixed MALLOC_MMAP_THRESHOLD_={args.threshold}; "
           f"{args.rounds} rounds, medians; per step (alloc: per iteration)")  # fmt: skip
-    print(f"{'workload':10} {'setting':8} {'cpu ms':>8} {'wall ms':>8} {'faults':>8} {'maxrss MiB':>10}")
+    print(
+        f"{'workload':10} {'setting':8} {'cpu ms':>8} {'wall ms':>8} {'faults':>8} {'maxrss MiB':>10}"
+    )
     for name in args.workloads:
         rows: dict[str, list[dict[str, float]]] = {s: [] for s in settings}
         for _ in range(args.rounds):

@@ -87,11 +87,20 @@ def measure(
     threshold, so freed large blocks go back to the system instead of staying in the heap)."""
     zero3 = path.startswith("z3-")
     job = workdir / f"job-{world}-{path}.json"
-    job.write_text(json.dumps(big_job(world, "zero3" if zero3 else "fsdp-full-shard").to_json_dict()))
+    job.write_text(
+        json.dumps(big_job(world, "zero3" if zero3 else "fsdp-full-shard").to_json_dict())
+    )
     out = workdir / f"rows-{world}-{path}.jsonl"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    args = [torchrun, "--standalone", f"--nproc-per-node={world}",
-            str(ZERO3_WORKER if zero3 else WORKER), "memory", str(out), str(job)]
+    args = [
+        torchrun,
+        "--standalone",
+        f"--nproc-per-node={world}",
+        str(ZERO3_WORKER if zero3 else WORKER),
+        "memory",
+        str(out),
+        str(job),
+    ]
     args += ["--old"] if path.endswith("old") else []
     pythonpath = os.pathsep.join([str(REPO), str(REPO / "operator"), str(REPO / "trainer_image")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, "DS_ACCELERATOR": "cpu"}
@@ -137,13 +146,17 @@ def report(rows: list[dict[str, Any]]) -> str:
                      for p in (old, new) if any(r["path"] == p and r["world"] == world
                                                 for r in rows)}  # fmt: skip
             if len(peaks) == 2:
-                lines.append(f"world {world} {label}: worst rank's load peak old/new = "
-                             f"{peaks[old] / peaks[new]:.2f}x")
+                lines.append(
+                    f"world {world} {label}: worst rank's load peak old/new = "
+                    f"{peaks[old] / peaks[new]:.2f}x"
+                )
             live = {p: max(int(r.get("live_peak", 0)) for r in rows
                            if r["world"] == world and r["path"] == p) for p in peaks}  # fmt: skip
             if len(live) == 2 and live[new]:
-                lines.append(f"world {world} {label}: worst rank's live tensor peak old/new = "
-                             f"{live[old] / live[new]:.2f}x")
+                lines.append(
+                    f"world {world} {label}: worst rank's live tensor peak old/new = "
+                    f"{live[old] / live[new]:.2f}x"
+                )
     return "\n".join(lines)
 
 
@@ -151,8 +164,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--paths", nargs="+", default=["old", "new", "z3-old", "z3-new"])
-    parser.add_argument("--mmap-threshold", type=int, default=None,
-                        help="MALLOC_MMAP_THRESHOLD_ for the ranks (default: glibc's dynamic one)")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        help="MALLOC_MMAP_THRESHOLD_ for the ranks (default: glibc's dynamic one)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []

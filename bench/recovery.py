@@ -44,7 +44,9 @@ def _job_json(path: Path, steps: int, interval: int | None) -> Path:
     from finetune_operator.api.spec import FineTuneJobSpec
     from finetune_operator.planner import plan_job
 
-    raw: dict[str, Any] = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())["spec"]
+    raw: dict[str, Any] = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())[
+        "spec"
+    ]
     raw["training"]["maxSteps"] = steps
     raw["checkpoint"] = {"uri": str(path.parent / "ckpt"), "intervalSteps": interval, "keep": 2}
     raw.pop("output", None)
@@ -80,7 +82,9 @@ def steps_lost_per_save(stamps: list[float], interval: int) -> tuple[float, floa
     is the baseline; what the first half of each period takes beyond it (the save's blocking,
     then the steps it slows while its background write runs) is the stall of that save.
     Returns (baseline seconds, median stall seconds, stall per save)."""
-    gaps = {i + 1: stamps[i] - stamps[i - 1] for i in range(1, len(stamps))}  # gap ending at step i+1
+    gaps = {
+        i + 1: stamps[i] - stamps[i - 1] for i in range(1, len(stamps))
+    }  # gap ending at step i+1
     saves = [s for s in range(interval, len(stamps) - interval + 1, interval)]
     half = interval // 2
     quiet = [gaps[s + j] for s in saves for j in range(half + 1, interval + 1) if s + j in gaps]
@@ -126,7 +130,9 @@ def faults() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--part", choices=["faults", "stall", "all"], default="all")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--interval", type=int, default=10)
@@ -138,7 +144,9 @@ def main() -> int:
         print("## Checkpoint stall per save (async DCP, 2 ranks, gloo, CPU)\n")
         print(stall(args.steps, args.interval, args.rounds) + "\n", flush=True)
     if args.part in ("faults", "all"):
-        print("## Recovery per fault (local cluster, 2 workers, step delay 0.2 s, checkpoint every 5)\n")
+        print(
+            "## Recovery per fault (local cluster, 2 workers, step delay 0.2 s, checkpoint every 5)\n"
+        )
         print(faults() + "\n", flush=True)
     return 0
 

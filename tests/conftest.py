@@ -52,7 +52,9 @@ def wait_until(
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}" + (f"\n{detail()}" if detail else ""))
+            raise AssertionError(
+                f"timed out waiting for {what}" + (f"\n{detail()}" if detail else "")
+            )
         time.sleep(interval)
 
 

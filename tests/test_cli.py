@@ -21,7 +21,14 @@ PLAN_KEYS = {
     "estimatedStepSeconds", "reason", "memory",
 }  # fmt: skip
 MEMORY_KEYS = {
-    "parameters", "gradients", "optimizer", "activations", "buffers", "peak", "reserved", "total"
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "buffers",
+    "peak",
+    "reserved",
+    "total",
 }
 
 
@@ -187,7 +194,9 @@ def test_plan_does_not_import_the_local_cluster() -> None:
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
-def test_plan_error_names_the_field_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_error_names_the_field_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     doc = _quickstart()
     doc["spec"]["training"]["microBatchSize"] = 3
     assert main(["plan", _write(tmp_path, doc)]) == 2
@@ -277,7 +286,9 @@ def test_operator_without_a_cluster_says_so(
     ids=["adamw8bit-on-cpu", "flash-on-cpu"],
 )
 def test_plan_refuses_what_the_operator_would_fail_as_unsupported(
-    change: dict[str, dict[str, str]], field: str, tmp_path: Path,
+    change: dict[str, dict[str, str]],
+    field: str,
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`ftjob plan` must not say a job fits that the operator ends Failed/Unsupported."""
@@ -290,7 +301,9 @@ def test_plan_refuses_what_the_operator_would_fail_as_unsupported(
     assert f"error: {field}: " in captured.err
 
 
-def test_plan_lists_every_unsupported_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_lists_every_unsupported_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     doc = _quickstart()
     doc["spec"]["training"]["optimizer"] = "adamw8bit"
     doc["spec"]["model"]["attention"] = "flash"
@@ -298,7 +311,8 @@ def test_plan_lists_every_unsupported_field(tmp_path: Path, capsys: pytest.Captu
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("error: the trainer cannot run ")
     assert [line.split(":")[0] for line in err[1:]] == [
-        "  spec.training.optimizer", "  spec.model.attention"
+        "  spec.training.optimizer",
+        "  spec.model.attention",
     ]
 
 
@@ -327,25 +341,51 @@ def test_plan_warns_when_the_trained_model_is_kept_nowhere(
     ("spec", "flags", "status", "said"),
     [
         # Against the operator's defaults: a warning that names the field and how to check.
-        ({"image": "evil.example/miner:1"}, [], 0,
-         "warning: spec.image 'evil.example/miner:1' is not an allowed trainer image"),
-        ({"resources": {"serviceAccountName": "admin"}}, [], 0,
-         "warning: spec.resources.serviceAccountName 'admin' is not an allowed trainer "
-         "ServiceAccount (none: leave it unset) under the operator's default job policy"),
+        (
+            {"image": "evil.example/miner:1"},
+            [],
+            0,
+            "warning: spec.image 'evil.example/miner:1' is not an allowed trainer image",
+        ),
+        (
+            {"resources": {"serviceAccountName": "admin"}},
+            [],
+            0,
+            "warning: spec.resources.serviceAccountName 'admin' is not an allowed trainer "
+            "ServiceAccount (none: leave it unset) under the operator's default job policy",
+        ),
         # Against the policy given: what the operator would do (Failed/NotAllowed).
-        ({"image": "evil.example/miner:1"}, ["--allowed-image", "registry.example/*"], 2,
-         "error: spec.image 'evil.example/miner:1' is not an allowed trainer image "
-         "(ghcr.io/finetune-operator/trainer:0.1.0, registry.example/*): the operator's job "
-         "policy refuses it"),
-        ({"resources": {"serviceAccountName": "admin"}}, ["--trainer-service-account", "trainer"],
-         2, "error: spec.resources.serviceAccountName 'admin' is not an allowed trainer "
-         "ServiceAccount (trainer)"),
+        (
+            {"image": "evil.example/miner:1"},
+            ["--allowed-image", "registry.example/*"],
+            2,
+            "error: spec.image 'evil.example/miner:1' is not an allowed trainer image "
+            "(ghcr.io/finetune-operator/trainer:0.1.0, registry.example/*): the operator's job "
+            "policy refuses it",
+        ),
+        (
+            {"resources": {"serviceAccountName": "admin"}},
+            ["--trainer-service-account", "trainer"],
+            2,
+            "error: spec.resources.serviceAccountName 'admin' is not an allowed trainer "
+            "ServiceAccount (trainer)",
+        ),
         ({"image": "registry.example/trainer:2"}, ["--allowed-image", "registry.example/*"], 0, ""),
-        ({"resources": {"serviceAccountName": "trainer"}}, ["--trainer-service-account", "trainer"],
-         0, ""),
+        (
+            {"resources": {"serviceAccountName": "trainer"}},
+            ["--trainer-service-account", "trainer"],
+            0,
+            "",
+        ),
     ],
-    ids=["image-default", "account-default", "image-given", "account-given", "image-allowed",
-         "account-allowed"],
+    ids=[
+        "image-default",
+        "account-default",
+        "image-given",
+        "account-given",
+        "image-allowed",
+        "account-allowed",
+    ],
 )
 def test_plan_reports_what_the_job_policy_refuses(
     spec: dict[str, Any], flags: list[str], status: int, said: str, tmp_path: Path,

@@ -64,7 +64,9 @@ class AddressPool:
     def allocate(self) -> str:
         n = self._next
         if n >= PER_NET:
-            raise AddressesExhaustedError(f"127.{self.net}.0.0/16: all {PER_NET} pod addresses used")
+            raise AddressesExhaustedError(
+                f"127.{self.net}.0.0/16: all {PER_NET} pod addresses used"
+            )
         self._next += 1
         return f"127.{self.net}.{n // 250}.{n % 250 + 2}"
 

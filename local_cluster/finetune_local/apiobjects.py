@@ -37,8 +37,14 @@ from finetune_local.patches import (
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # what the apiserver's generateName uses
-_SERVER_OWNED = ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
-                 "generation", "resourceVersion")
+_SERVER_OWNED = (
+    "uid",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "generation",
+    "resourceVersion",
+)
 Clock = Callable[[], datetime.datetime]
 
 
@@ -57,20 +63,29 @@ def _check_object_meta(obj: dict[str, Any]) -> None:
     something to store (or to crash on)."""
     meta = obj.get("metadata", {})
     if not isinstance(meta, dict):
-        raise bad_request("Object 'metadata' must be an object: cannot unmarshal "
-                          f"{type(meta).__name__} into Go struct field .metadata of type v1.ObjectMeta")
+        raise bad_request(
+            "Object 'metadata' must be an object: cannot unmarshal "
+            f"{type(meta).__name__} into Go struct field .metadata of type v1.ObjectMeta"
+        )
     for key in ("name", "namespace", "generateName", "resourceVersion", "uid"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
-            raise bad_request(f"metadata.{key}: cannot unmarshal {type(meta[key]).__name__} into a string")
+            raise bad_request(
+                f"metadata.{key}: cannot unmarshal {type(meta[key]).__name__} into a string"
+            )
     for key in ("labels", "annotations"):
         value = meta.get(key)
-        if value is not None and not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+        if value is not None and not (
+            isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+        ):
             raise bad_request(f"metadata.{key}: must be a map of strings")
 
 
 def _is_container(rtype: ResourceType) -> bool:
     """Namespaces and CRDs: deleting one first deletes what lives in it."""
-    return rtype.key in (("", "v1", "namespaces"), ("apiextensions.k8s.io", "v1", "customresourcedefinitions"))
+    return rtype.key in (
+        ("", "v1", "namespaces"),
+        ("apiextensions.k8s.io", "v1", "customresourcedefinitions"),
+    )
 
 
 class ObjectService:
@@ -91,8 +106,10 @@ class ObjectService:
         meta = obj.setdefault("metadata", {})
         if rtype.namespaced:
             if meta.get("namespace") not in (None, "", namespace):
-                raise bad_request("the namespace of the provided object does not match the "
-                                  "namespace sent on the request")
+                raise bad_request(
+                    "the namespace of the provided object does not match the "
+                    "namespace sent on the request"
+                )
             meta["namespace"] = namespace
             self._require_namespace(namespace)
         else:
@@ -120,17 +137,37 @@ class ObjectService:
         if ns is None:
             raise not_found(ns_type, namespace)
         if ns["metadata"].get("deletionTimestamp"):
-            raise ApiError(403, "Forbidden", f"unable to create new content in namespace "
-                           f"{namespace} because it is being terminated", {})
+            raise ApiError(
+                403,
+                "Forbidden",
+                f"unable to create new content in namespace "
+                f"{namespace} because it is being terminated",
+                {},
+            )
 
     def _validate_name(self, rtype: ResourceType, name: Any) -> None:
         if not name:
-            raise invalid(rtype, "", [("metadata.name", "Required value: name or generateName is required")])
+            raise invalid(
+                rtype, "", [("metadata.name", "Required value: name or generateName is required")]
+            )
         rule = _LABEL if rtype.kind in ("Service", "Namespace") else _NAME
-        if not isinstance(name, str) or len(name) > (63 if rule is _LABEL else 253) or not rule.fullmatch(name):
-            raise invalid(rtype, str(name), [("metadata.name", f'Invalid value: "{name}": a lowercase '
-                                              "RFC 1123 name must consist of lower case alphanumeric "
-                                              "characters, '-' or '.'")])
+        if (
+            not isinstance(name, str)
+            or len(name) > (63 if rule is _LABEL else 253)
+            or not rule.fullmatch(name)
+        ):
+            raise invalid(
+                rtype,
+                str(name),
+                [
+                    (
+                        "metadata.name",
+                        f'Invalid value: "{name}": a lowercase '
+                        "RFC 1123 name must consist of lower case alphanumeric "
+                        "characters, '-' or '.'",
+                    )
+                ],
+            )
 
     def _apply_builtin_defaults(self, rtype: ResourceType, obj: dict[str, Any]) -> None:
         if rtype.group:
@@ -152,11 +189,17 @@ class ObjectService:
                 port.setdefault("protocol", "TCP")
                 port.setdefault("targetPort", port.get("port"))
         elif rtype.kind == "Namespace":
-            obj["metadata"].setdefault("labels", {})["kubernetes.io/metadata.name"] = obj["metadata"]["name"]
+            obj["metadata"].setdefault("labels", {})["kubernetes.io/metadata.name"] = obj[
+                "metadata"
+            ]["name"]
             obj["status"] = {"phase": "Active"}
 
-    def _validate_custom(self, rtype: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None,
-                         ) -> dict[str, Any]:
+    def _validate_custom(
+        self,
+        rtype: ResourceType,
+        obj: dict[str, Any],
+        old: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         if rtype.schema is None:
             return obj
         normalised = rtype.schema.normalise(obj)
@@ -169,14 +212,21 @@ class ObjectService:
         try:
             self.registry.register_crd(crd)
         except (KeyError, TypeError) as exc:
-            raise invalid(self._crd_type(), crd["metadata"].get("name", ""), [("spec", f"Invalid value: {exc}")]) from exc
+            raise invalid(
+                self._crd_type(),
+                crd["metadata"].get("name", ""),
+                [("spec", f"Invalid value: {exc}")],
+            ) from exc
         now = timestamp(self.clock())
         crd["status"] = {
             "acceptedNames": crd["spec"]["names"],
             "storedVersions": [v["name"] for v in crd["spec"]["versions"] if v.get("storage")],
             "conditions": [
                 {"type": t, "status": "True", "reason": r, "message": "", "lastTransitionTime": now}
-                for t, r in (("NamesAccepted", "NoConflicts"), ("Established", "InitialNamesAccepted"))
+                for t, r in (
+                    ("NamesAccepted", "NoConflicts"),
+                    ("Established", "InitialNamesAccepted"),
+                )
             ],
         }
 
@@ -193,51 +243,89 @@ class ObjectService:
             raise not_found(rtype, name)
         return current
 
-    def replace(self, rtype: ResourceType, namespace: str | None, name: str, body: Any,
-                subresource: str | None) -> dict[str, Any]:
+    def replace(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        name: str,
+        body: Any,
+        subresource: str | None,
+    ) -> dict[str, Any]:
         current = self.get(rtype, namespace, name)
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         wanted = body.get("metadata", {}).get("resourceVersion")
         if wanted and wanted != current["metadata"]["resourceVersion"]:
-            raise conflict(rtype, name, "the object has been modified; please apply your changes "
-                           "to the latest version and try again")
+            raise conflict(
+                rtype,
+                name,
+                "the object has been modified; please apply your changes "
+                "to the latest version and try again",
+            )
         return self._update(rtype, current, copy.deepcopy(body), subresource)
 
-    def patch(self, rtype: ResourceType, namespace: str | None, name: str, patch: Any,
-              content_type: str, subresource: str | None) -> dict[str, Any]:
+    def patch(
+        self,
+        rtype: ResourceType,
+        namespace: str | None,
+        name: str,
+        patch: Any,
+        content_type: str,
+        subresource: str | None,
+    ) -> dict[str, Any]:
         current = self.get(rtype, namespace, name)
         try:
             if "json-patch" in content_type:
                 new = json_patch(current, patch)
             elif "strategic-merge-patch" in content_type:
                 if rtype.group and rtype.crd_name:
-                    raise ApiError(415, "UnsupportedMediaType", "strategic merge patch is not "
-                                   "supported for custom resources; use a merge patch", {})
+                    raise ApiError(
+                        415,
+                        "UnsupportedMediaType",
+                        "strategic merge patch is not "
+                        "supported for custom resources; use a merge patch",
+                        {},
+                    )
                 new = strategic_merge_patch(current, patch)
             elif not isinstance(patch, dict):
                 raise PatchError(f"a {content_type} patch must be a JSON object", status=400)
             else:  # merge-patch, and apply-patch approximated as a merge
                 wanted = patch.get("metadata", {}).get("resourceVersion")
                 if wanted and wanted != current["metadata"]["resourceVersion"]:
-                    raise conflict(rtype, name, "the object has been modified; please apply your "
-                                   "changes to the latest version and try again")
-                new = merge_patch(current, patch) if "apply-patch" not in content_type else \
-                    strategic_merge_patch(current, patch)
+                    raise conflict(
+                        rtype,
+                        name,
+                        "the object has been modified; please apply your "
+                        "changes to the latest version and try again",
+                    )
+                new = (
+                    merge_patch(current, patch)
+                    if "apply-patch" not in content_type
+                    else strategic_merge_patch(current, patch)
+                )
         except PatchError as exc:
-            raise ApiError(exc.status, "Invalid" if exc.status == 422 else "BadRequest", str(exc), {}) from exc
+            raise ApiError(
+                exc.status, "Invalid" if exc.status == 422 else "BadRequest", str(exc), {}
+            ) from exc
         return self._update(rtype, current, new, subresource)
 
-    def _update(self, rtype: ResourceType, current: dict[str, Any], new: dict[str, Any],
-                subresource: str | None) -> dict[str, Any]:
+    def _update(
+        self,
+        rtype: ResourceType,
+        current: dict[str, Any],
+        new: dict[str, Any],
+        subresource: str | None,
+    ) -> dict[str, Any]:
         name = current["metadata"]["name"]
         if not isinstance(new, dict):
             raise bad_request("the request body must be a JSON object")
         _check_object_meta(new)
         new = copy.deepcopy(new)  # patches share unchanged subtrees with `current`
         if new.get("metadata", {}).get("name", name) != name:
-            raise bad_request(f'the name of the object ({new["metadata"]["name"]}) does not match '
-                              f"the name on the URL ({name})")
+            raise bad_request(
+                f"the name of the object ({new['metadata']['name']}) does not match "
+                f"the name on the URL ({name})"
+            )
         if subresource == "status":
             merged = copy.deepcopy(current)
             merged["status"] = new.get("status", {})
@@ -253,10 +341,21 @@ class ObjectService:
             if key in current["metadata"]:
                 meta[key] = current["metadata"][key]
         if current["metadata"].get("deletionTimestamp"):
-            added = set(meta.get("finalizers") or []) - set(current["metadata"].get("finalizers") or [])
+            added = set(meta.get("finalizers") or []) - set(
+                current["metadata"].get("finalizers") or []
+            )
             if added:
-                raise invalid(rtype, name, [("metadata.finalizers", "Forbidden: no new finalizers "
-                                             "can be added if the object is being deleted")])
+                raise invalid(
+                    rtype,
+                    name,
+                    [
+                        (
+                            "metadata.finalizers",
+                            "Forbidden: no new finalizers "
+                            "can be added if the object is being deleted",
+                        )
+                    ],
+                )
         new = self._validate_custom(rtype, new, current)
         if _spec_part(new, rtype) != _spec_part(current, rtype):
             new["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
@@ -270,8 +369,12 @@ class ObjectService:
     def _finish_if_released(self, rtype: ResourceType, obj: dict[str, Any]) -> dict[str, Any]:
         """Remove an object whose deletion waited only for finalizers / graceful termination."""
         meta = obj["metadata"]
-        if (meta.get("deletionTimestamp") and not meta.get("finalizers")
-                and not meta.get("deletionGracePeriodSeconds") and not self._blocks_removal(rtype, obj)):
+        if (
+            meta.get("deletionTimestamp")
+            and not meta.get("finalizers")
+            and not meta.get("deletionGracePeriodSeconds")
+            and not self._blocks_removal(rtype, obj)
+        ):
             self.store.remove(rtype, meta.get("namespace"), meta["name"])
             self.garbage_pending = True
         return obj
@@ -282,15 +385,20 @@ class ObjectService:
 
     # ---------------------------------------------------------------- delete
 
-    def delete(self, rtype: ResourceType, namespace: str | None, name: str,
-               options: dict[str, Any]) -> dict[str, Any]:
+    def delete(
+        self, rtype: ResourceType, namespace: str | None, name: str, options: dict[str, Any]
+    ) -> dict[str, Any]:
         current = self.get(rtype, namespace, name)
         meta = current["metadata"]
         preconditions = options.get("preconditions") or {}
         for field in ("uid", "resourceVersion"):
             if preconditions.get(field) and preconditions[field] != meta.get(field):
-                raise conflict(rtype, name, f"Precondition failed: {field} in precondition: "
-                               f"{preconditions[field]}, {field} in object meta: {meta.get(field)}")
+                raise conflict(
+                    rtype,
+                    name,
+                    f"Precondition failed: {field} in precondition: "
+                    f"{preconditions[field]}, {field} in object meta: {meta.get(field)}",
+                )
         if options.get("propagationPolicy") == "Orphan":
             self._orphan_dependents(meta["uid"])
         grace = self._grace_period(rtype, current, options.get("gracePeriodSeconds"))
@@ -316,7 +424,10 @@ class ObjectService:
         if rtype.kind != "Pod" or rtype.group:
             return 0
         # An unscheduled or finished pod has no process to stop: it goes at once, as on a real server.
-        if not obj.get("spec", {}).get("nodeName") or obj.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+        if not obj.get("spec", {}).get("nodeName") or obj.get("status", {}).get("phase") in (
+            "Succeeded",
+            "Failed",
+        ):
             return 0
         if requested is not None:
             return max(0, int(requested))
@@ -342,7 +453,11 @@ class ObjectService:
             for rtype, obj in everything:
                 meta = obj["metadata"]
                 refs = meta.get("ownerReferences") or []
-                if refs and not meta.get("deletionTimestamp") and not any(r.get("uid") in live_uids for r in refs):
+                if (
+                    refs
+                    and not meta.get("deletionTimestamp")
+                    and not any(r.get("uid") in live_uids for r in refs)
+                ):
                     self._delete_quietly(rtype, meta.get("namespace"), meta["name"])
             for rtype, obj in everything:
                 if obj["metadata"].get("deletionTimestamp") and _is_container(rtype):
@@ -351,12 +466,24 @@ class ObjectService:
     def _drain(self, rtype: ResourceType, owner: dict[str, Any]) -> None:
         name = owner["metadata"]["name"]
         if rtype.kind == "Namespace":
-            members = [(t, o) for t in self.registry.all() if t.namespaced for o in self.store.list(t, name)]
+            members = [
+                (t, o)
+                for t in self.registry.all()
+                if t.namespaced
+                for o in self.store.list(t, name)
+            ]
         else:
-            members = [(t, o) for t in self.registry.all() if t.crd_name == name for o in self.store.list(t, None)]
+            members = [
+                (t, o)
+                for t in self.registry.all()
+                if t.crd_name == name
+                for o in self.store.list(t, None)
+            ]
         for mtype, member in members:
             if not member["metadata"].get("deletionTimestamp"):
-                self._delete_quietly(mtype, member["metadata"].get("namespace"), member["metadata"]["name"])
+                self._delete_quietly(
+                    mtype, member["metadata"].get("namespace"), member["metadata"]["name"]
+                )
         if not members and not owner["metadata"].get("finalizers"):
             self.store.remove(rtype, None, name)
             if rtype.kind == "CustomResourceDefinition":

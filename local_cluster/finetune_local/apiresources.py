@@ -58,8 +58,15 @@ class ResourceType:
         subresources = (("status",) if self.status_subresource else ()) + self.extra_subresources
         for sub in subresources:
             verbs = ["get"] if sub == "log" else ["get", "patch", "update"]
-            entries.append({"name": f"{self.plural}/{sub}", "singularName": "",
-                            "namespaced": self.namespaced, "kind": self.kind, "verbs": verbs})
+            entries.append(
+                {
+                    "name": f"{self.plural}/{sub}",
+                    "singularName": "",
+                    "namespaced": self.namespaced,
+                    "kind": self.kind,
+                    "verbs": verbs,
+                }
+            )
         return entries
 
 
@@ -69,25 +76,44 @@ def _core(plural: str, kind: str, namespaced: bool = True, **kwargs: Any) -> Res
 
 BUILTIN_TYPES: tuple[ResourceType, ...] = (
     _core("namespaces", "Namespace", False, short_names=("ns",), status_subresource=True),
-    _core("pods", "Pod", short_names=("po",), categories=("all",), status_subresource=True,
-          extra_subresources=("log",)),
-    _core("services", "Service", short_names=("svc",), categories=("all",), status_subresource=True),
+    _core(
+        "pods",
+        "Pod",
+        short_names=("po",),
+        categories=("all",),
+        status_subresource=True,
+        extra_subresources=("log",),
+    ),
+    _core(
+        "services", "Service", short_names=("svc",), categories=("all",), status_subresource=True
+    ),
     _core("endpoints", "Endpoints", short_names=("ep",)),
     _core("configmaps", "ConfigMap", short_names=("cm",)),
     _core("secrets", "Secret"),
     _core("serviceaccounts", "ServiceAccount", short_names=("sa",)),
-    _core("persistentvolumeclaims", "PersistentVolumeClaim", short_names=("pvc",),
-          status_subresource=True),
+    _core(
+        "persistentvolumeclaims",
+        "PersistentVolumeClaim",
+        short_names=("pvc",),
+        status_subresource=True,
+    ),
     _core("events", "Event", short_names=("ev",)),
     _core("nodes", "Node", False, short_names=("no",), status_subresource=True),
     ResourceType("events.k8s.io", "v1", "events", "Event", True, short_names=("ev",)),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True),
     # Stored, not enforced (as on a cluster whose network plugin ignores NetworkPolicy).
-    ResourceType("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True,
-                 short_names=("netpol",)),
-    ResourceType("apiextensions.k8s.io", "v1", "customresourcedefinitions",
-                 "CustomResourceDefinition", False, short_names=("crd", "crds"),
-                 status_subresource=True),
+    ResourceType(
+        "networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True, short_names=("netpol",)
+    ),
+    ResourceType(
+        "apiextensions.k8s.io",
+        "v1",
+        "customresourcedefinitions",
+        "CustomResourceDefinition",
+        False,
+        short_names=("crd", "crds"),
+        status_subresource=True,
+    ),
 )
 
 
@@ -100,19 +126,21 @@ def types_from_crd(crd: dict[str, Any]) -> list[ResourceType]:
         if not version.get("served", True):
             continue
         raw_schema = (version.get("schema") or {}).get("openAPIV3Schema")
-        result.append(ResourceType(
-            group=spec["group"],
-            version=version["name"],
-            plural=names["plural"],
-            kind=names["kind"],
-            namespaced=spec.get("scope", "Namespaced") == "Namespaced",
-            short_names=tuple(names.get("shortNames", [])),
-            categories=tuple(names.get("categories", [])),
-            status_subresource="status" in (version.get("subresources") or {}),
-            schema=CustomResourceSchema(raw_schema) if raw_schema else None,
-            printer_columns=list(version.get("additionalPrinterColumns", [])),
-            crd_name=crd["metadata"]["name"],
-        ))
+        result.append(
+            ResourceType(
+                group=spec["group"],
+                version=version["name"],
+                plural=names["plural"],
+                kind=names["kind"],
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                short_names=tuple(names.get("shortNames", [])),
+                categories=tuple(names.get("categories", [])),
+                status_subresource="status" in (version.get("subresources") or {}),
+                schema=CustomResourceSchema(raw_schema) if raw_schema else None,
+                printer_columns=list(version.get("additionalPrinterColumns", [])),
+                crd_name=crd["metadata"]["name"],
+            )
+        )
     return result
 
 
@@ -155,8 +183,13 @@ class Registry:
         if not versions:
             return None
         listed = [{"groupVersion": f"{group}/{v}", "version": v} for v in versions]
-        return {"kind": "APIGroup", "apiVersion": "v1", "name": group,
-                "versions": listed, "preferredVersion": listed[0]}
+        return {
+            "kind": "APIGroup",
+            "apiVersion": "v1",
+            "name": group,
+            "versions": listed,
+            "preferredVersion": listed[0],
+        }
 
     def api_group_list(self) -> dict[str, Any]:
         groups = [self.api_group(g) for g in sorted(self.groups())]
@@ -196,8 +229,16 @@ class Registry:
         for rtype in types:
             scope = "/namespaces/{namespace}" if rtype.namespaced else ""
             gvk = {"group": group, "version": version, "kind": rtype.kind}
-            paths[f"{prefix}{scope}/{rtype.plural}/{{name}}"] = {"patch": {
-                "x-kubernetes-group-version-kind": gvk, "parameters": [param],
-                "responses": {"200": {"description": "OK"}}}}
-        return {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.32.0"},
-                "paths": paths, "components": {"schemas": {}}}
+            paths[f"{prefix}{scope}/{rtype.plural}/{{name}}"] = {
+                "patch": {
+                    "x-kubernetes-group-version-kind": gvk,
+                    "parameters": [param],
+                    "responses": {"200": {"description": "OK"}},
+                }
+            }
+        return {
+            "openapi": "3.0.0",
+            "info": {"title": "Kubernetes", "version": "v1.32.0"},
+            "paths": paths,
+            "components": {"schemas": {}},
+        }

@@ -26,9 +26,17 @@ if TYPE_CHECKING:
 
 _BOOKMARK_SECONDS = 20.0  # real servers send bookmarks about once a minute; kopf asks for them
 _POLL_SECONDS = 2.0  # how often an idle watch checks whether its client went away
-_VERSION = {"major": "1", "minor": "32", "gitVersion": "v1.32.0-finetune-local",
-            "gitTreeState": "clean", "goVersion": "emulated", "compiler": "python",
-            "platform": "linux/amd64", "buildDate": "2025-01-01T00:00:00Z", "gitCommit": ""}
+_VERSION = {
+    "major": "1",
+    "minor": "32",
+    "gitVersion": "v1.32.0-finetune-local",
+    "gitTreeState": "clean",
+    "goVersion": "emulated",
+    "compiler": "python",
+    "platform": "linux/amd64",
+    "buildDate": "2025-01-01T00:00:00Z",
+    "gitCommit": "",
+}
 
 
 @dataclass(frozen=True)
@@ -54,12 +62,22 @@ def parse_api_path(path: str) -> ApiPath | None:
     namespace = None
     # /namespaces/<ns>/<plural>/... is namespaced; /namespaces/<name>[/status|/finalize] is the
     # Namespace object itself (kmock's own parser cannot tell these apart, hence this one).
-    if len(rest) >= 3 and rest[0] == "namespaces" and not (len(rest) == 3 and rest[2] in ("status", "finalize")):
+    if (
+        len(rest) >= 3
+        and rest[0] == "namespaces"
+        and not (len(rest) == 3 and rest[2] in ("status", "finalize"))
+    ):
         namespace, rest = rest[1], rest[2:]
     if not rest:
         return ApiPath(group, version)
-    return ApiPath(group, version, rest[0], namespace, rest[1] if len(rest) > 1 else None,
-                   "/".join(rest[2:]) or None)
+    return ApiPath(
+        group,
+        version,
+        rest[0],
+        namespace,
+        rest[1] if len(rest) > 1 else None,
+        "/".join(rest[2:]) or None,
+    )
 
 
 @dataclass(frozen=True)
@@ -72,7 +90,9 @@ class Reply:
 
 
 def _not_found(path: str) -> ApiError:
-    return ApiError(404, "NotFound", "the server could not find the requested resource", {"path": path})
+    return ApiError(
+        404, "NotFound", "the server could not find the requested resource", {"path": path}
+    )
 
 
 async def serve(server: ApiServer, request: kmock.Request) -> Any:
@@ -81,8 +101,11 @@ async def serve(server: ApiServer, request: kmock.Request) -> Any:
         return _VERSION
     if path == "/api":
         host = f"{request.url.host}:{request.url.port}"
-        return {"kind": "APIVersions", "versions": ["v1"],
-                "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": host}]}
+        return {
+            "kind": "APIVersions",
+            "versions": ["v1"],
+            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": host}],
+        }
     if path == "/apis":
         return server.registry.api_group_list()
     if path == "/openapi/v3":
@@ -100,13 +123,22 @@ async def serve(server: ApiServer, request: kmock.Request) -> Any:
     if api is None:
         raise _not_found(path)
     if api.plural is None:
-        document = (server.registry.api_resource_list(api.group, api.version) if api.version
-                    else server.registry.api_group(api.group))
+        document = (
+            server.registry.api_resource_list(api.group, api.version)
+            if api.version
+            else server.registry.api_group(api.group)
+        )
         if document is None:
             raise _not_found(path)
         return document
-    if api.group and api.version and api.plural and not api.name and api.namespace is None \
-            and server.registry.api_group(api.group) is None:
+    if (
+        api.group
+        and api.version
+        and api.plural
+        and not api.name
+        and api.namespace is None
+        and server.registry.api_group(api.group) is None
+    ):
         raise _not_found(path)
     rtype = server.registry.get(api.group, api.version, api.plural)
     if rtype is None:
@@ -115,8 +147,14 @@ async def serve(server: ApiServer, request: kmock.Request) -> Any:
     return await _serve_resource(server, request, rtype, namespace, api.name, api.subresource)
 
 
-async def _serve_resource(server: ApiServer, request: kmock.Request, rtype: ResourceType,
-                          namespace: str | None, name: str | None, subresource: str | None) -> Any:
+async def _serve_resource(
+    server: ApiServer,
+    request: kmock.Request,
+    rtype: ResourceType,
+    namespace: str | None,
+    name: str | None,
+    subresource: str | None,
+) -> Any:
     service, params, method = server.service, dict(request.params), str(request.method.value)
     if subresource not in (None, "status", "log"):
         raise _not_found(request.url.path)
@@ -135,11 +173,17 @@ async def _serve_resource(server: ApiServer, request: kmock.Request, rtype: Reso
             items = _select(server, rtype, namespace, params)
             for obj in items:
                 service.delete(rtype, namespace, obj["metadata"]["name"], _delete_options(request))
-            return {"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version,
-                    "metadata": {"resourceVersion": str(server.store.resource_version)}, "items": items}
+            return {
+                "kind": f"{rtype.kind}List",
+                "apiVersion": rtype.api_version,
+                "metadata": {"resourceVersion": str(server.store.resource_version)},
+                "items": items,
+            }
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on a collection", {})
     if method == "GET" and params.get("watch") in ("true", "1"):
-        params["fieldSelector"] = ",".join(filter(None, [params.get("fieldSelector"), f"metadata.name={name}"]))
+        params["fieldSelector"] = ",".join(
+            filter(None, [params.get("fieldSelector"), f"metadata.name={name}"])
+        )
         return _watch(server, request, rtype, namespace, params)
     if subresource == "log":
         return _pod_log(server, rtype, namespace, name, params)
@@ -164,13 +208,22 @@ async def _serve_resource(server: ApiServer, request: kmock.Request, rtype: Reso
 def _check_strict_fields(rtype: ResourceType, params: dict[str, str], body: Any) -> None:
     """``fieldValidation=Strict`` (what kubectl sends by default): unknown fields of a custom
     resource are refused with 400 instead of pruned, in the real server's words."""
-    if params.get("fieldValidation") != "Strict" or rtype.schema is None or not isinstance(body, dict):
+    if (
+        params.get("fieldValidation") != "Strict"
+        or rtype.schema is None
+        or not isinstance(body, dict)
+    ):
         return
     unknown = rtype.schema.unknown_fields(body)
     if unknown:
         fields = ", ".join(f'unknown field "{path}"' for path in unknown)
-        raise ApiError(400, "BadRequest", f'{rtype.kind} in version "{rtype.version}" cannot be '
-                       f"handled as a {rtype.kind}: strict decoding error: {fields}", {})
+        raise ApiError(
+            400,
+            "BadRequest",
+            f'{rtype.kind} in version "{rtype.version}" cannot be '
+            f"handled as a {rtype.kind}: strict decoding error: {fields}",
+            {},
+        )
 
 
 def _delete_options(request: kmock.Request) -> dict[str, Any]:
@@ -183,35 +236,63 @@ def _delete_options(request: kmock.Request) -> dict[str, Any]:
 
 def _selectors(params: dict[str, str]) -> tuple[Any, Any]:
     try:
-        return parse_label_selector(params.get("labelSelector")), parse_field_selector(params.get("fieldSelector"))
+        return parse_label_selector(params.get("labelSelector")), parse_field_selector(
+            params.get("fieldSelector")
+        )
     except SelectorError as exc:
         raise bad_request(str(exc)) from exc
 
 
-def _select(server: ApiServer, rtype: ResourceType, namespace: str | None,
-            params: dict[str, str]) -> list[dict[str, Any]]:
+def _select(
+    server: ApiServer, rtype: ResourceType, namespace: str | None, params: dict[str, str]
+) -> list[dict[str, Any]]:
     labels, fields = _selectors(params)
-    return [o for o in server.store.list(rtype, namespace) if labels_match(labels, o) and fields_match(fields, o)]
+    return [
+        o
+        for o in server.store.list(rtype, namespace)
+        if labels_match(labels, o) and fields_match(fields, o)
+    ]
 
 
-def _table(server: ApiServer, rtype: ResourceType, items: list[dict[str, Any]], params: dict[str, str]) -> Any:
-    table = apitables.to_table(rtype, items, str(server.store.resource_version),
-                               params.get("includeObject", "Metadata"), datetime.datetime.now(datetime.UTC))
+def _table(
+    server: ApiServer, rtype: ResourceType, items: list[dict[str, Any]], params: dict[str, str]
+) -> Any:
+    table = apitables.to_table(
+        rtype,
+        items,
+        str(server.store.resource_version),
+        params.get("includeObject", "Metadata"),
+        datetime.datetime.now(datetime.UTC),
+    )
     return table
 
 
-def _list(server: ApiServer, request: kmock.Request, rtype: ResourceType, namespace: str | None,
-          params: dict[str, str]) -> Any:
+def _list(
+    server: ApiServer,
+    request: kmock.Request,
+    rtype: ResourceType,
+    namespace: str | None,
+    params: dict[str, str],
+) -> Any:
     items = _select(server, rtype, namespace, params)
     if apitables.wants_table(request.headers.get("Accept", "")):
         return _table(server, rtype, items, params)
     # kind/apiVersion on lists are what kubectl decodes by ("Object 'Kind' is missing" otherwise).
-    return {"kind": f"{rtype.kind}List", "apiVersion": rtype.api_version,
-            "metadata": {"resourceVersion": str(server.store.resource_version)}, "items": items}
+    return {
+        "kind": f"{rtype.kind}List",
+        "apiVersion": rtype.api_version,
+        "metadata": {"resourceVersion": str(server.store.resource_version)},
+        "items": items,
+    }
 
 
-async def _watch(server: ApiServer, request: kmock.Request, rtype: ResourceType,
-                 namespace: str | None, params: dict[str, str]) -> AsyncIterator[Any]:
+async def _watch(
+    server: ApiServer,
+    request: kmock.Request,
+    rtype: ResourceType,
+    namespace: str | None,
+    params: dict[str, str],
+) -> AsyncIterator[Any]:
     labels, fields = _selectors(params)
     as_table = apitables.wants_table(request.headers.get("Accept", ""))
     store = server.store
@@ -227,15 +308,23 @@ async def _watch(server: ApiServer, request: kmock.Request, rtype: ResourceType,
 
     def event(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
         if as_table:
-            obj = apitables.to_table(rtype, [obj], obj["metadata"]["resourceVersion"],
-                                     params.get("includeObject", "Metadata"), datetime.datetime.now(datetime.UTC))
+            obj = apitables.to_table(
+                rtype,
+                [obj],
+                obj["metadata"]["resourceVersion"],
+                params.get("includeObject", "Metadata"),
+                datetime.datetime.now(datetime.UTC),
+            )
         return {"type": kind, "object": obj}
 
     def bookmark(annotations: dict[str, str] | None = None) -> dict[str, Any]:
         meta: dict[str, Any] = {"resourceVersion": str(store.resource_version)}
         if annotations:
             meta["annotations"] = annotations
-        return {"type": "BOOKMARK", "object": {"kind": rtype.kind, "apiVersion": rtype.api_version, "metadata": meta}}
+        return {
+            "type": "BOOKMARK",
+            "object": {"kind": rtype.kind, "apiVersion": rtype.api_version, "metadata": meta},
+        }
 
     if initial:
         cursor = store.resource_version
@@ -269,19 +358,27 @@ async def _watch(server: ApiServer, request: kmock.Request, rtype: ResourceType,
         remaining = deadline - loop.time()
         if remaining <= 0 or transport is None or transport.is_closing():
             return
-        if params.get("allowWatchBookmarks") == "true" and loop.time() - last_bookmark > _BOOKMARK_SECONDS:
+        if (
+            params.get("allowWatchBookmarks") == "true"
+            and loop.time() - last_bookmark > _BOOKMARK_SECONDS
+        ):
             last_bookmark = loop.time()
             yield bookmark()
         await store.wait_for_change(min(remaining, _POLL_SECONDS))
 
 
-def _pod_log(server: ApiServer, rtype: ResourceType, namespace: str | None, name: str,
-             params: dict[str, str]) -> Any:
+def _pod_log(
+    server: ApiServer, rtype: ResourceType, namespace: str | None, name: str, params: dict[str, str]
+) -> Any:
     if rtype.kind != "Pod" or rtype.group:
         raise bad_request("logs are served for pods only")
     server.service.get(rtype, namespace, name)  # 404 for an unknown pod
-    path = server.log_reader(namespace or "", name, params.get("container")) if server.log_reader else None
+    path = (
+        server.log_reader(namespace or "", name, params.get("container"))
+        if server.log_reader
+        else None
+    )
     text = path.read_text(errors="replace") if path is not None and path.exists() else ""
     if params.get("tailLines"):
-        text = "".join(text.splitlines(keepends=True)[-int(params["tailLines"]):])
+        text = "".join(text.splitlines(keepends=True)[-int(params["tailLines"]) :])
     return Reply(text, content_type="text/plain")

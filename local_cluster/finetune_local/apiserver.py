@@ -37,10 +37,17 @@ def _action(method: str, path: ApiPath | None, params: dict[str, str]) -> kmock.
     if path is None or path.plural is None:
         return None
     if method == "GET":
-        return kmock.action.WATCH if params.get("watch") in ("true", "1") else (
-            kmock.action.FETCH if path.name else kmock.action.LIST)
-    return {"POST": kmock.action.CREATE, "PATCH": kmock.action.UPDATE, "PUT": kmock.action.UPDATE,
-            "DELETE": kmock.action.DELETE}.get(method)
+        return (
+            kmock.action.WATCH
+            if params.get("watch") in ("true", "1")
+            else (kmock.action.FETCH if path.name else kmock.action.LIST)
+        )
+    return {
+        "POST": kmock.action.CREATE,
+        "PATCH": kmock.action.UPDATE,
+        "PUT": kmock.action.UPDATE,
+        "DELETE": kmock.action.DELETE,
+    }.get(method)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -49,8 +56,16 @@ def _refuse_constant(name: str) -> Any:
 
 
 def status_body(code: int, reason: str, message: str, details: Any) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "details": details or {}, "code": code}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "details": details or {},
+        "code": code,
+    }
 
 
 @attrs.define(kw_only=True)
@@ -68,7 +83,9 @@ class ApiServer(kmock.KubernetesEmulator):
         # reactions of their own; those take precedence over the emulation.
         self.store = Store()
         self.service = ObjectService(self.store, self.registry)
-        self.service.create(self._type("", "v1", "namespaces"), None, {"metadata": {"name": "default"}})
+        self.service.create(
+            self._type("", "v1", "namespaces"), None, {"metadata": {"name": "default"}}
+        )
 
     def _type(self, group: str, version: str, plural: str) -> Any:
         rtype = self.registry.get(group, version, plural)
@@ -80,9 +97,16 @@ class ApiServer(kmock.KubernetesEmulator):
         body = await raw_request.read()
         if any(kind in raw_request.content_type for kind in ("protobuf", "cbor")):
             # JSON only. client-go (kubectl) retries a 415 for protobuf with JSON.
-            return aiohttp.web.json_response(status_body(
-                415, "UnsupportedMediaType", "the body of the request was in an unknown format - "
-                "accepted media types include: application/json, application/yaml", {}), status=415)
+            return aiohttp.web.json_response(
+                status_body(
+                    415,
+                    "UnsupportedMediaType",
+                    "the body of the request was in an unknown format - "
+                    "accepted media types include: application/json, application/yaml",
+                    {},
+                ),
+                status=415,
+            )
         text = body.decode("utf-8", errors="replace")
         data: Any = None
         if text.strip():
@@ -99,12 +123,20 @@ class ApiServer(kmock.KubernetesEmulator):
         params = dict(raw_request.query)
         path = parse_api_path(raw_request.path)
         request = kmock.Request(
-            id=len(self._requests), raw_request=raw_request, url=raw_request.url,
-            method=raw_request.method, params=params, headers=dict(raw_request.headers),
-            cookies=dict(raw_request.cookies), body=body, text=text, data=data,
+            id=len(self._requests),
+            raw_request=raw_request,
+            url=raw_request.url,
+            method=raw_request.method,
+            params=params,
+            headers=dict(raw_request.headers),
+            cookies=dict(raw_request.cookies),
+            body=body,
+            text=text,
+            data=data,
             action=_action(raw_request.method, path, params),
             resource=kmock.resource(path.group, path.version, path.plural) if path else None,
-            namespace=path.namespace if path else None, name=path.name if path else None,
+            namespace=path.namespace if path else None,
+            name=path.name if path else None,
             subresource=path.subresource if path else None,
         )
         self._remember(request)
@@ -136,13 +168,16 @@ class ApiServer(kmock.KubernetesEmulator):
         if isinstance(result, Reply):
             if result.content_type == "application/json":
                 return aiohttp.web.json_response(result.body, status=result.status)
-            return aiohttp.web.Response(text=str(result.body), status=result.status,
-                                        content_type=result.content_type)
+            return aiohttp.web.Response(
+                text=str(result.body), status=result.status, content_type=result.content_type
+            )
         if isinstance(result, AsyncIterator):
             return await self._stream(request, result)
         return aiohttp.web.json_response(result)
 
-    async def _stream(self, request: kmock.Request, events: AsyncIterator[Any]) -> aiohttp.web.StreamResponse:
+    async def _stream(
+        self, request: kmock.Request, events: AsyncIterator[Any]
+    ) -> aiohttp.web.StreamResponse:
         assert request._raw_request is not None
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request._raw_request)  # headers now: clients wait for them
@@ -165,10 +200,15 @@ class ApiServer(kmock.KubernetesEmulator):
             return aiohttp.web.json_response(body, status=exc.status)
         logger.error("API emulator failure:\n%s", "".join(traceback.format_exception(exc)))
         return aiohttp.web.json_response(
-            status_body(500, "InternalError", f"emulator failure: {exc!r}", {}), status=500)
+            status_body(500, "InternalError", f"emulator failure: {exc!r}", {}), status=500
+        )
 
     async def _stream_error(self, exc: Exception, raw_response: aiohttp.web.StreamResponse) -> None:
         code = exc.status if isinstance(exc, ApiError) else 500
-        body = status_body(code, getattr(exc, "reason", None) or "InternalError",
-                           getattr(exc, "message", None) or repr(exc), {})
+        body = status_body(
+            code,
+            getattr(exc, "reason", None) or "InternalError",
+            getattr(exc, "message", None) or repr(exc),
+            {},
+        )
         await raw_response.write(json.dumps({"type": "ERROR", "object": body}).encode() + b"\n")

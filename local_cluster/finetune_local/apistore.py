@@ -32,30 +32,51 @@ class ApiError(KubernetesError):
 
 def not_found(rtype: ResourceType, name: str) -> ApiError:
     resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
-    return ApiError(404, "NotFound", f'{resource} "{name}" not found',
-                    {"name": name, "group": rtype.group, "kind": rtype.plural})
+    return ApiError(
+        404,
+        "NotFound",
+        f'{resource} "{name}" not found',
+        {"name": name, "group": rtype.group, "kind": rtype.plural},
+    )
 
 
 def already_exists(rtype: ResourceType, name: str) -> ApiError:
     resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
-    return ApiError(409, "AlreadyExists", f'{resource} "{name}" already exists',
-                    {"name": name, "group": rtype.group, "kind": rtype.plural})
+    return ApiError(
+        409,
+        "AlreadyExists",
+        f'{resource} "{name}" already exists',
+        {"name": name, "group": rtype.group, "kind": rtype.plural},
+    )
 
 
 def conflict(rtype: ResourceType, name: str, why: str) -> ApiError:
     resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
-    return ApiError(409, "Conflict", f'Operation cannot be fulfilled on {resource} "{name}": {why}',
-                    {"name": name, "group": rtype.group, "kind": rtype.plural})
+    return ApiError(
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {resource} "{name}": {why}',
+        {"name": name, "group": rtype.group, "kind": rtype.plural},
+    )
 
 
 def invalid(rtype: ResourceType, name: str, causes: list[tuple[str, str]]) -> ApiError:
     qualified = f"{rtype.kind}.{rtype.group}" if rtype.group else rtype.kind
     texts = [f"{field}: {message}" if field else message for field, message in causes]
     joined = texts[0] if len(texts) == 1 else "[" + ", ".join(texts) + "]"
-    return ApiError(422, "Invalid", f'{qualified} "{name}" is invalid: {joined}', {
-        "name": name, "group": rtype.group, "kind": rtype.kind,
-        "causes": [{"reason": "FieldValueInvalid", "message": m, "field": f} for f, m in causes],
-    })
+    return ApiError(
+        422,
+        "Invalid",
+        f'{qualified} "{name}" is invalid: {joined}',
+        {
+            "name": name,
+            "group": rtype.group,
+            "kind": rtype.kind,
+            "causes": [
+                {"reason": "FieldValueInvalid", "message": m, "field": f} for f, m in causes
+            ],
+        },
+    )
 
 
 def bad_request(message: str) -> ApiError:
@@ -90,9 +111,14 @@ class Store:
 
     def list(self, rtype: ResourceType, namespace: str | None) -> list[dict[str, Any]]:
         wanted = kmock.resource(rtype.group, rtype.version, rtype.plural)
-        result = [copy.deepcopy(obj.raw) for (res, ns, _), obj in self.objects.items()
-                  if res == wanted and not obj.deleted and (namespace is None or ns == namespace)]
-        return sorted(result, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+        result = [
+            copy.deepcopy(obj.raw)
+            for (res, ns, _), obj in self.objects.items()
+            if res == wanted and not obj.deleted and (namespace is None or ns == namespace)
+        ]
+        return sorted(
+            result, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"])
+        )
 
     def write(self, rtype: ResourceType, obj: dict[str, Any]) -> dict[str, Any]:
         """Store a created or updated object under a new resourceVersion."""
@@ -120,8 +146,12 @@ class Store:
         self._emit(rtype, "DELETED", obj, obj)
         return obj
 
-    def _emit(self, rtype: ResourceType, kind: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
-        self._log.append(WatchEvent(self.resource_version, rtype.key, kind, copy.deepcopy(obj), old))
+    def _emit(
+        self, rtype: ResourceType, kind: str, obj: dict[str, Any], old: dict[str, Any] | None
+    ) -> None:
+        self._log.append(
+            WatchEvent(self.resource_version, rtype.key, kind, copy.deepcopy(obj), old)
+        )
         # Wake every waiting watcher; each re-reads the log from its own cursor.
         self._changed.set()
         self._changed = asyncio.Event()

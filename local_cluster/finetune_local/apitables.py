@@ -12,7 +12,9 @@ from typing import Any
 
 from finetune_local.apiresources import ResourceType
 
-_SEGMENT = re.compile(r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]|\[\?\(@\.([A-Za-z0-9_.]+)\s*==\s*['\"]([^'\"]*)['\"]\)\]")
+_SEGMENT = re.compile(
+    r"\.([A-Za-z0-9_\-]+)|\[(\d+)\]|\[\?\(@\.([A-Za-z0-9_.]+)\s*==\s*['\"]([^'\"]*)['\"]\)\]"
+)
 
 
 def wants_table(accept: str) -> bool:
@@ -83,29 +85,51 @@ def _pod_cells(pod: dict[str, Any], age: str) -> list[Any]:
     if pod.get("metadata", {}).get("deletionTimestamp"):
         reason = "Terminating"
     restarts = sum(int(s.get("restartCount", 0)) for s in statuses)
-    return [pod["metadata"].get("name"), f"{ready}/{len(containers)}", reason, restarts, age,
-            status.get("podIP", "<none>"), pod.get("spec", {}).get("nodeName", "<none>")]
+    return [
+        pod["metadata"].get("name"),
+        f"{ready}/{len(containers)}",
+        reason,
+        restarts,
+        age,
+        status.get("podIP", "<none>"),
+        pod.get("spec", {}).get("nodeName", "<none>"),
+    ]
 
 
-def _columns_and_cells(rtype: ResourceType, obj: dict[str, Any], now: datetime.datetime,
-                       ) -> tuple[list[dict[str, Any]], list[Any]]:
+def _columns_and_cells(
+    rtype: ResourceType,
+    obj: dict[str, Any],
+    now: datetime.datetime,
+) -> tuple[list[dict[str, Any]], list[Any]]:
     meta = obj.get("metadata", {})
     age = human_age(meta.get("creationTimestamp"), now)
     if rtype.printer_columns:
         columns = [_column("Name", fmt="name")]
         cells: list[Any] = [meta.get("name")]
         for col in rtype.printer_columns:
-            columns.append(_column(col["name"], col.get("type", "string"), col.get("priority", 0),
-                                   col.get("format", "")))
+            columns.append(
+                _column(
+                    col["name"],
+                    col.get("type", "string"),
+                    col.get("priority", 0),
+                    col.get("format", ""),
+                )
+            )
             value = jsonpath(obj, col["jsonPath"])
             if col.get("type") == "date" and isinstance(value, str):
                 value = human_age(value, now)
             cells.append(value)
         return columns, cells
     if rtype.kind == "Pod" and not rtype.group:
-        columns = [_column("Name", fmt="name"), _column("Ready"), _column("Status"),
-                   _column("Restarts", "integer"), _column("Age"), _column("IP", priority=1),
-                   _column("Node", priority=1)]
+        columns = [
+            _column("Name", fmt="name"),
+            _column("Ready"),
+            _column("Status"),
+            _column("Restarts", "integer"),
+            _column("Age"),
+            _column("IP", priority=1),
+            _column("Node", priority=1),
+        ]
         return columns, _pod_cells(obj, age)
     if rtype.kind == "Node" and not rtype.group:
         conditions = obj.get("status", {}).get("conditions", [])
@@ -113,13 +137,20 @@ def _columns_and_cells(rtype: ResourceType, obj: dict[str, Any], now: datetime.d
         state = "Ready" if ready.get("status") == "True" else "NotReady"
         if obj.get("spec", {}).get("unschedulable"):
             state += ",SchedulingDisabled"
-        return ([_column("Name", fmt="name"), _column("Status"), _column("Age")],
-                [meta.get("name"), state, age])
+        return (
+            [_column("Name", fmt="name"), _column("Status"), _column("Age")],
+            [meta.get("name"), state, age],
+        )
     return [_column("Name", fmt="name"), _column("Age")], [meta.get("name"), age]
 
 
-def to_table(rtype: ResourceType, objects: list[dict[str, Any]], resource_version: str,
-             include_object: str, now: datetime.datetime) -> dict[str, Any]:
+def to_table(
+    rtype: ResourceType,
+    objects: list[dict[str, Any]],
+    resource_version: str,
+    include_object: str,
+    now: datetime.datetime,
+) -> dict[str, Any]:
     columns: list[dict[str, Any]] = _columns_and_cells(rtype, {"metadata": {}}, now)[0]
     rows = []
     for obj in objects:
@@ -129,9 +160,16 @@ def to_table(rtype: ResourceType, objects: list[dict[str, Any]], resource_versio
         elif include_object == "Object":
             embedded = obj
         else:  # Metadata is the default: PartialObjectMetadata, as kubectl expects
-            embedded = {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
-                        "metadata": obj.get("metadata", {})}
+            embedded = {
+                "kind": "PartialObjectMetadata",
+                "apiVersion": "meta.k8s.io/v1",
+                "metadata": obj.get("metadata", {}),
+            }
         rows.append({"cells": cells, "object": embedded})
-    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1",
-            "metadata": {"resourceVersion": resource_version},
-            "columnDefinitions": columns, "rows": rows}
+    return {
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": {"resourceVersion": resource_version},
+        "columnDefinitions": columns,
+        "rows": rows,
+    }

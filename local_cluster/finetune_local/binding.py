@@ -22,45 +22,91 @@ from finetune_local.scheduler import pick_node, place_gang, pods_by_node
 DEFAULT_SCHEDULER = "default-scheduler"
 
 
-async def _patch_status(client: RestClient, pods: Cache, pod: Mapping[str, Any],
-                        status: dict[str, Any]) -> None:
+async def _patch_status(
+    client: RestClient, pods: Cache, pod: Mapping[str, Any], status: dict[str, Any]
+) -> None:
     ns, name = key_of(pod)
     with contextlib.suppress(ApiStatusError):
-        remember(pods, await client.merge_patch(resource_path("v1", "pods", ns, name, "status"),
-                                                {"status": status}))
+        remember(
+            pods,
+            await client.merge_patch(
+                resource_path("v1", "pods", ns, name, "status"), {"status": status}
+            ),
+        )
 
 
-async def _unschedulable(client: RestClient, pods: Cache, pod: Mapping[str, Any], message: str) -> None:
-    current: Mapping[str, Any] = next((c for c in pod.get("status", {}).get("conditions", []) if c["type"] == "PodScheduled"), {})
+async def _unschedulable(
+    client: RestClient, pods: Cache, pod: Mapping[str, Any], message: str
+) -> None:
+    current: Mapping[str, Any] = next(
+        (c for c in pod.get("status", {}).get("conditions", []) if c["type"] == "PodScheduled"), {}
+    )
     if current.get("message") != message:
-        await _patch_status(client, pods, pod, {"conditions": [{
-            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-            "message": message, "lastTransitionTime": now()}]})
+        await _patch_status(
+            client,
+            pods,
+            pod,
+            {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": message,
+                        "lastTransitionTime": now(),
+                    }
+                ]
+            },
+        )
 
 
 async def _bind(client: RestClient, pods: Cache, pod: Mapping[str, Any], node: str) -> None:
     ns, name = key_of(pod)
     # A real scheduler POSTs a Binding; setting spec.nodeName has the same effect here.
-    remember(pods, await client.merge_patch(resource_path("v1", "pods", ns, name), {"spec": {"nodeName": node}}))
-    await _patch_status(client, pods, pod, {"conditions": [{"type": "PodScheduled", "status": "True",
-                                                            "lastTransitionTime": now()}]})
+    remember(
+        pods,
+        await client.merge_patch(
+            resource_path("v1", "pods", ns, name), {"spec": {"nodeName": node}}
+        ),
+    )
+    await _patch_status(
+        client,
+        pods,
+        pod,
+        {"conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": now()}]},
+    )
 
 
 def _active(pod: Mapping[str, Any]) -> bool:
-    return not pod["metadata"].get("deletionTimestamp") and \
-        pod.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+    return not pod["metadata"].get("deletionTimestamp") and pod.get("status", {}).get(
+        "phase"
+    ) not in ("Succeeded", "Failed")
 
 
-async def _schedule_group(client: RestClient, pods: Cache, nodes: list[Mapping[str, Any]],
-                          gang: GangScheduler, namespace: str, group: str) -> None:
+async def _schedule_group(
+    client: RestClient,
+    pods: Cache,
+    nodes: list[Mapping[str, Any]],
+    gang: GangScheduler,
+    namespace: str,
+    group: str,
+) -> None:
     try:
-        pod_group = await client.get(resource_path(f"{gang.group}/{gang.version}", "podgroups", namespace, group))
+        pod_group = await client.get(
+            resource_path(f"{gang.group}/{gang.version}", "podgroups", namespace, group)
+        )
     except ApiStatusError as err:
         if err.status != 404:
             raise
         return  # no group yet: its pods wait for it
-    members = [p for p in pods.values() if p["metadata"].get("namespace") == namespace
-               and gang.group_of(dict(p)) == group and scheduler_for(dict(p), [gang]) and _active(p)]
+    members = [
+        p
+        for p in pods.values()
+        if p["metadata"].get("namespace") == namespace
+        and gang.group_of(dict(p)) == group
+        and scheduler_for(dict(p), [gang])
+        and _active(p)
+    ]
     pending = [p for p in members if not p.get("spec", {}).get("nodeName")]
     bound = len(members) - len(pending)
     min_member = int(pod_group.get("spec", {}).get("minMember") or 1)
@@ -72,8 +118,13 @@ async def _schedule_group(client: RestClient, pods: Cache, nodes: list[Mapping[s
             await _unschedulable(client, pods, pod, why or "0 nodes fit the pod")
 
 
-async def schedule_pod(client: RestClient, pods: Cache, nodes: list[Mapping[str, Any]],
-                       pod: Mapping[str, Any], gangs: Sequence[GangScheduler]) -> None:
+async def schedule_pod(
+    client: RestClient,
+    pods: Cache,
+    nodes: list[Mapping[str, Any]],
+    pod: Mapping[str, Any],
+    gangs: Sequence[GangScheduler],
+) -> None:
     """Place ``pod`` (unbound), or its whole group; or say why not in its PodScheduled condition."""
     current = pods.get(key_of(pod), pod)
     if current.get("spec", {}).get("nodeName"):

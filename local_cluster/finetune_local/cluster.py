@@ -67,12 +67,21 @@ class LocalCluster:
         cluster with Kueue installed; nothing admits Workloads (a test plays Kueue's part).
     """
 
-    def __init__(self, data_dir: str | pathlib.Path | None = None, *, nodes: int = 2,
-                 crds_dir: str | pathlib.Path | None = REPO_CRDS,
-                 node_labels: dict[str, str] | None = None, node_capacity: dict[str, str] | None = None,
-                 extra_env: dict[str, str] | None = None, kubelet: bool = True,
-                 keep_data: bool = False, node_env: dict[str, dict[str, str]] | None = None,
-                 gang_schedulers: Collection[str] = (), kueue: bool = False) -> None:
+    def __init__(
+        self,
+        data_dir: str | pathlib.Path | None = None,
+        *,
+        nodes: int = 2,
+        crds_dir: str | pathlib.Path | None = REPO_CRDS,
+        node_labels: dict[str, str] | None = None,
+        node_capacity: dict[str, str] | None = None,
+        extra_env: dict[str, str] | None = None,
+        kubelet: bool = True,
+        keep_data: bool = False,
+        node_env: dict[str, dict[str, str]] | None = None,
+        gang_schedulers: Collection[str] = (),
+        kueue: bool = False,
+    ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = pathlib.Path(data_dir or tempfile.mkdtemp(prefix="ftjob-local-")).resolve()
         self.kubeconfig_path = self.data_dir / "kubeconfig"
@@ -101,8 +110,9 @@ class LocalCluster:
 
     def start(self) -> Self:
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._thread_main, args=(started,),
-                                        name="local-cluster", daemon=True)
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(started,), name="local-cluster", daemon=True
+        )
         self._thread.start()
         started.result()  # re-raises a startup failure (e.g. no namespaces) here
         return self
@@ -116,23 +126,33 @@ class LocalCluster:
         if self._own_dir and not self._keep_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def kill_pod_processes(self, namespace: str, name: str, sig: signal.Signals = signal.SIGKILL) -> bool:
+    def kill_pod_processes(
+        self, namespace: str, name: str, sig: signal.Signals = signal.SIGKILL
+    ) -> bool:
         """Signal a pod's processes without deleting the pod (SIGKILL: it goes Failed, exit code
         137; SIGTERM: a node shutting down or a spot instance reclaimed)."""
-        return self.call(lambda: self._kubelet.kill_processes(namespace, name, sig) if self._kubelet else False)
+        return self.call(
+            lambda: self._kubelet.kill_processes(namespace, name, sig) if self._kubelet else False
+        )
 
     def pod_main_pid(self, namespace: str, name: str) -> int | None:
         """The pid of a running pod's container process (None when it is not running)."""
         return self.call(lambda: self._kubelet.main_pid(namespace, name) if self._kubelet else None)
 
-    def pod_log_path(self, namespace: str, name: str, container: str | None = None) -> pathlib.Path | None:
+    def pod_log_path(
+        self, namespace: str, name: str, container: str | None = None
+    ) -> pathlib.Path | None:
         """The file holding the pod container's stdout+stderr (None if it never started)."""
-        return self.call(lambda: self._kubelet.log_path(namespace, name, container) if self._kubelet else None)
+        return self.call(
+            lambda: self._kubelet.log_path(namespace, name, container) if self._kubelet else None
+        )
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the cluster's event loop thread (the emulator is not thread-safe)."""
+
         async def wrapper() -> T:
             return fn()
+
         return self.run(wrapper())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -143,8 +163,12 @@ class LocalCluster:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
     async def astart(self) -> Self:
@@ -156,8 +180,12 @@ class LocalCluster:
     async def __aenter__(self) -> Self:
         return await self.astart()
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.astop()
 
     # ------------------------------------------------------------------ the loop thread
@@ -174,7 +202,11 @@ class LocalCluster:
         self._stopping = asyncio.Event()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "shared").mkdir(exist_ok=True)
-        api = ApiServer(log_reader=lambda ns, name, c: self._kubelet.log_path(ns, name, c) if self._kubelet else None)
+        api = ApiServer(
+            log_reader=lambda ns, name, c: (
+                self._kubelet.log_path(ns, name, c) if self._kubelet else None
+            )
+        )
         self._register_crds(api)
         async with api, kmock.Server(api, host="127.0.0.1") as server:
             self._api = api
@@ -182,11 +214,19 @@ class LocalCluster:
             write_kubeconfig(self.kubeconfig_path, self.api_url)
             async with RestClient(self.api_url) as client:
                 if self._with_kubelet:
-                    self._kubelet = Kubelet(client, KubeletConfig(
-                        data_dir=self.data_dir, api_url=self.api_url, node_names=self.node_names,
-                        node_labels=self._node_labels, node_capacity=self._capacity,
-                        extra_env=self._extra_env, node_env=self._node_env,
-                        gang_schedulers=self._gangs))
+                    self._kubelet = Kubelet(
+                        client,
+                        KubeletConfig(
+                            data_dir=self.data_dir,
+                            api_url=self.api_url,
+                            node_names=self.node_names,
+                            node_labels=self._node_labels,
+                            node_capacity=self._capacity,
+                            extra_env=self._extra_env,
+                            node_env=self._node_env,
+                            gang_schedulers=self._gangs,
+                        ),
+                    )
                     await self._kubelet.start()
                 started.set_result(None)
                 try:

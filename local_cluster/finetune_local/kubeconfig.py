@@ -20,8 +20,12 @@ def write_kubeconfig(path: pathlib.Path, api_url: str, namespace: str = "default
         "kind": "Config",
         "clusters": [{"name": CONTEXT, "cluster": {"server": api_url}}],
         "users": [{"name": CONTEXT, "user": {"token": "local"}}],
-        "contexts": [{"name": CONTEXT, "context": {"cluster": CONTEXT, "user": CONTEXT,
-                                                   "namespace": namespace}}],
+        "contexts": [
+            {
+                "name": CONTEXT,
+                "context": {"cluster": CONTEXT, "user": CONTEXT, "namespace": namespace},
+            }
+        ],
         "current-context": CONTEXT,
         "preferences": {},
     }

@@ -54,13 +54,17 @@ from finetune_local.termination import begin_instance, read_message, termination
 
 logger = logging.getLogger(__name__)
 PodKey = ObjectKey
+
+
 @dataclass
 class KubeletConfig:
     data_dir: pathlib.Path
     api_url: str
     node_names: list[str]
     node_labels: dict[str, str] = field(default_factory=dict)
-    node_capacity: dict[str, str] = field(default_factory=lambda: {"cpu": "8", "memory": "32Gi", "pods": "110"})
+    node_capacity: dict[str, str] = field(
+        default_factory=lambda: {"cpu": "8", "memory": "32Gi", "pods": "110"}
+    )
     extra_env: dict[str, str] = field(default_factory=dict)
     # Per node name: environment its pods' processes get, standing for what that node's hardware
     # does to them (a slow GPU: FT_STEP_DELAY_SECONDS). A pod moved elsewhere runs normally.
@@ -125,11 +129,17 @@ class Kubelet:
         await podrunner.probe_isolation(self.config.data_dir / "kubelet")
         self.addresses = AddressPool.claim(self.config.address_scope)
         for name in self.config.node_names:
-            await register_node(self.client, name, self.config.node_labels, self.config.node_capacity)
-        for path, cache in ((resource_path("v1", "pods"), self.pods),
-                            (resource_path("v1", "services"), self.services),
-                            (resource_path("v1", "nodes"), self.nodes)):
-            self._tasks.append(asyncio.create_task(list_and_watch(self.client, path, cache, self._wake.set)))
+            await register_node(
+                self.client, name, self.config.node_labels, self.config.node_capacity
+            )
+        for path, cache in (
+            (resource_path("v1", "pods"), self.pods),
+            (resource_path("v1", "services"), self.services),
+            (resource_path("v1", "nodes"), self.nodes),
+        ):
+            self._tasks.append(
+                asyncio.create_task(list_and_watch(self.client, path, cache, self._wake.set))
+            )
         self._tasks.append(asyncio.create_task(self._reconcile_forever()))
 
     async def stop(self) -> None:
@@ -145,7 +155,9 @@ class Kubelet:
         if self.addresses is not None:
             self.addresses.release()
 
-    def kill_processes(self, namespace: str, name: str, sig: signal.Signals = signal.SIGKILL) -> bool:
+    def kill_processes(
+        self, namespace: str, name: str, sig: signal.Signals = signal.SIGKILL
+    ) -> bool:
         """Signal the pod's process group without deleting the pod (SIGKILL: it fails with exit
         code 137; SIGTERM: what a node shutdown or spot reclaim does to its containers)."""
         run = self.runs.get((namespace, name))
@@ -159,12 +171,13 @@ class Kubelet:
         alive = run is not None and run.process is not None and run.process.returncode is None
         return run.pid if alive and run is not None else None
 
-    def log_path(self, namespace: str, name: str, container: str | None = None) -> pathlib.Path | None:
+    def log_path(
+        self, namespace: str, name: str, container: str | None = None
+    ) -> pathlib.Path | None:
         run = self.runs.get((namespace, name))
         if run is None:
             return None
         return run.directory / f"{container or run.container}.log"
-
 
     async def _reconcile_forever(self) -> None:
         while True:
@@ -192,7 +205,11 @@ class Kubelet:
                     self._spawn_step(key, self._terminate(key, pod))
             elif not node:
                 await self._schedule(pod)
-            elif node in ours and key not in self.runs and pod.get("status", {}).get("phase") == "Pending":
+            elif (
+                node in ours
+                and key not in self.runs
+                and pod.get("status", {}).get("phase") == "Pending"
+            ):
                 self._spawn_step(key, self._start(key, pod))
         self._refresh_hosts_files()
         self._enforce_size_limits()
@@ -237,7 +254,9 @@ class Kubelet:
                 run.evicted = message
                 logger.info("evicting pod (uid %s): %s", run.uid, message)
                 podrunner.signal_group(run.process.pid, signal.SIGTERM)
-                self._spawn_child(self._kill_after(run.process.pid, emptydir.EVICTION_GRACE_SECONDS))
+                self._spawn_child(
+                    self._kill_after(run.process.pid, emptydir.EVICTION_GRACE_SECONDS)
+                )
 
     async def _kill_after(self, pid: int, grace: float) -> None:
         await asyncio.sleep(grace)
@@ -249,7 +268,9 @@ class Kubelet:
             remember(self.pods, await self.client.merge_patch(path, {"status": status}))
 
     async def _schedule(self, pod: dict[str, Any]) -> None:
-        await schedule_pod(self.client, self.pods, list(self.nodes.values()), pod, self.config.gang_schedulers)
+        await schedule_pod(
+            self.client, self.pods, list(self.nodes.values()), pod, self.config.gang_schedulers
+        )
 
     # ------------------------------------------------------------------ pods
 
@@ -261,47 +282,86 @@ class Kubelet:
         containers = pod.get("spec", {}).get("containers") or [{}]
         container = containers[0]
         directory = podrunner.pod_dir(self.config.data_dir, pod)
-        run = PodRun(uid=pod["metadata"]["uid"], ip=self._allocate_ip(), directory=directory,
-                     container=container.get("name", "main"), hosts_file=directory / "etc-hosts")
+        run = PodRun(
+            uid=pod["metadata"]["uid"],
+            ip=self._allocate_ip(),
+            directory=directory,
+            container=container.get("name", "main"),
+            hosts_file=directory / "etc-hosts",
+        )
         try:
             volumes = await podrunner.materialise_volumes(
-                pod, directory, self.config.data_dir, functools.partial(fetch_config, self.client),
-                functools.partial(bind_claim, self.client, self.config.data_dir))
+                pod,
+                directory,
+                self.config.data_dir,
+                functools.partial(fetch_config, self.client),
+                functools.partial(bind_claim, self.client, self.config.data_dir),
+            )
             lookups: dict[tuple[str, str], dict[str, str] | None] = {}
             for kind, name in referenced_configs(container):
                 obj = await fetch_config(self.client, kind, key[0], name)
-                lookups[(kind, name)] = None if obj is None else (
-                    secret_data(obj) if kind == "secret" else dict(obj.get("data") or {}))
-            pod_view = {**pod, "status": {**pod.get("status", {}), "podIP": run.ip, "hostIP": "127.0.0.1"}}
-            env = container_env(pod_view, container, lambda k, n: lookups.get((k, n)), image_env(pod, self.config))
+                lookups[(kind, name)] = (
+                    None
+                    if obj is None
+                    else (secret_data(obj) if kind == "secret" else dict(obj.get("data") or {}))
+                )
+            pod_view = {
+                **pod,
+                "status": {**pod.get("status", {}), "podIP": run.ip, "hostIP": "127.0.0.1"},
+            }
+            env = container_env(
+                pod_view, container, lambda k, n: lookups.get((k, n)), image_env(pod, self.config)
+            )
             directory.mkdir(parents=True, exist_ok=True)
             run.hosts_text = self._hosts_for(pod_view, run.ip)
             run.hosts_file.write_text(run.hosts_text)
-            mounts = podrunner.container_mounts(container, volumes, run.hosts_file, self.mountpoints)
+            mounts = podrunner.container_mounts(
+                container, volumes, run.hosts_file, self.mountpoints
+            )
             mounts.append(termination_mount(container, run.termination_file))
             self.mountpoints.ensure(pathlib.Path(mounts[-1]["target"]), is_file=True)
         except ConfigMissingError as exc:
             # Env that names a missing Secret/ConfigMap or key: CreateContainerConfigError;
             # a volume that cannot be set up yet: still ContainerCreating (as a real kubelet).
-            reason = "CreateContainerConfigError" if isinstance(exc, ContainerConfigError) else "ContainerCreating"
-            await self._patch_status(key, {"containerStatuses": [waiting(container, reason, str(exc))]})
+            reason = (
+                "CreateContainerConfigError"
+                if isinstance(exc, ContainerConfigError)
+                else "ContainerCreating"
+            )
+            await self._patch_status(
+                key, {"containerStatuses": [waiting(container, reason, str(exc))]}
+            )
             await asyncio.sleep(1.0)  # retried by the next reconcile, as a real kubelet does
             return
-        argv = [expand(str(a), env) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+        argv = [
+            expand(str(a), env)
+            for a in [*(container.get("command") or []), *(container.get("args") or [])]
+        ]
         if not container.get("command"):
-            await self._finish(key, run, 127, "the local kubelet ignores images: the container needs a command")
+            await self._finish(
+                key, run, 127, "the local kubelet ignores images: the container needs a command"
+            )
             return
         workdir = pathlib.Path(container.get("workingDir") or self.config.data_dir / "shared")
         workdir.mkdir(parents=True, exist_ok=True)
-        run.launch = {"hostname": env["HOSTNAME"], "mounts": mounts, "workingDir": str(workdir),
-                      "argv": argv, "keepVisible": podrunner.image_paths(self.config.data_dir)}
+        run.launch = {
+            "hostname": env["HOSTNAME"],
+            "mounts": mounts,
+            "workingDir": str(workdir),
+            "argv": argv,
+            "keepVisible": podrunner.image_paths(self.config.data_dir),
+        }
         run.env = env
         run.size_limits = emptydir.size_limits(pod, directory)
         self.runs[key] = run
         run.log_start = begin_instance(run.termination_file, run.log_path)
-        run.process = await podrunner.spawn(run.launch, directory / "launch.json", env, run.log_path)
+        run.process = await podrunner.spawn(
+            run.launch, directory / "launch.json", env, run.log_path
+        )
         run.started_at = now()
-        await self._patch_status(key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container))
+        await self._patch_status(
+            key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container)
+        )
         self._spawn_child(self._watch_process(key, pod, container))
 
     def _spawn_child(self, coro: Any) -> None:
@@ -309,7 +369,9 @@ class Kubelet:
         self._children.add(task)
         task.add_done_callback(self._children.discard)
 
-    async def _watch_process(self, key: PodKey, pod: dict[str, Any], container: dict[str, Any]) -> None:
+    async def _watch_process(
+        self, key: PodKey, pod: dict[str, Any], container: dict[str, Any]
+    ) -> None:
         run = self.runs[key]
         assert run.process is not None
         code = podrunner.exit_code(await run.process.wait())
@@ -322,9 +384,14 @@ class Kubelet:
                 await self._finish(key, run, code, "")
                 return
             run.log_start = begin_instance(run.termination_file, run.log_path)  # a new container
-            run.process = await podrunner.spawn(run.launch, run.directory / "launch.json", run.env, run.log_path)
+            run.process = await podrunner.spawn(
+                run.launch, run.directory / "launch.json", run.env, run.log_path
+            )
             run.started_at = now()
-            await self._patch_status(key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container))
+            await self._patch_status(
+                key,
+                running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container),
+            )
             await self._watch_process(key, pod, container)
             return
         message = read_message(container, run.termination_file, run.log_path, code, run.log_start)
@@ -335,16 +402,31 @@ class Kubelet:
         self.runs.setdefault(key, run)
         pod = self.pods.get(key, {})
         container = (pod.get("spec", {}).get("containers") or [{}])[0]
-        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                      "startedAt": run.started_at or now(), "finishedAt": now(),
-                      "containerID": f"local://{run.pid}"}
+        terminated = {
+            "exitCode": code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": run.started_at or now(),
+            "finishedAt": now(),
+            "containerID": f"local://{run.pid}",
+        }
         if message:
             terminated["message"] = message
         phase = "Succeeded" if code == 0 and not run.evicted else "Failed"
-        status = {"phase": phase, "podIP": run.ip, "podIPs": [{"ip": run.ip}], "hostIP": "127.0.0.1",
-                  "conditions": pod_conditions(False, "PodCompleted" if code == 0 else "PodFailed"),
-                  "containerStatuses": [{**container_base(container, run.pid, run.restart_count), "ready": False, "started": False,
-                                         "state": {"terminated": terminated}}]}
+        status = {
+            "phase": phase,
+            "podIP": run.ip,
+            "podIPs": [{"ip": run.ip}],
+            "hostIP": "127.0.0.1",
+            "conditions": pod_conditions(False, "PodCompleted" if code == 0 else "PodFailed"),
+            "containerStatuses": [
+                {
+                    **container_base(container, run.pid, run.restart_count),
+                    "ready": False,
+                    "started": False,
+                    "state": {"terminated": terminated},
+                }
+            ],
+        }
         if run.evicted:
             status.update(reason=emptydir.EVICTED, message=run.evicted)
         await self._patch_status(key, status)
@@ -369,7 +451,9 @@ class Kubelet:
 
     async def _final_delete(self, key: PodKey) -> None:
         with contextlib.suppress(ApiStatusError):
-            await self.client.delete(resource_path("v1", "pods", key[0], key[1]), grace_period_seconds=0)
+            await self.client.delete(
+                resource_path("v1", "pods", key[0], key[1]), grace_period_seconds=0
+            )
         run = self.runs.pop(key, None)
         if run is not None:
             emptydir.remove_pod_volumes(run.directory)

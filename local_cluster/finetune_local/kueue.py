@@ -19,71 +19,153 @@ GROUP = "kueue.x-k8s.io"
 VERSION = "v1beta2"
 
 _NAME = {"type": "string", "maxLength": 63, "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}
-_QUANTITIES = {"type": "object", "additionalProperties": {
-    "anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}}
+_QUANTITIES = {
+    "type": "object",
+    "additionalProperties": {
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "x-kubernetes-int-or-string": True,
+    },
+}
 _STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
-_TOLERATIONS = {"type": "array", "items": {"type": "object", "properties": {
-    "key": {"type": "string"}, "operator": {"type": "string"}, "value": {"type": "string"},
-    "effect": {"type": "string"}, "tolerationSeconds": {"type": "integer", "format": "int64"}}}}
-_CONDITIONS = {"type": "array", "maxItems": 16, "items": {"type": "object", "required": [
-    "type", "status", "reason", "message", "lastTransitionTime"], "properties": {
-    "type": {"type": "string"}, "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-    "reason": {"type": "string"}, "message": {"type": "string", "maxLength": 32768},
-    "lastTransitionTime": {"type": "string", "format": "date-time"},
-    "observedGeneration": {"type": "integer", "format": "int64", "minimum": 0}}}}
+_TOLERATIONS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "key": {"type": "string"},
+            "operator": {"type": "string"},
+            "value": {"type": "string"},
+            "effect": {"type": "string"},
+            "tolerationSeconds": {"type": "integer", "format": "int64"},
+        },
+    },
+}
+_CONDITIONS = {
+    "type": "array",
+    "maxItems": 16,
+    "items": {
+        "type": "object",
+        "required": ["type", "status", "reason", "message", "lastTransitionTime"],
+        "properties": {
+            "type": {"type": "string"},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string"},
+            "message": {"type": "string", "maxLength": 32768},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer", "format": "int64", "minimum": 0},
+        },
+    },
+}
 
 _POD_SET = {
-    "type": "object", "required": ["template"],
-    "x-kubernetes-validations": [{"rule": "has(self.minCount) ? self.minCount <= self.count : true",
-                                  "message": "minCount should be positive and less or equal to count"}],
+    "type": "object",
+    "required": ["template"],
+    "x-kubernetes-validations": [
+        {
+            "rule": "has(self.minCount) ? self.minCount <= self.count : true",
+            "message": "minCount should be positive and less or equal to count",
+        }
+    ],
     "properties": {
         "name": {**_NAME, "default": "main"},
         "count": {"type": "integer", "format": "int32", "minimum": 0, "default": 1},
         "minCount": {"type": "integer", "format": "int32", "minimum": 1},
-        "template": {"type": "object", "properties": {
-            "metadata": {"type": "object", "properties": {"labels": _STRINGS, "annotations": _STRINGS}},
-            "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}},
+        "template": {
+            "type": "object",
+            "properties": {
+                "metadata": {
+                    "type": "object",
+                    "properties": {"labels": _STRINGS, "annotations": _STRINGS},
+                },
+                "spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+            },
+        },
     },
 }
-_ASSIGNMENT = {"type": "object", "properties": {
-    "name": {**_NAME, "default": "main"}, "flavors": _STRINGS, "resourceUsage": _QUANTITIES,
-    "count": {"type": "integer", "format": "int32", "minimum": 0}}}
-_WORKLOAD = {"type": "object", "properties": {
-    "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
-    "spec": {"type": "object", "properties": {
-        "podSets": {"type": "array", "minItems": 1, "maxItems": 8, "items": _POD_SET},
-        "queueName": {"type": "string", "maxLength": 253},
-        "active": {"type": "boolean", "default": True},
-        "priority": {"type": "integer", "format": "int32"},
-        "priorityClassRef": {"type": "object", "properties": {
-            "group": {"type": "string"}, "kind": {"type": "string"}, "name": {"type": "string"}}},
-        "maximumExecutionTimeSeconds": {"type": "integer", "format": "int32", "minimum": 1},
-    }},
-    "status": {"type": "object", "properties": {
-        "conditions": _CONDITIONS,
-        "admission": {"type": "object", "nullable": True, "properties": {
-            "clusterQueue": {"type": "string"},
-            "podSetAssignments": {"type": "array", "maxItems": 8, "items": _ASSIGNMENT}}},
-        "admissionChecks": {"type": "array", "items": {
-            "type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-        "requeueState": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-    }},
-}}
-_FLAVOR = {"type": "object", "properties": {
-    "apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
-    "spec": {"type": "object", "properties": {
-        "nodeLabels": _STRINGS,
-        "nodeTaints": {"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-        "tolerations": _TOLERATIONS,
-    }},
-}}
+_ASSIGNMENT = {
+    "type": "object",
+    "properties": {
+        "name": {**_NAME, "default": "main"},
+        "flavors": _STRINGS,
+        "resourceUsage": _QUANTITIES,
+        "count": {"type": "integer", "format": "int32", "minimum": 0},
+    },
+}
+_WORKLOAD = {
+    "type": "object",
+    "properties": {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "properties": {
+                "podSets": {"type": "array", "minItems": 1, "maxItems": 8, "items": _POD_SET},
+                "queueName": {"type": "string", "maxLength": 253},
+                "active": {"type": "boolean", "default": True},
+                "priority": {"type": "integer", "format": "int32"},
+                "priorityClassRef": {
+                    "type": "object",
+                    "properties": {
+                        "group": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string"},
+                    },
+                },
+                "maximumExecutionTimeSeconds": {"type": "integer", "format": "int32", "minimum": 1},
+            },
+        },
+        "status": {
+            "type": "object",
+            "properties": {
+                "conditions": _CONDITIONS,
+                "admission": {
+                    "type": "object",
+                    "nullable": True,
+                    "properties": {
+                        "clusterQueue": {"type": "string"},
+                        "podSetAssignments": {"type": "array", "maxItems": 8, "items": _ASSIGNMENT},
+                    },
+                },
+                "admissionChecks": {
+                    "type": "array",
+                    "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                },
+                "requeueState": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+            },
+        },
+    },
+}
+_FLAVOR = {
+    "type": "object",
+    "properties": {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "properties": {
+                "nodeLabels": _STRINGS,
+                "nodeTaints": {
+                    "type": "array",
+                    "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                },
+                "tolerations": _TOLERATIONS,
+            },
+        },
+    },
+}
 
 
 def _crd(kind: str, plural: str, scope: str, schema: dict[str, Any], *, status: bool,
          short: list[str], columns: list[dict[str, str]]) -> dict[str, Any]:  # fmt: skip
-    version: dict[str, Any] = {"name": VERSION, "served": True, "storage": True,
-                               "schema": {"openAPIV3Schema": schema},
-                               "additionalPrinterColumns": columns}
+    version: dict[str, Any] = {
+        "name": VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {"openAPIV3Schema": schema},
+        "additionalPrinterColumns": columns,
+    }
     if status:
         version["subresources"] = {"status": {}}
     return {
@@ -92,8 +174,13 @@ def _crd(kind: str, plural: str, scope: str, schema: dict[str, Any], *, status: 
         "metadata": {"name": f"{plural}.{GROUP}"},
         "spec": {
             "group": GROUP,
-            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural,
-                      "singular": kind.lower(), "shortNames": short},
+            "names": {
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": kind.lower(),
+                "shortNames": short,
+            },
             "scope": scope,
             "versions": [version],
         },

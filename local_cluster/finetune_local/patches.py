@@ -76,7 +76,11 @@ def _merge_list(target: Any, patch: list[Any], field: str) -> list[Any]:
     result: list[Any] = [copy.deepcopy(i) for i in target]
     for item in patch:
         index = next(
-            (n for n, old in enumerate(result) if isinstance(old, dict) and old.get(key) == item.get(key)),
+            (
+                n
+                for n, old in enumerate(result)
+                if isinstance(old, dict) and old.get(key) == item.get(key)
+            ),
             None,
         )
         if item.get("$patch") == "delete":

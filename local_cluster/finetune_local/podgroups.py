@@ -40,17 +40,27 @@ class GangScheduler:
 
 GANG_SCHEDULERS: dict[str, GangScheduler] = {
     "coscheduling": GangScheduler(
-        "scheduler-plugins-scheduler", "scheduling.x-k8s.io", "v1alpha1",
+        "scheduler-plugins-scheduler",
+        "scheduling.x-k8s.io",
+        "v1alpha1",
         pod_label="scheduling.x-k8s.io/pod-group",
     ),
     "volcano": GangScheduler(
-        "volcano", "scheduling.volcano.sh", "v1beta1",
-        pod_annotation="scheduling.k8s.io/group-name", queue_default="default",
+        "volcano",
+        "scheduling.volcano.sh",
+        "v1beta1",
+        pod_annotation="scheduling.k8s.io/group-name",
+        queue_default="default",
     ),
 }
 
-_QUANTITIES = {"type": "object", "additionalProperties": {
-    "anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}}
+_QUANTITIES = {
+    "type": "object",
+    "additionalProperties": {
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "x-kubernetes-int-or-string": True,
+    },
+}
 
 
 def _spec_schema(s: GangScheduler) -> dict[str, Any]:
@@ -61,42 +71,67 @@ def _spec_schema(s: GangScheduler) -> dict[str, Any]:
     if s.queue_default is None:
         props["scheduleTimeoutSeconds"] = {"type": "integer", "format": "int32"}
     else:
-        props.update({
-            "queue": {"type": "string", "default": s.queue_default},
-            "priorityClassName": {"type": "string"},
-            "minTaskMember": {"type": "object", "additionalProperties": {"type": "integer"}},
-        })
+        props.update(
+            {
+                "queue": {"type": "string", "default": s.queue_default},
+                "priorityClassName": {"type": "string"},
+                "minTaskMember": {"type": "object", "additionalProperties": {"type": "integer"}},
+            }
+        )
     return {"type": "object", "properties": props}
 
 
 def _crd(s: GangScheduler) -> dict[str, Any]:
-    status = {"type": "object", "properties": {
-        "phase": {"type": "string"}, "running": {"type": "integer"},
-        "succeeded": {"type": "integer"}, "failed": {"type": "integer"},
-        "conditions": {"type": "array", "items": {
-            "type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-    }}
-    schema = {"type": "object", "properties": {
-        "apiVersion": {"type": "string"}, "kind": {"type": "string"},
-        "metadata": {"type": "object"}, "spec": _spec_schema(s), "status": status}}
+    status = {
+        "type": "object",
+        "properties": {
+            "phase": {"type": "string"},
+            "running": {"type": "integer"},
+            "succeeded": {"type": "integer"},
+            "failed": {"type": "integer"},
+            "conditions": {
+                "type": "array",
+                "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+            },
+        },
+    }
+    schema = {
+        "type": "object",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": _spec_schema(s),
+            "status": status,
+        },
+    }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {"name": f"podgroups.{s.group}"},
         "spec": {
             "group": s.group,
-            "names": {"kind": "PodGroup", "listKind": "PodGroupList", "plural": "podgroups",
-                      "singular": "podgroup", "shortNames": ["pg"]},
+            "names": {
+                "kind": "PodGroup",
+                "listKind": "PodGroupList",
+                "plural": "podgroups",
+                "singular": "podgroup",
+                "shortNames": ["pg"],
+            },
             "scope": "Namespaced",
-            "versions": [{
-                "name": s.version, "served": True, "storage": True,
-                "schema": {"openAPIV3Schema": schema},
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": [
-                    {"name": "Status", "type": "string", "jsonPath": ".status.phase"},
-                    {"name": "minMember", "type": "integer", "jsonPath": ".spec.minMember"},
-                ],
-            }],
+            "versions": [
+                {
+                    "name": s.version,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": "Status", "type": "string", "jsonPath": ".status.phase"},
+                        {"name": "minMember", "type": "integer", "jsonPath": ".spec.minMember"},
+                    ],
+                }
+            ],
         },
     }
 

@@ -49,7 +49,10 @@ def _check(result: int, what: str) -> None:
 
 
 def _mount(source: str, target: str, flags: int) -> None:
-    _check(_libc.mount(source.encode(), target.encode(), None, flags, None), f"mount {source} on {target}")
+    _check(
+        _libc.mount(source.encode(), target.encode(), None, flags, None),
+        f"mount {source} on {target}",
+    )
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -60,8 +60,13 @@ class MountPoints:
         self.created.clear()
 
 
-async def materialise_volumes(pod: Mapping[str, Any], directory: pathlib.Path, data_dir: pathlib.Path,
-                              fetch: FetchConfig, bind: BindClaim) -> dict[str, tuple[pathlib.Path, bool]]:
+async def materialise_volumes(
+    pod: Mapping[str, Any],
+    directory: pathlib.Path,
+    data_dir: pathlib.Path,
+    fetch: FetchConfig,
+    bind: BindClaim,
+) -> dict[str, tuple[pathlib.Path, bool]]:
     """Volume name -> (host path, read-only by nature)."""
     namespace = pod["metadata"].get("namespace", "default")
     volumes: dict[str, tuple[pathlib.Path, bool]] = {}
@@ -73,8 +78,14 @@ async def materialise_volumes(pod: Mapping[str, Any], directory: pathlib.Path, d
             ref = volume[kind]
             obj = await fetch(kind, namespace, ref.get("name") or ref.get("secretName", ""))
             if obj is None and not ref.get("optional"):
-                raise ConfigMissingError(f"{kind} {ref.get('name') or ref.get('secretName')!r} not found")
-            data = (secret_data(obj) if kind == "secret" else dict(obj.get("data") or {})) if obj else {}
+                raise ConfigMissingError(
+                    f"{kind} {ref.get('name') or ref.get('secretName')!r} not found"
+                )
+            data = (
+                (secret_data(obj) if kind == "secret" else dict(obj.get("data") or {}))
+                if obj
+                else {}
+            )
             items = ref.get("items") or [{"key": k, "path": k} for k in data]
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir(parents=True)
@@ -103,8 +114,12 @@ async def materialise_volumes(pod: Mapping[str, Any], directory: pathlib.Path, d
     return volumes
 
 
-def container_mounts(container: Mapping[str, Any], volumes: Mapping[str, tuple[pathlib.Path, bool]],
-                     hosts_file: pathlib.Path, mountpoints: MountPoints) -> list[dict[str, Any]]:
+def container_mounts(
+    container: Mapping[str, Any],
+    volumes: Mapping[str, tuple[pathlib.Path, bool]],
+    hosts_file: pathlib.Path,
+    mountpoints: MountPoints,
+) -> list[dict[str, Any]]:
     mounts = [{"source": str(hosts_file), "target": "/etc/hosts", "readOnly": False}]
     for mount in container.get("volumeMounts") or []:
         if mount["name"] not in volumes:
@@ -116,8 +131,13 @@ def container_mounts(container: Mapping[str, Any], volumes: Mapping[str, tuple[p
                 source.mkdir(parents=True)
         target = pathlib.Path(mount["mountPath"])
         mountpoints.ensure(target, is_file=source.is_file())
-        mounts.append({"source": str(source), "target": str(target),
-                       "readOnly": read_only or bool(mount.get("readOnly"))})
+        mounts.append(
+            {
+                "source": str(source),
+                "target": str(target),
+                "readOnly": read_only or bool(mount.get("readOnly")),
+            }
+        )
     return mounts
 
 
@@ -132,15 +152,23 @@ def image_paths(data_dir: pathlib.Path) -> list[str]:
     return sorted(paths)
 
 
-async def spawn(spec: dict[str, Any], spec_path: pathlib.Path, env: Mapping[str, str],
-                log_path: pathlib.Path) -> asyncio.subprocess.Process:
+async def spawn(
+    spec: dict[str, Any], spec_path: pathlib.Path, env: Mapping[str, str], log_path: pathlib.Path
+) -> asyncio.subprocess.Process:
     spec_path.write_text(json.dumps({**spec, "parentPid": os.getpid()}))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", str(_LAUNCHER), str(spec_path),
-            stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
-            env=dict(env), start_new_session=True,  # own process group: signals reach all of it
+            sys.executable,
+            "-I",
+            "-S",
+            str(_LAUNCHER),
+            str(spec_path),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,  # own process group: signals reach all of it
         )
 
 
@@ -205,11 +233,20 @@ def exit_code(returncode: int) -> int:
 async def probe_isolation(work: pathlib.Path) -> None:
     """Fail loudly when namespaces cannot be made, instead of running pods half-isolated."""
     work.mkdir(parents=True, exist_ok=True)
-    spec = {"hostname": "probe", "mounts": [], "workingDir": str(work), "argv": ["true"], "probe": True}
+    spec = {
+        "hostname": "probe",
+        "mounts": [],
+        "workingDir": str(work),
+        "argv": ["true"],
+        "probe": True,
+    }
     log = work / "isolation-probe.log"
-    proc = await spawn(spec, work / "isolation-probe.json", {"PATH": os.environ.get("PATH", "")}, log)
+    proc = await spawn(
+        spec, work / "isolation-probe.json", {"PATH": os.environ.get("PATH", "")}, log
+    )
     if await proc.wait() != 0:
         raise IsolationUnavailableError(
             "the local kubelet needs mount and UTS namespaces (unshare CLONE_NEWNS|CLONE_NEWUTS, "
             f"i.e. root or CAP_SYS_ADMIN) to give each pod its hostname and /etc/hosts: "
-            f"{log.read_text().strip()}")
+            f"{log.read_text().strip()}"
+        )

@@ -57,8 +57,11 @@ async def bind_claim(
     directory.mkdir(parents=True, exist_ok=True)
     if claim.get("status", {}).get("phase") != "Bound":
         spec = claim.get("spec", {})
-        status = {"phase": "Bound", "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
-                  "capacity": dict(spec.get("resources", {}).get("requests", {}))}
+        status = {
+            "phase": "Bound",
+            "accessModes": spec.get("accessModes", ["ReadWriteOnce"]),
+            "capacity": dict(spec.get("resources", {}).get("requests", {})),
+        }
         status_path = resource_path("v1", "persistentvolumeclaims", namespace, name, "status")
         await client.merge_patch(status_path, {"status": status})
     return directory

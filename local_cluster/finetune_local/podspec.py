@@ -48,11 +48,15 @@ def field_ref(pod: Mapping[str, Any], path: str) -> str:
     if match := _LABEL_FIELD.match(path):
         return str((meta.get(match.group(1)) or {}).get(match.group(2), ""))
     values = {
-        "metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"),
-        "metadata.uid": meta.get("uid"), "spec.nodeName": spec.get("nodeName"),
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
         "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
-        "status.podIP": status.get("podIP"), "status.podIPs": status.get("podIP"),
-        "status.hostIP": status.get("hostIP"), "status.hostIPs": status.get("hostIP"),
+        "status.podIP": status.get("podIP"),
+        "status.podIPs": status.get("podIP"),
+        "status.hostIP": status.get("hostIP"),
+        "status.hostIPs": status.get("hostIP"),
     }
     if path not in values:
         raise ValueError(f"unsupported fieldRef {path!r}")
@@ -68,12 +72,18 @@ def _key_ref(ref: Mapping[str, Any], kind: str, lookup: ConfigLookup, namespace:
         lower, title = _KIND_NAMES[kind]
         if data is None:
             raise ContainerConfigError(f'{lower} "{name}" not found')
-        raise ContainerConfigError(f"couldn't find key {ref.get('key')} in {title} {namespace}/{name}")
+        raise ContainerConfigError(
+            f"couldn't find key {ref.get('key')} in {title} {namespace}/{name}"
+        )
     return data[ref["key"]]
 
 
-def container_env(pod: Mapping[str, Any], container: Mapping[str, Any], lookup: ConfigLookup,
-                  base: Mapping[str, str]) -> dict[str, str]:
+def container_env(
+    pod: Mapping[str, Any],
+    container: Mapping[str, Any],
+    lookup: ConfigLookup,
+    base: Mapping[str, str],
+) -> dict[str, str]:
     """The process environment: ``base`` (PATH etc.), then envFrom, then env, in order."""
     env: dict[str, str] = dict(base)
     declared: dict[str, str] = {}
@@ -121,15 +131,23 @@ def endpoint_ips(service: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) 
     requirements = selector_from_match_labels(selector)
     namespace = service["metadata"].get("namespace")
     return sorted(
-        p["status"]["podIP"] for p in pods
-        if p["metadata"].get("namespace") == namespace and labels_match(requirements, p)
-        and p.get("status", {}).get("podIP") and p.get("status", {}).get("phase") == "Running"
+        p["status"]["podIP"]
+        for p in pods
+        if p["metadata"].get("namespace") == namespace
+        and labels_match(requirements, p)
+        and p.get("status", {}).get("podIP")
+        and p.get("status", {}).get("phase") == "Running"
         and not p["metadata"].get("deletionTimestamp")
     )
 
 
-def render_hosts(pod: Mapping[str, Any], pod_ip: str, services: Sequence[Mapping[str, Any]],
-                 pods: Sequence[Mapping[str, Any]], domain: str = "cluster.local") -> str:
+def render_hosts(
+    pod: Mapping[str, Any],
+    pod_ip: str,
+    services: Sequence[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+    domain: str = "cluster.local",
+) -> str:
     """The pod's /etc/hosts, standing in for cluster DNS.
 
     Every Service resolves as ``<svc>`` (same namespace only, like the DNS search path),
@@ -144,10 +162,16 @@ def render_hosts(pod: Mapping[str, Any], pod_ip: str, services: Sequence[Mapping
     own = hostname
     if spec.get("subdomain"):
         own = f"{hostname}.{spec['subdomain']}.{namespace}.svc.{domain} {hostname}"
-    lines = ["# Kubernetes-managed hosts file (finetune-operator local kubelet).",
-             "127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-             f"{pod_ip}\t{own}", "# services"]
-    for service in sorted(services, key=lambda s: (s["metadata"].get("namespace", ""), s["metadata"]["name"])):
+    lines = [
+        "# Kubernetes-managed hosts file (finetune-operator local kubelet).",
+        "127.0.0.1\tlocalhost",
+        "::1\tlocalhost ip6-localhost ip6-loopback",
+        f"{pod_ip}\t{own}",
+        "# services",
+    ]
+    for service in sorted(
+        services, key=lambda s: (s["metadata"].get("namespace", ""), s["metadata"]["name"])
+    ):
         name, ns = service["metadata"]["name"], service["metadata"].get("namespace", "default")
         names = [f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.{domain}"]
         if ns == namespace:
@@ -158,8 +182,13 @@ def render_hosts(pod: Mapping[str, Any], pod_ip: str, services: Sequence[Mapping
             for member in pods:
                 mspec = member.get("spec", {})
                 ip = member.get("status", {}).get("podIP")
-                if (mspec.get("subdomain") == name and member["metadata"].get("namespace") == ns
-                        and ip and member is not pod and member["metadata"]["name"] != meta["name"]):
+                if (
+                    mspec.get("subdomain") == name
+                    and member["metadata"].get("namespace") == ns
+                    and ip
+                    and member is not pod
+                    and member["metadata"]["name"] != meta["name"]
+                ):
                     host = mspec.get("hostname") or member["metadata"]["name"]
                     lines.append(f"{ip}\t{host}.{name}.{ns}.svc.{domain} {host}.{name}.{ns}.svc")
     return "\n".join(lines) + "\n"

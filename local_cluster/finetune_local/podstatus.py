@@ -14,8 +14,10 @@ def now() -> str:
 def conditions(ready: bool, reason: str = "") -> list[dict[str, Any]]:
     stamp = now()
     value = "True" if ready else "False"
-    result = [{"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp},
-                  {"type": "Initialized", "status": "True", "lastTransitionTime": stamp}]
+    result = [
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp},
+        {"type": "Initialized", "status": "True", "lastTransitionTime": stamp},
+    ]
     for kind in ("ContainersReady", "Ready"):
         condition = {"type": kind, "status": value, "lastTransitionTime": stamp}
         if reason:
@@ -25,21 +27,48 @@ def conditions(ready: bool, reason: str = "") -> list[dict[str, Any]]:
 
 
 def container_base(container: Mapping[str, Any], pid: int, restart_count: int) -> dict[str, Any]:
-    return {"name": container.get("name", "main"), "image": container.get("image", ""),
-            "imageID": "", "restartCount": restart_count,
-            "containerID": f"local://{pid}"}
+    return {
+        "name": container.get("name", "main"),
+        "image": container.get("image", ""),
+        "imageID": "",
+        "restartCount": restart_count,
+        "containerID": f"local://{pid}",
+    }
 
 
 def waiting(container: Mapping[str, Any], reason: str, message: str) -> dict[str, Any]:
-    return {"name": container.get("name", "main"), "image": container.get("image", ""), "imageID": "",
-            "ready": False, "started": False, "restartCount": 0,
-            "state": {"waiting": {"reason": reason, "message": message}}}
+    return {
+        "name": container.get("name", "main"),
+        "image": container.get("image", ""),
+        "imageID": "",
+        "ready": False,
+        "started": False,
+        "restartCount": 0,
+        "state": {"waiting": {"reason": reason, "message": message}},
+    }
 
 
-def running_status(pod: Mapping[str, Any], ip: str, started_at: str, pid: int, restart_count: int,
-                   container: Mapping[str, Any]) -> dict[str, Any]:
-    return {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "127.0.0.1",
-            "startTime": pod.get("status", {}).get("startTime") or started_at,
-            "conditions": conditions(True),
-            "containerStatuses": [{**container_base(container, pid, restart_count), "ready": True, "started": True,
-                                   "state": {"running": {"startedAt": started_at}}}]}
+def running_status(
+    pod: Mapping[str, Any],
+    ip: str,
+    started_at: str,
+    pid: int,
+    restart_count: int,
+    container: Mapping[str, Any],
+) -> dict[str, Any]:
+    return {
+        "phase": "Running",
+        "podIP": ip,
+        "podIPs": [{"ip": ip}],
+        "hostIP": "127.0.0.1",
+        "startTime": pod.get("status", {}).get("startTime") or started_at,
+        "conditions": conditions(True),
+        "containerStatuses": [
+            {
+                **container_base(container, pid, restart_count),
+                "ready": True,
+                "started": True,
+                "state": {"running": {"startedAt": started_at}},
+            }
+        ],
+    }

@@ -83,4 +83,3 @@ def summarize(job: JobObject) -> str:
         lines.append(f"  last checkpoint: step {ckpt.get('step')} at {ckpt.get('uri')}")
     lines.append(f"  restarts {status.get('restarts', 0)}")
     return "\n".join(lines)
-

@@ -15,13 +15,20 @@ import aiohttp
 
 class ApiStatusError(Exception):
     def __init__(self, status: int, body: Any) -> None:
-        super().__init__(f"HTTP {status}: {body.get('message') if isinstance(body, dict) else body}")
+        super().__init__(
+            f"HTTP {status}: {body.get('message') if isinstance(body, dict) else body}"
+        )
         self.status = status
         self.body = body
 
 
-def resource_path(api_version: str, plural: str, namespace: str | None = None,
-                  name: str | None = None, subresource: str | None = None) -> str:
+def resource_path(
+    api_version: str,
+    plural: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
     path = base + (f"/namespaces/{namespace}" if namespace else "") + f"/{plural}"
     return path + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
@@ -33,7 +40,9 @@ class RestClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> RestClient:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -45,12 +54,23 @@ class RestClient:
         assert self._session is not None, "use RestClient as an async context manager"
         return self._session
 
-    async def request(self, method: str, path: str, body: Any = None, *,
-                      params: dict[str, str] | None = None,
-                      content_type: str = "application/json") -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
         data = None if body is None else json.dumps(body)
-        async with self.session.request(method, self.base_url + path, data=data, params=params,
-                                        headers={"Content-Type": content_type}) as response:
+        async with self.session.request(
+            method,
+            self.base_url + path,
+            data=data,
+            params=params,
+            headers={"Content-Type": content_type},
+        ) as response:
             text = await response.text()
             payload = json.loads(text) if text.strip().startswith(("{", "[")) else text
             if response.status >= 400:
@@ -67,14 +87,21 @@ class RestClient:
         return await self.request("PATCH", path, patch, content_type="application/merge-patch+json")
 
     async def delete(self, path: str, grace_period_seconds: int | None = None) -> Any:
-        body = None if grace_period_seconds is None else {"gracePeriodSeconds": grace_period_seconds}
+        body = (
+            None if grace_period_seconds is None else {"gracePeriodSeconds": grace_period_seconds}
+        )
         return await self.request("DELETE", path, body)
 
-    async def watch(self, path: str, resource_version: str,
-                    timeout_seconds: int = 300) -> AsyncIterator[dict[str, Any]]:
+    async def watch(
+        self, path: str, resource_version: str, timeout_seconds: int = 300
+    ) -> AsyncIterator[dict[str, Any]]:
         """Yield watch events from ``resource_version`` until the server ends the stream."""
-        params = {"watch": "true", "resourceVersion": resource_version,
-                  "timeoutSeconds": str(timeout_seconds), "allowWatchBookmarks": "true"}
+        params = {
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": str(timeout_seconds),
+            "allowWatchBookmarks": "true",
+        }
         async with self.session.get(self.base_url + path, params=params) as response:
             if response.status >= 400:
                 raise ApiStatusError(response.status, await response.text())

@@ -83,9 +83,12 @@ def run_local(
         print(f"error: {err}", file=sys.stderr)
         return EXIT_REFUSED
     if manifest.spec.resources.device != "cpu":  # it would wait for a node until --timeout
-        print("error: spec.resources.device: the local cluster's nodes have no GPUs (its pods "
-              "are processes on this machine's CPU): set resources.device: cpu to run "
-              f"{manifest_path} here, or apply it to a cluster with GPUs", file=sys.stderr)
+        print(
+            "error: spec.resources.device: the local cluster's nodes have no GPUs (its pods "
+            "are processes on this machine's CPU): set resources.device: cpu to run "
+            f"{manifest_path} here, or apply it to a cluster with GPUs",
+            file=sys.stderr,
+        )
         return EXIT_REFUSED
     # The object as the reader saw it (a `---` or a `kind: List` around it, timestamps kept
     # as strings), exactly what kubectl would send: never the file parsed a second way.
@@ -101,25 +104,49 @@ def run_local(
         return EXIT_REFUSED
     try:
         with stop_signals_raise():
-            return _run(doc, manifest_path, manifest.name, manifest.namespace, directory,
-                        timeout_seconds, nodes, keep or data_dir is not None, out)
+            return _run(
+                doc,
+                manifest_path,
+                manifest.name,
+                manifest.namespace,
+                directory,
+                timeout_seconds,
+                nodes,
+                keep or data_dir is not None,
+                out,
+            )
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
-        print(f"{name}: the local cluster and its pods were stopped; its state and pod logs "
-              f"are kept in {directory}", file=sys.stderr)
+        print(
+            f"{name}: the local cluster and its pods were stopped; its state and pod logs "
+            f"are kept in {directory}",
+            file=sys.stderr,
+        )
         return 128 + stop.signum
 
 
-def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: str,
-         data_dir: Path, timeout_seconds: float, nodes: int, keep: bool,
-         out: TextIO) -> int:
+def _run(
+    doc: dict[str, Any],
+    manifest_path: str | Path,
+    name: str,
+    namespace: str,
+    data_dir: Path,
+    timeout_seconds: float,
+    nodes: int,
+    keep: bool,
+    out: TextIO,
+) -> int:
     with LocalSession(data_dir, nodes=nodes, namespaces=[namespace]) as session:
-        print(f"local cluster: {session.data_dir} (kubeconfig: "
-              f"{session.cluster.kubeconfig_path})", file=out)
+        print(
+            f"local cluster: {session.data_dir} (kubeconfig: {session.cluster.kubeconfig_path})",
+            file=out,
+        )
         try:
             session.submit(doc)
         except ApiException as err:
-            print(f"error: the API server refused {manifest_path}: {_refusal(err)}", file=sys.stderr)
+            print(
+                f"error: the API server refused {manifest_path}: {_refusal(err)}", file=sys.stderr
+            )
             return EXIT_REFUSED
         tracker = ProgressTracker(started=time.monotonic())
         seen: list[dict[str, Any]] = []  # the newest observation: what a timeout reports
@@ -132,24 +159,34 @@ def _run(doc: dict[str, Any], manifest_path: str | Path, name: str, namespace: s
 
         try:
             job = session.wait_for(
-                name, is_finished, namespace=namespace,
-                timeout=timeout_seconds, on_poll=show,
+                name,
+                is_finished,
+                namespace=namespace,
+                timeout=timeout_seconds,
+                on_poll=show,
             )
         except TimeoutError as err:
             if seen:  # its conditions say what it waits for (e.g. pods Pending, and why)
                 print(summarize(seen[0]), file=out)
-            print(f"error: {err}; cluster state and pod logs kept in {session.data_dir}",
-                  file=sys.stderr)
+            print(
+                f"error: {err}; cluster state and pod logs kept in {session.data_dir}",
+                file=sys.stderr,
+            )
             return EXIT_TIMEOUT
         print(summarize(job), file=out)
         failed = phase_of(job) != "Succeeded"
         if failed:  # the operator deletes a failed job's pods; their logs stay on disk
-            print(f"pod logs: {session.data_dir / 'pods' / namespace}/<pod>-<uid>/*.log",
-                  file=sys.stderr)
+            print(
+                f"pod logs: {session.data_dir / 'pods' / namespace}/<pod>-<uid>/*.log",
+                file=sys.stderr,
+            )
         # A failed job's logs are what the user needs next: never removed.
         kept = keep or failed
-        print(f"cluster state, pod logs and checkpoints: {session.data_dir}"
-              + ("" if kept else " (removed now; --keep keeps them)"), file=out)
+        print(
+            f"cluster state, pod logs and checkpoints: {session.data_dir}"
+            + ("" if kept else " (removed now; --keep keeps them)"),
+            file=out,
+        )
     if not kept:
         shutil.rmtree(session.data_dir, ignore_errors=True)
     return EXIT_SUCCEEDED if phase_of(job) == "Succeeded" else EXIT_FAILED

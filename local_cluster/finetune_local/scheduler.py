@@ -18,8 +18,21 @@ _BASIC = ("cpu", "memory", "ephemeral-storage", "pods")
 def quantity(value: Any) -> float:
     """A Kubernetes quantity (`500m`, `2Gi`, `1k`) as a number."""
     text = str(value)
-    suffixes = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+    suffixes = {
+        "m": 1e-3,
+        "k": 1e3,
+        "M": 1e6,
+        "G": 1e9,
+        "T": 1e12,
+        "P": 1e15,
+        "E": 1e18,
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "Pi": 2**50,
+        "Ei": 2**60,
+    }
     for suffix, factor in sorted(suffixes.items(), key=lambda kv: -len(kv[0])):
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * factor
@@ -63,8 +76,9 @@ def _term_matches(term: Mapping[str, Any], node: Mapping[str, Any]) -> bool:
     field_exprs = term.get("matchFields") or []
     if not exprs and not field_exprs:
         return False  # an empty term matches nothing, as in Kubernetes
-    return all(_expression_matches(e, labels) for e in exprs) and \
-        all(_expression_matches(e, fields) for e in field_exprs)
+    return all(_expression_matches(e, labels) for e in exprs) and all(
+        _expression_matches(e, fields) for e in field_exprs
+    )
 
 
 def _extended_requests(pod: Mapping[str, Any]) -> dict[str, float]:
@@ -78,8 +92,9 @@ def _extended_requests(pod: Mapping[str, Any]) -> dict[str, float]:
     return total
 
 
-def unfit_reason(pod: Mapping[str, Any], node: Mapping[str, Any],
-                 pods_on_node: list[Mapping[str, Any]]) -> str | None:
+def unfit_reason(
+    pod: Mapping[str, Any], node: Mapping[str, Any], pods_on_node: list[Mapping[str, Any]]
+) -> str | None:
     """Why ``pod`` cannot run on ``node`` (None if it can)."""
     spec = pod.get("spec", {})
     labels = node.get("metadata", {}).get("labels") or {}
@@ -87,8 +102,9 @@ def unfit_reason(pod: Mapping[str, Any], node: Mapping[str, Any],
         return "node(s) were unschedulable"
     if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
         return "node(s) didn't match Pod's node affinity/selector"
-    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
-                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
     terms = required.get("nodeSelectorTerms")
     if terms and not any(_term_matches(t, node) for t in terms):
         return "node(s) didn't match Pod's node affinity/selector"
@@ -105,8 +121,11 @@ def unfit_reason(pod: Mapping[str, Any], node: Mapping[str, Any],
     return None
 
 
-def pick_node(pod: Mapping[str, Any], nodes: list[Mapping[str, Any]],
-              pods_by_node: Mapping[str, list[Mapping[str, Any]]]) -> tuple[str | None, str]:
+def pick_node(
+    pod: Mapping[str, Any],
+    nodes: list[Mapping[str, Any]],
+    pods_by_node: Mapping[str, list[Mapping[str, Any]]],
+) -> tuple[str | None, str]:
     """The chosen node name, or None with a FailedScheduling-style message."""
     reasons: dict[str, int] = {}
     fitting: list[tuple[int, str]] = []
@@ -124,9 +143,13 @@ def pick_node(pod: Mapping[str, Any], nodes: list[Mapping[str, Any]],
     return None, f"0/{len(nodes)} nodes are available: {details}."
 
 
-def place_gang(pending: Sequence[Mapping[str, Any]], bound: int, min_member: int,
-               nodes: list[Mapping[str, Any]],
-               pods_by_node: Mapping[str, list[Mapping[str, Any]]]) -> tuple[dict[str, str], str]:
+def place_gang(
+    pending: Sequence[Mapping[str, Any]],
+    bound: int,
+    min_member: int,
+    nodes: list[Mapping[str, Any]],
+    pods_by_node: Mapping[str, list[Mapping[str, Any]]],
+) -> tuple[dict[str, str], str]:
     """All-or-nothing placement of a pod group (Coscheduling's Permit, Volcano's gang plugin):
     nodes for the group's ``pending`` pods, each placed as if the ones before it were bound,
     when with the ``bound`` members at least ``min_member`` run at once; else no node for any
@@ -144,7 +167,10 @@ def place_gang(pending: Sequence[Mapping[str, Any]], bound: int, min_member: int
     if bound + len(chosen) >= min_member:
         return chosen, ""
     if bound + len(pending) < min_member:
-        return {}, (f"the pod group has {bound + len(pending)} pods, fewer than its minMember "
-                    f"{min_member}")
-    return {}, (f"{why} The pod group needs {min_member} pods at once and {bound + len(chosen)} "
-                "fit: none is bound until all do.")
+        return {}, (
+            f"the pod group has {bound + len(pending)} pods, fewer than its minMember {min_member}"
+        )
+    return {}, (
+        f"{why} The pod group needs {min_member} pods at once and {bound + len(chosen)} "
+        "fit: none is bound until all do."
+    )

@@ -220,10 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("manifest", help="FineTuneJob YAML")
     run.add_argument("--local", action="store_true", help="on the embedded local cluster")
     run.add_argument("--data-dir", default=None, help="local cluster state (default: temp dir)")
-    run.add_argument("--timeout", type=_positive(float), default=1800.0,
-                     help="give up after N seconds (default: %(default)g)")
-    run.add_argument("--nodes", type=_positive(int), default=4,
-                     help="virtual nodes in the local cluster (default: %(default)s)")
+    run.add_argument(
+        "--timeout",
+        type=_positive(float),
+        default=1800.0,
+        help="give up after N seconds (default: %(default)g)",
+    )
+    run.add_argument(
+        "--nodes",
+        type=_positive(int),
+        default=4,
+        help="virtual nodes in the local cluster (default: %(default)s)",
+    )
     run.add_argument("--keep", action="store_true", help="keep the data dir afterwards")
     run.set_defaults(func=_cmd_run)
 

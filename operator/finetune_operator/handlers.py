@@ -287,7 +287,9 @@ def _with_progress(status: Any, out: Outcome, pods: list[PodView], pages: dict[S
     finals = [parse_termination_message(p.termination_message) for p in pods if p.is_worker]
     progress = combine_progress([*(parse_trainer_metrics(p) for p in pages.values()), *finals])
     merged = merge_progress(status, progress, out.evaluation.spec.checkpoint.uri)
-    return note_checkpoint_health(merged, progress, datetime.now(UTC), out.evaluation.job.generation)
+    return note_checkpoint_health(
+        merged, progress, datetime.now(UTC), out.evaluation.job.generation
+    )
 
 
 def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any, out: Outcome,

@@ -29,12 +29,13 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 
-
 def _labels(m: mn.Metric) -> list[str]:
     return list(m.labels)
 
 
-JOBS = Gauge(mn.OPERATOR_JOBS.family, mn.OPERATOR_JOBS.help, _labels(mn.OPERATOR_JOBS), registry=REGISTRY)
+JOBS = Gauge(
+    mn.OPERATOR_JOBS.family, mn.OPERATOR_JOBS.help, _labels(mn.OPERATOR_JOBS), registry=REGISTRY
+)
 RECONCILE_DURATION = Histogram(
     mn.OPERATOR_RECONCILE_DURATION.family,
     mn.OPERATOR_RECONCILE_DURATION.help,

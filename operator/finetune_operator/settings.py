@@ -176,7 +176,9 @@ def settings_from_args(
     )
 
 
-def parse_operator_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> OperatorSettings:
+def parse_operator_args(
+    argv: Sequence[str], env: Mapping[str, str] | None = None
+) -> OperatorSettings:
     """Settings from `ftjob operator` flags, e.g. the args the chart's Deployment renders."""
     parser = argparse.ArgumentParser(prog="ftjob operator", exit_on_error=False)
     add_operator_arguments(parser, env or {})

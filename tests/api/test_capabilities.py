@@ -53,8 +53,9 @@ def test_fp16_runs_on_the_torch_backend_on_cpu_too(strategy: str) -> None:
 
 
 def test_adamw8bit_runs_under_ddp_on_a_gpu() -> None:
-    gpu = _spec(resources__device="gpu", resources__gpu={"memoryGiB": 80},
-                training__optimizer="adamw8bit")
+    gpu = _spec(
+        resources__device="gpu", resources__gpu={"memoryGiB": 80}, training__optimizer="adamw8bit"
+    )
     assert trainer_refusals(gpu, _plan("ddp")) == []
     [problem] = trainer_refusals(gpu, _plan("fsdp-full-shard"))
     assert "use adamw, or strategy.type ddp" in problem
@@ -67,36 +68,73 @@ def test_adamw8bit_runs_under_ddp_on_a_gpu() -> None:
 def test_deepspeed_plans_are_accepted(strategy: str, offload: str) -> None:
     spec = _spec(strategy__backend="deepspeed", strategy__type=strategy)
     assert trainer_refusals(spec, _plan(strategy, "deepspeed", offload=offload)) == []
-    gpu = _spec(strategy__backend="deepspeed", training__precision="fp16",
-                resources__device="gpu", resources__gpu={"memoryGiB": 80})
+    gpu = _spec(
+        strategy__backend="deepspeed",
+        training__precision="fp16",
+        resources__device="gpu",
+        resources__gpu={"memoryGiB": 80},
+    )
     assert trainer_refusals(gpu, _plan(strategy, "deepspeed", offload=offload)) == []
 
 
 @pytest.mark.parametrize(
     ("spec", "plan", "field"),
     [
-        (_spec(strategy__backend="deepspeed", training__precision="fp16"),
-         _plan("zero2", "deepspeed"), "spec.training.precision"),
-        (_spec(strategy__backend="deepspeed", method__type="qlora", resources__device="gpu",
-               resources__gpu={"memoryGiB": 80}), _plan("zero2", "deepspeed"), "spec.method.type"),
+        (
+            _spec(strategy__backend="deepspeed", training__precision="fp16"),
+            _plan("zero2", "deepspeed"),
+            "spec.training.precision",
+        ),
+        (
+            _spec(
+                strategy__backend="deepspeed",
+                method__type="qlora",
+                resources__device="gpu",
+                resources__gpu={"memoryGiB": 80},
+            ),
+            _plan("zero2", "deepspeed"),
+            "spec.method.type",
+        ),
         (_spec(), _plan("fsdp-full-shard", offload="nvme"), "spec.strategy.offload"),
         (_spec(), _plan("ddp", offload="cpu"), "spec.strategy.offload"),
         (_spec(training__optimizer="adamw8bit"), _plan(), "spec.training.optimizer"),
-        (_spec(resources__device="gpu", resources__gpu={"memoryGiB": 80},
-               training__optimizer="adamw8bit"), _plan("fsdp-full-shard"),
-         "spec.training.optimizer"),
+        (
+            _spec(
+                resources__device="gpu",
+                resources__gpu={"memoryGiB": 80},
+                training__optimizer="adamw8bit",
+            ),
+            _plan("fsdp-full-shard"),
+            "spec.training.optimizer",
+        ),
         (_spec(method__type="qlora"), _plan(), "spec.method.type"),
         (_spec(model__attention="flash"), _plan(), "spec.model.attention"),
-        (_spec(method__type="qlora", resources__device="gpu", resources__gpu={"memoryGiB": 80}),
-         _plan("fsdp-full-shard"), "spec.method.type"),
+        (
+            _spec(method__type="qlora", resources__device="gpu", resources__gpu={"memoryGiB": 80}),
+            _plan("fsdp-full-shard"),
+            "spec.method.type",
+        ),
         # s3:// datasets are read (data.remote); s3:// weights not by DeepSpeed's loaders.
-        (_spec(model__source="uri", model__path="s3://bucket/model",
-               strategy__backend="deepspeed"), _plan("zero3", "deepspeed"), "spec.model.path"),
+        (
+            _spec(
+                model__source="uri", model__path="s3://bucket/model", strategy__backend="deepspeed"
+            ),
+            _plan("zero3", "deepspeed"),
+            "spec.model.path",
+        ),
     ],
-    ids=["fp16-deepspeed-cpu", "qlora-deepspeed", "nvme", "offload-ddp", "adamw8bit-cpu",
-         "adamw8bit-fsdp", "qlora-cpu", "flash-cpu",
-         "qlora-fsdp",
-         "s3-weights-deepspeed"],
+    ids=[
+        "fp16-deepspeed-cpu",
+        "qlora-deepspeed",
+        "nvme",
+        "offload-ddp",
+        "adamw8bit-cpu",
+        "adamw8bit-fsdp",
+        "qlora-cpu",
+        "flash-cpu",
+        "qlora-fsdp",
+        "s3-weights-deepspeed",
+    ],
 )
 def test_refusals_name_the_field(spec: FineTuneJobSpec, plan: Plan, field: str) -> None:
     problems = trainer_refusals(spec, plan)
@@ -125,8 +163,13 @@ def test_zero3_on_fsdp_is_fsdp_full_shard_and_runs() -> None:
 
 @pytest.mark.parametrize(
     ("strategy", "backend", "offload_ok"),
-    [("ddp", "fsdp", False), ("zero1", "deepspeed", True), ("zero2", "deepspeed", True),
-     ("zero3", "deepspeed", True), ("fsdp-full-shard", "fsdp", True)],
+    [
+        ("ddp", "fsdp", False),
+        ("zero1", "deepspeed", True),
+        ("zero2", "deepspeed", True),
+        ("zero3", "deepspeed", True),
+        ("fsdp-full-shard", "fsdp", True),
+    ],
 )
 def test_offload_follows_the_table(strategy: str, backend: str, offload_ok: bool) -> None:
     table = STRATEGIES.implementing(DEEPSPEED_ROWS)
@@ -140,8 +183,10 @@ def test_offload_follows_the_table(strategy: str, backend: str, offload_ok: bool
     ("spec", "field"),
     [
         (_spec(training__precision="fp16"), "spec.training.precision"),
-        (_spec(method__type="qlora", resources__device="gpu", resources__gpu={"memoryGiB": 80}),
-         "spec.method.type"),
+        (
+            _spec(method__type="qlora", resources__device="gpu", resources__gpu={"memoryGiB": 80}),
+            "spec.method.type",
+        ),
     ],
     ids=["fp16-cpu", "qlora"],
 )

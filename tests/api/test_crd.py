@@ -91,8 +91,11 @@ def _rules_pass(model: str, obj: dict[str, Any]) -> bool:
         ("FaultToleranceSpec", {"hangTimeoutSeconds": 600, "collectiveTimeoutSeconds": 600}, False),
         (
             "FaultToleranceSpec",
-            {"hangTimeoutSeconds": 900, "collectiveTimeoutSeconds": 300,
-             "startupCollectiveTimeoutSeconds": 120},
+            {
+                "hangTimeoutSeconds": 900,
+                "collectiveTimeoutSeconds": 300,
+                "startupCollectiveTimeoutSeconds": 120,
+            },
             False,
         ),
         ("GangSchedulingSpec", {"scheduler": "coscheduling", "scheduleTimeoutSeconds": 60}, True),
@@ -120,7 +123,9 @@ def test_cel_rules(model: str, obj: dict[str, Any], ok: bool) -> None:
     assert _rules_pass(model, obj) is ok
 
 
-@pytest.mark.parametrize(("value", "ok"), [(1, True), (4, True), ("auto", True), (0, False), ("x", False)])
+@pytest.mark.parametrize(
+    ("value", "ok"), [(1, True), (4, True), ("auto", True), (0, False), ("x", False)]
+)
 def test_int_or_auto_rule(value: Any, ok: bool) -> None:
     assert _cel(INT_OR_AUTO_RULE["rule"], value) is ok
 

@@ -46,7 +46,12 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         # Worded as the API server words them (kubectl apply shows the same).
         ("spec.method.type", "dpo", "spec.method.type", '"full", "lora", "qlora"'),
         ("spec.resources.minNodes", 5, "spec.resources.minNodes", "must be <= maxNodes"),
-        ("spec.training.sequenceLength", 4, "spec.training.sequenceLength", "greater than or equal"),
+        (
+            "spec.training.sequenceLength",
+            4,
+            "spec.training.sequenceLength",
+            "greater than or equal",
+        ),
         ("spec.training.microBatchSize", "big", "spec.training.microBatchSize", "auto"),
         ("spec.strategy.type", "zero4", "spec.strategy.type", "zero3"),
         ("spec.training.learningRate", -1, "spec.training.learningRate", "greater than 0"),
@@ -88,7 +93,9 @@ def test_invalid_manifest_names_field(
 
 
 @pytest.mark.parametrize(
-    ("cpu", "memory"), [(8, 2147483648), ("500m", "64Gi"), (0, "1G")], ids=["ints", "strings", "zero"]
+    ("cpu", "memory"),
+    [(8, 2147483648), ("500m", "64Gi"), (0, "1G")],
+    ids=["ints", "strings", "zero"],
 )
 def test_resource_quantities_are_int_or_string_as_in_a_pod(cpu: Any, memory: Any) -> None:
     """`cpu: 8` is what most Kubernetes users write; the pod gets the same quantity as text."""
@@ -219,8 +226,10 @@ def test_numbers_read_as_kubectl_reads_them(field: str, text: str, value: Any) -
 def test_a_number_where_a_string_belongs_is_refused_as_kubectl_would() -> None:
     """`revision: 1e3` is the number 1000 to kubectl, and the API server refuses a number for
     a string field: not the string '1e3' it is to a YAML 1.1 reader."""
-    text = (EXAMPLES / "quickstart.yaml").read_text().replace(
-        "source: inline", "source: inline\n    revision: 1e3"
+    text = (
+        (EXAMPLES / "quickstart.yaml")
+        .read_text()
+        .replace("source: inline", "source: inline\n    revision: 1e3")
     )
     doc, problems = parse_yaml_document(text)
     assert problems == [] and doc["spec"]["model"]["revision"] == 1000
@@ -228,14 +237,16 @@ def test_a_number_where_a_string_belongs_is_refused_as_kubectl_would() -> None:
         parse_manifest(doc, "job.yaml")
 
 
-@pytest.mark.parametrize(("text", "value"), [("y", True), ("N", False), ("yes", True), ("off", False)])
+@pytest.mark.parametrize(
+    ("text", "value"), [("y", True), ("N", False), ("yes", True), ("off", False)]
+)
 def test_yaml_1_1_booleans_as_kubectl_reads_them(text: str, value: bool) -> None:
     """go-yaml v2 (kubectl) also reads y/Y/n/N as booleans, which a YAML 1.1 reader leaves
     as strings: `mergeLora: y` is true to kubectl."""
     doc, problems = parse_yaml_document(
-        (EXAMPLES / "quickstart.yaml").read_text().replace(
-            "output:\n", f"output:\n    mergeLora: {text}\n"
-        )
+        (EXAMPLES / "quickstart.yaml")
+        .read_text()
+        .replace("output:\n", f"output:\n    mergeLora: {text}\n")
     )
     assert problems == [] and doc["spec"]["output"]["mergeLora"] is value
 

@@ -59,8 +59,15 @@ def test_suspend_and_resume_are_accepted(schema: CustomResourceSchema, job: dict
         lambda s: s.setdefault("resources", {}).update(affinity={"nodeAffinity": {}}),  # free-form
         lambda s: s.setdefault("strategy", {}).update(type="fsdp-full-shard"),
     ],
-    ids=["maxSteps", "architecture", "dataset", "add output", "drop checkpoint", "affinity",
-         "strategy"],
+    ids=[
+        "maxSteps",
+        "architecture",
+        "dataset",
+        "add output",
+        "drop checkpoint",
+        "affinity",
+        "strategy",
+    ],
 )
 def test_any_other_change_is_refused_naming_the_rule(
     schema: CustomResourceSchema, job: dict[str, Any], edit: Any
@@ -68,7 +75,9 @@ def test_any_other_change_is_refused_naming_the_rule(
     assert _refused(_update(schema, job, edit))
 
 
-def test_a_change_with_suspend_is_refused_too(schema: CustomResourceSchema, job: dict[str, Any]) -> None:
+def test_a_change_with_suspend_is_refused_too(
+    schema: CustomResourceSchema, job: dict[str, Any]
+) -> None:
     """Suspending does not open the spec: a resumed job must be the one its checkpoints hold."""
 
     def edit(s: dict[str, Any]) -> None:
@@ -78,13 +87,19 @@ def test_a_change_with_suspend_is_refused_too(schema: CustomResourceSchema, job:
     assert _refused(_update(schema, job, edit))
 
 
-def test_creation_is_not_judged_by_the_rule(schema: CustomResourceSchema, job: dict[str, Any]) -> None:
+def test_creation_is_not_judged_by_the_rule(
+    schema: CustomResourceSchema, job: dict[str, Any]
+) -> None:
     assert schema.validate(job) == []  # no old object: transition rules do not apply
 
 
 def test_the_rule_covers_every_spec_field_but_suspend() -> None:
     rule = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    text = next(r["rule"] for r in rule["x-kubernetes-validations"] if r["message"] == IMMUTABLE_SPEC_MESSAGE)
+    text = next(
+        r["rule"]
+        for r in rule["x-kubernetes-validations"]
+        if r["message"] == IMMUTABLE_SPEC_MESSAGE
+    )
     fields = {f.alias or name for name, f in FineTuneJobSpec.model_fields.items()}
     assert "suspend" in fields and {"suspend"} == MUTABLE_SPEC_FIELDS
     for name in fields - MUTABLE_SPEC_FIELDS:

@@ -43,7 +43,8 @@ def test_resolve(name: StrategyName, backend: str, expected: tuple[str, str]) ->
 
 
 @pytest.mark.parametrize(
-    ("name", "stage"), [("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("fsdp-full-shard", 3)]
+    ("name", "stage"),
+    [("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("fsdp-full-shard", 3)],
 )
 def test_zero_stage_follows_what_is_sharded(name: StrategyName, stage: int) -> None:
     assert STRATEGIES.canonical(name).zero_stage == stage

@@ -49,7 +49,9 @@ def _expand(template: str, labels: dict[str, str], value: str) -> str:
     return template.replace('{{ $value | printf "%.2f" }}', value)
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make promtool: apt-get install prometheus)")
+@pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not installed (make promtool: apt-get install prometheus)"
+)
 def test_straggler_alert_fires_on_the_operator_series(render: Render, tmp_path: Path) -> None:
     rule = only(render(*ALL_OPTIONAL), "PrometheusRule")
     alert = next(r for g in rule["spec"]["groups"] for r in g["rules"] if r["alert"] == ALERT)

@@ -33,10 +33,16 @@ def test_absent_by_default(render: Render) -> None:
 
 @pytest.mark.parametrize(
     ("schedulers", "granted"),
-    [("{coscheduling}", {COSCHEDULING}), ("{volcano}", {VOLCANO}), ("{coscheduling,volcano}", {COSCHEDULING, VOLCANO})],
+    [
+        ("{coscheduling}", {COSCHEDULING}),
+        ("{volcano}", {VOLCANO}),
+        ("{coscheduling,volcano}", {COSCHEDULING, VOLCANO}),
+    ],
     ids=["coscheduling", "volcano", "both"],
 )
-def test_cluster_role_grants_exactly_the_chosen_podgroups(render: Render, schedulers: str, granted: set) -> None:
+def test_cluster_role_grants_exactly_the_chosen_podgroups(
+    render: Render, schedulers: str, granted: set
+) -> None:
     grants = _grants([only(render(f"gangScheduling.schedulers={schedulers}"), "ClusterRole")])
     assert {k for k in grants if k[1] == "podgroups"} == granted
     assert all(grants[k] == VERBS for k in granted)
@@ -61,8 +67,10 @@ def test_default_reaches_the_operator_as_flags(render: Render) -> None:
     ("sets", "message"),
     [
         (("gangScheduling.default=volcano",), "must be one of gangScheduling.schedulers"),
-        (("gangScheduling.schedulers={coscheduling}", "gangScheduling.schedulerName=x"),
-         "applies to gangScheduling.default"),
+        (
+            ("gangScheduling.schedulers={coscheduling}", "gangScheduling.schedulerName=x"),
+            "applies to gangScheduling.default",
+        ),
         (("gangScheduling.schedulers={kueue}",), "must be one of the following"),
     ],
     ids=["default-not-granted", "name-without-default", "unknown-scheduler"],

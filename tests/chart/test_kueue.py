@@ -31,18 +31,34 @@ def test_absent_by_default(render: Render) -> None:
 def test_cluster_wide_grants_workloads_and_flavors(render: Render) -> None:
     docs = render("kueue.enabled=true")
     grants = _kueue_grants([only(docs, "ClusterRole")])
-    assert grants == {WORKLOADS: {"create", "get", "patch", "delete"}, STATUS: {"patch"}, FLAVORS: {"get"},
-                      WPC: {"get"}, PRIORITY: {"get"}}
+    assert grants == {
+        WORKLOADS: {"create", "get", "patch", "delete"},
+        STATUS: {"patch"},
+        FLAVORS: {"get"},
+        WPC: {"get"},
+        PRIORITY: {"get"},
+    }
     for doc in docs:
         if doc["kind"] in ("ClusterRole", "Role"):
             kubernetes_validate.validate(doc, "1.32", strict=True)
 
 
-def test_namespaced_mode_grants_workloads_per_namespace_and_flavors_cluster_wide(render: Render) -> None:
-    docs = render("kueue.enabled=true", "operator.clusterWide=false", "operator.watchNamespaces={ml,research}")
+def test_namespaced_mode_grants_workloads_per_namespace_and_flavors_cluster_wide(
+    render: Render,
+) -> None:
+    docs = render(
+        "kueue.enabled=true", "operator.clusterWide=false", "operator.watchNamespaces={ml,research}"
+    )
     # Flavors and priority classes are cluster-scoped: a Role cannot grant them.
-    assert _kueue_grants([only(docs, "ClusterRole")]) == {FLAVORS: {"get"}, WPC: {"get"}, PRIORITY: {"get"}}
+    assert _kueue_grants([only(docs, "ClusterRole")]) == {
+        FLAVORS: {"get"},
+        WPC: {"get"},
+        PRIORITY: {"get"},
+    }
     roles = [d for d in docs if d["kind"] == "Role"]
     assert len(roles) == 2
     for role in roles:
-        assert _kueue_grants([role]) == {WORKLOADS: {"create", "get", "patch", "delete"}, STATUS: {"patch"}}
+        assert _kueue_grants([role]) == {
+            WORKLOADS: {"create", "get", "patch", "delete"},
+            STATUS: {"patch"},
+        }

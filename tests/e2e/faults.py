@@ -108,13 +108,20 @@ class FaultRunner:
             ckpt = int((s.get("lastCheckpoint") or {}).get("step") or 0)
             return (s.get("readyWorkers") == 2 and self.max_step() >= base + min_step_ahead
                     and ckpt > max(self.resumes(), default=0))  # fmt: skip
+
         wait_until(settled, f"{self.name} to train on 2 workers", 240, 0.5,
                    detail=lambda: str(_status(self.job())))  # fmt: skip
         assert phase_of(self.job()) == "Running"
         return self.max_step()
 
-    def inject(self, fault: str, action: Callable[[], None], *, max_redone: int = INTERVAL,
-               timeout: float = 240) -> Recovery:
+    def inject(
+        self,
+        fault: str,
+        action: Callable[[], None],
+        *,
+        max_redone: int = INTERVAL,
+        timeout: float = 240,
+    ) -> Recovery:
         self.ready()
         resumes_before = self.resumes_by_log()
         before = _status(self.job())
@@ -176,7 +183,9 @@ def run_drills(session: LocalSession, name: str = FAULTS_JOB) -> list[Recovery]:
     root = session.data_dir / "shared" / "checkpoints" / name
     worker = [f"{name}-worker-0", f"{name}-worker-1"]
 
-    r = runner.inject("SIGKILL trainer", lambda: os.kill(runner.trainer_pid(worker[1]), signal.SIGKILL))
+    r = runner.inject(
+        "SIGKILL trainer", lambda: os.kill(runner.trainer_pid(worker[1]), signal.SIGKILL)
+    )
     assert (r.restarts, r.preemptions) == (0, 0), r  # torchrun restarts it inside the pod
 
     corrupted: list[int] = []

@@ -35,7 +35,9 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSession]:
 # ~3 minutes on a quiet 2-core machine; seen taking 10 at load 12 (two end-to-end runs beside
 # other work): more than the suite's 600 s per test.
 @pytest.mark.timeout(900)
-def test_fault_sequence_on_one_long_job(session: LocalSession, quickstart_doc: dict[str, Any]) -> None:
+def test_fault_sequence_on_one_long_job(
+    session: LocalSession, quickstart_doc: dict[str, Any]
+) -> None:
     doc = faults_job(quickstart_doc)
     second = faults_job(quickstart_doc, "ft-second", steps=25)
     session.submit(doc)
@@ -71,11 +73,19 @@ def test_fault_sequence_on_one_long_job(session: LocalSession, quickstart_doc: d
             )
         ]
 
-    wait_until(lambda: not remaining(), "the job's objects to be deleted", 60, 0.5, detail=lambda: str(remaining()))
+    wait_until(
+        lambda: not remaining(),
+        "the job's objects to be deleted",
+        60,
+        0.5,
+        detail=lambda: str(remaining()),
+    )
     assert committed_steps(root)[-1] == FAULTS_STEPS
 
 
-def test_invalid_manifest_refused_with_field(session: LocalSession, quickstart_doc: dict[str, Any]) -> None:
+def test_invalid_manifest_refused_with_field(
+    session: LocalSession, quickstart_doc: dict[str, Any]
+) -> None:
     quickstart_doc["metadata"]["name"] = "ft-invalid"
     quickstart_doc["spec"]["resources"]["minNodes"] = 3  # > maxNodes (2)
     with pytest.raises(ApiException) as err:
@@ -89,13 +99,17 @@ def test_invalid_manifest_refused_with_field(session: LocalSession, quickstart_d
     assert err.value.status == 422 and "spec.method.type" in str(err.value.body)
 
 
-def test_infeasible_job_fails_with_reason_and_creates_nothing(session: LocalSession, quickstart_doc: dict[str, Any]) -> None:
+def test_infeasible_job_fails_with_reason_and_creates_nothing(
+    session: LocalSession, quickstart_doc: dict[str, Any]
+) -> None:
     doc = quickstart_doc
     doc["metadata"]["name"] = "ft-70b"
     doc["spec"]["model"] = {"name": "meta-llama/Llama-3.1-70B"}
     doc["spec"]["training"].update({"sequenceLength": 2048, "precision": "bf16"})
     doc["spec"]["resources"] = {
-        "gpu": {"product": "RTX-4090-24GB", "memoryGiB": 24}, "gpusPerNode": 2, "maxGPUs": 2,
+        "gpu": {"product": "RTX-4090-24GB", "memoryGiB": 24},
+        "gpusPerNode": 2,
+        "maxGPUs": 2,
     }
     doc["spec"]["strategy"] = {"type": "auto"}
     session.submit(doc)
@@ -121,4 +135,3 @@ def test_kubectl_get_ftj(session: LocalSession) -> None:
     header = out.splitlines()[0].split()
     assert header == ["NAME", "PHASE", "GPUS", "STRATEGY", "STEP", "RESTARTS", "AGE"], out
     assert "ft-70b" in out and "Failed" in out
-

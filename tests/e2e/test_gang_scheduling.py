@@ -47,15 +47,23 @@ def test_second_gang_waits_whole_until_the_first_gives_its_nodes_back(
         assert core is not None
 
         def workers(job: str) -> list[Any]:
-            pods = core.list_namespaced_pod("default", label_selector=f"finetune.dev/job={job}").items
+            pods = core.list_namespaced_pod(
+                "default", label_selector=f"finetune.dev/job={job}"
+            ).items
             live = [p for p in pods if not p.metadata.deletion_timestamp]
             return [p for p in live if p.metadata.labels.get("finetune.dev/role") == "worker"]
 
         def unschedulable(job: str) -> Callable[[], list[Any] | None]:
             def check() -> list[Any] | None:
                 pods = workers(job)
-                conds = [c for p in pods for c in p.status.conditions or [] if c.type == "PodScheduled"]
-                ok = len(pods) == 2 and len(conds) == 2 and all(c.reason == "Unschedulable" for c in conds)
+                conds = [
+                    c for p in pods for c in p.status.conditions or [] if c.type == "PodScheduled"
+                ]
+                ok = (
+                    len(pods) == 2
+                    and len(conds) == 2
+                    and all(c.reason == "Unschedulable" for c in conds)
+                )
                 return pods if ok else None
 
             return check
@@ -80,7 +88,9 @@ def test_second_gang_waits_whole_until_the_first_gives_its_nodes_back(
         assert all(p.spec.scheduler_name == "scheduler-plugins-scheduler" for p in pending)
         assert "needs 2 pods at once" in pending[0].status.conditions[0].message
         assert pod_group("gang-b")["spec"]["minMember"] == 2
-        job_b = session.wait_for("gang-b", lambda j: "Unschedulable" in json.dumps(j.get("status", {})), timeout=30)
+        job_b = session.wait_for(
+            "gang-b", lambda j: "Unschedulable" in json.dumps(j.get("status", {})), timeout=30
+        )
         assert phase_of(job_b) == "Pending"  # and `kubectl describe ftj gang-b` says why
 
         suspend("gang-a", True)
@@ -110,7 +120,9 @@ def test_missing_pod_group_crd_makes_the_job_wait_then_start_once_installed(
         def waiting(job: dict[str, Any]) -> bool:
             conds = {c["type"]: c for c in job.get("status", {}).get("conditions", [])}
             ready = conds.get("WorkersReady", {})
-            return ready.get("status") == "False" and "podgroups.scheduling.x-k8s.io" in ready.get("message", "")
+            return ready.get("status") == "False" and "podgroups.scheduling.x-k8s.io" in ready.get(
+                "message", ""
+            )
 
         job = session.wait_for("gang-c", waiting, timeout=60)
         assert phase_of(job) == "Pending"
@@ -120,8 +132,18 @@ def test_missing_pod_group_crd_makes_the_job_wait_then_start_once_installed(
         client.ApiextensionsV1Api(core.api_client).create_custom_resource_definition(
             GANG_SCHEDULERS["coscheduling"].crd()
         )
-        wait_until(lambda: len(core.list_namespaced_pod(
-            "default", label_selector="finetune.dev/job=gang-c").items) == 3, "gang-c's workers", 60)
+        wait_until(
+            lambda: (
+                len(
+                    core.list_namespaced_pod(
+                        "default", label_selector="finetune.dev/job=gang-c"
+                    ).items
+                )
+                == 3
+            ),
+            "gang-c's workers",
+            60,
+        )
         group = session.custom.get_namespaced_custom_object(
             "scheduling.x-k8s.io", "v1alpha1", "default", "podgroups", "gang-c"
         )

@@ -43,7 +43,9 @@ class PlaysKueue:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            found: dict[str, Any] = self.custom.get_namespaced_custom_object(*KUEUE, "default", "workloads", NAME)
+            found: dict[str, Any] = self.custom.get_namespaced_custom_object(
+                *KUEUE, "default", "workloads", NAME
+            )
             return found
         except ApiException as err:
             if err.status == 404:
@@ -56,14 +58,23 @@ class PlaysKueue:
 
     def _status(self, status: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(
-            *KUEUE, "default", "workloads", NAME, {"status": status}, _content_type="application/merge-patch+json"
+            *KUEUE,
+            "default",
+            "workloads",
+            NAME,
+            {"status": status},
+            _content_type="application/merge-patch+json",
         )
 
     def no_quota(self, message: str) -> None:
         self._status({"conditions": [_cond("QuotaReserved", "False", "Pending", message)]})
 
     def admit(self, count: int) -> None:
-        others = [c for t, c in self.conditions().items() if t not in ("QuotaReserved", "Admitted", "Evicted")]
+        others = [
+            c
+            for t, c in self.conditions().items()
+            if t not in ("QuotaReserved", "Admitted", "Evicted")
+        ]
         self._status({
             "conditions": [*others, _cond("QuotaReserved", "True", "QuotaReserved", "Quota reserved in ClusterQueue cq"),
                            _cond("Admitted", "True", "Admitted", "The workload is admitted"),
@@ -86,7 +97,9 @@ def _workers(session: LocalSession) -> list[Any]:
 
 def _job_pods(session: LocalSession) -> list[Any]:
     assert session.core is not None
-    return list(session.core.list_namespaced_pod("default", label_selector=f"{LABEL_JOB}={NAME}").items)
+    return list(
+        session.core.list_namespaced_pod("default", label_selector=f"{LABEL_JOB}={NAME}").items
+    )
 
 
 def _succeeded_cond(job: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +111,9 @@ def _checkpoint(job: dict[str, Any]) -> int:
     return int(((job.get("status") or {}).get("lastCheckpoint") or {}).get("step") or 0)
 
 
-def test_queued_admitted_evicted_readmitted_succeeds(quickstart_doc: dict[str, Any], tmp_path: Path) -> None:
+def test_queued_admitted_evicted_readmitted_succeeds(
+    quickstart_doc: dict[str, Any], tmp_path: Path
+) -> None:
     with LocalSession(tmp_path / "cluster", nodes=2, kueue=True, node_labels=POOL,
                       extra_env={"FT_STEP_DELAY_SECONDS": "0.2"}) as session:  # fmt: skip
         session.custom.create_cluster_custom_object(*KUEUE, "resourceflavors", {
@@ -115,12 +130,19 @@ def test_queued_admitted_evicted_readmitted_succeeds(quickstart_doc: dict[str, A
         # Queued: the Workload exists (as Kueue's schema wants it), no pod, and the job says why.
         wl = wait_until(kueue.workload, "the job's Workload", timeout=60)
         spec_schema = yaml.safe_load(SCHEMA.read_text())
-        assert CustomResourceSchema({"type": "object", "properties": {"spec": spec_schema}}).validate(wl) == []
+        assert (
+            CustomResourceSchema({"type": "object", "properties": {"spec": spec_schema}}).validate(
+                wl
+            )
+            == []
+        )
         assert wl["spec"]["podSets"][0]["count"] == 2 and wl["spec"]["podSets"][0]["minCount"] == 1
         assert wl["metadata"]["ownerReferences"][0]["name"] == NAME
         why = "couldn't assign flavors to pod set workers: insufficient unused quota for cpu in flavor spot"
         kueue.no_quota(why)
-        job = session.wait_for(NAME, lambda j: why in _succeeded_cond(j).get("message", ""), timeout=60)
+        job = session.wait_for(
+            NAME, lambda j: why in _succeeded_cond(j).get("message", ""), timeout=60
+        )
         assert phase_of(job) == "Pending" and _succeeded_cond(job)["reason"] == "Queued"
         assert QUEUE in _succeeded_cond(job)["message"] and _job_pods(session) == []
 
@@ -129,19 +151,26 @@ def test_queued_admitted_evicted_readmitted_succeeds(quickstart_doc: dict[str, A
         job = session.wait_for(NAME, lambda j: _checkpoint(j) >= 4, timeout=240)
         (worker,) = _workers(session)
         assert worker.spec.node_selector == POOL
-        assert any(t.key == "spot" and t.effect == "NoSchedule" for t in worker.spec.tolerations or [])
+        assert any(
+            t.key == "spot" and t.effect == "NoSchedule" for t in worker.spec.tolerations or []
+        )
 
         # Evicted mid-training: stopped like a suspend, reported, nothing counted; the operator
         # gives the quota back once its pods are gone.
-        kueue.evict("Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue")
+        kueue.evict(
+            "Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue"
+        )
         job = session.wait_for(
             NAME, lambda j: _succeeded_cond(j).get("reason") == "Evicted" and not _job_pods(session), timeout=120
         )  # fmt: skip
         saved = _checkpoint(job)
         assert phase_of(job) == "Pending" and 4 <= saved < STEPS
         assert (job["status"].get("restarts") or 0) == 0
-        released = wait_until(lambda: kueue.conditions().get("QuotaReserved", {}).get("status") == "False",
-                              "the quota given back", timeout=30)
+        released = wait_until(
+            lambda: kueue.conditions().get("QuotaReserved", {}).get("status") == "False",
+            "the quota given back",
+            timeout=30,
+        )
         assert released and "admission" not in ((kueue.workload() or {}).get("status") or {})
         # And PodsReady with it, as Kueue's job reconciler: the next admission starts unready.
         assert kueue.conditions().get("PodsReady", {}).get("status") != "True"
@@ -153,5 +182,7 @@ def test_queued_admitted_evicted_readmitted_succeeds(quickstart_doc: dict[str, A
         assert (job["status"].get("restarts") or 0) == 0
         log = session.cluster.pod_log_path("default", f"{NAME}-worker-0")
         assert log is not None and max(resumed_steps(log)) >= saved
-        finished = wait_until(lambda: kueue.conditions().get("Finished"), "the Workload Finished", timeout=30)
+        finished = wait_until(
+            lambda: kueue.conditions().get("Finished"), "the Workload Finished", timeout=30
+        )
         assert finished["status"] == "True" and finished["reason"] == "Succeeded"

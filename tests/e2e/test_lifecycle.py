@@ -42,7 +42,9 @@ def _submit(session: LocalSession, doc: dict[str, Any], name: str) -> None:
 
 def _pods(session: LocalSession, name: str) -> list[Any]:
     assert session.core is not None
-    return list(session.core.list_namespaced_pod("default", label_selector=f"{LABEL_JOB}={name}").items)
+    return list(
+        session.core.list_namespaced_pod("default", label_selector=f"{LABEL_JOB}={name}").items
+    )
 
 
 def _set_suspend(session: LocalSession, name: str, value: bool) -> None:

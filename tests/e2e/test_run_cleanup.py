@@ -71,8 +71,13 @@ def test_two_local_clusters_then_kill9_and_ctrl_c_leave_no_process(tmp_path: Pat
         t0 = time.monotonic()
         killed.send_signal(signal.SIGKILL)
         killed.wait(30)
-        wait_until(lambda: not cluster_processes(killed_data), "no process of the killed run",
-                   60, 0.5, detail=lambda: str(cluster_processes(killed_data)))
+        wait_until(
+            lambda: not cluster_processes(killed_data),
+            "no process of the killed run",
+            60,
+            0.5,
+            detail=lambda: str(cluster_processes(killed_data)),
+        )
         print(f"kill -9 of ftjob run: all pod processes gone in {time.monotonic() - t0:.1f} s")
         assert _training(interrupted_data) and interrupted.poll() is None  # the other goes on
 

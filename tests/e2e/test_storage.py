@@ -42,8 +42,9 @@ def _checkpoint(job: dict[str, Any]) -> int:
     return int((job.get("status", {}).get("lastCheckpoint") or {}).get("step") or 0)
 
 
-def test_checkpoint_and_resume_through_a_claim(session: LocalSession,
-                                               quickstart_doc: dict[str, Any]) -> None:
+def test_checkpoint_and_resume_through_a_claim(
+    session: LocalSession, quickstart_doc: dict[str, Any]
+) -> None:
     assert session.core is not None
     session.core.create_namespaced_persistent_volume_claim("default", {
         "metadata": {"name": CLAIM},

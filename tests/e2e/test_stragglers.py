@@ -124,7 +124,13 @@ def test_slow_node_is_evicted_and_avoided(
     slow_node_session: LocalSession, quickstart_doc: dict[str, Any]
 ) -> None:
     s = slow_node_session
-    s.submit(_job(quickstart_doc, "strag-evict", ["local-node-1", SLOW_NODE, "local-node-3", "local-node-4"]))
+    s.submit(
+        _job(
+            quickstart_doc,
+            "strag-evict",
+            ["local-node-1", SLOW_NODE, "local-node-3", "local-node-4"],
+        )
+    )
     ratios: dict[str, float] = {}
     flagged: list[dict[str, Any]] = []
 
@@ -136,7 +142,10 @@ def test_slow_node_is_evicted_and_avoided(
             ratios[rank] = max(value, ratios.get(rank, 0.0))
 
     job = s.wait_for(
-        "strag-evict", lambda j: bool(j.get("status", {}).get("evictions")), timeout=300, on_poll=watch
+        "strag-evict",
+        lambda j: bool(j.get("status", {}).get("evictions")),
+        timeout=300,
+        on_poll=watch,
     )
     (eviction,) = job["status"]["evictions"]
     assert eviction["node"] == SLOW_NODE and eviction["pod"] == "strag-evict-worker-1"

@@ -27,7 +27,9 @@ _SCALARS = st.one_of(
     st.booleans(),
     st.none(),
     st.text(max_size=40),
-    st.sampled_from(["", "auto", "\n", "a\nb", "..", "../../etc", "/abs", "Ünïcødé", "\u202e", "x" * 300]),
+    st.sampled_from(
+        ["", "auto", "\n", "a\nb", "..", "../../etc", "/abs", "Ünïcødé", "\u202e", "x" * 300]
+    ),
 )
 _VALUES = st.recursive(
     _SCALARS,

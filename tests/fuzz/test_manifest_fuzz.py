@@ -75,7 +75,9 @@ def assert_clean_plan(status: int, err: str) -> None:
         if len(lines) == 1:  # a planner refusal: "error: spec.<field>: <reason>"
             assert re.match(r"^error: spec\.\S+: \S", lines[0]), err
         else:  # a manifest refusal: one "  <field>: <reason>" line per problem
-            assert all(_REFUSAL_LINE.match(line) or line.startswith("    ") for line in lines[1:]), err
+            assert all(
+                _REFUSAL_LINE.match(line) or line.startswith("    ") for line in lines[1:]
+            ), err
 
 
 def create(api_url: str, doc: Any) -> tuple[int, dict[str, Any]]:
@@ -97,7 +99,11 @@ def create(api_url: str, doc: Any) -> tuple[int, dict[str, Any]]:
 
 def _unique_name(doc: Any) -> Any:
     meta = doc.get("metadata") if isinstance(doc, dict) else None
-    if isinstance(meta, dict) and meta.get("name") in ("quickstart", "llama-8b-lora", "llama-70b-full"):
+    if isinstance(meta, dict) and meta.get("name") in (
+        "quickstart",
+        "llama-8b-lora",
+        "llama-70b-full",
+    ):
         meta["name"] = f"fz-{uuid.uuid4().hex[:10]}"
     return doc
 

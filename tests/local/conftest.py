@@ -19,37 +19,57 @@ WIDGET_CRD: dict[str, Any] = {
     "spec": {
         "group": "test.dev",
         "scope": "Namespaced",
-        "names": {"kind": "Widget", "plural": "widgets", "singular": "widget", "shortNames": ["wdg"]},
-        "versions": [{
-            "name": "v1",
-            "served": True,
-            "storage": True,
-            "subresources": {"status": {}},
-            "additionalPrinterColumns": [
-                {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-                {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
-                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-            ],
-            "schema": {"openAPIV3Schema": {
-                "type": "object",
-                "properties": {
-                    "spec": {
+        "names": {
+            "kind": "Widget",
+            "plural": "widgets",
+            "singular": "widget",
+            "shortNames": ["wdg"],
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                    {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {
+                    "openAPIV3Schema": {
                         "type": "object",
-                        "required": ["size"],
                         "properties": {
-                            "size": {"type": "integer", "minimum": 1, "maximum": 10},
-                            "mode": {"type": "string", "enum": ["fast", "slow"], "default": "fast"},
-                            "minNodes": {"type": "integer"},
-                            "maxNodes": {"type": "integer"},
+                            "spec": {
+                                "type": "object",
+                                "required": ["size"],
+                                "properties": {
+                                    "size": {"type": "integer", "minimum": 1, "maximum": 10},
+                                    "mode": {
+                                        "type": "string",
+                                        "enum": ["fast", "slow"],
+                                        "default": "fast",
+                                    },
+                                    "minNodes": {"type": "integer"},
+                                    "maxNodes": {"type": "integer"},
+                                },
+                                "x-kubernetes-validations": [
+                                    {
+                                        "rule": "!has(self.minNodes) || !has(self.maxNodes) || self.minNodes <= self.maxNodes",
+                                        "message": "minNodes must be <= maxNodes",
+                                        "fieldPath": ".minNodes",
+                                    }
+                                ],
+                            },
+                            "status": {
+                                "type": "object",
+                                "properties": {"phase": {"type": "string"}},
+                            },
                         },
-                        "x-kubernetes-validations": [{
-                            "rule": "!has(self.minNodes) || !has(self.maxNodes) || self.minNodes <= self.maxNodes",
-                            "message": "minNodes must be <= maxNodes", "fieldPath": ".minNodes"}],
-                    },
-                    "status": {"type": "object", "properties": {"phase": {"type": "string"}}},
+                    }
                 },
-            }},
-        }],
+            }
+        ],
     },
 }
 
@@ -62,14 +82,18 @@ def crds_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def api_cluster(crds_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def api_cluster(
+    crds_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
     """The API server alone: fast, no processes."""
     with LocalCluster(tmp_path_factory.mktemp("api"), crds_dir=crds_dir, kubelet=False) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def cluster(crds_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def cluster(
+    crds_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
     """API server + 3 virtual nodes + kubelet."""
     with LocalCluster(tmp_path_factory.mktemp("cluster"), crds_dir=crds_dir, nodes=3) as local:
         yield local

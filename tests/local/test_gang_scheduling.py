@@ -23,7 +23,10 @@ COSCHEDULING = GANG_SCHEDULERS["coscheduling"]
 
 
 def _node(name: str, pods: int) -> dict[str, Any]:
-    return {"metadata": {"name": name, "labels": {}}, "status": {"allocatable": {"pods": str(pods)}}}
+    return {
+        "metadata": {"name": name, "labels": {}},
+        "status": {"allocatable": {"pods": str(pods)}},
+    }
 
 
 def _member(name: str) -> dict[str, Any]:
@@ -59,27 +62,48 @@ def test_place_gang_is_all_or_nothing(
 
 
 @pytest.fixture(scope="module")
-def gang_cluster(crds_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def gang_cluster(
+    crds_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
     """3 nodes of one pod each, Coscheduling installed beside the default scheduler."""
-    with LocalCluster(tmp_path_factory.mktemp("gang"), crds_dir=crds_dir, nodes=3,
-                      node_capacity={"pods": "1"}, gang_schedulers=["coscheduling"]) as local:
+    with LocalCluster(
+        tmp_path_factory.mktemp("gang"),
+        crds_dir=crds_dir,
+        nodes=3,
+        node_capacity={"pods": "1"},
+        gang_schedulers=["coscheduling"],
+    ) as local:
         yield local
 
 
-def _pod(name: str, group: str | None, seconds: float, scheduler: str = COSCHEDULING.name) -> dict[str, Any]:
+def _pod(
+    name: str, group: str | None, seconds: float, scheduler: str = COSCHEDULING.name
+) -> dict[str, Any]:
     labels = {"app": name, **({COSCHEDULING.pod_label or "": group} if group else {})}
-    return {"metadata": {"name": name, "labels": labels},
-            "spec": {"restartPolicy": "Never", "schedulerName": scheduler,
-                     "containers": [{"name": "main", "image": "ignored",
-                                     "command": ["sh", "-c", f"sleep {seconds}"]}]}}
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "schedulerName": scheduler,
+            "containers": [
+                {"name": "main", "image": "ignored", "command": ["sh", "-c", f"sleep {seconds}"]}
+            ],
+        },
+    }
 
 
 def _pod_group(name: str, min_member: int) -> dict[str, Any]:
-    return {"apiVersion": f"{COSCHEDULING.group}/{COSCHEDULING.version}", "kind": "PodGroup",
-            "metadata": {"name": name}, "spec": {"minMember": min_member}}
+    return {
+        "apiVersion": f"{COSCHEDULING.group}/{COSCHEDULING.version}",
+        "kind": "PodGroup",
+        "metadata": {"name": name},
+        "spec": {"minMember": min_member},
+    }
 
 
-def _custom(cluster: LocalCluster, new_api_client: Callable[[LocalCluster], Any]) -> client.CustomObjectsApi:
+def _custom(
+    cluster: LocalCluster, new_api_client: Callable[[LocalCluster], Any]
+) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(new_api_client(cluster))
 
 
@@ -98,22 +122,39 @@ def test_a_group_that_does_not_fit_binds_no_pod_until_it_does(
     # Group a takes 2 of the 3 one-pod nodes; group b's 2 pods would fit only one by one.
     for i in range(2):
         core.create_namespaced_pod("default", _pod(f"{first}-{i}", first, 4))
-    wait_until(lambda: all(core.read_namespaced_pod(f"{first}-{i}", "default").spec.node_name
-                           for i in range(2)), "group a bound", 30)
+    wait_until(
+        lambda: all(
+            core.read_namespaced_pod(f"{first}-{i}", "default").spec.node_name for i in range(2)
+        ),
+        "group a bound",
+        30,
+    )
     for i in range(2):
         core.create_namespaced_pod("default", _pod(f"{second}-{i}", second, 0))
 
     def unschedulable() -> list[Any] | None:
         pods = [core.read_namespaced_pod(f"{second}-{i}", "default") for i in range(2)]
-        conds = [next((c for c in p.status.conditions or [] if c.type == "PodScheduled"), None) for p in pods]
+        conds = [
+            next((c for c in p.status.conditions or [] if c.type == "PodScheduled"), None)
+            for p in pods
+        ]
         return conds if all(c is not None and c.reason == "Unschedulable" for c in conds) else None
 
     conds = wait_until(unschedulable, "group b reported unschedulable", 30)
     assert "needs 2 pods at once and 1 fit" in conds[0].message
-    assert all(core.read_namespaced_pod(f"{second}-{i}", "default").spec.node_name is None for i in range(2))
+    assert all(
+        core.read_namespaced_pod(f"{second}-{i}", "default").spec.node_name is None
+        for i in range(2)
+    )
     # Group a's pods finish and free their nodes: group b is placed whole.
-    done = wait_until(lambda: all(core.read_namespaced_pod(f"{second}-{i}", "default").status.phase == "Succeeded"
-                                  for i in range(2)), "group b ran", 60)
+    done = wait_until(
+        lambda: all(
+            core.read_namespaced_pod(f"{second}-{i}", "default").status.phase == "Succeeded"
+            for i in range(2)
+        ),
+        "group b ran",
+        60,
+    )
     assert done
     nodes = {core.read_namespaced_pod(f"{second}-{i}", "default").spec.node_name for i in range(2)}
     assert len(nodes) == 2
@@ -134,13 +175,21 @@ def test_default_scheduler_would_split_the_group_and_unknown_scheduler_never_bin
     try:
         core.create_namespaced_pod("default", _pod(names[0], None, 600, "default-scheduler"))
         core.create_namespaced_pod("default", _pod(names[1], None, 600, "default-scheduler"))
-        wait_until(lambda: core.read_namespaced_pod(names[1], "default").spec.node_name, "hold bound", 30)
+        wait_until(
+            lambda: core.read_namespaced_pod(names[1], "default").spec.node_name, "hold bound", 30
+        )
         core.create_namespaced_pod("default", _pod(names[2], None, 600, "no-such-scheduler"))
         for i in range(2):
-            core.create_namespaced_pod("default", _pod(f"solo-{tag}-{i}", f"g-{tag}", 600, "default-scheduler"))
+            core.create_namespaced_pod(
+                "default", _pod(f"solo-{tag}-{i}", f"g-{tag}", 600, "default-scheduler")
+            )
 
         def solo_bound() -> list[int]:
-            return [i for i in range(2) if core.read_namespaced_pod(f"solo-{tag}-{i}", "default").spec.node_name]
+            return [
+                i
+                for i in range(2)
+                if core.read_namespaced_pod(f"solo-{tag}-{i}", "default").spec.node_name
+            ]
 
         # One slot left: default-scheduler ignores the group label and binds one of the two.
         wait_until(lambda: solo_bound() or None, "one solo pod bound", 30)
@@ -156,12 +205,20 @@ def test_default_scheduler_would_split_the_group_and_unknown_scheduler_never_bin
 
 @pytest.mark.slow
 def test_podgroups_are_served_only_where_the_scheduler_is_installed(
-    gang_cluster: LocalCluster, api_cluster: LocalCluster, new_api_client: Callable[[LocalCluster], Any]
+    gang_cluster: LocalCluster,
+    api_cluster: LocalCluster,
+    new_api_client: Callable[[LocalCluster], Any],
 ) -> None:
     installed = _custom(gang_cluster, new_api_client)
     created = installed.create_namespaced_custom_object(
-        COSCHEDULING.group, COSCHEDULING.version, "default", "podgroups",
-        {**_pod_group(f"pg-{uuid.uuid4().hex[:5]}", 3), "spec": {"minMember": 3, "unknownField": 1}},
+        COSCHEDULING.group,
+        COSCHEDULING.version,
+        "default",
+        "podgroups",
+        {
+            **_pod_group(f"pg-{uuid.uuid4().hex[:5]}", 3),
+            "spec": {"minMember": 3, "unknownField": 1},
+        },
     )
     assert created["spec"] == {"minMember": 3}  # pruned, as a structural schema does
     missing = _custom(api_cluster, new_api_client)
@@ -180,9 +237,16 @@ def test_podgroups_are_served_only_where_the_scheduler_is_installed(
         ("volcano", {"annotations": {"scheduling.k8s.io/group-name": "g"}}, "g"),
         ("volcano", {"labels": {"scheduling.x-k8s.io/pod-group": "g"}}, None),
     ],
-    ids=["coscheduling-label", "coscheduling-ignores-annotation", "volcano-annotation", "volcano-ignores-label"],
+    ids=[
+        "coscheduling-label",
+        "coscheduling-ignores-annotation",
+        "volcano-annotation",
+        "volcano-ignores-label",
+    ],
 )
-def test_each_scheduler_reads_its_own_membership(scheduler: str, meta: dict[str, Any], group: str | None) -> None:
+def test_each_scheduler_reads_its_own_membership(
+    scheduler: str, meta: dict[str, Any], group: str | None
+) -> None:
     gang = GANG_SCHEDULERS[scheduler]
     pod = {"metadata": meta, "spec": {"schedulerName": gang.name}}
     assert scheduler_for(pod, list(GANG_SCHEDULERS.values())) is gang

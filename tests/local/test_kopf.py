@@ -20,7 +20,9 @@ def _wait(predicate: Any, timeout: float = 20.0) -> Any:
     return wait_until(predicate, "the kopf handler's effect", timeout)
 
 
-def test_kopf_handler_patches_status_and_releases_finalizer(api_cluster: LocalCluster, new_api_client: Any) -> None:
+def test_kopf_handler_patches_status_and_releases_finalizer(
+    api_cluster: LocalCluster, new_api_client: Any
+) -> None:
     registry = kopf.OperatorRegistry()
     deleted: list[str] = []
 
@@ -45,17 +47,34 @@ def test_kopf_handler_patches_status_and_releases_finalizer(api_cluster: LocalCl
     ready = threading.Event()
 
     def run() -> None:
-        asyncio.run(kopf.operator(registry=registry, clusterwide=True, standalone=True,
-                                  stop_flag=stop, ready_flag=ready))
+        asyncio.run(
+            kopf.operator(
+                registry=registry,
+                clusterwide=True,
+                standalone=True,
+                stop_flag=stop,
+                ready_flag=ready,
+            )
+        )
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
         assert ready.wait(20)
         custom = client.CustomObjectsApi(new_api_client(api_cluster))
-        body = {"apiVersion": "test.dev/v1", "kind": "Widget", "metadata": {"name": "kopfed"}, "spec": {"size": 5}}
+        body = {
+            "apiVersion": "test.dev/v1",
+            "kind": "Widget",
+            "metadata": {"name": "kopfed"},
+            "spec": {"size": 5},
+        }
         custom.create_namespaced_custom_object("test.dev", "v1", "default", "widgets", body)
-        get = lambda: custom.get_namespaced_custom_object("test.dev", "v1", "default", "widgets", "kopfed")  # noqa: E731
+
+        def get() -> dict[str, Any]:
+            return custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
+                "test.dev", "v1", "default", "widgets", "kopfed"
+            )
+
         obj = _wait(lambda: (o := get()).get("status", {}).get("phase") and o)
         assert obj["status"]["phase"] == "Sized5"
         assert obj["metadata"].get("finalizers")  # kopf's own, for the delete handler

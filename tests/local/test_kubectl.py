@@ -15,14 +15,28 @@ from finetune_local.cluster import LocalCluster
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 
 
-def kubectl(cluster: LocalCluster, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def kubectl(
+    cluster: LocalCluster, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     cache = cluster.data_dir / "kubectl-cache"
-    return subprocess.run(["kubectl", "--kubeconfig", str(cluster.kubeconfig_path), "--cache-dir", str(cache), *args],
-                          input=stdin, capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        ["kubectl", "--kubeconfig", str(cluster.kubeconfig_path), "--cache-dir", str(cache), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
-def test_kubectl_create_and_get_shows_printer_columns(api_cluster: LocalCluster, tmp_path: pathlib.Path) -> None:
-    manifest = {"apiVersion": "test.dev/v1", "kind": "Widget", "metadata": {"name": "shown"}, "spec": {"size": 7}}
+def test_kubectl_create_and_get_shows_printer_columns(
+    api_cluster: LocalCluster, tmp_path: pathlib.Path
+) -> None:
+    manifest = {
+        "apiVersion": "test.dev/v1",
+        "kind": "Widget",
+        "metadata": {"name": "shown"},
+        "spec": {"size": 7},
+    }
     created = kubectl(api_cluster, "create", "-f", "-", stdin=yaml.safe_dump(manifest))
     assert created.returncode == 0, created.stderr
     result = kubectl(api_cluster, "get", "wdg")
@@ -33,7 +47,12 @@ def test_kubectl_create_and_get_shows_printer_columns(api_cluster: LocalCluster,
 
 
 def test_kubectl_refusal_names_the_field(api_cluster: LocalCluster) -> None:
-    manifest = {"apiVersion": "test.dev/v1", "kind": "Widget", "metadata": {"name": "bad"}, "spec": {"size": 99}}
+    manifest = {
+        "apiVersion": "test.dev/v1",
+        "kind": "Widget",
+        "metadata": {"name": "bad"},
+        "spec": {"size": 99},
+    }
     result = kubectl(api_cluster, "create", "-f", "-", stdin=yaml.safe_dump(manifest))
     assert result.returncode != 0 and "spec.size" in result.stderr and "is invalid" in result.stderr
 
@@ -41,7 +60,12 @@ def test_kubectl_refusal_names_the_field(api_cluster: LocalCluster) -> None:
 def test_kubectl_json_get_delete_and_namespaces(api_cluster: LocalCluster) -> None:
     # Generator subcommands (`kubectl create configmap ...`) send protobuf, which the emulator
     # refuses (415); manifests go as JSON.
-    manifest = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "kc"}, "data": {"a": "b"}}
+    manifest = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "kc"},
+        "data": {"a": "b"},
+    }
     created = kubectl(api_cluster, "apply", "-f", "-", stdin=yaml.safe_dump(manifest))
     assert created.returncode == 0, created.stderr
     got = kubectl(api_cluster, "get", "cm", "kc", "-o", "json")

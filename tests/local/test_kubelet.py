@@ -22,10 +22,16 @@ def core(cluster: LocalCluster, new_api_client: Any) -> client.CoreV1Api:
 
 
 def _pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
-    container = {"name": "main", "image": "ignored", "command": ["sh", "-c", script],
-                 **spec.pop("container", {})}
-    return {"metadata": {"name": name, "labels": spec.pop("labels", {"app": name})},
-            "spec": {"restartPolicy": "Never", "containers": [container], **spec}}
+    container = {
+        "name": "main",
+        "image": "ignored",
+        "command": ["sh", "-c", script],
+        **spec.pop("container", {}),
+    }
+    return {
+        "metadata": {"name": name, "labels": spec.pop("labels", {"app": name})},
+        "spec": {"restartPolicy": "Never", "containers": [container], **spec},
+    }
 
 
 def _wait_pod(core: client.CoreV1Api, name: str, predicate: Any, timeout: float = 15.0) -> Any:
@@ -43,17 +49,36 @@ def _name(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:5]}"
 
 
-def test_pod_gets_hostname_ip_hosts_and_config_volume(cluster: LocalCluster, core: client.CoreV1Api) -> None:
+def test_pod_gets_hostname_ip_hosts_and_config_volume(
+    cluster: LocalCluster, core: client.CoreV1Api
+) -> None:
     name = _name("hello")
-    core.create_namespaced_config_map("default", {"metadata": {"name": f"{name}-cfg"}, "data": {"job.json": "{}"}})
-    core.create_namespaced_service("default", {"metadata": {"name": f"{name}-svc"},
-                                               "spec": {"clusterIP": "None", "selector": {"app": name}}})
-    script = "hostname; cat /etc/hosts; echo IP=$POD_IP; echo X=$(cat /etc/cfg/job.json); echo N=$NODE"
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    core.create_namespaced_pod("default", _pod(
-        name, f"sleep 1; {script}", volumes=[{"name": "cfg", "configMap": {"name": f"{name}-cfg"}}],
-        container={"env": env, "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}]}))
+    core.create_namespaced_config_map(
+        "default", {"metadata": {"name": f"{name}-cfg"}, "data": {"job.json": "{}"}}
+    )
+    core.create_namespaced_service(
+        "default",
+        {
+            "metadata": {"name": f"{name}-svc"},
+            "spec": {"clusterIP": "None", "selector": {"app": name}},
+        },
+    )
+    script = (
+        "hostname; cat /etc/hosts; echo IP=$POD_IP; echo X=$(cat /etc/cfg/job.json); echo N=$NODE"
+    )
+    env = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    ]
+    core.create_namespaced_pod(
+        "default",
+        _pod(
+            name,
+            f"sleep 1; {script}",
+            volumes=[{"name": "cfg", "configMap": {"name": f"{name}-cfg"}}],
+            container={"env": env, "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}]},
+        ),
+    )
     pod = _wait_pod(core, name, lambda p: p.status.phase == "Succeeded")
     log = cluster.pod_log_path("default", name)
     assert log is not None
@@ -62,7 +87,9 @@ def test_pod_gets_hostname_ip_hosts_and_config_volume(cluster: LocalCluster, cor
     assert ip.startswith("127.") and not ip.startswith("127.0.")  # the cluster's own /16
     assert lines[0] == name
     assert f"{ip}\t{name}" in lines
-    assert any(line.startswith(ip) and f"{name}-svc.default.svc.cluster.local" in line for line in lines)
+    assert any(
+        line.startswith(ip) and f"{name}-svc.default.svc.cluster.local" in line for line in lines
+    )
     assert f"IP={ip}" in lines and "X={}" in lines and f"N={pod.spec.node_name}" in lines
     assert pod.status.container_statuses[0].state.terminated.exit_code == 0
 
@@ -84,6 +111,7 @@ def test_delete_sends_sigterm_then_removes(cluster: LocalCluster, core: client.C
     time.sleep(0.5)
     core.delete_namespaced_pod(name, "default")
     assert core.read_namespaced_pod(name, "default").metadata.deletion_timestamp  # graceful first
+
     def removed() -> bool:
         try:
             core.read_namespaced_pod(name, "default")
@@ -96,20 +124,43 @@ def test_delete_sends_sigterm_then_removes(cluster: LocalCluster, core: client.C
     assert "got-term" in log.read_text()
 
 
-def test_required_node_anti_affinity_excludes_nodes(cluster: LocalCluster, core: client.CoreV1Api) -> None:
+def test_required_node_anti_affinity_excludes_nodes(
+    cluster: LocalCluster, core: client.CoreV1Api
+) -> None:
     excluded = cluster.node_names[:-1]
-    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": excluded}]}]}}}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [
+                            {
+                                "key": "kubernetes.io/hostname",
+                                "operator": "NotIn",
+                                "values": excluded,
+                            }
+                        ]
+                    }
+                ]
+            }
+        }
+    }
     name = _name("avoid")
     core.create_namespaced_pod("default", _pod(name, "true", affinity=affinity))
     pod = _wait_pod(core, name, lambda p: p.spec.node_name is not None)
     assert pod.spec.node_name == cluster.node_names[-1]
     nowhere = _name("nowhere")
-    affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
-        "matchExpressions"][0]["values"] = cluster.node_names
+    affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][
+        0
+    ]["matchExpressions"][0]["values"] = cluster.node_names
     core.create_namespaced_pod("default", _pod(nowhere, "true", affinity=affinity))
-    pending = _wait_pod(core, nowhere, lambda p: any(c.type == "PodScheduled" and c.status == "False"
-                                                     for c in p.status.conditions or []))
+    pending = _wait_pod(
+        core,
+        nowhere,
+        lambda p: any(
+            c.type == "PodScheduled" and c.status == "False" for c in p.status.conditions or []
+        ),
+    )
     assert pending.status.phase == "Pending" and pending.spec.node_name is None
 
 
@@ -153,7 +204,9 @@ def test_stop_leaves_no_processes(crds_dir: Any, tmp_path: Any, new_api_client: 
     assert _live_members(pid) == []
 
 
-def test_volume_over_tmp_keeps_image_paths_visible(cluster: LocalCluster, core: client.CoreV1Api) -> None:
+def test_volume_over_tmp_keeps_image_paths_visible(
+    cluster: LocalCluster, core: client.CoreV1Api
+) -> None:
     # The cluster's data dir lives under /tmp here (pytest's tmp_path); a pod mounting an
     # emptyDir over /tmp (as worker pods do) must still see it, and the Python environment,
     # while its /tmp is otherwise the fresh, empty volume.
@@ -163,10 +216,18 @@ def test_volume_over_tmp_keeps_image_paths_visible(cluster: LocalCluster, core: 
     stray = pathlib.Path("/tmp") / f"stray-{uuid.uuid4().hex[:6]}"
     stray.write_text("host /tmp")
     name = _name("tmpvol")
-    script = f"cat {marker}; echo; test -e {stray} && echo STRAY || echo CLEAN; python -c 'print(1+1)'"
-    core.create_namespaced_pod("default", _pod(
-        name, script, volumes=[{"name": "tmp", "emptyDir": {}}],
-        container={"volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}))
+    script = (
+        f"cat {marker}; echo; test -e {stray} && echo STRAY || echo CLEAN; python -c 'print(1+1)'"
+    )
+    core.create_namespaced_pod(
+        "default",
+        _pod(
+            name,
+            script,
+            volumes=[{"name": "tmp", "emptyDir": {}}],
+            container={"volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]},
+        ),
+    )
     try:
         _wait_pod(core, name, lambda p: p.status.phase in ("Succeeded", "Failed"))
         log = cluster.pod_log_path("default", name)
@@ -179,7 +240,7 @@ def test_volume_over_tmp_keeps_image_paths_visible(cluster: LocalCluster, core: 
 @pytest.mark.parametrize(
     ("script", "policy", "phase", "expected"),
     [
-        ('echo \'{"step": 7}\' > /dev/termination-log', None, "Succeeded", '{"step": 7}\n'),
+        ("echo '{\"step\": 7}' > /dev/termination-log", None, "Succeeded", '{"step": 7}\n'),
         ("echo boom; exit 2", "FallbackToLogsOnError", "Failed", "boom\n"),
         ("echo boom; exit 2", None, "Failed", None),
     ],
@@ -196,58 +257,90 @@ def test_termination_message(
     assert (message or None) == expected
 
 
-def test_claim_binds_on_first_consumer_and_outlives_pods(cluster: LocalCluster,
-                                                         core: client.CoreV1Api) -> None:
+def test_claim_binds_on_first_consumer_and_outlives_pods(
+    cluster: LocalCluster, core: client.CoreV1Api
+) -> None:
     """A pod whose claim does not exist stays Pending; once the claim exists the kubelet binds
     it to a host directory (as a WaitForFirstConsumer provisioner would), and what one pod
     wrote there the next one reads."""
     name = _name("pvc")
     volume = {"name": "data", "persistentVolumeClaim": {"claimName": f"{name}-claim"}}
     mount = {"volumeMounts": [{"name": "data", "mountPath": "/data"}]}
-    core.create_namespaced_pod("default", _pod(f"{name}-w", "echo hello > /data/note",
-                                               volumes=[volume], container=mount))
+    core.create_namespaced_pod(
+        "default", _pod(f"{name}-w", "echo hello > /data/note", volumes=[volume], container=mount)
+    )
     time.sleep(2)
     assert core.read_namespaced_pod(f"{name}-w", "default").status.phase == "Pending"
-    core.create_namespaced_persistent_volume_claim("default", {
-        "metadata": {"name": f"{name}-claim"},
-        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    core.create_namespaced_persistent_volume_claim(
+        "default",
+        {
+            "metadata": {"name": f"{name}-claim"},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    )
     _wait_pod(core, f"{name}-w", lambda p: p.status.phase == "Succeeded")
     claim = core.read_namespaced_persistent_volume_claim(f"{name}-claim", "default")
     assert claim.status.phase == "Bound" and claim.status.access_modes == ["ReadWriteMany"]
-    core.create_namespaced_pod("default", _pod(f"{name}-r", "cat /data/note",
-                                               volumes=[volume], container=mount))
+    core.create_namespaced_pod(
+        "default", _pod(f"{name}-r", "cat /data/note", volumes=[volume], container=mount)
+    )
     _wait_pod(core, f"{name}-r", lambda p: p.status.phase == "Succeeded")
     log = cluster.pod_log_path("default", f"{name}-r")
     assert log is not None and log.read_text().strip() == "hello"
 
 
-def test_secret_env_waits_for_the_secret_and_its_key(cluster: LocalCluster,
-                                                     core: client.CoreV1Api) -> None:
+def test_secret_env_waits_for_the_secret_and_its_key(
+    cluster: LocalCluster, core: client.CoreV1Api
+) -> None:
     """Env from a Secret (secretKeyRef) as a real kubelet resolves it: while the Secret or a
     key is missing the container waits in CreateContainerConfigError (the pod stays Pending,
     nothing runs); once both exist the process starts with the values; an optional key may
     be absent."""
     name = _name("sec")
-    env = [{"name": k, "valueFrom": {"secretKeyRef": {"name": f"{name}-s", "key": k}}}
-           for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
-    env.append({"name": "AWS_SESSION_TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": f"{name}-s", "key": "AWS_SESSION_TOKEN", "optional": True}}})
-    core.create_namespaced_pod("default", _pod(
-        name, 'echo "$AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY/${AWS_SESSION_TOKEN-unset}"',
-        container={"env": env}))
+    env = [
+        {"name": k, "valueFrom": {"secretKeyRef": {"name": f"{name}-s", "key": k}}}
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    ]
+    env.append(
+        {
+            "name": "AWS_SESSION_TOKEN",
+            "valueFrom": {
+                "secretKeyRef": {"name": f"{name}-s", "key": "AWS_SESSION_TOKEN", "optional": True}
+            },
+        }
+    )
+    core.create_namespaced_pod(
+        "default",
+        _pod(
+            name,
+            'echo "$AWS_ACCESS_KEY_ID/$AWS_SECRET_ACCESS_KEY/${AWS_SESSION_TOKEN-unset}"',
+            container={"env": env},
+        ),
+    )
 
     def waiting(p: Any) -> Any:
         statuses = p.status.container_statuses or []
         return statuses and statuses[0].state.waiting
 
-    pod = _wait_pod(core, name, lambda p: waiting(p) and waiting(p).reason == "CreateContainerConfigError")
+    pod = _wait_pod(
+        core, name, lambda p: waiting(p) and waiting(p).reason == "CreateContainerConfigError"
+    )
     assert pod.status.phase == "Pending" and waiting(pod).message == f'secret "{name}-s" not found'
-    core.create_namespaced_secret("default", {"metadata": {"name": f"{name}-s"},
-                                              "stringData": {"AWS_ACCESS_KEY_ID": "AKID"}})
+    core.create_namespaced_secret(
+        "default", {"metadata": {"name": f"{name}-s"}, "stringData": {"AWS_ACCESS_KEY_ID": "AKID"}}
+    )
     pod = _wait_pod(core, name, lambda p: waiting(p) and "couldn't find key" in waiting(p).message)
-    assert waiting(pod).message == f"couldn't find key AWS_SECRET_ACCESS_KEY in Secret default/{name}-s"
+    assert (
+        waiting(pod).message
+        == f"couldn't find key AWS_SECRET_ACCESS_KEY in Secret default/{name}-s"
+    )
     assert pod.status.phase == "Pending" and cluster.pod_log_path("default", name) is None
-    core.patch_namespaced_secret(f"{name}-s", "default", {"stringData": {"AWS_SECRET_ACCESS_KEY": "sk"}})
+    core.patch_namespaced_secret(
+        f"{name}-s", "default", {"stringData": {"AWS_SECRET_ACCESS_KEY": "sk"}}
+    )
     _wait_pod(core, name, lambda p: p.status.phase == "Succeeded")
     log = cluster.pod_log_path("default", name)
     assert log is not None and log.read_text().strip() == "AKID/sk/unset"
@@ -260,15 +353,25 @@ def test_empty_dir_outlives_restarts_is_evicted_over_its_size_limit_and_goes_wit
     container's restart finds what it wrote; outgrowing `sizeLimit` evicts the pod (Failed,
     reason Evicted, the kubelet's message), not a failed write; deleting the pod deletes it."""
     name = _name("cache")
-    script = ("if [ -f /cache/mark ]; then echo again; head -c 3000000 /dev/zero > /cache/big; sleep 60; "
-              "else echo first > /cache/mark; exit 1; fi")
-    core.create_namespaced_pod("default", _pod(
-        name, script, restartPolicy="OnFailure",
-        volumes=[{"name": "cache", "emptyDir": {"sizeLimit": "1Mi"}}],
-        container={"volumeMounts": [{"name": "cache", "mountPath": "/cache"}]}))
+    script = (
+        "if [ -f /cache/mark ]; then echo again; head -c 3000000 /dev/zero > /cache/big; sleep 60; "
+        "else echo first > /cache/mark; exit 1; fi"
+    )
+    core.create_namespaced_pod(
+        "default",
+        _pod(
+            name,
+            script,
+            restartPolicy="OnFailure",
+            volumes=[{"name": "cache", "emptyDir": {"sizeLimit": "1Mi"}}],
+            container={"volumeMounts": [{"name": "cache", "mountPath": "/cache"}]},
+        ),
+    )
     pod = _wait_pod(core, name, lambda p: p.status.phase == "Failed", timeout=30)
     assert (pod.status.reason, pod.status.message) == (
-        "Evicted", 'Usage of EmptyDir volume "cache" exceeds the limit "1Mi". ')
+        "Evicted",
+        'Usage of EmptyDir volume "cache" exceeds the limit "1Mi". ',
+    )
     assert pod.status.container_statuses[0].restart_count == 1
     log = cluster.pod_log_path("default", name)
     assert log is not None and "again" in log.read_text()  # the restart saw the first's mark

@@ -49,7 +49,9 @@ def test_render_and_summary_show_checkpoint_restarts_and_conditions() -> None:
         loss=2.5,
         restarts=1,
         lastCheckpoint={"step": 60, "uri": "checkpoints/q/step-00000060"},
-        conditions=[{"type": "Succeeded", "status": "True", "reason": "Completed", "message": "ok"}],
+        conditions=[
+            {"type": "Succeeded", "status": "True", "reason": "Completed", "message": "ok"}
+        ],
     )
     line = ProgressTracker(started=0.0).observe(job, 3.0)
     assert line is not None

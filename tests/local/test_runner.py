@@ -44,7 +44,8 @@ def test_submits_the_one_object_that_plan_accepts(
 
 
 @pytest.mark.parametrize(
-    ("flag", "value"), [("--nodes", "0"), ("--nodes", "-2"), ("--timeout", "0"), ("--timeout", "nan")]
+    ("flag", "value"),
+    [("--nodes", "0"), ("--nodes", "-2"), ("--timeout", "0"), ("--timeout", "nan")],
 )
 def test_run_refuses_non_positive_settings(
     flag: str, value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -54,7 +55,6 @@ def test_run_refuses_non_positive_settings(
         main(["run", "--local", str(EXAMPLES / "quickstart.yaml"), flag, value])
     assert exit_.value.code == 2
     assert f"argument {flag}: must be greater than 0" in capsys.readouterr().err
-
 
 
 @pytest.mark.parametrize("where", ["a-file", "under-a-file", "env-under-a-file"])

@@ -35,7 +35,9 @@ def _quickstart() -> dict[str, Any]:
 
 
 def test_an_edited_spec_is_refused_and_suspend_is_not(custom: client.CustomObjectsApi) -> None:
-    created = custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, _quickstart())
+    created = custom.create_namespaced_custom_object(
+        GROUP, VERSION, "default", PLURAL, _quickstart()
+    )
     name, steps = created["metadata"]["name"], created["spec"]["training"]["maxSteps"]
 
     with pytest.raises(client.ApiException) as refused:

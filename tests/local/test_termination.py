@@ -42,7 +42,10 @@ def files(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
          "default-policy", "file-policy"],
 )  # fmt: skip
 def test_read_message(
-    files: tuple[pathlib.Path, pathlib.Path], policy: dict[str, str], content: bytes, code: int,
+    files: tuple[pathlib.Path, pathlib.Path],
+    policy: dict[str, str],
+    content: bytes,
+    code: int,
     expected: str,
 ) -> None:
     message, log = files
@@ -69,7 +72,9 @@ def test_a_missing_file_counts_as_empty(files: tuple[pathlib.Path, pathlib.Path]
     [(200, 80), (30, 30)],
     ids=["80-lines-cap", "short-log"],
 )
-def test_log_tail_keeps_the_last_80_lines(tmp_path: pathlib.Path, lines: int, expected_lines: int) -> None:
+def test_log_tail_keeps_the_last_80_lines(
+    tmp_path: pathlib.Path, lines: int, expected_lines: int
+) -> None:
     log = tmp_path / "c.log"
     log.write_bytes(b"".join(f"{i}\n".encode() for i in range(lines)))
     tail = log_tail(log)
@@ -78,7 +83,9 @@ def test_log_tail_keeps_the_last_80_lines(tmp_path: pathlib.Path, lines: int, ex
 
 def test_log_tail_keeps_the_last_2048_bytes_of_them(tmp_path: pathlib.Path) -> None:
     log = tmp_path / "c.log"
-    log.write_bytes(b"".join(f"{i:03d}".encode() + b"x" * 96 + b"\n" for i in range(50)))  # 100 B a line
+    log.write_bytes(
+        b"".join(f"{i:03d}".encode() + b"x" * 96 + b"\n" for i in range(50))
+    )  # 100 B a line
     tail = log_tail(log)
     assert len(tail.encode()) == 2048 and tail.endswith("049" + "x" * 96 + "\n")
     assert tail.startswith("x" * 47 + "\n030")  # cut inside line 029, as a byte ring buffer cuts
@@ -86,7 +93,9 @@ def test_log_tail_keeps_the_last_2048_bytes_of_them(tmp_path: pathlib.Path) -> N
     assert log_tail(log) == "no newline at the end"
 
 
-def test_a_restarted_container_has_its_own_file_and_log(files: tuple[pathlib.Path, pathlib.Path]) -> None:
+def test_a_restarted_container_has_its_own_file_and_log(
+    files: tuple[pathlib.Path, pathlib.Path],
+) -> None:
     message, log = files
     message.write_text('{"stopReason": "Signal"}')
     start = begin_instance(message, log)  # the kubelet restarts the container

@@ -70,7 +70,9 @@ STEP_LINES = '{"step": 60, "loss": 2.1}\n{"step": 61, "loss": 2.0}\n'
          "log-tail-import-error", "log-tail-last-line", "final-report", "config-error", "nothing",
          "log-tail-of-step-lines"],
 )  # fmt: skip
-def test_crash_cause(message: str | None, reason: str, limit: str | None, expected: str | None) -> None:
+def test_crash_cause(
+    message: str | None, reason: str, limit: str | None, expected: str | None
+) -> None:
     assert crash_cause(message, reason, limit, exit_code=1) == expected
 
 
@@ -87,7 +89,9 @@ def test_a_killed_container_says_the_signal(message: str, code: int, expected: s
 
 
 def test_a_huge_cause_is_one_bounded_line_that_keeps_the_location() -> None:
-    message = report(rank=2, kind="Exception", message="ValueError: " + "row\n" * 2000, location="data.py:7")
+    message = report(
+        rank=2, kind="Exception", message="ValueError: " + "row\n" * 2000, location="data.py:7"
+    )
     cause = crash_cause(message)
     assert cause is not None and len(cause) <= MAX_CAUSE_CHARS and "\n" not in cause
     assert cause.startswith("rank 2: ValueError: row row") and cause.endswith("… (data.py:7)")
@@ -109,7 +113,9 @@ def test_a_long_cuda_oom_keeps_the_planned_figure_and_location() -> None:
                      planned="planned 61.2 GiB per GPU of 79.1 GiB")  # fmt: skip
     cause = crash_cause(message)
     assert cause is not None and len(cause) <= MAX_CAUSE_CHARS
-    assert cause.startswith("rank 4: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.")
+    assert cause.startswith(
+        "rank 4: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
+    )
     assert cause.endswith("… [planned 61.2 GiB per GPU of 79.1 GiB] (trainer.py:290)")
 
 
@@ -118,7 +124,11 @@ def _worker(index: int, phase: str, *, exit_code: int | None = None, message: st
     status: dict[str, Any] = {"phase": phase, "podIP": "10.0.0.1",
                               "conditions": [{"type": "Ready", "status": str(phase == "Running")}]}  # fmt: skip
     if exit_code is not None:
-        term = {"exitCode": exit_code, "reason": reason, "finishedAt": finished.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        term = {
+            "exitCode": exit_code,
+            "reason": reason,
+            "finishedAt": finished.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
         if message:
             term["message"] = message
         status["containerStatuses"] = [{"name": "trainer", "state": {"terminated": term}}]
@@ -127,31 +137,49 @@ def _worker(index: int, phase: str, *, exit_code: int | None = None, message: st
         container["resources"] = {"limits": {"memory": memory}}
     labels = {LABEL_JOB: "qs", LABEL_ROLE: "worker", LABEL_WORKER_INDEX: str(index)}
     meta = {"name": f"qs-worker-{index}", "uid": f"uid-{index}-{phase}", "labels": labels}
-    return observe_pod({"metadata": meta, "spec": {"nodeName": "node-a", "containers": [container]}, "status": status})
+    return observe_pod(
+        {
+            "metadata": meta,
+            "spec": {"nodeName": "node-a", "containers": [container]},
+            "status": status,
+        }
+    )
 
 
 def _rdzv() -> Any:
     labels = {LABEL_JOB: "qs", LABEL_ROLE: "rendezvous"}
-    meta = {"name": "qs-rdzv", "uid": "uid-rdzv", "labels": labels, "creationTimestamp": "2025-01-01T00:00:00Z"}
+    meta = {
+        "name": "qs-rdzv",
+        "uid": "uid-rdzv",
+        "labels": labels,
+        "creationTimestamp": "2025-01-01T00:00:00Z",
+    }
     return observe_pod({"metadata": meta, "spec": {}, "status": {"phase": "Running", "conditions": [
         {"type": "Ready", "status": "True"}]}})  # fmt: skip
 
 
 def test_restarting_and_failed_conditions_and_events_name_the_root_cause() -> None:
     job = JobRef(name="qs", namespace="ns", uid=UID, generation=1)
-    crash = report(rank=3, kind="Exception", message="RuntimeError: bad batch", location="trainer.py:212")
+    crash = report(
+        rank=3, kind="Exception", message="RuntimeError: bad batch", location="trainer.py:212"
+    )
     failed = _worker(1, "Failed", exit_code=1, message=crash)
     pods = [_rdzv(), _worker(0, "Running"), failed]
     plan = make_plan(2)
 
     def step(status: FineTuneJobStatus, now: datetime, spec: dict[str, Any]) -> Any:
-        return reconcile_job(job, spec, status, pods, now, planner=lambda _: plan, ensured_generation=1)
+        return reconcile_job(
+            job, spec, status, pods, now, planner=lambda _: plan, ensured_generation=1
+        )
 
     cause = "rank 3: RuntimeError: bad batch (trainer.py:212)"
     out = step(FineTuneJobStatus(), T0 + timedelta(minutes=5), quickstart_raw())
     restarting = find(out.status.conditions, COND_SUCCEEDED)
     assert restarting is not None and restarting.reason == "Restarting"
-    assert restarting.message == f"pod qs-worker-1 failed on node node-a (exit code 1, Error): {cause}; replacing it"
+    assert (
+        restarting.message
+        == f"pod qs-worker-1 failed on node node-a (exit code 1, Error): {cause}; replacing it"
+    )
     warnings = [e for e in out.events if e.type == "Warning" and e.reason == "Restarting"]
     assert any(cause in e.message and "replacement 1 of" in e.message for e in warnings), out.events
 
@@ -178,10 +206,15 @@ def test_failed_names_the_pod_that_raised_not_the_one_that_lost_its_peer() -> No
                             planner=lambda _: make_plan(2), ensured_generation=1)  # fmt: skip
         failed = find(out.status.conditions, COND_FAILED)
         assert failed is not None and failed.status == "True"
-        assert failed.message.startswith("pod qs-worker-1 failed") and "ValueError: bad row" in failed.message
+        assert (
+            failed.message.startswith("pod qs-worker-1 failed")
+            and "ValueError: bad row" in failed.message
+        )
 
 
-@pytest.mark.parametrize("lost_first", [True, False], ids=["peer-lost-finished-first", "cause-finished-first"])
+@pytest.mark.parametrize(
+    "lost_first", [True, False], ids=["peer-lost-finished-first", "cause-finished-first"]
+)
 def test_restarting_names_the_root_cause_through_the_whole_backoff(lost_first: bool) -> None:
     """Pass after pass while the failed pods wait out their backoff and are replaced one by
     one, the Restarting condition names the pod that raised, never the one that only lost
@@ -190,7 +223,11 @@ def test_restarting_names_the_root_cause_through_the_whole_backoff(lost_first: b
     job = JobRef(name="qs", namespace="ns", uid=UID, generation=1)
     lost = report(rank=0, kind="PeerLost", message="RuntimeError: [gloo] Connection closed by peer")
     raised = report(rank=1, kind="Exception", message="ValueError: bad row", location="data.py:9")
-    finished = {0: T0, 1: T0 + timedelta(seconds=1)} if lost_first else {0: T0 + timedelta(seconds=1), 1: T0}
+    finished = (
+        {0: T0, 1: T0 + timedelta(seconds=1)}
+        if lost_first
+        else {0: T0 + timedelta(seconds=1), 1: T0}
+    )
     failed = {0: _worker(0, "Failed", exit_code=1, message=lost, finished=finished[0]),
               1: _worker(1, "Failed", exit_code=1, message=raised, finished=finished[1])}  # fmt: skip
     status, replaced = FineTuneJobStatus(), []
@@ -202,7 +239,10 @@ def test_restarting_names_the_root_cause_through_the_whole_backoff(lost_first: b
         condition = find(status.conditions, COND_SUCCEEDED)
         assert condition is not None and condition.reason == "Restarting"
         if failed:
-            assert condition.message.startswith("pod qs-worker-1 failed"), (second, condition.message)
+            assert condition.message.startswith("pod qs-worker-1 failed"), (
+                second,
+                condition.message,
+            )
             assert "ValueError: bad row" in condition.message
         for deletion in out.actions.delete:  # the apply layer deletes it: gone next pass
             replaced.append(deletion.name)
@@ -228,4 +268,6 @@ def test_every_container_falls_back_to_its_log_on_error(owner: Any, quickstart_s
             build_rendezvous_pod(owner, quickstart_spec)]  # fmt: skip
     for pod in pods:
         for container in pod["spec"]["containers"]:
-            assert container["terminationMessagePolicy"] == "FallbackToLogsOnError", container["name"]
+            assert container["terminationMessagePolicy"] == "FallbackToLogsOnError", container[
+                "name"
+            ]

@@ -43,7 +43,9 @@ def ended(
     if reason:
         status["reason"] = reason
     if disruption:
-        status["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
+        status["conditions"].append(
+            {"type": "DisruptionTarget", "status": "True", "reason": disruption}
+        )
     meta = {"name": name, "uid": f"uid-{name}", "labels": labels, "creationTimestamp": iso(started)}
     return observe_pod({"metadata": meta, "spec": {"nodeName": "n"}, "status": status})
 
@@ -53,24 +55,58 @@ def ended(
     [
         pytest.param(ended(), STORE_START, Disposition.FAILURE, id="crash"),
         pytest.param(ended(exit_code=137), STORE_START, Disposition.FAILURE, id="oom-or-sigkill"),
-        pytest.param(ended(report={"step": 5, "stopReason": "Signal"}), STORE_START,
-                     Disposition.PREEMPTED, id="graceful-sigterm-report"),
-        pytest.param(ended(report={"step": 5}), STORE_START, Disposition.FAILURE, id="report-no-stop"),
-        pytest.param(ended(exit_code=143), STORE_START, Disposition.PREEMPTED, id="died-of-sigterm"),
-        pytest.param(ended(reason="Evicted"), STORE_START, Disposition.PREEMPTED, id="kubelet-eviction"),
-        pytest.param(ended(disruption="TerminationByKubelet"), STORE_START, Disposition.PREEMPTED,
-                     id="node-shutdown"),
-        pytest.param(ended(disruption="EvictionByEvictionAPI"), STORE_START, Disposition.PREEMPTED,
-                     id="eviction-api"),
+        pytest.param(
+            ended(report={"step": 5, "stopReason": "Signal"}),
+            STORE_START,
+            Disposition.PREEMPTED,
+            id="graceful-sigterm-report",
+        ),
+        pytest.param(
+            ended(report={"step": 5}), STORE_START, Disposition.FAILURE, id="report-no-stop"
+        ),
+        pytest.param(
+            ended(exit_code=143), STORE_START, Disposition.PREEMPTED, id="died-of-sigterm"
+        ),
+        pytest.param(
+            ended(reason="Evicted"), STORE_START, Disposition.PREEMPTED, id="kubelet-eviction"
+        ),
+        pytest.param(
+            ended(disruption="TerminationByKubelet"),
+            STORE_START,
+            Disposition.PREEMPTED,
+            id="node-shutdown",
+        ),
+        pytest.param(
+            ended(disruption="EvictionByEvictionAPI"),
+            STORE_START,
+            Disposition.PREEMPTED,
+            id="eviction-api",
+        ),
         pytest.param(ended(), None, Disposition.RENDEZVOUS_LOST, id="store-gone"),
-        pytest.param(ended(), T0 + timedelta(seconds=30), Disposition.RENDEZVOUS_LOST,
-                     id="store-replaced-after-worker-creation"),
-        pytest.param(ended(started=T0 + timedelta(seconds=40)), T0 + timedelta(seconds=30),
-                     Disposition.FAILURE, id="worker-created-after-current-store"),
-        pytest.param(ended(started=T0 + timedelta(seconds=30)), T0 + timedelta(seconds=30),
-                     Disposition.FAILURE, id="created-in-the-same-pass-as-the-store"),
-        pytest.param(ended("qs-rdzv", phase="Succeeded", exit_code=0), None, Disposition.PREEMPTED,
-                     id="store-stopped"),
+        pytest.param(
+            ended(),
+            T0 + timedelta(seconds=30),
+            Disposition.RENDEZVOUS_LOST,
+            id="store-replaced-after-worker-creation",
+        ),
+        pytest.param(
+            ended(started=T0 + timedelta(seconds=40)),
+            T0 + timedelta(seconds=30),
+            Disposition.FAILURE,
+            id="worker-created-after-current-store",
+        ),
+        pytest.param(
+            ended(started=T0 + timedelta(seconds=30)),
+            T0 + timedelta(seconds=30),
+            Disposition.FAILURE,
+            id="created-in-the-same-pass-as-the-store",
+        ),
+        pytest.param(
+            ended("qs-rdzv", phase="Succeeded", exit_code=0),
+            None,
+            Disposition.PREEMPTED,
+            id="store-stopped",
+        ),
         pytest.param(ended("qs-rdzv"), None, Disposition.FAILURE, id="store-crashed"),
     ],
 )

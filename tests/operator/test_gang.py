@@ -47,8 +47,16 @@ def _crd_schema(scheduler: str) -> CustomResourceSchema:
 @pytest.mark.parametrize(
     ("gang", "min_member", "extra"),
     [
-        ({"scheduler": "coscheduling", "scheduleTimeoutSeconds": 120}, 1, {"scheduleTimeoutSeconds": 120}),
-        ({"scheduler": "volcano", "queue": "research"}, 1, {"queue": "research", "priorityClassName": "training"}),
+        (
+            {"scheduler": "coscheduling", "scheduleTimeoutSeconds": 120},
+            1,
+            {"scheduleTimeoutSeconds": 120},
+        ),
+        (
+            {"scheduler": "volcano", "queue": "research"},
+            1,
+            {"queue": "research", "priorityClassName": "training"},
+        ),
     ],
     ids=["coscheduling", "volcano"],
 )
@@ -67,7 +75,10 @@ def test_pod_group_min_member_is_the_elastic_minimum(
         # The data cache's disk (dataset.cacheSizeLimit) is requested too: a node without it
         # cannot take a member.
         "minResources": {
-            "cpu": "32", "ephemeral-storage": "32Gi", "memory": "512Gi", "nvidia.com/gpu": "8"
+            "cpu": "32",
+            "ephemeral-storage": "32Gi",
+            "memory": "512Gi",
+            "nvidia.com/gpu": "8",
         },
         **extra,
     }
@@ -85,14 +96,24 @@ def test_min_resources_scale_with_min_nodes(owner: Owner) -> None:
     assert group is not None
     assert group["spec"]["minMember"] == 3
     assert group["spec"]["minResources"] == {
-        "cpu": "4500m", "ephemeral-storage": "96Gi", "memory": "1536Gi", "nvidia.com/gpu": "24"
+        "cpu": "4500m",
+        "ephemeral-storage": "96Gi",
+        "memory": "1536Gi",
+        "nvidia.com/gpu": "24",
     }
 
 
 @pytest.mark.parametrize(
     ("value", "times", "expected"),
-    [("8", 2, "16"), ("500m", 3, "1500m"), ("64Gi", 2, "128Gi"), ("0.5", 4, "2"), ("1.5G", 3, "4.5G"),
-     ("1e3", 2, "2000"), ("2E", 2, "4E")],
+    [
+        ("8", 2, "16"),
+        ("500m", 3, "1500m"),
+        ("64Gi", 2, "128Gi"),
+        ("0.5", 4, "2"),
+        ("1.5G", 3, "4.5G"),
+        ("1e3", 2, "2000"),
+        ("2E", 2, "4E"),
+    ],
 )
 def test_scale_quantity(value: str, times: int, expected: str) -> None:
     assert scale_quantity(value, times) == expected
@@ -111,7 +132,9 @@ def test_an_unreadable_request_is_left_out_of_min_resources(owner: Owner) -> Non
 
 
 @pytest.mark.parametrize("scheduler", ["coscheduling", "volcano"])
-def test_worker_pods_join_the_group_and_the_rendezvous_pod_does_not(owner: Owner, scheduler: str) -> None:
+def test_worker_pods_join_the_group_and_the_rendezvous_pod_does_not(
+    owner: Owner, scheduler: str
+) -> None:
     spec = _spec({"scheduler": scheduler})
     plan = make_plan(2, 8)
     local = GANG_SCHEDULERS[scheduler]  # the local cluster's independent reading of the scheduler
@@ -127,7 +150,10 @@ def test_worker_pods_join_the_group_and_the_rendezvous_pod_does_not(owner: Owner
 
 def test_scheduler_name_override(owner: Owner) -> None:
     spec = _spec({"scheduler": "coscheduling", "schedulerName": "default-scheduler"})
-    assert build_worker_pod(owner, spec, make_plan(2, 8), 0)["spec"]["schedulerName"] == "default-scheduler"
+    assert (
+        build_worker_pod(owner, spec, make_plan(2, 8), 0)["spec"]["schedulerName"]
+        == "default-scheduler"
+    )
 
 
 @pytest.mark.parametrize("gang", [None, {"scheduler": "none"}], ids=["unset", "none"])
@@ -151,7 +177,14 @@ def test_off_changes_nothing(owner: Owner, gang: dict[str, Any] | None) -> None:
         ({"scheduler": "coscheduling", "scheduleTimeoutSeconds": 0}, "scheduleTimeoutSeconds"),
         ({}, "scheduler"),
     ],
-    ids=["timeout-volcano", "queue-coscheduling", "name-none", "unknown", "zero-timeout", "missing"],
+    ids=[
+        "timeout-volcano",
+        "queue-coscheduling",
+        "name-none",
+        "unknown",
+        "zero-timeout",
+        "missing",
+    ],
 )
 def test_invalid_gang_scheduling_names_the_field(gang: dict[str, Any], field: str) -> None:
     with pytest.raises(ValidationError, match=field.split(".")[-1]):
@@ -167,7 +200,9 @@ def test_operator_default_from_flags() -> None:
     # A job's own choice wins; the default scheduler name applies to the default scheduler only.
     opted_out = with_policy_defaults(_spec({"scheduler": "none"}), policy).resources.gang_scheduling
     assert opted_out is not None and not opted_out.enabled
-    other = with_policy_defaults(_spec({"scheduler": "coscheduling"}), policy).resources.gang_scheduling
+    other = with_policy_defaults(
+        _spec({"scheduler": "coscheduling"}), policy
+    ).resources.gang_scheduling
     assert other is not None and other.scheduler_name is None
     assert parse_operator_args([], env={}).policy.gang_scheduler is None  # off by default
 
@@ -186,7 +221,9 @@ def test_pod_group_is_ensured_with_the_pods_and_not_on_a_quiet_pass() -> None:
     group = first.actions.pod_group
     assert group is not None and group["spec"]["minMember"] == 1  # the quickstart's minNodes
     assert created(first) == list(ALL)
-    quiet = step(first.status, running(*ALL), T0 + timedelta(seconds=2), spec=_gang_raw(), ensured=1)
+    quiet = step(
+        first.status, running(*ALL), T0 + timedelta(seconds=2), spec=_gang_raw(), ensured=1
+    )
     assert quiet.actions.pod_group is None and quiet.actions.empty
     # A worker to replace: the group is ensured again before it (it may have been deleted).
     lost = step(quiet.status, running("qs-rdzv", "qs-worker-0"), T0 + timedelta(seconds=4),
@@ -214,7 +251,9 @@ def test_without_gang_scheduling_no_pod_group_action() -> None:
 
 
 def test_an_unschedulable_worker_says_why_in_the_job_status() -> None:
-    message = "0/5 nodes are available: 5 Too many pods. The pod group needs 2 pods at once and 1 fit"
+    message = (
+        "0/5 nodes are available: 5 Too many pods. The pod group needs 2 pods at once and 1 fit"
+    )
     waiting = observe_pod({
         "metadata": {"name": "qs-worker-0", "uid": "u0",
                      "labels": {LABEL_JOB: "qs", LABEL_ROLE: "worker", LABEL_WORKER_INDEX: "0"}},
@@ -225,4 +264,7 @@ def test_an_unschedulable_worker_says_why_in_the_job_status() -> None:
     assert waiting.blocked == f"Unschedulable: {message}"
     out = step(FineTuneJobStatus(), [*running("qs-rdzv"), waiting], T0, spec=_gang_raw())
     succeeded = next(c for c in out.status.conditions if c.type == "Succeeded")
-    assert succeeded.reason == "Pending" and f"pod qs-worker-0 cannot start: Unschedulable: {message}" in succeeded.message
+    assert (
+        succeeded.reason == "Pending"
+        and f"pod qs-worker-0 cannot start: Unschedulable: {message}" in succeeded.message
+    )

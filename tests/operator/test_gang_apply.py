@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=[(), ("coscheduling",)], ids=["not-installed", "installed"])
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
     with LocalCluster(tmp_path_factory.mktemp("api"), crds_dir=None, kubelet=False,
                       gang_schedulers=request.param) as local:  # fmt: skip
         yield local
@@ -36,7 +38,10 @@ def _actions() -> Actions:
     raw = quickstart_raw()
     raw["resources"]["gangScheduling"] = {"scheduler": "coscheduling"}
     spec, plan = FineTuneJobSpec.model_validate(raw), make_plan(2)
-    pods = (build_rendezvous_pod(OWNER, spec), *(build_worker_pod(OWNER, spec, plan, i) for i in range(2)))
+    pods = (
+        build_rendezvous_pod(OWNER, spec),
+        *(build_worker_pod(OWNER, spec, plan, i) for i in range(2)),
+    )
     return Actions(create=pods, pod_group=build_job_pod_group(OWNER, spec, plan))
 
 
@@ -45,7 +50,9 @@ def test_worker_pods_only_with_their_pod_group(server: LocalCluster) -> None:
     cluster = ClusterApi(api_client)
     installed = bool(server.api.registry.get("scheduling.x-k8s.io", "v1alpha1", "podgroups"))
     result = asyncio.run(cluster.apply("default", _actions()))
-    pods = {p.metadata.name for p in client.CoreV1Api(api_client).list_namespaced_pod("default").items}
+    pods = {
+        p.metadata.name for p in client.CoreV1Api(api_client).list_namespaced_pod("default").items
+    }
     if installed:
         assert result.errors == []
         assert pods == {"gang-rdzv", "gang-worker-0", "gang-worker-1"}

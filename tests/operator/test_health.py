@@ -150,12 +150,16 @@ def test_carry_streaks(
     want: dict[int, int],
     still: set[int],
 ) -> None:
-    got, left = carry_streaks({r: state(r, n) for r, n in carried.items()}, detection(ratios, streaks))
+    got, left = carry_streaks(
+        {r: state(r, n) for r, n in carried.items()}, detection(ratios, streaks)
+    )
     assert {r: n for r, n in got.items()} == want and set(left) == still
 
 
 WORKERS = [pod(f"qs-worker-{i}", "Running", ready=True, node=f"node-{i}") for i in range(3)]
-EVICTED_EARLIER = Eviction(pod="qs-worker-2", node="node-2", rank=2, ratio=1.4, time=format_time(T0))
+EVICTED_EARLIER = Eviction(
+    pod="qs-worker-2", node="node-2", rank=2, ratio=1.4, time=format_time(T0)
+)
 
 
 @pytest.mark.parametrize(
@@ -163,15 +167,44 @@ EVICTED_EARLIER = Eviction(pod="qs-worker-2", node="node-2", rank=2, ratio=1.4, 
     [
         (StragglerSpec(), [], WORKERS, 1, "StragglerEvicted", True),
         (StragglerSpec(action="alert"), [], WORKERS, 1, "StragglerAlerted", False),
-        (StragglerSpec(cooldown_seconds=3600), [EVICTED_EARLIER], WORKERS, 1, "StragglerFound", False),
-        (StragglerSpec(cooldown_seconds=0, max_evictions_per_hour=1), [EVICTED_EARLIER], WORKERS, 1, "StragglerFound", False),
-        (StragglerSpec(cooldown_seconds=0, max_evictions_per_hour=2), [EVICTED_EARLIER], WORKERS, 1, "StragglerEvicted", True),
+        (
+            StragglerSpec(cooldown_seconds=3600),
+            [EVICTED_EARLIER],
+            WORKERS,
+            1,
+            "StragglerFound",
+            False,
+        ),
+        (
+            StragglerSpec(cooldown_seconds=0, max_evictions_per_hour=1),
+            [EVICTED_EARLIER],
+            WORKERS,
+            1,
+            "StragglerFound",
+            False,
+        ),
+        (
+            StragglerSpec(cooldown_seconds=0, max_evictions_per_hour=2),
+            [EVICTED_EARLIER],
+            WORKERS,
+            1,
+            "StragglerEvicted",
+            True,
+        ),
         # minNodes 3 of 3: allowed, since every slot is up and the replacement comes at once...
         (StragglerSpec(), [], WORKERS, 3, "StragglerEvicted", True),
         # ...but not while another worker is missing.
         (StragglerSpec(), [], WORKERS[:2], 2, "StragglerFound", False),
     ],
-    ids=["evict", "alert", "cooldown", "hourly-budget", "budget-left", "min-nodes-replaced", "min-nodes"],
+    ids=[
+        "evict",
+        "alert",
+        "cooldown",
+        "hourly-budget",
+        "budget-left",
+        "min-nodes-replaced",
+        "min-nodes",
+    ],
 )
 def test_eviction_rules(
     spec: StragglerSpec,
@@ -198,7 +231,9 @@ def test_eviction_rules(
         )
 
 
-@pytest.mark.parametrize(("steps_left", "evicts"), [(None, True), (6, True), (5, False), (0, False)])
+@pytest.mark.parametrize(
+    ("steps_left", "evicts"), [(None, True), (6, True), (5, False), (0, False)]
+)
 def test_no_eviction_within_a_window_of_the_end(steps_left: int | None, evicts: bool) -> None:
     """Evicting as the run ends cannot pay back the re-form, and a replacement joining a group
     that is finishing waits out torchrun's exit barrier: reported, not evicted."""
@@ -220,7 +255,16 @@ def test_no_straggler_and_unconfirmed_suspects() -> None:
     assert d.condition.status == "False" and d.evict is None and d.events == ()
     assert [(s.rank, s.streak, s.confirmed) for s in d.stragglers] == [(1, 1, False)]
     off = decide_stragglers(
-        StragglerSpec(enabled=False), detection({1: 2.0}, {1: 9}), {}, [], None, [], WORKERS, 1, 3, T0
+        StragglerSpec(enabled=False),
+        detection({1: 2.0}, {1: 9}),
+        {},
+        [],
+        None,
+        [],
+        WORKERS,
+        1,
+        3,
+        T0,
     )
     assert off.condition.status == "False" and off.evict is None and off.stragglers == ()
 
@@ -262,7 +306,9 @@ def test_decide_hang(
                     judging=judging, now=now)  # fmt: skip
     assert h.hung == hung and h.condition.reason == reason
     if reason == "RankHung":
-        assert "rank 1" in (h.condition.message or "") and "qs-worker-1" in (h.condition.message or "")
+        assert "rank 1" in (h.condition.message or "") and "qs-worker-1" in (
+            h.condition.message or ""
+        )
 
 
 # --- the whole pass: reconcile_job with scrapes -----------------------------------------------
@@ -423,7 +469,11 @@ def test_hung_rank_restarts_the_workers_counted_as_a_restart() -> None:
     st = out.status.model_copy(update={"step": 9})
     assert cond(st, COND_HANG_DETECTED) == ("False", "Progressing") and st.last_progress_time
     later = now + timedelta(seconds=90)
-    stuck = [hb(0, 9, later.timestamp() - 1), hb(1, 9, now.timestamp()), hb(2, 9, later.timestamp() - 1)]
+    stuck = [
+        hb(0, 9, later.timestamp() - 1),
+        hb(1, 9, now.timestamp()),
+        hb(2, 9, later.timestamp() - 1),
+    ]
     out = run_pass(st, PODS, stuck, out.buffer, later)
     assert sorted(d.name for d in out.actions.delete) == [f"qs-worker-{i}" for i in range(3)]
     assert out.status.restarts == 1 and out.status.hangs == 1
@@ -473,7 +523,9 @@ def test_a_streak_carried_for_an_evicted_pod_never_passes_to_the_pod_now_at_its_
     workers = [WORKERS[0], WORKERS[2], replacement]
     carried = {1: state(1, 3, confirmed=True)}  # qs-worker-1's, evicted and gone
     # Right after the re-form rank 1 is qs-worker-2's and not judged yet.
-    det = replace(detection({}, {}), pods={0: ("qs-worker-0", "node-0"), 1: ("qs-worker-2", "node-2")})
+    det = replace(
+        detection({}, {}), pods={0: ("qs-worker-0", "node-0"), 1: ("qs-worker-2", "node-2")}
+    )
     d = decide_stragglers(
         StragglerSpec(cooldown_seconds=0), det, carried, [], None, [], workers, 1, 3, T0
     )

@@ -105,12 +105,17 @@ def test_workload_asks_for_the_planned_nodes_and_accepts_down_to_min_nodes(
         assert schema.unknown_fields(wl) == []
 
 
-def test_workload_template_requests_what_the_worker_pods_request(owner: Owner, gpu8_spec: Any) -> None:
+def test_workload_template_requests_what_the_worker_pods_request(
+    owner: Owner, gpu8_spec: Any
+) -> None:
     plan = make_plan(2, 8)
     template = worker_template(owner, gpu8_spec, plan)
     for index in range(plan.nodes):
         worker = build_worker_pod(owner, gpu8_spec, plan, index)
-        assert template["spec"]["containers"][0]["resources"] == worker["spec"]["containers"][0]["resources"]
+        assert (
+            template["spec"]["containers"][0]["resources"]
+            == worker["spec"]["containers"][0]["resources"]
+        )
         assert template["spec"]["nodeSelector"] == worker["spec"]["nodeSelector"]
     assert template["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "8"
     # A PodTemplateSpec's metadata in a Workload may carry only labels and annotations.
@@ -119,7 +124,9 @@ def test_workload_template_requests_what_the_worker_pods_request(owner: Owner, g
     kubernetes_validate.validate(pod, "1.32", strict=True)
 
 
-def test_upstream_schema_refuses_a_min_count_above_count(owner: Owner, quickstart_spec: Any) -> None:
+def test_upstream_schema_refuses_a_min_count_above_count(
+    owner: Owner, quickstart_spec: Any
+) -> None:
     wl = build_workload(owner, quickstart_spec, make_plan(2), QUEUE)
     bad = copy.deepcopy(wl)
     bad["spec"]["podSets"][0]["minCount"] = 3
@@ -141,10 +148,14 @@ def test_opt_in_is_the_queue_name_label(labels: dict[str, str] | None, queue: st
     assert queue_name_of(labels) == queue
 
 
-def test_placement_adds_flavor_selector_and_tolerations_to_the_job_s_own(owner: Owner, gpu8_spec: Any) -> None:
+def test_placement_adds_flavor_selector_and_tolerations_to_the_job_s_own(
+    owner: Owner, gpu8_spec: Any
+) -> None:
     worker = build_worker_pod(owner, gpu8_spec, make_plan(2, 8), 0)
     toleration = {"key": "spot", "operator": "Exists", "effect": "NoSchedule"}
-    placed = place_worker(copy.deepcopy(worker), Placement({"pool": "spot"}, (toleration,), {"l": "1"}))
+    placed = place_worker(
+        copy.deepcopy(worker), Placement({"pool": "spot"}, (toleration,), {"l": "1"})
+    )
     assert placed["spec"]["nodeSelector"] == {**worker["spec"]["nodeSelector"], "pool": "spot"}
     assert placed["spec"]["tolerations"] == [*worker["spec"]["tolerations"], toleration]
     assert placed["metadata"]["labels"]["l"] == "1"
@@ -165,7 +176,9 @@ def test_placement_adds_flavor_selector_and_tolerations_to_the_job_s_own(owner: 
     (workload(*ADMITTED, _cond("Evicted", "True", "Preempted", "Preempted to accommodate a higher priority Workload"),
               count=2), None, "Preempted: Preempted to accommodate"),
 ], ids=["no-workload", "no-quota", "checks-pending", "admitted-partially", "evicted"])  # fmt: skip
-def test_read_queue_state(wl: dict[str, Any] | None, admitted_count: int | None, message_part: str) -> None:
+def test_read_queue_state(
+    wl: dict[str, Any] | None, admitted_count: int | None, message_part: str
+) -> None:
     state = read_queue_state(QUEUE, wl, {"spot": SPOT})
     assert state.admitted_count == admitted_count
     assert state.admitted is (admitted_count is not None)
@@ -200,18 +213,24 @@ def test_an_admission_without_a_count_is_the_pod_set_s_count() -> None:
 def kstep(status: FineTuneJobStatus, pods: list[PodView], wl: dict[str, Any] | None, seconds: float = 0,
           *, spec: dict[str, Any] | None = None, unreadable: str = "",
           flavors: dict[str, Any] | None = None) -> Outcome:  # fmt: skip
-    queue = read_queue_state(QUEUE, wl, {"spot": SPOT} if flavors is None else flavors, unreadable=unreadable)
+    queue = read_queue_state(
+        QUEUE, wl, {"spot": SPOT} if flavors is None else flavors, unreadable=unreadable
+    )
     return reconcile_job(JOB, spec or quickstart_raw(), status, pods, T0 + timedelta(seconds=seconds),
                          planner=lambda _: make_plan(2), ensured_generation=1, queue=queue)  # fmt: skip
 
 
 def test_queued_job_creates_its_workload_and_no_pod_until_admitted() -> None:
     first = kstep(FineTuneJobStatus(), [], None)
-    assert first.actions.workload is not None and first.actions.workload["spec"]["queueName"] == QUEUE
+    assert (
+        first.actions.workload is not None and first.actions.workload["spec"]["queueName"] == QUEUE
+    )
     assert created(first) == [] and first.status.phase == "Pending"
     assert cond(first.status, "Succeeded") == ("Unknown", "Queued")
     message = "couldn't assign flavors to pod set workers: insufficient quota for nvidia.com/gpu"
-    waiting = kstep(first.status, [], workload(_cond("QuotaReserved", "False", "Pending", message)), 5)
+    waiting = kstep(
+        first.status, [], workload(_cond("QuotaReserved", "False", "Pending", message)), 5
+    )
     assert waiting.actions.empty  # the Workload exists: nothing to write
     succeeded = next(c for c in waiting.status.conditions if c.type == "Succeeded")
     assert succeeded.message == f"queued in LocalQueue {QUEUE}: {message}"
@@ -226,12 +245,16 @@ def test_queued_job_creates_its_workload_and_no_pod_until_admitted() -> None:
 
 def test_eviction_stops_the_workers_without_counting_and_gives_the_quota_back() -> None:
     live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
-    evicted = workload(*ADMITTED, _cond("Evicted", "True", "Preempted", "Preempted to accommodate wl-b"), count=2)
+    evicted = workload(
+        *ADMITTED, _cond("Evicted", "True", "Preempted", "Preempted to accommodate wl-b"), count=2
+    )
     stop = kstep(live, running(*ALL), evicted, 5)
     assert sorted(deleted(stop)) == sorted(ALL) and created(stop) == []
     assert all(d.reason == "Evicted" for d in stop.actions.delete)
     assert stop.actions.workload_status is None  # not while its pods still run
-    assert cond(stop.status, "Succeeded") == ("Unknown", "Evicted") and stop.status.phase == "Pending"
+    assert (
+        cond(stop.status, "Succeeded") == ("Unknown", "Evicted") and stop.status.phase == "Pending"
+    )
     assert any(e.reason == "Evicted" for e in stop.events)
     # The trainers exit 143 on SIGTERM: not a failure, nothing spent.
     dying = [pod("qs-worker-0", "Failed", exit_code=143, deleting=True)]
@@ -242,7 +265,9 @@ def test_eviction_stops_the_workers_without_counting_and_gives_the_quota_back() 
     assert patch is not None and gone.actions.workload_name == "qs"
     assert patch["status"]["admission"] is None and patch["metadata"] == {"resourceVersion": "7"}
     reserved = {c["type"]: c for c in patch["status"]["conditions"]}
-    assert reserved["QuotaReserved"]["status"] == "False" and reserved["Admitted"]["status"] == "False"
+    assert (
+        reserved["QuotaReserved"]["status"] == "False" and reserved["Admitted"]["status"] == "False"
+    )
     assert reserved["Evicted"]["status"] == "True"  # Kueue's own, kept
     # Requeued as Kueue's job reconciler sets it: True after a preemption, with its words.
     assert (reserved["Requeued"]["status"], reserved["Requeued"]["reason"]) == ("True", "Preempted")
@@ -254,7 +279,10 @@ def test_eviction_stops_the_workers_without_counting_and_gives_the_quota_back() 
 
 
 def test_success_and_failure_mark_the_workload_finished() -> None:
-    done = [pod("qs-worker-0", "Succeeded", exit_code=0), pod("qs-worker-1", "Succeeded", exit_code=0)]
+    done = [
+        pod("qs-worker-0", "Succeeded", exit_code=0),
+        pod("qs-worker-1", "Succeeded", exit_code=0),
+    ]
     out = kstep(FineTuneJobStatus(), done, admitted(2))
     patch = out.actions.workload_status
     assert out.status.phase == "Succeeded" and patch is not None
@@ -274,7 +302,9 @@ def test_suspend_deactivates_the_workload() -> None:
 
 
 def test_a_job_without_the_label_has_no_workload() -> None:
-    out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), [], T0, planner=lambda _: make_plan(2))
+    out = reconcile_job(
+        JOB, quickstart_raw(), FineTuneJobStatus(), [], T0, planner=lambda _: make_plan(2)
+    )
     assert out.actions.workload is None and out.actions.workload_status is None
     assert created(out) == list(ALL)
 
@@ -300,7 +330,11 @@ def test_priority_class_of_the_workload(labels: dict[str, str] | None, pods_clas
 def test_workload_carries_its_priority_class_and_value(owner: Owner, quickstart_spec: Any) -> None:
     ref = PriorityRef("scheduling.k8s.io", "PriorityClass", "training")
     wl = build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (ref, 1000))
-    assert wl["spec"]["priorityClassRef"] == {"group": "scheduling.k8s.io", "kind": "PriorityClass", "name": "training"}
+    assert wl["spec"]["priorityClassRef"] == {
+        "group": "scheduling.k8s.io",
+        "kind": "PriorityClass",
+        "name": "training",
+    }
     assert wl["spec"]["priority"] == 1000
     assert _upstream_schema().validate(wl) == []
     # Kueue refuses a class without its value: why the operator resolves it first.
@@ -329,8 +363,13 @@ def test_a_workload_of_another_owner_is_not_this_job_s() -> None:
     assert queue.foreign and not queue.admitted
     out = reconcile_job(JOB, quickstart_raw(), FineTuneJobStatus(), [], T0,
                         planner=lambda _: make_plan(2), queue=queue)  # fmt: skip
-    assert created(out) == [] and out.actions.workload is None and out.actions.workload_status is None
-    assert "belongs to another owner" in next(c for c in out.status.conditions if c.type == "Succeeded").message
+    assert (
+        created(out) == [] and out.actions.workload is None and out.actions.workload_status is None
+    )
+    assert (
+        "belongs to another owner"
+        in next(c for c in out.status.conditions if c.type == "Succeeded").message
+    )
     assert read_queue_state(QUEUE, admitted(2), {"spot": SPOT}, owner_uid=JOB.uid).admitted
 
 
@@ -354,11 +393,21 @@ def test_pods_ready_is_kept_on_the_workload_for_wait_for_pods_ready() -> None:
 
 
 def test_both_priority_sources_validate_upstream(owner: Owner, quickstart_spec: Any) -> None:
-    for ref in (priority_ref({"kueue.x-k8s.io/priority-class": "urgent"}, None), priority_ref(None, "training")):
+    for ref in (
+        priority_ref({"kueue.x-k8s.io/priority-class": "urgent"}, None),
+        priority_ref(None, "training"),
+    ):
         assert ref is not None
-        assert _upstream_schema().validate(build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (ref, 5))) == []
+        assert (
+            _upstream_schema().validate(
+                build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (ref, 5))
+            )
+            == []
+        )
     wrong = PriorityRef("kueue.x-k8s.io", "PriorityClass", "urgent")
-    errors = _upstream_schema().validate(build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (wrong, 5)))
+    errors = _upstream_schema().validate(
+        build_workload(owner, quickstart_spec, make_plan(2), QUEUE, (wrong, 5))
+    )
     assert any("only the WorkloadPriorityClass kind" in msg for _, msg in errors)
 
 
@@ -379,7 +428,9 @@ def test_an_eviction_takes_pods_ready_back_with_the_quota() -> None:
     gone = kstep(live, [], evicted, 12)
     assert _pods_ready_of(gone) == ("False", "WaitForStart")
     # Admission taken away by someone else (no eviction pending here): the same.
-    requeued = workload(_cond("QuotaReserved", "False", "Pending"), _cond("PodsReady", "True", "Started"))
+    requeued = workload(
+        _cond("QuotaReserved", "False", "Pending"), _cond("PodsReady", "True", "Started")
+    )
     assert _pods_ready_of(kstep(live, [], requeued, 14)) == ("False", "WaitForStart")
     # Re-admitted and starting: False already, nothing written; once ready, Started again.
     again = workload(*ADMITTED, _cond("Evicted", "False", "QuotaReserved"),
@@ -423,13 +474,18 @@ def test_an_admitted_workload_for_an_earlier_spec_stops_the_workers_and_is_repla
     stale = _asking_for_other_pods(admitted(2))
     stop = kstep(live, running(*ALL), stale, 5)
     assert sorted(deleted(stop)) == sorted(ALL) and created(stop) == []
-    assert stop.actions.workload is None and stop.actions.remove == ()  # its quota kept while pods run
+    assert (
+        stop.actions.workload is None and stop.actions.remove == ()
+    )  # its quota kept while pods run
     gone = kstep(stop.status, [], stale, 10)
     assert [(r.kind, r.name) for r in gone.actions.remove] == [("Workload", "qs")]
     assert created(gone) == [] and gone.actions.workload is None
     # The next pass finds none and creates it as the job now is.
     anew = kstep(gone.status, [], None, 15)
-    assert anew.actions.workload is not None and anew.actions.workload["spec"]["podSets"][0]["count"] == 2
+    assert (
+        anew.actions.workload is not None
+        and anew.actions.workload["spec"]["podSets"][0]["count"] == 2
+    )
 
 
 def test_a_min_count_kueue_dropped_is_not_an_edit_of_the_job() -> None:
@@ -471,10 +527,16 @@ def test_an_admission_that_cannot_be_read_keeps_the_running_workers(
     assert deleted(out) == [] and created(out) == [] and out.actions.workload is None
     assert out.status.phase == "Running"
     ready = next(c for c in out.status.conditions if c.type == "WorkersReady")
-    assert "Kueue admission cannot be read" in ready.message and "running workers kept" in ready.message
+    assert (
+        "Kueue admission cannot be read" in ready.message
+        and "running workers kept" in ready.message
+    )
     # A worker lost meanwhile is not replaced (no pod without a known admission).
     one = [*running("qs-rdzv", "qs-worker-0")]
-    assert created(kstep(out.status, one, workload_now, 10, unreadable=unreadable, flavors=flavors)) == []
+    assert (
+        created(kstep(out.status, one, workload_now, 10, unreadable=unreadable, flavors=flavors))
+        == []
+    )
     # Nothing running: the job waits, and says why.
     idle = kstep(FineTuneJobStatus(), [], workload_now, unreadable=unreadable, flavors=flavors)
     assert created(idle) == [] and idle.status.phase == "Pending"
@@ -494,17 +556,24 @@ def test_a_job_whose_spec_became_invalid_gives_its_quota_back() -> None:
     broken = quickstart_raw()
     broken["training"].pop("maxSteps")
     out = kstep(live, running(*ALL), admitted(2), 5, spec=broken)
-    assert cond(out.status, "Failed") == ("True", "InvalidSpec") and sorted(deleted(out)) == sorted(ALL)
+    assert cond(out.status, "Failed") == ("True", "InvalidSpec") and sorted(deleted(out)) == sorted(
+        ALL
+    )
     assert out.actions.workload_deactivate and out.actions.workload_name == "qs"
     inactive = admitted(2)
     inactive["spec"]["active"] = False
-    inactive["status"]["conditions"].append(_cond("Evicted", "True", "Deactivated", "The workload is deactivated"))
+    inactive["status"]["conditions"].append(
+        _cond("Evicted", "True", "Deactivated", "The workload is deactivated")
+    )
     gone = kstep(out.status, [], inactive, 10, spec=broken)
     assert not gone.actions.workload_deactivate  # already inactive
     patch = gone.actions.workload_status
     assert patch is not None and patch["status"]["admission"] is None  # the quota given back
     requeued = next(c for c in patch["status"]["conditions"] if c["type"] == "Requeued")
-    assert (requeued["status"], requeued["reason"]) == ("False", "Deactivated")  # not after a deactivation
+    assert (requeued["status"], requeued["reason"]) == (
+        "False",
+        "Deactivated",
+    )  # not after a deactivation
     edited = dataclasses.replace(JOB, generation=JOB.generation + 1)  # the spec edited valid again
     fixed = reconcile_job(edited, quickstart_raw(), gone.status, [], T0 + timedelta(seconds=15),
                           planner=lambda _: make_plan(2), queue=read_queue_state(QUEUE, inactive, {"spot": SPOT}))  # fmt: skip

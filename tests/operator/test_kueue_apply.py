@@ -26,8 +26,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["not-installed", "installed"])
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("api"), crds_dir=None, kubelet=False, kueue=request.param) as local:
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    with LocalCluster(
+        tmp_path_factory.mktemp("api"), crds_dir=None, kubelet=False, kueue=request.param
+    ) as local:
         yield local
 
 
@@ -49,21 +53,47 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
         assert found is None and "install Kueue" in why
         return
     assert result.errors == []
-    assert asyncio.run(cluster.read_workload("default", "never-written")) == (None, "")  # served, absent
+    assert asyncio.run(cluster.read_workload("default", "never-written")) == (
+        None,
+        "",
+    )  # served, absent
     # An invalid spec deactivates it (spec.active only).
-    assert asyncio.run(cluster.apply("default", Actions(workload_deactivate=True, workload_name="queued"))).errors == []
+    assert (
+        asyncio.run(
+            cluster.apply("default", Actions(workload_deactivate=True, workload_name="queued"))
+        ).errors
+        == []
+    )
     wl = asyncio.run(cluster.read_workload("default", "queued"))[0]
-    assert wl is not None and wl["spec"]["active"] is False and wl["spec"]["podSets"][0]["count"] == 2
+    assert (
+        wl is not None and wl["spec"]["active"] is False and wl["spec"]["podSets"][0]["count"] == 2
+    )
     # Suspending patches `active` only (podSets are immutable in Kueue).
-    assert asyncio.run(cluster.apply("default", Actions(workload=_workload(suspend=True)))).errors == []
+    assert (
+        asyncio.run(cluster.apply("default", Actions(workload=_workload(suspend=True)))).errors
+        == []
+    )
     wl = asyncio.run(cluster.read_workload("default", "queued"))[0]
-    assert wl is not None and wl["spec"]["active"] is False and wl["spec"]["podSets"][0]["minCount"] == 1
+    assert (
+        wl is not None
+        and wl["spec"]["active"] is False
+        and wl["spec"]["podSets"][0]["minCount"] == 1
+    )
     # Written for an earlier spec (or queue) and holding no quota: podSets and queue rewritten.
     spec = FineTuneJobSpec.model_validate(quickstart_raw() | {"suspend": True})
     resized = build_workload(OWNER, spec, make_plan(3), "q2")
-    assert asyncio.run(cluster.apply("default", Actions(workload=resized, workload_rewrite=True))).errors == []
+    assert (
+        asyncio.run(
+            cluster.apply("default", Actions(workload=resized, workload_rewrite=True))
+        ).errors
+        == []
+    )
     wl = asyncio.run(cluster.read_workload("default", "queued"))[0]
-    assert wl is not None and wl["spec"]["podSets"][0]["count"] == 3 and wl["spec"]["queueName"] == "q2"
+    assert (
+        wl is not None
+        and wl["spec"]["podSets"][0]["count"] == 3
+        and wl["spec"]["queueName"] == "q2"
+    )
     asyncio.run(_create_flavor(cluster))
     asyncio.run(cluster.patch_workload_status("default", "queued", {"status": {
         "conditions": [{"type": t, "status": "True", "reason": t, "message": "", "lastTransitionTime": "2026-01-01T12:00:00Z"}
@@ -77,7 +107,9 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
     state = read_queue_state("q", wl, flavors)
     assert state.admitted_count == 2 and state.placement.node_selector == {"pool": "spot"}
     patch = finish_patch(wl, True, "done", datetime(2026, 1, 1, tzinfo=UTC))
-    result = asyncio.run(cluster.apply("default", Actions(workload_status=patch, workload_name="queued")))
+    result = asyncio.run(
+        cluster.apply("default", Actions(workload_status=patch, workload_name="queued"))
+    )
     assert result.errors == []
     wl = asyncio.run(cluster.read_workload("default", "queued"))[0]
     assert wl is not None
@@ -94,7 +126,9 @@ async def _create_flavor(cluster: ClusterApi) -> None:
 
 @pytest.fixture(scope="module")
 def with_kueue(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("api"), crds_dir=None, kubelet=False, kueue=True) as local:
+    with LocalCluster(
+        tmp_path_factory.mktemp("api"), crds_dir=None, kubelet=False, kueue=True
+    ) as local:
         yield local
 
 
@@ -105,14 +139,25 @@ def test_a_stale_status_patch_is_refused_and_not_an_error(with_kueue: LocalClust
     cluster = ClusterApi(config.new_client_from_config(config_file=str(server.kubeconfig_path)))
     owner = Owner(name="stale", namespace="default", uid=UID)
     spec = FineTuneJobSpec.model_validate(quickstart_raw())
-    assert asyncio.run(cluster.apply("default", Actions(workload=build_workload(owner, spec, make_plan(2), "q")))).errors == []
+    assert (
+        asyncio.run(
+            cluster.apply(
+                "default", Actions(workload=build_workload(owner, spec, make_plan(2), "q"))
+            )
+        ).errors
+        == []
+    )
     read = asyncio.run(cluster.read_workload("default", "stale"))[0]
     assert read is not None
     evicted = {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by Kueue",
                "lastTransitionTime": "2026-01-01T12:00:00Z"}  # fmt: skip
-    asyncio.run(cluster.patch_workload_status("default", "stale", {"status": {"conditions": [evicted]}}))
+    asyncio.run(
+        cluster.patch_workload_status("default", "stale", {"status": {"conditions": [evicted]}})
+    )
     stale = finish_patch(read, True, "done", datetime(2026, 1, 1, tzinfo=UTC))
-    result = asyncio.run(cluster.apply("default", Actions(workload_status=stale, workload_name="stale")))
+    result = asyncio.run(
+        cluster.apply("default", Actions(workload_status=stale, workload_name="stale"))
+    )
     assert result.errors == []
     now = asyncio.run(cluster.read_workload("default", "stale"))[0]
     assert now is not None and [c["type"] for c in now["status"]["conditions"]] == ["Evicted"]

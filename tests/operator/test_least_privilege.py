@@ -134,7 +134,9 @@ def test_network_policy_is_a_shared_object_only_when_the_policy_asks() -> None:
     with_np = build_shared_objects(owner, spec, plan, network_policy=("ops",))
     assert [o["kind"] for o in with_np][-1] == "NetworkPolicy"
     job = JobRef(name="qs", namespace="ml", uid="uid-1", generation=1)
-    policy = JobPolicy(network_policy=True, operator_namespace="ops", monitoring_namespaces=("mon",))
+    policy = JobPolicy(
+        network_policy=True, operator_namespace="ops", monitoring_namespaces=("mon",)
+    )
     out = reconcile_job(
         job, quickstart_raw(), FineTuneJobStatus(), [], datetime(2026, 1, 1, tzinfo=UTC),
         planner=lambda _: plan, policy=policy,

@@ -74,14 +74,26 @@ def test_jobs_named_alike_in_two_namespaces_keep_apart() -> None:
     metrics.set_straggler_ratios("a", "same", {0: 1.0, 1: 1.5})
     metrics.set_straggler_ratios("b", "same", {0: 1.1})
     metrics.record_evictions("a", "same", 1)
-    assert _value("finetune_operator_straggler_ratio", namespace="a", finetunejob="same", rank="1") == 1.5
-    assert _value("finetune_operator_straggler_ratio", namespace="b", finetunejob="same", rank="0") == 1.1
+    assert (
+        _value("finetune_operator_straggler_ratio", namespace="a", finetunejob="same", rank="1")
+        == 1.5
+    )
+    assert (
+        _value("finetune_operator_straggler_ratio", namespace="b", finetunejob="same", rank="0")
+        == 1.1
+    )
     # A rank no longer reported loses its series; the other job's series stay.
     metrics.set_straggler_ratios("a", "same", {0: 1.0})
-    assert _value("finetune_operator_straggler_ratio", namespace="a", finetunejob="same", rank="1") is None
+    assert (
+        _value("finetune_operator_straggler_ratio", namespace="a", finetunejob="same", rank="1")
+        is None
+    )
     metrics.forget_job_series("a", "same")
     assert _value("finetune_operator_evictions_total", namespace="a", finetunejob="same") is None
-    assert _value("finetune_operator_straggler_ratio", namespace="b", finetunejob="same", rank="0") == 1.1
+    assert (
+        _value("finetune_operator_straggler_ratio", namespace="b", finetunejob="same", rank="0")
+        == 1.1
+    )
     metrics.forget_job_series("b", "same")
 
 

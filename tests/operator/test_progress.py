@@ -149,7 +149,12 @@ def test_resume_and_skipped_checkpoint_reach_status_with_one_event() -> None:
 @pytest.mark.parametrize(
     ("report", "resumed", "skipped"),
     [
-        pytest.param('{"step": 9, "rank": 0, "resumedFromStep": 5, "skippedCheckpoints": [8, 7]}', 5, 8, id="resumed"),
+        pytest.param(
+            '{"step": 9, "rank": 0, "resumedFromStep": 5, "skippedCheckpoints": [8, 7]}',
+            5,
+            8,
+            id="resumed",
+        ),
         pytest.param('{"step": 9, "rank": 0}', 0, None, id="fresh"),
         pytest.param('{"step": 9, "skippedCheckpoints": "x"}', 0, None, id="garbled-list"),
         pytest.param("Traceback ...", None, None, id="log-tail"),

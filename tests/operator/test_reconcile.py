@@ -165,20 +165,34 @@ def test_a_worker_the_kubelet_cannot_start_is_reported() -> None:
     the job says which pod and why, and counts nothing as a failure."""
     s0 = step(FineTuneJobStatus(), [], T0).status
     waiting = {"reason": "CreateContainerConfigError", "message": 'secret "s3" not found'}
-    raw = {"metadata": {"name": "qs-worker-0", "uid": "uid-qs-worker-0", "labels": {
-        LABEL_JOB: "qs", LABEL_ROLE: "worker", LABEL_WORKER_INDEX: "0"}},
+    raw = {
+        "metadata": {
+            "name": "qs-worker-0",
+            "uid": "uid-qs-worker-0",
+            "labels": {LABEL_JOB: "qs", LABEL_ROLE: "worker", LABEL_WORKER_INDEX: "0"},
+        },
         "spec": {"nodeName": "node-a"},
-        "status": {"phase": "Pending", "containerStatuses": [{"name": "trainer",
-                                                              "state": {"waiting": waiting}}]}}
-    creating = {**raw, "status": {"phase": "Pending", "containerStatuses": [
-        {"name": "trainer", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [{"name": "trainer", "state": {"waiting": waiting}}],
+        },
+    }
+    creating = {
+        **raw,
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [
+                {"name": "trainer", "state": {"waiting": {"reason": "ContainerCreating"}}}
+            ],
+        },
+    }
     assert observe_pod(creating).blocked is None
     pods = [pod("qs-rdzv", "Running", ready=True), observe_pod(raw), pod("qs-worker-1")]
     s1 = step(s0, pods, T0 + timedelta(seconds=1), ensured=1).status
     for ctype in (COND_WORKERS_READY, COND_SUCCEEDED):
         c = find(s1.conditions, ctype)
         assert c is not None and c.message.endswith(
-            "; pod qs-worker-0 cannot start: CreateContainerConfigError: secret \"s3\" not found"
+            '; pod qs-worker-0 cannot start: CreateContainerConfigError: secret "s3" not found'
         ), c.message
     assert s1.phase == "Pending" and s1.restarts == 0
 
@@ -188,11 +202,21 @@ def test_a_worker_no_node_can_take_is_reported() -> None:
     with PodScheduled False/Unschedulable: the job says which pod and the scheduler's reason,
     instead of only '0/1 worker pods ready'."""
     s0 = step(FineTuneJobStatus(), [], T0).status
-    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                     "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}
-    raw = {"metadata": {"name": "qs-worker-0", "uid": "uid-qs-worker-0", "labels": {
-        LABEL_JOB: "qs", LABEL_ROLE: "worker", LABEL_WORKER_INDEX: "0"}},
-        "spec": {}, "status": {"phase": "Pending", "conditions": [unschedulable]}}
+    unschedulable = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+    }
+    raw = {
+        "metadata": {
+            "name": "qs-worker-0",
+            "uid": "uid-qs-worker-0",
+            "labels": {LABEL_JOB: "qs", LABEL_ROLE: "worker", LABEL_WORKER_INDEX: "0"},
+        },
+        "spec": {},
+        "status": {"phase": "Pending", "conditions": [unschedulable]},
+    }
     assert observe_pod(raw).blocked == (
         "Unschedulable: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
     )
@@ -204,9 +228,19 @@ def test_a_worker_no_node_can_take_is_reported() -> None:
     # A long scheduler message (hundreds of nodes, taints listed) is cut: three such pods
     # still leave the condition message under 1 KiB.
     long = {**unschedulable, "message": "0/500 nodes are available: " + "x" * 2000}
-    many = [{**raw, "metadata": {**raw["metadata"], "name": f"qs-worker-{i}", "uid": f"u{i}",
-             "labels": {**raw["metadata"]["labels"], LABEL_WORKER_INDEX: str(i)}},
-             "status": {"phase": "Pending", "conditions": [long]}} for i in range(4)]
+    many = [
+        {
+            **raw,
+            "metadata": {
+                **raw["metadata"],
+                "name": f"qs-worker-{i}",
+                "uid": f"u{i}",
+                "labels": {**raw["metadata"]["labels"], LABEL_WORKER_INDEX: str(i)},
+            },
+            "status": {"phase": "Pending", "conditions": [long]},
+        }
+        for i in range(4)
+    ]
     s2 = step(s0, [pod("qs-rdzv", "Running", ready=True), *map(observe_pod, many)],
               T0 + timedelta(seconds=1), ensured=1).status  # fmt: skip
     c2 = find(s2.conditions, COND_WORKERS_READY)
@@ -359,10 +393,18 @@ def test_suspend_and_resume() -> None:
         (lambda s: s["training"].pop("maxSteps"), None, "InvalidSpec", "maxSteps"),
         (lambda s: s["resources"].update(minNodes=3), None, "InvalidSpec", "minNodes"),
         (lambda s: s["training"].update(bogus=1), None, "InvalidSpec", "spec.training.bogus"),
-        (lambda s: s.update(output={"mergeLora": True}), None, "InvalidSpec",
-         "output.mergeLora is true but method.type is 'full'"),
-        (lambda s: s.update(output={"uri": ""}), None, "InvalidSpec",
-         "spec.output.uri: Value error, output.uri is empty"),
+        (
+            lambda s: s.update(output={"mergeLora": True}),
+            None,
+            "InvalidSpec",
+            "output.mergeLora is true but method.type is 'full'",
+        ),
+        (
+            lambda s: s.update(output={"uri": ""}),
+            None,
+            "InvalidSpec",
+            "spec.output.uri: Value error, output.uri is empty",
+        ),
         (
             lambda s: None,
             PlanningError("spec.model.name", "unknown model 'x'; known: llama-3.1-8b"),
@@ -377,8 +419,16 @@ def test_suspend_and_resume() -> None:
             "spec.training.optimizer: adamw8bit (bitsandbytes) needs a CUDA GPU",
         ),
     ],
-    ids=["missing-steps", "min-over-max", "unknown-field", "merge-lora-of-a-full-fine-tune",
-         "empty-output-uri", "planning-error", "infeasible", "not-implemented-by-trainer"],
+    ids=[
+        "missing-steps",
+        "min-over-max",
+        "unknown-field",
+        "merge-lora-of-a-full-fine-tune",
+        "empty-output-uri",
+        "planning-error",
+        "infeasible",
+        "not-implemented-by-trainer",
+    ],
 )
 def test_refused_job_creates_nothing(
     mutate: Any, planner_result: Any, reason: str, message_part: str

@@ -168,7 +168,9 @@ def test_cache_size_limit_reaches_the_pod(
     trainer's budget."""
     spec = gpu8_spec.model_copy(deep=True)
     if limit != "32Gi":
-        spec.dataset = DatasetSpec.model_validate({**spec.dataset.model_dump(by_alias=True), "cacheSizeLimit": limit})
+        spec.dataset = DatasetSpec.model_validate(
+            {**spec.dataset.model_dump(by_alias=True), "cacheSizeLimit": limit}
+        )
     pod = build_worker_pod(owner, spec, make_plan(2, 8), 0)
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["data-cache"]["emptyDir"] == {"sizeLimit": size_limit}
@@ -201,15 +203,21 @@ def test_worker_security_and_scheduling(owner: Owner, gpu8_spec: FineTuneJobSpec
         (
             "gpu",
             {
-                "requests": {"nvidia.com/gpu": "8", "cpu": "32", "memory": "512Gi",
-                             "ephemeral-storage": "32Gi"},
+                "requests": {
+                    "nvidia.com/gpu": "8",
+                    "cpu": "32",
+                    "memory": "512Gi",
+                    "ephemeral-storage": "32Gi",
+                },
                 "limits": {"nvidia.com/gpu": "8", "memory": "512Gi"},
             },
         ),
         (
             "cpu",
-            {"requests": {"cpu": "32", "memory": "512Gi", "ephemeral-storage": "32Gi"},
-             "limits": {"memory": "512Gi"}},
+            {
+                "requests": {"cpu": "32", "memory": "512Gi", "ephemeral-storage": "32Gi"},
+                "limits": {"memory": "512Gi"},
+            },
         ),
     ],
     ids=["gpu", "cpu"],
@@ -334,9 +342,7 @@ def test_config_map_round_trips(owner: Owner, quickstart_spec: FineTuneJobSpec) 
 def test_config_map_carries_the_deepspeed_config_of_a_deepspeed_plan(
     owner: Owner, quickstart_spec: FineTuneJobSpec
 ) -> None:
-    assert set(build_config_map(owner, quickstart_spec, make_plan(2))["data"]) == {
-        CONFIG_FILE_NAME
-    }
+    assert set(build_config_map(owner, quickstart_spec, make_plan(2))["data"]) == {CONFIG_FILE_NAME}
     spec = quickstart_spec.model_copy(update={"strategy": quickstart_spec.strategy.model_copy(
         update={"type": "zero2", "backend": "deepspeed"})})  # fmt: skip
     plan = make_plan(2).model_copy(update={"strategy": "zero2", "backend": "deepspeed"})

@@ -72,19 +72,27 @@ def test_invalid_storage_is_refused_naming_the_field(storage: dict[str, Any], me
     ids=["relative", "under-claim", "object-store", "unmounted", "prefix-is-not-parent",
          "output-and-dataset", "model-path", "model-name-path", "read-only-written"],
 )  # fmt: skip
-def test_absolute_paths_must_lie_on_a_declared_mount(sections: dict[str, Any],
-                                                     fields: list[str]) -> None:
+def test_absolute_paths_must_lie_on_a_declared_mount(
+    sections: dict[str, Any], fields: list[str]
+) -> None:
     assert [field for field, _ in unmounted_paths(spec_with(**sections))] == fields
 
 
 def test_plan_refuses_an_unmounted_path_naming_the_field() -> None:
     with pytest.raises(PlanningError) as err:
         plan_job(spec_with(checkpoint={"uri": "/checkpoints/q"}))
-    assert err.value.field == "spec.checkpoint.uri" and "not under a mounted volume" in str(err.value)
+    assert err.value.field == "spec.checkpoint.uri" and "not under a mounted volume" in str(
+        err.value
+    )
 
 
-STORE = {"objectStore": {"secretName": "s3-credentials", "endpointUrl": "http://minio:9000",
-                         "pathStyle": True}}
+STORE = {
+    "objectStore": {
+        "secretName": "s3-credentials",
+        "endpointUrl": "http://minio:9000",
+        "pathStyle": True,
+    }
+}
 
 
 @pytest.mark.parametrize(
@@ -191,8 +199,9 @@ def test_worker_mounts_claims_and_volumes_and_stays_valid(owner: Owner) -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_every_example_plans_and_its_pods_validate_with_their_volumes(path: Path,
-                                                                      owner: Owner) -> None:
+def test_every_example_plans_and_its_pods_validate_with_their_volumes(
+    path: Path, owner: Owner
+) -> None:
     spec = load_manifest(path).spec
     assert unmounted_paths(spec) == []
     plan = plan_job(spec)

@@ -50,7 +50,9 @@ def _arch(model_type: str) -> dict[str, Any]:
 
 
 def _base(node: Any) -> Any:
-    while node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in VIEWS:
+    while (
+        node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in VIEWS
+    ):
         node = node.args[0]
     return node
 

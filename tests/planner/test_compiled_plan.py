@@ -19,7 +19,13 @@ def _plan(
     spec = make_spec(
         training=PINNED,
         strategy=strategy,
-        resources={"gpusPerNode": 2, "maxGPUs": 2, "minNodes": 1, "maxNodes": 1, **(resources or {})},
+        resources={
+            "gpusPerNode": 2,
+            "maxGPUs": 2,
+            "minNodes": 1,
+            "maxNodes": 1,
+            **(resources or {}),
+        },
     )
     return plan_job(spec, compile_blocks=compile_blocks)
 

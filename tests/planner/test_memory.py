@@ -82,7 +82,9 @@ def test_offload_moves_states_to_host() -> None:
 
 def test_peak_is_not_the_sum_and_reserved_total_order() -> None:
     est = estimate_memory(
-        LLAMA2_7B, TrainingShape(micro_batch_size=4, seq_len=4096), Candidate("fsdp-full-shard", N, 8)
+        LLAMA2_7B,
+        TrainingShape(micro_batch_size=4, seq_len=4096),
+        Candidate("fsdp-full-shard", N, 8),
     )
     b = est.breakdown
     assert est.peak_phase == "loss"  # 32k vocab x 16k tokens: the loss region dominates
@@ -93,7 +95,9 @@ def test_peak_is_not_the_sum_and_reserved_total_order() -> None:
 def test_optimizer_step_is_the_peak_for_tiny_batches_off_cuda() -> None:
     """Off CUDA torch's multi-tensor AdamW allocates sqrt(v), a state-sized temporary."""
     est = estimate_memory(
-        LLAMA2_7B, TrainingShape(micro_batch_size=1, seq_len=128), Candidate("ddp", 1, 1, cuda=False)
+        LLAMA2_7B,
+        TrainingShape(micro_batch_size=1, seq_len=128),
+        Candidate("ddp", 1, 1, cuda=False),
     )
     assert est.peak_phase == "optimizer"
     assert est.breakdown.activations == 0
@@ -147,7 +151,9 @@ def test_checkpointing_keeps_layer_inputs_plus_one_layer() -> None:
     m = LLAMA2_7B
     fsdp = Candidate("fsdp-full-shard", 8, 8)
     no = estimate_memory(m, TrainingShape(micro_batch_size=2, seq_len=4096), fsdp)
-    ck = estimate_memory(m, TrainingShape(micro_batch_size=2, seq_len=4096, checkpointing=True), fsdp)
+    ck = estimate_memory(
+        m, TrainingShape(micro_batch_size=2, seq_len=4096, checkpointing=True), fsdp
+    )
     act = activation_model(m, tokens=2 * 4096, seq=4096, e=2, attention="sdpa")
     layers = m.arch.num_hidden_layers
     assert no.phases["loss"] - ck.phases["loss"] == layers * (act.per_layer - act.layer_input)

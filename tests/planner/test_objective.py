@@ -41,8 +41,9 @@ def _spec(objective: str | None, max_gpus: int | None = 8) -> FineTuneJobSpec:
         pytest.param(None, None, 1, id="auto-without-bound-is-fewest"),
     ],
 )
-def test_objective_picks_the_world_size(objective: str | None, max_gpus: int | None,
-                                        world: int) -> None:
+def test_objective_picks_the_world_size(
+    objective: str | None, max_gpus: int | None, world: int
+) -> None:
     plan = plan_job(_spec(objective, max_gpus))
     assert plan.fits and plan.world_size == world
 
@@ -57,15 +58,16 @@ def test_fastest_is_faster_and_lowest_cost_is_cheapest() -> None:
 
 def _story(plan: Plan) -> tuple[int, int, int]:
     """(world size, micro-batch, accumulation) as the reason's first sentence states them."""
-    m = re.match(r"(\d+) x .*?: \S+(?:, offload \w+)?, micro-batch (\d+) x (\d+) accumulation",
-                 plan.reason)
+    m = re.match(
+        r"(\d+) x .*?: \S+(?:, offload \w+)?, micro-batch (\d+) x (\d+) accumulation", plan.reason
+    )
     assert m, plan.reason
     return int(m[1]), int(m[2]), int(m[3])
 
 
 def _table(text: str, key: str) -> str:
     line = next(ln for ln in text.splitlines() if ln.startswith(key))
-    return line[len(key):].strip()
+    return line[len(key) :].strip()
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -76,8 +78,11 @@ def test_every_example_tells_one_story(path: Path) -> None:
     text = render_plan(plan)
     if not plan.fits:
         pytest.fail(f"{path.name} does not fit: {plan.reason}")
-    assert _story(plan) == (plan.world_size, plan.micro_batch_size,
-                            plan.gradient_accumulation_steps)
+    assert _story(plan) == (
+        plan.world_size,
+        plan.micro_batch_size,
+        plan.gradient_accumulation_steps,
+    )
     assert _table(text, "World size").startswith(f"{plan.world_size} (")
     assert _table(text, "Micro-batch") == (
         f"{plan.micro_batch_size} x {plan.gradient_accumulation_steps} accumulation steps"

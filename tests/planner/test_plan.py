@@ -35,8 +35,10 @@ def test_7b_full_ft_needs_four_80gb_gpus_on_the_torch_backend() -> None:
     (measured on an H100, bench/results/gpu-h100.md): the compute stream's pool at 1.105x its
     peak plus FSDP's reduce-scatter pool of sharded fp32 gradients, 72 GiB, over the 10%
     headroom limit (71.6 GiB). Same with DeepSpeed implemented when the job pins fsdp."""
-    for spec, table in ((make_spec(), TORCH_ONLY),
-                        (make_spec(strategy={"backend": "fsdp"}), WITH_DEEPSPEED)):
+    for spec, table in (
+        (make_spec(), TORCH_ONLY),
+        (make_spec(strategy={"backend": "fsdp"}), WITH_DEEPSPEED),
+    ):
         plan = plan_job(spec, table)
         assert plan.fits and plan.world_size == 4 and plan.strategy in SHARDED
         assert plan.backend == "fsdp" and plan.headroom >= 0.10
@@ -49,7 +51,9 @@ def test_7b_full_ft_with_deepspeed_backend_is_a_zero_stage(table: StrategyTable)
     """An explicit backend plans its rows whether the trainer runs them or not: the plan is
     the same with either table, on no more GPUs than FSDP2 needs (4), and the capability check
     refuses it until DeepSpeed lands and accepts it after."""
-    spec = make_spec(strategy={"backend": "deepspeed"}, training={"activationCheckpointing": "full"})
+    spec = make_spec(
+        strategy={"backend": "deepspeed"}, training={"activationCheckpointing": "full"}
+    )
     plan = plan_job(spec, table)
     assert plan == plan_job(spec, WITH_DEEPSPEED if table is TORCH_ONLY else TORCH_ONLY)
     assert plan.fits and plan.backend == "deepspeed" and plan.world_size <= 4
@@ -279,8 +283,11 @@ def test_plan_reports_throughput_and_gpu_hours() -> None:
                     "name": "tiny",
                     "source": "inline",
                     "architecture": {
-                        "hiddenSize": 64, "numHiddenLayers": 2, "numAttentionHeads": 4,
-                        "intermediateSize": 172, "vocabSize": 100,
+                        "hiddenSize": 64,
+                        "numHiddenLayers": 2,
+                        "numAttentionHeads": 4,
+                        "intermediateSize": 172,
+                        "vocabSize": 100,
                     },
                 }
             },
@@ -332,7 +339,9 @@ def test_report_is_aligned_table_in_gib() -> None:
         ("gpu", 1234.56, "1,234.6"),
     ],
 )
-def test_report_says_what_the_job_costs_on_its_device(device: str, hours: float, shown: str) -> None:
+def test_report_says_what_the_job_costs_on_its_device(
+    device: str, hours: float, shown: str
+) -> None:
     """A CPU plan printed "GPU-hours 0.0": no GPU was ever involved."""
     plan = plan_job(make_spec()).model_copy(update={"device": device, "gpu_hours": hours})
     line = next(x for x in render_plan(plan).splitlines() if x.startswith("GPU-hours"))
@@ -340,7 +349,7 @@ def test_report_says_what_the_job_costs_on_its_device(device: str, hours: float,
 
 
 def test_report_names_the_backend_as_such() -> None:
-    """"ddp (fsdp)" read as DDP inside FSDP; the backend is labelled."""
+    """ "ddp (fsdp)" read as DDP inside FSDP; the backend is labelled."""
     plan = plan_job(make_spec(strategy={"type": "ddp"}))
     line = next(x for x in render_plan(plan).splitlines() if x.startswith("Strategy"))
     assert line.split(None, 1)[1] == f"ddp, backend {plan.backend}, offload {plan.offload}"
@@ -350,7 +359,10 @@ def test_report_counts_configurations_in_words() -> None:
     """One configuration is "1 configuration", several are plural."""
     import re
 
-    for plan in (plan_job(make_spec()), plan_job(make_spec()).model_copy(update={"candidates_evaluated": 1})):
+    for plan in (
+        plan_job(make_spec()),
+        plan_job(make_spec()).model_copy(update={"candidates_evaluated": 1}),
+    ):
         n = plan.candidates_evaluated
         line = next(x for x in render_plan(plan).splitlines() if x.startswith("Evaluated"))
         assert re.search(rf"\b{n} configurations?$", line)

@@ -160,7 +160,12 @@ def test_trace_plan_traces_the_planned_configuration() -> None:
     c = r.config
     # Launched on 2 nodes; memory planned (so traced) at minNodes: 1 node of 2 ranks.
     assert plan.world_size == 4
-    assert (c.strategy, c.world_size, c.micro_batch_size, c.seq_len) == ("fsdp-full-shard", 2, 2, 512)
+    assert (c.strategy, c.world_size, c.micro_batch_size, c.seq_len) == (
+        "fsdp-full-shard",
+        2,
+        2,
+        512,
+    )
     assert c.checkpointing and c.precision == "bf16-mixed"
     assert c.ddp_bucket_view  # as the trainer's DDP runs
     text = format_trace_comparison(plan, r)

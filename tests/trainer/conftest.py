@@ -47,14 +47,29 @@ def make_job(
     raw["checkpoint"].update(checkpoint or {})
     spec = FineTuneJobSpec.model_validate(raw)
     zero = MemoryBreakdown(
-        parameters=0, gradients=0, optimizer=0, activations=0, buffers=0, peak=0, reserved=0,
+        parameters=0,
+        gradients=0,
+        optimizer=0,
+        activations=0,
+        buffers=0,
+        peak=0,
+        reserved=0,
         total=0,
     )
     plan = Plan(
-        fits=True, world_size=2, nodes=2, gpus_per_node=1, strategy=strategy,
-        micro_batch_size=micro_batch_size, gradient_accumulation_steps=2,
-        activation_checkpointing=False, gpu_memory_bytes=2**31, headroom=0.5,
-        estimated_step_seconds=0.1, reason="test", memory=zero,
+        fits=True,
+        world_size=2,
+        nodes=2,
+        gpus_per_node=1,
+        strategy=strategy,
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=2,
+        activation_checkpointing=False,
+        gpu_memory_bytes=2**31,
+        headroom=0.5,
+        estimated_step_seconds=0.1,
+        reason="test",
+        memory=zero,
     )
     return JobConfig(name=name, namespace="default", uid="test-uid", spec=spec, plan=plan)
 
@@ -76,8 +91,9 @@ def world_one() -> Iterator[None]:
     this conftest serves tests that never import it)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
@@ -94,8 +110,12 @@ class Proc:
         self.log = log
         self._fh = log.open("w")
         self.popen = subprocess.Popen(
-            args, cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT,
-            env={**os.environ, **env}, start_new_session=True,
+            args,
+            cwd=cwd,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
         )
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
@@ -124,7 +144,9 @@ def tail(log: Path, n: int = 60) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
 
 
-def wait_until(cond: Callable[[], bool], timeout: float, what: str, log: Path | None = None) -> None:
+def wait_until(
+    cond: Callable[[], bool], timeout: float, what: str, log: Path | None = None
+) -> None:
     shared_wait_until(cond, what, timeout, detail=(lambda: tail(log)) if log else None)
 
 
@@ -154,14 +176,23 @@ TRAINER_PROGRAM = ("-m", "finetune_trainer")
 
 
 def standalone_args(
-    nproc: int, config: Path, port: int, program: Sequence[str] = TRAINER_PROGRAM,
+    nproc: int,
+    config: Path,
+    port: int,
+    program: Sequence[str] = TRAINER_PROGRAM,
     max_restarts: int = 0,
 ) -> list[str]:
     return [
-        *LAUNCHER, "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=standalone",
+        *LAUNCHER,
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=standalone",
         f"--max-restarts={max_restarts}",
-        *program, "--config", str(config),
+        *program,
+        "--config",
+        str(config),
     ]
 
 
@@ -195,13 +226,28 @@ FAST_RDZV_CONF = "is_host=false,last_call_timeout=5,keep_alive_interval=2,keep_a
 
 
 def elastic_args(
-    *, config: Path, endpoint: str, pod_ip: str, min_nodes: int, max_nodes: int, restarts: int,
+    *,
+    config: Path,
+    endpoint: str,
+    pod_ip: str,
+    min_nodes: int,
+    max_nodes: int,
+    restarts: int,
     rdzv_conf: str = FAST_RDZV_CONF,
 ) -> list[str]:
     """The operator's worker command, plus `--local-addr` for the pod address."""
     return [
-        *LAUNCHER, f"--nnodes={min_nodes}:{max_nodes}", "--nproc-per-node=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=test-uid",
-        f"--rdzv-conf={rdzv_conf}", f"--max-restarts={restarts}", f"--local-addr={pod_ip}",
-        "-m", "finetune_trainer", "--config", str(config),
+        *LAUNCHER,
+        f"--nnodes={min_nodes}:{max_nodes}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        "--rdzv-id=test-uid",
+        f"--rdzv-conf={rdzv_conf}",
+        f"--max-restarts={restarts}",
+        f"--local-addr={pod_ip}",
+        "-m",
+        "finetune_trainer",
+        "--config",
+        str(config),
     ]

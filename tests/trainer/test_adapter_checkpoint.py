@@ -34,9 +34,11 @@ STEP4 = Path("checkpoints") / "quickstart" / "step-00000004"
 
 def lora_job(rank: int = 16) -> JobConfig:
     # A constant LR: the schedule must not depend on anything but the step.
-    job = make_job(strategy="fsdp-full-shard",
-                   training={"maxSteps": 8, "schedule": "constant", "warmupSteps": 0},
-                   checkpoint={"intervalSteps": 4})
+    job = make_job(
+        strategy="fsdp-full-shard",
+        training={"maxSteps": 8, "schedule": "constant", "warmupSteps": 0},
+        checkpoint={"intervalSteps": 4},
+    )
     method = MethodSpec.model_validate({"type": "lora", "lora": {"rank": rank}})
     spec = job.spec.model_copy(update={"method": method})
     return job.model_copy(update={"spec": spec})
@@ -44,8 +46,9 @@ def lora_job(rank: int = 16) -> JobConfig:
 
 def train(cwd: Path, procs: list[Proc]) -> list[dict[str, float]]:
     cwd.mkdir(exist_ok=True)
-    p = launch_standalone(write(cwd / "job.json", lora_job()), cwd=cwd, log=cwd / "train.log",
-                          procs=procs)
+    p = launch_standalone(
+        write(cwd / "job.json", lora_job()), cwd=cwd, log=cwd / "train.log", procs=procs
+    )
     assert p.wait(240) == 0, tail(p.log)
     return step_lines(p.log)
 
@@ -55,8 +58,9 @@ def files(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_adapter_only_checkpoint_resumes_the_same_loss_curve(tmp_path: Path,
-                                                             procs: list[Proc]) -> None:
+def test_adapter_only_checkpoint_resumes_the_same_loss_curve(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
     straight = train(tmp_path / "straight", procs)
     assert [s["step"] for s in straight] == list(range(1, 9))
     saved = dcp.FileSystemReader(str(tmp_path / "straight" / STEP4)).read_metadata()
@@ -81,9 +85,17 @@ def test_adapter_only_checkpoint_resumes_the_same_loss_curve(tmp_path: Path,
     before = {k: v for k, v in files(root).items() if k != "OWNER"}
     report = resumed_dir / "termination-log"
     report.touch()
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "FT_METRICS_BASE_PORT": "0", "OMP_NUM_THREADS": "1", "FT_TERMINATION_LOG": str(report)}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "FT_METRICS_BASE_PORT": "0",
+        "OMP_NUM_THREADS": "1",
+        "FT_TERMINATION_LOG": str(report),
+    }
     out = subprocess.run(
         [sys.executable, "-m", "finetune_trainer", "--config",
          str(write(resumed_dir / "rank8.json", lora_job(rank=8)))],

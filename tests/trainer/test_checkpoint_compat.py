@@ -63,39 +63,77 @@ def without(*keys: str) -> dict[str, Shape]:
     [
         pytest.param(SAVED, SAVED, [], id="same"),
         # A larger world wrote more RNG streams; a newer torch records another hyperparameter.
-        pytest.param(changed(**{"rng.rank1.cpu": (5056,), "optim.param_groups.0.new": None}),
-                     SAVED, [], id="other-ranks-rng-and-a-new-hyperparameter"),
-        pytest.param(SAVED, changed(**{Q_A: (4, 64), Q_B: (64, 4)}),
-                     [Difference(Q_A, (8, 64), (4, 64)), Difference(Q_B, (64, 8), (64, 4))],
-                     id="lora-rank"),
-        pytest.param(SAVED, changed(**{V_A: (8, 64)}),
-                     [Difference(V_A, None, (8, 64), in_checkpoint=False)],
-                     id="a-target-added"),
+        pytest.param(
+            changed(**{"rng.rank1.cpu": (5056,), "optim.param_groups.0.new": None}),
+            SAVED,
+            [],
+            id="other-ranks-rng-and-a-new-hyperparameter",
+        ),
+        pytest.param(
+            SAVED,
+            changed(**{Q_A: (4, 64), Q_B: (64, 4)}),
+            [Difference(Q_A, (8, 64), (4, 64)), Difference(Q_B, (64, 8), (64, 4))],
+            id="lora-rank",
+        ),
+        pytest.param(
+            SAVED,
+            changed(**{V_A: (8, 64)}),
+            [Difference(V_A, None, (8, 64), in_checkpoint=False)],
+            id="a-target-added",
+        ),
         # The case DCP loads without an error: the job asks for less than the checkpoint holds.
-        pytest.param(changed(**{V_A: (8, 64)}), SAVED,
-                     [Difference(V_A, (8, 64), None, in_job=False)], id="a-target-removed"),
-        pytest.param(SAVED, changed(train=(1,)), [Difference("train", None, (1,))],
-                     id="tensor-where-bytes-were"),
+        pytest.param(
+            changed(**{V_A: (8, 64)}),
+            SAVED,
+            [Difference(V_A, (8, 64), None, in_job=False)],
+            id="a-target-removed",
+        ),
+        pytest.param(
+            SAVED,
+            changed(train=(1,)),
+            [Difference("train", None, (1,))],
+            id="tensor-where-bytes-were",
+        ),
         pytest.param(SAVED, without("train"), [], id="an-entry-the-job-does-not-read"),
         # lora_B never had a gradient before the save: no optimizer state for it there.
-        pytest.param(SAVED, changed(**{f"{B_STATE}.exp_avg": (64, 8), f"{B_STATE}.step": ()}),
-                     [], id="a-parameter-without-optimizer-state"),
+        pytest.param(
+            SAVED,
+            changed(**{f"{B_STATE}.exp_avg": (64, 8), f"{B_STATE}.step": ()}),
+            [],
+            id="a-parameter-without-optimizer-state",
+        ),
         # The same optimizer keys for a parameter the checkpoint's model lacks: another model.
-        pytest.param(SAVED, changed(**{V_A: (8, 64), f"{V_STATE}.exp_avg": (8, 64)}),
-                     [Difference(V_A, None, (8, 64), in_checkpoint=False),
-                      Difference(f"{V_STATE}.exp_avg", None, (8, 64), in_checkpoint=False)],
-                     id="a-new-parameter-is-another-model"),
-        pytest.param(without("optim.state.base_model.model.layers.0.q_proj.lora_A.default.weight"
-                             ".exp_avg", "optim.state.base_model.model.layers.0.q_proj.lora_A."
-                             "default.weight.step"), SAVED,
-                     [Difference(k, None, SAVED[k], in_checkpoint=False) for k in SAVED
-                      if k.startswith("optim.state.")],
-                     id="no-optimizer-state-at-all-is-no-torch-optimizers"),
-        pytest.param(SAVED, changed(**{"optim.param_groups.0.new": None}), [],
-                     id="a-setting-this-torch-adds"),
-        pytest.param(SAVED, changed(**{"optim.param_groups.1.lr": None}),
-                     [Difference("optim.param_groups.1.lr", None, None, in_checkpoint=False)],
-                     id="a-param-group-more"),
+        pytest.param(
+            SAVED,
+            changed(**{V_A: (8, 64), f"{V_STATE}.exp_avg": (8, 64)}),
+            [
+                Difference(V_A, None, (8, 64), in_checkpoint=False),
+                Difference(f"{V_STATE}.exp_avg", None, (8, 64), in_checkpoint=False),
+            ],
+            id="a-new-parameter-is-another-model",
+        ),
+        pytest.param(
+            without(
+                "optim.state.base_model.model.layers.0.q_proj.lora_A.default.weight.exp_avg",
+                "optim.state.base_model.model.layers.0.q_proj.lora_A.default.weight.step",
+            ),
+            SAVED,
+            [
+                Difference(k, None, SAVED[k], in_checkpoint=False)
+                for k in SAVED
+                if k.startswith("optim.state.")
+            ],
+            id="no-optimizer-state-at-all-is-no-torch-optimizers",
+        ),
+        pytest.param(
+            SAVED, changed(**{"optim.param_groups.0.new": None}), [], id="a-setting-this-torch-adds"
+        ),
+        pytest.param(
+            SAVED,
+            changed(**{"optim.param_groups.1.lr": None}),
+            [Difference("optim.param_groups.1.lr", None, None, in_checkpoint=False)],
+            id="a-param-group-more",
+        ),
     ],
 )
 def test_compare(
@@ -203,13 +241,25 @@ def test_what_the_job_expects_is_what_dcp_wrote(
 @pytest.mark.parametrize(
     ("names", "width", "first"),
     [
-        pytest.param("abc", 16, "model.blocks.a.weight (checkpoint: [8, 8], this job: [16, 16])",
-                     id="hidden-size"),
-        pytest.param("abcd", 8, "model.blocks.d.weight (checkpoint: absent, this job: [8, 8])",
-                     id="a-layer-more"),
+        pytest.param(
+            "abc",
+            16,
+            "model.blocks.a.weight (checkpoint: [8, 8], this job: [16, 16])",
+            id="hidden-size",
+        ),
+        pytest.param(
+            "abcd",
+            8,
+            "model.blocks.d.weight (checkpoint: absent, this job: [8, 8])",
+            id="a-layer-more",
+        ),
         # Loaded silently before: DCP reads only the keys it is asked for.
-        pytest.param("ac", 8, "model.blocks.b.weight (checkpoint: [8, 8], this job: absent)",
-                     id="a-layer-fewer"),
+        pytest.param(
+            "ac",
+            8,
+            "model.blocks.b.weight (checkpoint: [8, 8], this job: absent)",
+            id="a-layer-fewer",
+        ),
     ],
 )
 def test_another_architecture_is_refused_and_nothing_is_moved(

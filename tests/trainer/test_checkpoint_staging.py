@@ -57,7 +57,9 @@ def test_buffers_are_allocated_once_and_reused(
     train_steps(state, 7, ckpt)  # saves at 2, 4, 6, 8
     assert state.optimizer.state_dict()["state"][0]["step"] == 8  # no extra optimizer step
     assert ckpt.finish(timeout=30)
-    assert [c.step for c in store.committed_newest_first(locate(str(tmp_path), 'checkpoint.uri'))] == [8, 6, 4, 2]
+    assert [
+        c.step for c in store.committed_newest_first(locate(str(tmp_path), "checkpoint.uri"))
+    ] == [8, 6, 4, 2]
     assert ckpt.staging.allocations == 1  # not one per save
     assert len(ckpt.metrics.stalls) == 4  # one blocking/stall estimate per save
     ckpt.close()
@@ -127,7 +129,9 @@ def test_failed_save_is_visible_and_training_goes_on(
     with caplog.at_level(logging.ERROR, logger="finetune_trainer.dcp_checkpointer"):
         train_steps(state, 6, ckpt)
         assert ckpt.finish(timeout=30)
-    assert [c.step for c in store.committed_newest_first(locate(str(tmp_path), 'checkpoint.uri'))] == [6, 2]
+    assert [
+        c.step for c in store.committed_newest_first(locate(str(tmp_path), "checkpoint.uri"))
+    ] == [6, 2]
     assert ckpt.last_failed_step == 4 and ckpt.last_committed_step == 6
     assert failures(ckpt) == 1
     assert ckpt.metrics.last_failed_ckpt_step._value.get() == 4
@@ -192,5 +196,7 @@ def test_a_staging_failure_on_the_training_thread_is_a_failed_save_not_a_crash(
     assert ckpt.finish(timeout=30)
     assert ckpt.last_failed_step == 2 and ckpt.last_committed_step == 4
     assert failures(ckpt) == 1
-    assert [c.step for c in store.committed_newest_first(locate(str(tmp_path), 'checkpoint.uri'))] == [4]
+    assert [
+        c.step for c in store.committed_newest_first(locate(str(tmp_path), "checkpoint.uri"))
+    ] == [4]
     ckpt.close()

@@ -71,7 +71,9 @@ def test_valid_checkpoint_passes(root: Location) -> None:
     store.validate(make(root, 10))
 
 
-@pytest.mark.parametrize("damage", ["truncate-data", "delete-data", "garble-metadata", "no-metadata"])
+@pytest.mark.parametrize(
+    "damage", ["truncate-data", "delete-data", "garble-metadata", "no-metadata"]
+)
 def test_corrupt_checkpoint_is_detected(root: Location, damage: str) -> None:
     path = make(root, 10)
     data = path / next(n for n in path.sizes() if n.endswith(".distcp"))
@@ -108,7 +110,9 @@ def test_uris_resolve(tmp_path: Path, s3_server: MotoServer) -> None:
     assert store.resolve_root("file:///abs/q", tmp_path).local_path == Path("/abs/q")
     s3 = store.resolve_root("s3://bucket/q/", object_store=s3_server.spec())
     assert (s3.url, s3.is_local, str(s3 / "step-00000001")) == (
-        "s3://bucket/q", False, "s3://bucket/q/step-00000001"
+        "s3://bucket/q",
+        False,
+        "s3://bucket/q/step-00000001",
     )
     with pytest.raises(UnsupportedConfigError, match=r"checkpoint.uri 'gs://b/q': only s3://"):
         store.resolve_root("gs://b/q", tmp_path)

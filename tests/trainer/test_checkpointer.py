@@ -29,8 +29,9 @@ from tests.trainer.conftest import free_port, make_job
 
 @pytest.fixture(scope="module")
 def ckpt_group() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     group = dist.new_group(backend="gloo")
     yield group
     dist.destroy_process_group()
@@ -41,8 +42,9 @@ def new_state() -> TrainState:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = build_scheduler(opt, make_job().spec.training, total_steps=100)
-    sampler = StepSampler(num_samples=50, global_batch=8, micro_batch_size=2, rank=0, world_size=1,
-                          seed=1)
+    sampler = StepSampler(
+        num_samples=50, global_batch=8, micro_batch_size=2, rank=0, world_size=1, seed=1
+    )
     return TrainState(model, opt, sched, sampler, rank=0, seed=1)
 
 
@@ -65,13 +67,26 @@ def L(path: Path) -> Location:
     return locate(str(path), "checkpoint.uri")
 
 
-def checkpointer(state: TrainState, root: Path | str, group: dist.ProcessGroup, keep: int = 2,
-                 object_store: ObjectStoreSpec | None = None) -> DcpCheckpointer:
+def checkpointer(
+    state: TrainState,
+    root: Path | str,
+    group: dist.ProcessGroup,
+    keep: int = 2,
+    object_store: ObjectStoreSpec | None = None,
+) -> DcpCheckpointer:
     spec = CheckpointSpec(uri=str(root), interval_steps=2, keep=keep)
-    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), reforms=0,
-                             total_steps=100)
-    return DcpCheckpointer(spec, state, group=group, world_size=1, metrics=metrics,
-                           meta={"job": "t"}, object_store=object_store)
+    metrics = TrainerMetrics(
+        job="t", rank=0, device=torch.device("cpu"), reforms=0, total_steps=100
+    )
+    return DcpCheckpointer(
+        spec,
+        state,
+        group=group,
+        world_size=1,
+        metrics=metrics,
+        meta={"job": "t"},
+        object_store=object_store,
+    )
 
 
 def test_save_commit_resume_and_keep(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:
@@ -139,7 +154,9 @@ def _saved_six(root: Path, group: dist.ProcessGroup) -> None:
     ckpt.close()
 
 
-def test_commit_writes_a_manifest_of_every_file(tmp_path: Path, ckpt_group: dist.ProcessGroup) -> None:
+def test_commit_writes_a_manifest_of_every_file(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup
+) -> None:
     _saved_six(tmp_path, ckpt_group)
     path = tmp_path / "step-00000006"
     marker = store.read_marker(L(path))
@@ -275,10 +292,15 @@ def test_nothing_usable_starts_at_zero(tmp_path: Path, ckpt_group: dist.ProcessG
 
 
 def test_disabled_checkpointing_is_a_noop(ckpt_group: dist.ProcessGroup) -> None:
-    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), reforms=0,
-                             total_steps=1)
-    ck = build_checkpointer(CheckpointSpec(enabled=False), new_state(), group=ckpt_group,
-                            world_size=1, metrics=metrics, meta={})
+    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), reforms=0, total_steps=1)
+    ck = build_checkpointer(
+        CheckpointSpec(enabled=False),
+        new_state(),
+        group=ckpt_group,
+        world_size=1,
+        metrics=metrics,
+        meta={},
+    )
     assert isinstance(ck, NoOpCheckpointer) and ck.load() == 0 and ck.finish()
 
 
@@ -289,10 +311,10 @@ def test_default_spec_checkpoints_on_a_time_interval(
     makes a final save on SIGTERM."""
     spec = CheckpointSpec(uri=str(tmp_path))
     assert spec.interval_steps is None and spec.interval_minutes == 30.0
-    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), reforms=0,
-                             total_steps=1)
-    ck = build_checkpointer(spec, new_state(), group=ckpt_group, world_size=1,
-                            metrics=metrics, meta={})
+    metrics = TrainerMetrics(job="t", rank=0, device=torch.device("cpu"), reforms=0, total_steps=1)
+    ck = build_checkpointer(
+        spec, new_state(), group=ckpt_group, world_size=1, metrics=metrics, meta={}
+    )
     assert not isinstance(ck, NoOpCheckpointer)
     assert not ck.time_due()  # not before the interval
     ck.close()
@@ -300,11 +322,18 @@ def test_default_spec_checkpoints_on_a_time_interval(
 
 @pytest.mark.parametrize(
     ("step", "interval", "time_due", "last", "expected"),
-    [(10, 10, False, 0, True), (11, 10, False, 10, False), (11, 10, True, 10, True),
-     (10, 10, True, 10, False), (0, 10, True, 0, False), (7, None, False, 0, False)],
+    [
+        (10, 10, False, 0, True),
+        (11, 10, False, 10, False),
+        (11, 10, True, 10, True),
+        (10, 10, True, 10, False),
+        (0, 10, True, 0, False),
+        (7, None, False, 0, False),
+    ],
 )
-def test_save_policy(step: int, interval: int | None, time_due: bool, last: int,
-                     expected: bool) -> None:
+def test_save_policy(
+    step: int, interval: int | None, time_due: bool, last: int, expected: bool
+) -> None:
     assert save_due(step, interval_steps=interval, time_due=time_due, last_saved=last) is expected
 
 

@@ -57,7 +57,9 @@ def test_quickstart_dataset_and_batch() -> None:
 
 
 def test_chat_messages_unpacked(tmp_path: Path) -> None:
-    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    ]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows * 3))
     spec = DatasetSpec(uri=str(tmp_path / "chat.jsonl"), messages_field="messages", packing=False)
     tok = build_byte_tokenizer()
@@ -65,7 +67,9 @@ def test_chat_messages_unpacked(tmp_path: Path) -> None:
     batch = ds.batch([0], CPU)
     ids = batch["input_ids"][0].tolist()
     assert ids[0] == tok.bos_token_id and "<|assistant|>\nyo" in tok.decode(ids)
-    assert (batch["labels"][0] == -100).sum() == (batch["input_ids"][0] == tok.pad_token_id).sum() > 0
+    assert (
+        (batch["labels"][0] == -100).sum() == (batch["input_ids"][0] == tok.pad_token_id).sum() > 0
+    )
 
 
 def test_missing_text_field_is_named(tmp_path: Path) -> None:
@@ -97,7 +101,9 @@ def test_jsonl_files_read_as_written_with_missing_columns_none(tmp_path: Path) -
     ]
 
 
-@pytest.mark.parametrize(("line", "why"), [("{oops", "is not JSON"), ("[1, 2]", "is not a JSON object")])
+@pytest.mark.parametrize(
+    ("line", "why"), [("{oops", "is not JSON"), ("[1, 2]", "is not a JSON object")]
+)
 def test_jsonl_line_that_is_no_record_is_refused_naming_it(
     line: str, why: str, tmp_path: Path
 ) -> None:
@@ -110,7 +116,9 @@ def test_parquet_records(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"text": ["hello world " * 20] * 4, "n": [1, 2, 3, 4]}), tmp_path / "d.parquet")
+    pq.write_table(
+        pa.table({"text": ["hello world " * 20] * 4, "n": [1, 2, 3, 4]}), tmp_path / "d.parquet"
+    )
     spec = DatasetSpec(uri=str(tmp_path / "d.parquet"), format="parquet")
     assert load_records(spec).column("n") == [1, 2, 3, 4]
     assert len(build_dataset(spec, build_byte_tokenizer(), 64)) == 4 * 242 // 64
@@ -119,12 +127,19 @@ def test_parquet_records(tmp_path: Path) -> None:
 def test_inline_model_and_lora() -> None:
     job = make_job()
     tok = build_byte_tokenizer()
-    full = build_model(job.spec.model, job.spec.method, tok, CPU, activation_checkpointing=True,
-                       precision="fp32")
+    full = build_model(
+        job.spec.model, job.spec.method, tok, CPU, activation_checkpointing=True, precision="fp32"
+    )
     assert full.config.vocab_size == 259 and len(decoder_layers(full)) == 2
     assert full.is_gradient_checkpointing
-    lora = build_model(job.spec.model, MethodSpec(type="lora"), tok, CPU,
-                       activation_checkpointing=False, precision="fp32")
+    lora = build_model(
+        job.spec.model,
+        MethodSpec(type="lora"),
+        tok,
+        CPU,
+        activation_checkpointing=False,
+        precision="fp32",
+    )
     trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
     assert 0 < trainable < sum(p.numel() for p in lora.parameters()) / 5
     assert len(decoder_layers(lora)) == 2  # found through the peft wrapper
@@ -133,8 +148,14 @@ def test_inline_model_and_lora() -> None:
 def test_qlora_refused_on_cpu() -> None:
     job = make_job()
     with pytest.raises(UnsupportedConfigError, match="qlora needs a CUDA GPU"):
-        build_model(job.spec.model, MethodSpec(type="qlora"), build_byte_tokenizer(), CPU,
-                    activation_checkpointing=False, precision="bf16")
+        build_model(
+            job.spec.model,
+            MethodSpec(type="qlora"),
+            build_byte_tokenizer(),
+            CPU,
+            activation_checkpointing=False,
+            precision="bf16",
+        )
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
@@ -144,27 +165,50 @@ def test_deepspeed_refused_not_replaced(strategy: str) -> None:
     job = make_job(strategy=strategy)
     plan = job.plan.model_copy(update={"backend": "deepspeed"})
     with pytest.raises(UnsupportedConfigError, match="backend deepspeed is not implemented by"):
-        parallelize(torch.nn.Linear(2, 2), plan, StrategySpec(type=strategy, backend="deepspeed"),
-                    CPU, 1, precision="bf16")
+        parallelize(
+            torch.nn.Linear(2, 2),
+            plan,
+            StrategySpec(type=strategy, backend="deepspeed"),
+            CPU,
+            1,
+            precision="bf16",
+        )
 
 
 METRIC_NAMES = [
-    "finetune_trainer_step", "finetune_trainer_total_steps", "finetune_trainer_loss",
-    "finetune_trainer_step_duration_seconds_bucket", "finetune_trainer_compute_duration_seconds_sum",
-    "finetune_trainer_wait_duration_seconds_count", "finetune_trainer_tokens_total",
+    "finetune_trainer_step",
+    "finetune_trainer_total_steps",
+    "finetune_trainer_loss",
+    "finetune_trainer_step_duration_seconds_bucket",
+    "finetune_trainer_compute_duration_seconds_sum",
+    "finetune_trainer_wait_duration_seconds_count",
+    "finetune_trainer_tokens_total",
     "finetune_trainer_checkpoint_blocking_seconds_count",
     "finetune_trainer_checkpoint_save_duration_seconds_count",
-    "finetune_trainer_checkpoint_stall_seconds_count", "finetune_trainer_checkpoint_failures_total",
+    "finetune_trainer_checkpoint_stall_seconds_count",
+    "finetune_trainer_checkpoint_failures_total",
     "finetune_trainer_last_failed_checkpoint_step",
-    "finetune_trainer_last_checkpoint_step", "finetune_trainer_last_checkpoint_timestamp_seconds",
-    "finetune_trainer_reforms", "finetune_trainer_peak_memory_bytes",
+    "finetune_trainer_last_checkpoint_step",
+    "finetune_trainer_last_checkpoint_timestamp_seconds",
+    "finetune_trainer_reforms",
+    "finetune_trainer_peak_memory_bytes",
 ]
 
 
 def test_metrics_names_and_labels() -> None:
     m = TrainerMetrics(job="quickstart", rank=1, device=CPU, reforms=2, total_steps=60)
-    m.observe_step(StepStats(step=3, loss=2.5, lr=1e-3, tokens=1024, step_seconds=0.2,
-                             compute_seconds=0.15, wait_seconds=0.05), world_size=2)
+    m.observe_step(
+        StepStats(
+            step=3,
+            loss=2.5,
+            lr=1e-3,
+            tokens=1024,
+            step_seconds=0.2,
+            compute_seconds=0.15,
+            wait_seconds=0.05,
+        ),
+        world_size=2,
+    )
     m.observe_checkpoint_committed(3, 0.4)
     text = generate_latest(m.registry).decode()
     for name in METRIC_NAMES:

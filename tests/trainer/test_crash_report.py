@@ -79,7 +79,9 @@ def test_exception_names_type_message_and_our_frame(tmp_path: Path) -> None:
 
 
 def test_accelerator_oom_says_what_was_planned(tmp_path: Path) -> None:
-    file = _error_file(tmp_path, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    file = _error_file(
+        tmp_path, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    )
     error = ChildFailedError("trainer", {0: ProcessFailure(0, 1, 1, file)})
     crash = crash_report(_failures(error), planned="planned 61.2 GiB per GPU of 79.1 GiB")["crash"]
     assert crash["kind"] == KIND_OUT_OF_MEMORY
@@ -119,7 +121,9 @@ def test_root_cause(failures: list[RankFailure], root: int) -> None:
 
 
 def test_a_group_that_only_lost_a_peer_says_so(tmp_path: Path) -> None:
-    file = _error_file(tmp_path, RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    file = _error_file(
+        tmp_path, RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    )
     error = ChildFailedError("trainer", {0: ProcessFailure(0, 3, 1, file)})
     assert crash_report(_failures(error))["crash"]["kind"] == KIND_PEER_LOST
 
@@ -152,7 +156,9 @@ def test_fit_keeps_the_traceback_tail_first() -> None:
                                    "traceback": "\n".join(f"line {i}" for i in range(900))}}  # fmt: skip
     fitted = fit_report(report, limit=1000)
     assert len(json.dumps(fitted).encode()) <= 1000
-    assert fitted["crash"]["traceback"].endswith("line 899") and fitted["crash"]["message"] == "E: m"
+    assert (
+        fitted["crash"]["traceback"].endswith("line 899") and fitted["crash"]["message"] == "E: m"
+    )
 
 
 def test_crash_report_joins_a_final_report_and_yields_to_a_configuration_error(
@@ -192,7 +198,9 @@ def test_the_pod_log_ends_with_our_root_cause_after_torchruns(
     from finetune_trainer import launch
 
     peer = _error_file(tmp_path, RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1"))
-    error = ChildFailedError("trainer", {0: ProcessFailure(0, 6, 1, peer), 1: ProcessFailure(1, 7, -9, "<N/A>")})
+    error = ChildFailedError(
+        "trainer", {0: ProcessFailure(0, 6, 1, peer), 1: ProcessFailure(1, 7, -9, "<N/A>")}
+    )
 
     def torchrun(_: list[str]) -> None:
         raise error
@@ -204,7 +212,10 @@ def test_the_pod_log_ends_with_our_root_cause_after_torchruns(
     assert launch.main(["--config", str(tmp_path / "absent.json")]) == launch.EXIT_FAILED
     err = capsys.readouterr().err
     assert json.loads(log.read_text())["crash"]["rank"] == 1
-    summary, ours = err.index("Root Cause (first observed failure)"), err.index("crash report: rank 1: died of SIGKILL")
+    summary, ours = (
+        err.index("Root Cause (first observed failure)"),
+        err.index("crash report: rank 1: died of SIGKILL"),
+    )
     assert summary < ours  # ours comes last: what a reader of the log's end sees
     assert err.rstrip().endswith("whole-second timestamp)")
     assert "the root cause is rank 1, not rank 0" in err and "it only lost its peer" in err

@@ -27,7 +27,23 @@ from finetune_trainer.tokenizer import build_byte_tokenizer
 
 CPU = torch.device("cpu")
 SEQ = 16
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "cats", "sleep", "in", "warm", "sun"]
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "cats",
+    "sleep",
+    "in",
+    "warm",
+    "sun",
+]
 
 
 def write_corpus(path: Path, rows: int = 120, seed: int = 0) -> Path:
@@ -37,7 +53,10 @@ def write_corpus(path: Path, rows: int = 120, seed: int = 0) -> Path:
         text = " ".join(rng.choice(WORDS, size=int(rng.integers(1, 12))))
         row: dict[str, Any] = {"text": text, "id": i}
         if i % 3 == 0:
-            row["messages"] = [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]
+            row["messages"] = [
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": "ok"},
+            ]
         lines.append(json.dumps(row))
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -81,7 +100,11 @@ def test_streamed_cached_and_uncached_blocks_match_tokenizing_at_once(
     uncached = build(spec, None)
     first = build(spec, tmp_path / "cache")
     again = build(spec, tmp_path / "cache")
-    assert (uncached.source, first.source, again.source) == ("tokenized", "cache built", "cache hit")
+    assert (uncached.source, first.source, again.source) == (
+        "tokenized",
+        "cache built",
+        "cache hit",
+    )
     for ds in (uncached, first, again):
         assert np.array_equal(np.asarray(ds.blocks), expected)
     assert isinstance(again.blocks, np.memmap) and again.blocks.dtype == np.uint16
@@ -265,12 +288,16 @@ def _build_until_killed(cache: str, corpus: str, ready: Any) -> None:
     build(DatasetSpec(uri=corpus), Path(cache))
 
 
-def test_a_builder_killed_mid_write_leaves_nothing_that_is_read(corpus: Path, tmp_path: Path) -> None:
+def test_a_builder_killed_mid_write_leaves_nothing_that_is_read(
+    corpus: Path, tmp_path: Path
+) -> None:
     """SIGKILL (torchelastic stopping a worker group, the OOM killer) in the middle of a
     build: the next start finds no entry, clears the half-written one and builds it again."""
     ctx = multiprocessing.get_context("fork")
     ready = ctx.Event()
-    builder = ctx.Process(target=_build_until_killed, args=(str(tmp_path / "c"), str(corpus), ready))
+    builder = ctx.Process(
+        target=_build_until_killed, args=(str(tmp_path / "c"), str(corpus), ready)
+    )
     builder.start()
     assert ready.wait(60), "the builder never wrote"
     os.kill(builder.pid, signal.SIGKILL)
@@ -282,9 +309,14 @@ def test_a_builder_killed_mid_write_leaves_nothing_that_is_read(corpus: Path, tm
     assert np.array_equal(again.blocks, build(DatasetSpec(uri=str(corpus)), None).blocks)
 
 
-def test_missing_field_is_refused_naming_it_and_caches_nothing(corpus: Path, tmp_path: Path) -> None:
+def test_missing_field_is_refused_naming_it_and_caches_nothing(
+    corpus: Path, tmp_path: Path
+) -> None:
     spec = DatasetSpec(uri=str(corpus), text_field="body")
-    with pytest.raises(UnsupportedConfigError, match=r"textField 'body' not in the records \(columns: \['text', 'id', 'messages'\]\)"):
+    with pytest.raises(
+        UnsupportedConfigError,
+        match=r"textField 'body' not in the records \(columns: \['text', 'id', 'messages'\]\)",
+    ):
         build(spec, tmp_path / "cache")
     chat = DatasetSpec(uri=str(corpus), messages_field="dialog", packing=False)
     with pytest.raises(UnsupportedConfigError, match="messagesField 'dialog' not in the records"):
@@ -335,7 +367,9 @@ def test_two_local_ranks_build_once_and_share_it(corpus: Path, tmp_path: Path) -
         p.join(30)
         assert p.exitcode == 0
     assert sorted(source for source, _ in results) == ["cache built", "cache hit"]
-    assert results[0][1] == results[1][1] == build(DatasetSpec(uri=str(corpus)), None).blocks.tobytes()
+    assert (
+        results[0][1] == results[1][1] == build(DatasetSpec(uri=str(corpus)), None).blocks.tobytes()
+    )
 
 
 def test_runtime_env_and_startup_line() -> None:

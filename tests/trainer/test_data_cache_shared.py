@@ -121,8 +121,14 @@ def _damage_shared(entry: Path, how: str) -> None:
 
 @pytest.mark.parametrize(
     "how",
-    ["truncated", "flipped-byte", "blocks-missing", "meta-missing", "meta-garbage",
-     "checksum-of-other-bytes"],
+    [
+        "truncated",
+        "flipped-byte",
+        "blocks-missing",
+        "meta-missing",
+        "meta-garbage",
+        "checksum-of-other-bytes",
+    ],
 )
 def test_a_damaged_shared_entry_is_rebuilt_never_read_and_replaced(
     how: str, corpus: Path, tmp_path: Path
@@ -160,7 +166,8 @@ def test_a_partial_publication_is_never_read_and_is_cleaned_once_abandoned(
 
 
 @pytest.mark.parametrize(
-    ("age", "abandoned"), [(0.0, False), (ABANDONED_SECONDS - 1, False), (ABANDONED_SECONDS + 1, True)]
+    ("age", "abandoned"),
+    [(0.0, False), (ABANDONED_SECONDS - 1, False), (ABANDONED_SECONDS + 1, True)],
 )
 def test_is_abandoned(age: float, abandoned: bool) -> None:
     assert is_abandoned(1000.0, 1000.0 + age) is abandoned
@@ -233,7 +240,8 @@ def test_through_object_storage(
     root = shared().root
     (key,) = [e.name for e in root.children()]
     assert sorted(root.fs.ls(f"{root.path}/{key}", detail=False)) == sorted(
-        f"{root.path}/{key}/{n}" for n in (BLOCKS_FILE, META_FILE))
+        f"{root.path}/{key}/{n}" for n in (BLOCKS_FILE, META_FILE)
+    )
     blocks = root / key / BLOCKS_FILE
     data = bytearray(blocks.read_bytes())
     data[7] ^= 0x01
@@ -316,7 +324,9 @@ def test_concurrent_publishers_leave_one_whole_entry_and_readers_never_see_part(
     start, stop = ctx.Barrier(n + 1), ctx.Event()
     out, seen = ctx.Queue(), ctx.Queue()
     (tmp_path / "reads").mkdir()
-    reader = ctx.Process(target=_reader, args=(str(ckpt), key, str(tmp_path / "reads"), start, stop, seen))
+    reader = ctx.Process(
+        target=_reader, args=(str(ckpt), key, str(tmp_path / "reads"), start, stop, seen)
+    )
     publishers = [ctx.Process(target=_publisher, args=(str(ckpt), str(entry), key, claim, start, out))
                   for _ in range(n)]  # fmt: skip
     for p in [reader, *publishers]:
@@ -329,9 +339,15 @@ def test_concurrent_publishers_leave_one_whole_entry_and_readers_never_see_part(
         assert p.exitcode == 0
     if claim:  # one copy written to the shared volume, not one per pod
         assert outcomes == ["in progress"] * (n - 1) + ["published"] or "present" in outcomes
-    assert outcomes.count("published") >= 1 and set(outcomes) <= {"published", "present", "in progress"}
+    assert outcomes.count("published") >= 1 and set(outcomes) <= {
+        "published",
+        "present",
+        "in progress",
+    }
     assert reads["damaged"] == 0, reads
     assert entries(ckpt) == [key]  # no temporary directory left behind
     published = open_entry(ckpt / SHARED_DIR / key, key)
     assert published is not None
-    assert np.array_equal(published.blocks, np.fromfile(entry / BLOCKS_FILE, np.uint16).reshape(ROWS, WIDTH))
+    assert np.array_equal(
+        published.blocks, np.fromfile(entry / BLOCKS_FILE, np.uint16).reshape(ROWS, WIDTH)
+    )

@@ -89,8 +89,14 @@ def launch(
     tmp: Path, name: str, job: JobConfig, nproc: int,
     program: Sequence[str] = TRAINER_PROGRAM, **env: str,
 ) -> Proc:  # fmt: skip
-    return launch_standalone(write_job(tmp / f"{name}.json", job), cwd=tmp,
-                             log=tmp / f"{name}.log", nproc=nproc, program=program, **env)
+    return launch_standalone(
+        write_job(tmp / f"{name}.json", job),
+        cwd=tmp,
+        log=tmp / f"{name}.log",
+        nproc=nproc,
+        program=program,
+        **env,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow
 
 
 def committed_steps(root: Path) -> list[int]:
-    return sorted(int(p.parent.name.split("-")[1]) for p in root.glob(f"step-*/{CHECKPOINT_COMMITTED_MARKER}"))
+    return sorted(
+        int(p.parent.name.split("-")[1]) for p in root.glob(f"step-*/{CHECKPOINT_COMMITTED_MARKER}")
+    )
 
 
 def worlds(log: Path) -> list[int]:
@@ -39,26 +41,56 @@ def test_lose_a_node_then_gain_one(tmp_path: Path, procs: list[Proc]) -> None:
     config = write_job(tmp_path / "job.json", job)
     ckpt = tmp_path / "checkpoints" / "quickstart"
     port = free_port()
-    store = Proc([sys.executable, "-m", "finetune_trainer.rendezvous", "--port", str(port),
-                  "--host", "127.0.0.1"], cwd=tmp_path, log=tmp_path / "store.log", env={})
+    store = Proc(
+        [
+            sys.executable,
+            "-m",
+            "finetune_trainer.rendezvous",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+        ],
+        cwd=tmp_path,
+        log=tmp_path / "store.log",
+        env={},
+    )
     procs.append(store)
     wait_until(lambda: "READY" in (tmp_path / "store.log").read_text(), 30, "store", store.log)
 
     def agent(name: str, ip: str) -> Proc:
-        args = elastic_args(config=config, endpoint=f"127.0.0.1:{port}", pod_ip=ip,
-                            min_nodes=1, max_nodes=2, restarts=3)
-        p = Proc(args, cwd=tmp_path, log=tmp_path / f"{name}.log",
-                 env=trainer_env(ip, FT_STEP_DELAY_SECONDS="0.15"))
+        args = elastic_args(
+            config=config,
+            endpoint=f"127.0.0.1:{port}",
+            pod_ip=ip,
+            min_nodes=1,
+            max_nodes=2,
+            restarts=3,
+        )
+        p = Proc(
+            args,
+            cwd=tmp_path,
+            log=tmp_path / f"{name}.log",
+            env=trainer_env(ip, FT_STEP_DELAY_SECONDS="0.15"),
+        )
         procs.append(p)
         return p
 
     a, b = agent("a", "127.0.0.2"), agent("b", "127.0.0.3")
-    wait_until(lambda: 2 in worlds(a.log) and committed_steps(ckpt)[-1:] >= [10], 90,
-               "world 2 and a checkpoint at step >= 10", a.log)
+    wait_until(
+        lambda: 2 in worlds(a.log) and committed_steps(ckpt)[-1:] >= [10],
+        90,
+        "world 2 and a checkpoint at step >= 10",
+        a.log,
+    )
     b.kill(signal.SIGKILL)  # the pod dies: agent and its worker
     wait_until(lambda: worlds(a.log)[-1:] == [1], 90, "survivor re-formed at world 1", a.log)
-    wait_until(lambda: any(s["step"] > committed_steps(ckpt)[0] + 5 for s in step_lines(a.log)),
-               60, "progress at world 1", a.log)
+    wait_until(
+        lambda: any(s["step"] > committed_steps(ckpt)[0] + 5 for s in step_lines(a.log)),
+        60,
+        "progress at world 1",
+        a.log,
+    )
     c = agent("c", "127.0.0.4")
     assert a.wait(180) == 0, tail(a.log)
     assert c.wait(60) == 0, tail(c.log)

@@ -48,14 +48,26 @@ def trained(method: MethodSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module
     (LoRA B starts at zero: an untrained adapter would be a no-op)."""
     job = make_job()
     torch.manual_seed(0)
-    model = build_model(job.spec.model, method, tokenizer, torch.device("cpu"),
-                        activation_checkpointing=False, precision=job.spec.training.precision)
+    model = build_model(
+        job.spec.model,
+        method,
+        tokenizer,
+        torch.device("cpu"),
+        activation_checkpointing=False,
+        precision=job.spec.training.precision,
+    )
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)
-    return parallelize(model, job.plan, job.spec.strategy, torch.device("cpu"), 1,
-                       precision=job.spec.training.precision).model
+    return parallelize(
+        model,
+        job.plan,
+        job.spec.strategy,
+        torch.device("cpu"),
+        1,
+        precision=job.spec.training.precision,
+    ).model
 
 
 def logits(model: nn.Module) -> torch.Tensor:
@@ -64,11 +76,23 @@ def logits(model: nn.Module) -> torch.Tensor:
         return model(input_ids=INPUT).logits
 
 
-def exporter(model: nn.Module, tokenizer: PreTrainedTokenizerBase, method: MethodSpec,
-             out: Path, *, merge: bool = False) -> HfExporter:
+def exporter(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    method: MethodSpec,
+    out: Path,
+    *,
+    merge: bool = False,
+) -> HfExporter:
     spec = OutputSpec(uri=str(out), merge_lora=merge)
-    return HfExporter(spec, model=model, tokenizer=tokenizer, method=method, rank=0,
-                      meta={"job": "t", "strategy": "ddp"})
+    return HfExporter(
+        spec,
+        model=model,
+        tokenizer=tokenizer,
+        method=method,
+        rank=0,
+        meta={"job": "t", "strategy": "ddp"},
+    )
 
 
 def test_full_model_reloads_with_identical_logits(world_one: None, tmp_path: Path) -> None:
@@ -105,13 +129,15 @@ def test_lora_adapter_reloads_with_peft(world_one: None, tmp_path: Path) -> None
     assert {"adapter_config.json", "adapter_model.safetensors", FINISHED_MARKER} <= names
     assert "model.safetensors" not in names
     assert all("lora_" in k for k in load_file(out / "adapter_model.safetensors"))
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
-                                        out)
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base"), out
+    )
     torch.testing.assert_close(logits(adapted), logits(model), rtol=0, atol=1e-6)
 
 
-def test_merged_lora_is_a_plain_model_with_the_adapted_logits(world_one: None,
-                                                              tmp_path: Path) -> None:
+def test_merged_lora_is_a_plain_model_with_the_adapted_logits(
+    world_one: None, tmp_path: Path
+) -> None:
     tok, method = build_byte_tokenizer(), MethodSpec(type="lora")
     model = trained(method, tok)
     before = logits(model)
@@ -127,8 +153,9 @@ def test_merged_lora_is_a_plain_model_with_the_adapted_logits(world_one: None,
     assert json.loads((out / FINISHED_MARKER).read_text())["mergeLora"] is True
 
 
-def test_export_replaces_the_previous_one_and_cleans_unfinished(world_one: None,
-                                                                tmp_path: Path) -> None:
+def test_export_replaces_the_previous_one_and_cleans_unfinished(
+    world_one: None, tmp_path: Path
+) -> None:
     tok, method = build_byte_tokenizer(), MethodSpec(type="full")
     model = trained(method, tok)
     out = tmp_path / "out"
@@ -176,8 +203,15 @@ def test_export_to_s3_reloads_and_replaces_the_previous_one(
     spec = OutputSpec(uri=uri)
 
     def export(step: int) -> None:
-        exp = build_exporter(spec, model=model, tokenizer=tok, method=method, rank=0,
-                             meta={"job": "t"}, object_store=s3_credentials.spec())
+        exp = build_exporter(
+            spec,
+            model=model,
+            tokenizer=tok,
+            method=method,
+            rank=0,
+            meta={"job": "t"},
+            object_store=s3_credentials.spec(),
+        )
         assert str(exp.export(step)) == uri
 
     export(2)
@@ -196,16 +230,25 @@ def test_export_to_s3_reloads_and_replaces_the_previous_one(
 
 
 def test_no_output_uri_is_a_no_op() -> None:
-    exp = build_exporter(OutputSpec(), model=nn.Linear(1, 1), tokenizer=build_byte_tokenizer(),
-                         method=MethodSpec(), rank=0, meta={})
+    exp = build_exporter(
+        OutputSpec(),
+        model=nn.Linear(1, 1),
+        tokenizer=build_byte_tokenizer(),
+        method=MethodSpec(),
+        rank=0,
+        meta={},
+    )
     assert isinstance(exp, NoOpExporter)
     assert exp.export(5, loss=1.0) is None
 
 
 @pytest.mark.parametrize(
     ("uri", "expected"),
-    [("out/model", "cwd/out/model"), ("/abs/model", "/abs/model"),
-     ("file:///abs/model", "/abs/model")],
+    [
+        ("out/model", "cwd/out/model"),
+        ("/abs/model", "/abs/model"),
+        ("file:///abs/model", "/abs/model"),
+    ],
     ids=["relative", "absolute", "file-scheme"],
 )
 def test_output_uri_resolves_like_the_checkpoint_uri(uri: str, expected: str) -> None:
@@ -214,44 +257,60 @@ def test_output_uri_resolves_like_the_checkpoint_uri(uri: str, expected: str) ->
 
 @pytest.mark.parametrize(
     ("uri", "method", "merge", "field"),
-    [("gs://bucket/model", "full", False, "output.uri"),
-     ("out", "qlora", True, "output.mergeLora")],
+    [
+        ("gs://bucket/model", "full", False, "output.uri"),
+        ("out", "qlora", True, "output.mergeLora"),
+    ],
     ids=["object-storage", "qlora-merge"],
 )
-def test_unsupported_outputs_name_the_field(uri: str, method: str, merge: bool,
-                                            field: str) -> None:
+def test_unsupported_outputs_name_the_field(uri: str, method: str, merge: bool, field: str) -> None:
     with pytest.raises(UnsupportedConfigError, match=field):
-        build_exporter(OutputSpec(uri=uri, merge_lora=merge), model=nn.Linear(1, 1),
-                       tokenizer=build_byte_tokenizer(), method=MethodSpec(type=method), rank=0,
-                       meta={})
+        build_exporter(
+            OutputSpec(uri=uri, merge_lora=merge),
+            model=nn.Linear(1, 1),
+            tokenizer=build_byte_tokenizer(),
+            method=MethodSpec(type=method),
+            rank=0,
+            meta={},
+        )
 
 
 @pytest.mark.parametrize("output", [None, "/shared/out"], ids=["without", "with"])
 def test_final_report_carries_the_output(tmp_path: Path, output: str | None) -> None:
     log = tmp_path / "termination-log"
     log.touch()
-    assert write_final_report(step=3, loss=None, checkpoint_step=0, rank=0, path=str(log),
-                              output=output)
+    assert write_final_report(
+        step=3, loss=None, checkpoint_step=0, rank=0, path=str(log), output=output
+    )
     report = json.loads(log.read_text())
     assert report == {"step": 3, "rank": 0, **({"output": output} if output else {})}
 
 
 def with_output(job: JobConfig, uri: str, method: str, merge: bool) -> JobConfig:
-    spec = job.spec.model_copy(update={"method": MethodSpec(type=method),
-                                       "output": OutputSpec(uri=uri, merge_lora=merge)})
+    spec = job.spec.model_copy(
+        update={"method": MethodSpec(type=method), "output": OutputSpec(uri=uri, merge_lora=merge)}
+    )
     return job.model_copy(update={"spec": spec})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("method", "merge"), [("full", False), ("lora", True)],
-                         ids=["full", "lora-merged"])
+@pytest.mark.parametrize(
+    ("method", "merge"), [("full", False), ("lora", True)], ids=["full", "lora-merged"]
+)
 def test_fsdp_two_ranks_export_matches_the_final_checkpoint(
     tmp_path: Path, procs: list[Proc], method: str, merge: bool
 ) -> None:
-    job = with_output(make_job(strategy="fsdp-full-shard", training={"maxSteps": 6},
-                               checkpoint={"intervalSteps": 6}), "output/model", method, merge)
-    p = launch_standalone(write_job(tmp_path / "job.json", job), cwd=tmp_path,
-                          log=tmp_path / "fsdp.log", procs=procs)
+    job = with_output(
+        make_job(
+            strategy="fsdp-full-shard", training={"maxSteps": 6}, checkpoint={"intervalSteps": 6}
+        ),
+        "output/model",
+        method,
+        merge,
+    )
+    p = launch_standalone(
+        write_job(tmp_path / "job.json", job), cwd=tmp_path, log=tmp_path / "fsdp.log", procs=procs
+    )
     assert p.wait(180) == 0, tail(p.log)
 
     out = tmp_path / "output" / "model"
@@ -260,15 +319,22 @@ def test_fsdp_two_ranks_export_matches_the_final_checkpoint(
     assert list((tmp_path / "output").iterdir()) == [out]
     exported = AutoModelForCausalLM.from_pretrained(out)
     # The trained model as the final checkpoint holds it, rebuilt in this process.
-    dcp_to_torch_save(tmp_path / "checkpoints" / "quickstart" / "step-00000006",
-                      tmp_path / "ckpt.pt")
+    dcp_to_torch_save(
+        tmp_path / "checkpoints" / "quickstart" / "step-00000006", tmp_path / "ckpt.pt"
+    )
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
     tok = build_byte_tokenizer()
     # The base as the trainer built it (its seeded init does not depend on the world size):
     # a LoRA checkpoint holds only the adapters (state.py, ignore_frozen_params).
-    trained = build_model(job.spec.model, job.spec.method, tok, torch.device("cpu"),
-                          activation_checkpointing=False, precision=job.spec.training.precision,
-                          seed=job.spec.training.seed)
+    trained = build_model(
+        job.spec.model,
+        job.spec.method,
+        tok,
+        torch.device("cpu"),
+        activation_checkpointing=False,
+        precision=job.spec.training.precision,
+        seed=job.spec.training.seed,
+    )
     missing, unexpected = trained.load_state_dict(saved, strict=False)
     frozen = {n for n, p in trained.named_parameters() if not p.requires_grad}
     assert not unexpected and set(missing) == (frozen if merge else set())

@@ -58,7 +58,9 @@ def test_overflow_skips_the_step_halves_the_scale_and_recovers(world_one: None) 
         scale.unscale(opt)
         applied.append(scale.step(opt))
         scales.append(scale.value())
-        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        changed = any(
+            not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)
+        )
         assert changed == applied[-1], step  # a skipped step leaves the weights alone
         assert all(torch.isfinite(p).all() for p in model.parameters())
         opt.zero_grad()
@@ -80,12 +82,14 @@ def test_scale_state_round_trips() -> None:
 def test_checkpoint_carries_the_scale(world_one: None) -> None:
     """A resumed fp16 run goes on at the scale it had, not at 2^16 again (which would cost
     a string of skipped steps to find it)."""
+
     def state(scale: DynamicLossScale) -> TrainState:
         model = nn.Linear(3, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = build_scheduler(opt, make_job().spec.training, total_steps=10)
-        sampler = StepSampler(num_samples=8, global_batch=4, micro_batch_size=2, rank=0,
-                              world_size=1, seed=1)
+        sampler = StepSampler(
+            num_samples=8, global_batch=4, micro_batch_size=2, rank=0, world_size=1, seed=1
+        )
         return TrainState(model, opt, sched, sampler, rank=0, seed=1, loss_scale=scale)
 
     saved = state(DynamicLossScale(CPU, init_scale=128.0)).capture()
@@ -105,11 +109,20 @@ def test_fp16_two_ranks_skip_the_same_overflowing_step(
     """Only rank 1 sees the overflow (inf in its own gradient, after the reduction: under
     FSDP its shard alone); both ranks skip step 5, the scale halves, and training goes on
     to a lower loss."""
-    job = make_job(strategy=strategy, training={"maxSteps": 16, "precision": "fp16"},
-                   checkpoint={"intervalSteps": 100})
+    job = make_job(
+        strategy=strategy,
+        training={"maxSteps": 16, "precision": "fp16"},
+        checkpoint={"intervalSteps": 100},
+    )
     path = write_job(tmp_path / "job.json", job)
-    p = launch_standalone(path, cwd=tmp_path, log=tmp_path / "fp16.log", procs=procs,
-                          FT_GRAD_OVERFLOW_AT_STEP="5", FT_GRAD_OVERFLOW_RANK="1")
+    p = launch_standalone(
+        path,
+        cwd=tmp_path,
+        log=tmp_path / "fp16.log",
+        procs=procs,
+        FT_GRAD_OVERFLOW_AT_STEP="5",
+        FT_GRAD_OVERFLOW_RANK="1",
+    )
     assert p.wait(300) == 0, tail(p.log)
     skips = sorted((int(r), int(s)) for r, s in SKIP.findall(p.log.read_text(errors="replace")))
     assert skips == [(0, 5), (1, 5)], tail(p.log)

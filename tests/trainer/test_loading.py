@@ -28,8 +28,9 @@ WORKER = REPO / "tests" / "trainer" / "loading_worker.py"
 INPUT = torch.tensor([[1, 5, 9, 42, 7, 3, 100, 17]] * 2)  # loading_worker.INPUT
 
 
-def inline_job(*, strategy: str, method: str = "full", tied: bool = False,
-               precision: str = "fp32") -> JobConfig:
+def inline_job(
+    *, strategy: str, method: str = "full", tied: bool = False, precision: str = "fp32"
+) -> JobConfig:
     job = make_job(strategy=strategy, training={"precision": precision})
     assert job.spec.model.architecture is not None
     job.spec.model.architecture.tie_word_embeddings = tied
@@ -46,18 +47,33 @@ def pretrained_job(path: Path, *, strategy: str, method: str = "full") -> JobCon
 
 def reference(job: JobConfig) -> torch.nn.Module:
     spec = job.spec
-    return build_model(spec.model, spec.method, build_byte_tokenizer(), CPU,
-                       activation_checkpointing=False, precision=spec.training.precision,
-                       seed=spec.training.seed)
+    return build_model(
+        spec.model,
+        spec.method,
+        build_byte_tokenizer(),
+        CPU,
+        activation_checkpointing=False,
+        precision=spec.training.precision,
+        seed=spec.training.seed,
+    )
 
 
 def save_pretrained(path: Path, *, tied: bool) -> LlamaForCausalLM:
     """A small Llama written as Hugging Face writes checkpoints: sharded safetensors."""
     torch.manual_seed(7)
-    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=259,
-                         max_position_embeddings=128, tie_word_embeddings=tied,
-                         bos_token_id=256, eos_token_id=257, pad_token_id=258)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=259,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=258,
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, max_shard_size="40KB")
     build_byte_tokenizer().save_pretrained(path)
@@ -74,12 +90,21 @@ def plain_logits(path: Path) -> torch.Tensor:
 def run_workers(tmp_path: Path, job: JobConfig, nproc: int, name: str) -> dict[str, Any]:
     cfg = write_job(tmp_path / f"{name}.json", job)
     out = tmp_path / f"{name}.pt"
-    args = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(WORKER), "model",
-            str(out), str(cfg)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
+    args = [
+        TORCHRUN,
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(WORKER),
+        "model",
+        str(out),
+        str(cfg),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result: dict[str, Any] = torch.load(out, weights_only=False)
     return result
@@ -105,14 +130,17 @@ def test_same_seed_same_weights_and_lora_base_is_the_full_base() -> None:
     for (name, p), q in zip(full.named_parameters(), again.parameters(), strict=True):
         assert torch.equal(p, q), name
     base = lora.get_base_model()
-    torch.testing.assert_close(base.model.layers[1].self_attn.q_proj.base_layer.weight,
-                               full.model.layers[1].self_attn.q_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(
+        base.model.layers[1].self_attn.q_proj.base_layer.weight,
+        full.model.layers[1].self_attn.q_proj.weight,
+        rtol=0,
+        atol=0,
+    )
     assert torch.count_nonzero(base.model.layers[1].self_attn.q_proj.lora_B.default.weight) == 0
 
 
 @pytest.mark.parametrize("strategy", ["fsdp-full-shard", "ddp"])
-def test_sharded_and_replicated_loads_equal_the_plain_build(world_one: None,
-                                                            strategy: str) -> None:
+def test_sharded_and_replicated_loads_equal_the_plain_build(world_one: None, strategy: str) -> None:
     job = inline_job(strategy=strategy, method="lora", tied=True, precision="bf16")
     parallel = load_parallel_model(job, build_byte_tokenizer(), CPU, 1)
     got = get_model_state_dict(parallel.model)
@@ -136,8 +164,9 @@ def test_catalog_model_builds_from_the_plans_architecture(world_one: None) -> No
 
 
 @pytest.mark.parametrize("strategy", ["fsdp-full-shard", "ddp"])
-def test_pretrained_world_one_matches_from_pretrained(tmp_path: Path, world_one: None,
-                                                      strategy: str) -> None:
+def test_pretrained_world_one_matches_from_pretrained(
+    tmp_path: Path, world_one: None, strategy: str
+) -> None:
     save_pretrained(tmp_path / "m", tied=False)
     job = pretrained_job(tmp_path / "m", strategy=strategy)
     model = load_parallel_model(job, build_byte_tokenizer(), CPU, 1).model.eval()
@@ -147,8 +176,13 @@ def test_pretrained_world_one_matches_from_pretrained(tmp_path: Path, world_one:
 
 
 def test_pretrained_without_safetensors_is_refused_naming_the_field(tmp_path: Path) -> None:
-    LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-                vocab_size=259).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=259,
+    ).save_pretrained(tmp_path)
     job = pretrained_job(tmp_path, strategy="ddp")
     with pytest.raises(UnsupportedConfigError, match=r"spec.model: no \*.safetensors"):
         reference(job)
@@ -159,8 +193,9 @@ def test_pretrained_without_safetensors_is_refused_naming_the_field(tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "method", "tied"), [(2, "full", False), (4, "lora", True)])
-def test_pretrained_sharded_load_gives_from_pretrained_logits(tmp_path: Path, world: int,
-                                                              method: str, tied: bool) -> None:
+def test_pretrained_sharded_load_gives_from_pretrained_logits(
+    tmp_path: Path, world: int, method: str, tied: bool
+) -> None:
     save_pretrained(tmp_path / "m", tied=tied)
     job = pretrained_job(tmp_path / "m", strategy="fsdp-full-shard", method=method)
     got = run_workers(tmp_path, job, world, "pretrained")

@@ -34,18 +34,28 @@ def committed(root: Path) -> dict[int, dict[str, object]]:
     return out
 
 
-def run(tmp_path: Path, procs: list[Proc], name: str, job_path: Path, nproc: int,
-        **env: str) -> Proc:
-    return launch_standalone(job_path, cwd=tmp_path, log=tmp_path / f"{name}.log", nproc=nproc,
-                             procs=procs, **env)
+def run(
+    tmp_path: Path, procs: list[Proc], name: str, job_path: Path, nproc: int, **env: str
+) -> Proc:
+    return launch_standalone(
+        job_path, cwd=tmp_path, log=tmp_path / f"{name}.log", nproc=nproc, procs=procs, **env
+    )
 
 
 def test_ddp_two_ranks_loss_goes_down_and_metrics_served(tmp_path: Path, procs: list[Proc]) -> None:
-    job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 40},
-                                                     checkpoint={"intervalSteps": 20}))
+    job = write_job(
+        tmp_path / "job.json", make_job(training={"maxSteps": 40}, checkpoint={"intervalSteps": 20})
+    )
     port, ip = free_port("127.0.0.6"), "127.0.0.6"
-    p = launch_standalone(job, cwd=tmp_path, log=tmp_path / "ddp.log", pod_ip=ip, procs=procs,
-                          FT_METRICS_BASE_PORT=str(port), FT_STEP_DELAY_SECONDS="0.1")
+    p = launch_standalone(
+        job,
+        cwd=tmp_path,
+        log=tmp_path / "ddp.log",
+        pod_ip=ip,
+        procs=procs,
+        FT_METRICS_BASE_PORT=str(port),
+        FT_STEP_DELAY_SECONDS="0.1",
+    )
 
     def scraped() -> str:
         try:
@@ -54,11 +64,17 @@ def test_ddp_two_ranks_loss_goes_down_and_metrics_served(tmp_path: Path, procs: 
         except OSError:
             return ""
 
-    wait_until(lambda: re.search(r'^finetune_trainer_step\{.*\} ([1-9]\d*)', scraped(), re.M)
-               is not None, 90, "rank 1 metrics with a step > 0", p.log)
+    wait_until(
+        lambda: re.search(r"^finetune_trainer_step\{.*\} ([1-9]\d*)", scraped(), re.M) is not None,
+        90,
+        "rank 1 metrics with a step > 0",
+        p.log,
+    )
     text = scraped()
     for name in METRIC_NAMES:
-        assert re.search(rf'^{name}{{[^}}]*finetunejob="quickstart"[^}}]*rank="1"', text, re.M), name
+        assert re.search(rf'^{name}{{[^}}]*finetunejob="quickstart"[^}}]*rank="1"', text, re.M), (
+            name
+        )
     assert p.wait(120) == 0, tail(p.log)
     losses = [s["loss"] for s in step_lines(p.log)]
     assert len(losses) == 40
@@ -68,8 +84,12 @@ def test_ddp_two_ranks_loss_goes_down_and_metrics_served(tmp_path: Path, procs: 
 
 def test_fsdp_two_ranks_checkpoint_loads_at_world_one(tmp_path: Path, procs: list[Proc]) -> None:
     root = tmp_path / "checkpoints" / "quickstart"
-    two = write_job(tmp_path / "two.json", make_job(
-        strategy="fsdp-full-shard", training={"maxSteps": 20}, checkpoint={"intervalSteps": 10}))
+    two = write_job(
+        tmp_path / "two.json",
+        make_job(
+            strategy="fsdp-full-shard", training={"maxSteps": 20}, checkpoint={"intervalSteps": 10}
+        ),
+    )
     # The pod's data cache (finetune_trainer.data.cache): the two local ranks build it once,
     # and it is published to the job's checkpoint directory (finetune_trainer.data.shared).
     cache = str(tmp_path / "data-cache")
@@ -81,8 +101,12 @@ def test_fsdp_two_ranks_checkpoint_loads_at_world_one(tmp_path: Path, procs: lis
     assert len(list((root / "step-00000020").glob("*.distcp"))) == 2  # one shard file per rank
     loss20 = step_lines(p.log)[-1]["loss"]
 
-    one = write_job(tmp_path / "one.json", make_job(
-        strategy="fsdp-full-shard", training={"maxSteps": 30}, checkpoint={"intervalSteps": 10}))
+    one = write_job(
+        tmp_path / "one.json",
+        make_job(
+            strategy="fsdp-full-shard", training={"maxSteps": 30}, checkpoint={"intervalSteps": 10}
+        ),
+    )
     # As a replacement pod on another node: an empty cache of its own, the same checkpoints.
     q = run(tmp_path, procs, "fsdp1", one, 1, FT_DATA_CACHE_DIR=str(tmp_path / "data-cache-b"))
     assert q.wait(120) == 0, tail(q.log)
@@ -91,9 +115,12 @@ def test_fsdp_two_ranks_checkpoint_loads_at_world_one(tmp_path: Path, procs: lis
     assert "resumed from checkpoint step 20" in log
     # The cold start by phase, logged once at the first step (finetune_trainer.startup); the
     # data came from the job's shared copy, untokenized.
-    assert re.search(r"rank0 INFO .*started in [\d.]+ s \(cpu [\d.]+ s\): imports [\d.]+, group [\d.]+, "
-                     r"data [\d.]+ \(cache shared hit\), model [\d.]+, resume [\d.]+, first step [\d.]+$",
-                     log, re.M)
+    assert re.search(
+        r"rank0 INFO .*started in [\d.]+ s \(cpu [\d.]+ s\): imports [\d.]+, group [\d.]+, "
+        r"data [\d.]+ \(cache shared hit\), model [\d.]+, resume [\d.]+, first step [\d.]+$",
+        log,
+        re.M,
+    )
     steps = step_lines(q.log)
     assert [s["step"] for s in steps] == list(range(21, 31))
     assert abs(steps[0]["loss"] - loss20) < 0.4, (steps[0]["loss"], loss20)  # not a fresh model
@@ -102,8 +129,9 @@ def test_fsdp_two_ranks_checkpoint_loads_at_world_one(tmp_path: Path, procs: lis
 
 def test_resume_after_kill_continues_from_last_commit(tmp_path: Path, procs: list[Proc]) -> None:
     root = tmp_path / "checkpoints" / "quickstart"
-    job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 30},
-                                                     checkpoint={"intervalSteps": 5}))
+    job = write_job(
+        tmp_path / "job.json", make_job(training={"maxSteps": 30}, checkpoint={"intervalSteps": 5})
+    )
     p = run(tmp_path, procs, "first", job, 2, FT_STEP_DELAY_SECONDS="0.15")
     wait_until(lambda: max(committed(root), default=0) >= 10, 90, "a commit at step 10", p.log)
     p.kill(signal.SIGKILL)
@@ -122,8 +150,10 @@ def test_resume_after_kill_continues_from_last_commit(tmp_path: Path, procs: lis
 
 def test_sigterm_makes_a_final_checkpoint(tmp_path: Path, procs: list[Proc]) -> None:
     root = tmp_path / "checkpoints" / "quickstart"
-    job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 200},
-                                                     checkpoint={"intervalSteps": 1000}))
+    job = write_job(
+        tmp_path / "job.json",
+        make_job(training={"maxSteps": 200}, checkpoint={"intervalSteps": 1000}),
+    )
     p = run(tmp_path, procs, "term", job, 2, FT_STEP_DELAY_SECONDS="0.1")
     wait_until(lambda: len(step_lines(p.log)) >= 4, 90, "a few steps", p.log)
     # A graceful pod delete: SIGTERM to the container's first process, the launcher only;

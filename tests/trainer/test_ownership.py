@@ -78,7 +78,9 @@ def test_an_unreadable_owner_file_is_not_ours(base: Location) -> None:
 
 def test_a_missing_bucket_is_a_refusal_naming_the_uri(s3_credentials: MotoServer) -> None:
     root = locate("s3://no-such-bucket/ckpt", "checkpoint.uri", object_store=s3_credentials.spec())
-    with pytest.raises(StorageRefusedError, match=r"checkpoint\.uri s3://no-such-bucket/ckpt cannot"):
+    with pytest.raises(
+        StorageRefusedError, match=r"checkpoint\.uri s3://no-such-bucket/ckpt cannot"
+    ):
         claim_checkpoint_root(root, JOB_A)
 
 
@@ -126,8 +128,15 @@ def test_the_trainer_refuses_another_jobs_checkpoints_and_reports_it(
     report = tmp_path / "termination-log"
     report.touch()
     job = write_job(tmp_path / "job.json", make_job(training={"maxSteps": 6}))
-    p = launch_standalone(job, cwd=tmp_path, log=tmp_path / "t.log", nproc=1, procs=procs,
-                          max_restarts=3, FT_TERMINATION_LOG=str(report))
+    p = launch_standalone(
+        job,
+        cwd=tmp_path,
+        log=tmp_path / "t.log",
+        nproc=1,
+        procs=procs,
+        max_restarts=3,
+        FT_TERMINATION_LOG=str(report),
+    )
     assert p.wait(180) == EXIT_CONFIG_ERROR, tail(p.log)
     log = p.log.read_text(errors="replace")
     assert log.count("unsupported job configuration") == 1, tail(p.log)  # one attempt, not 4

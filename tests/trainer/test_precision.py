@@ -38,8 +38,14 @@ INPUT = torch.tensor([[256, *b"Mixed precision, as planned.", 257]] * 2)
 def model(method: str = "full", precision: Precision = "bf16") -> nn.Module:
     torch.manual_seed(0)
     job = make_job()
-    return build_model(job.spec.model, MethodSpec(type=method), build_byte_tokenizer(), CPU,
-                       activation_checkpointing=False, precision=precision)
+    return build_model(
+        job.spec.model,
+        MethodSpec(type=method),
+        build_byte_tokenizer(),
+        CPU,
+        activation_checkpointing=False,
+        precision=precision,
+    )
 
 
 def wrap(m: nn.Module, strategy: str, precision: Precision) -> Parallel:
@@ -58,14 +64,14 @@ def step(par: Parallel, precision: Precision) -> torch.Tensor:
 def layer_output_dtypes(m: nn.Module) -> list[torch.dtype]:
     seen: list[torch.dtype] = []
     for layer in decoder_layers(m):
-        layer.register_forward_hook(lambda mod, args, out: seen.append(
-            (out[0] if isinstance(out, tuple) else out).dtype))
+        layer.register_forward_hook(
+            lambda mod, args, out: seen.append((out[0] if isinstance(out, tuple) else out).dtype)
+        )
     return seen
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_fsdp_bf16_policy_on_every_unit_and_bf16_activations(world_one: None,
-                                                             method: str) -> None:
+def test_fsdp_bf16_policy_on_every_unit_and_bf16_activations(world_one: None, method: str) -> None:
     m = model(method)
     seen = layer_output_dtypes(m)
     par = wrap(m, "fsdp-full-shard", "bf16")
@@ -131,11 +137,17 @@ def test_ddp_accumulated_bucket_grads_match_a_plain_model(world_one: None) -> No
     assert all(p.grad is not None and not p.grad.any() for p in ddp_params.values())
 
 
-@pytest.mark.parametrize(("method", "precision", "base"), [
-    ("lora", "bf16", torch.bfloat16), ("lora", "fp16", torch.float16),
-    ("lora", "fp32", torch.float32), ("full", "fp16", torch.float32),
-    ("full", "bf16", torch.float32), ("full", "fp32", torch.float32),
-])
+@pytest.mark.parametrize(
+    ("method", "precision", "base"),
+    [
+        ("lora", "bf16", torch.bfloat16),
+        ("lora", "fp16", torch.float16),
+        ("lora", "fp32", torch.float32),
+        ("full", "fp16", torch.float32),
+        ("full", "bf16", torch.float32),
+        ("full", "fp32", torch.float32),
+    ],
+)
 def test_base_and_adapter_dtypes(method: str, precision: Precision, base: torch.dtype) -> None:
     m = model(method, precision)
     frozen = [p for p in m.parameters() if not p.requires_grad]
@@ -178,9 +190,14 @@ def test_unknown_precision_refused_by_parallelize() -> None:
 
 @pytest.mark.slow
 def test_fsdp_bf16_two_ranks_loss_goes_down(tmp_path: Path, procs: list[Proc]) -> None:
-    job = write_job(tmp_path / "job.json", make_job(
-        strategy="fsdp-full-shard", training={"maxSteps": 40, "precision": "bf16"},
-        checkpoint={"intervalSteps": 40}))
+    job = write_job(
+        tmp_path / "job.json",
+        make_job(
+            strategy="fsdp-full-shard",
+            training={"maxSteps": 40, "precision": "bf16"},
+            checkpoint={"intervalSteps": 40},
+        ),
+    )
     p = launch_standalone(job, cwd=tmp_path, log=tmp_path / "fsdp.log", procs=procs)
     assert p.wait(180) == 0, tail(p.log)
     losses = [s["loss"] for s in step_lines(p.log)]
@@ -196,8 +213,11 @@ class Params4bit(nn.Parameter):
 def test_qlora_under_fsdp_refused(world_one: None, strategy: str) -> None:
     m = model("full", "fp32")
     m.lm_head.weight = Params4bit(m.lm_head.weight.detach(), requires_grad=False)
-    with pytest.raises(UnsupportedConfigError, match=rf"method.type qlora with strategy.type "
-                                                     rf"{strategy}"):
+    with pytest.raises(
+        UnsupportedConfigError,
+        match=rf"method.type qlora with strategy.type "
+        rf"{strategy}",
+    ):
         wrap(m, strategy, "bf16")
 
 

@@ -101,7 +101,8 @@ def load(location: Location, **kw: object) -> tuple[dict[str, torch.Tensor], lis
 
 
 @pytest.mark.parametrize(
-    "error", [SLOW_DOWN, ConnectionResetError(errno.ECONNRESET, "reset"), None],
+    "error",
+    [SLOW_DOWN, ConnectionResetError(errno.ECONNRESET, "reset"), None],
     ids=["slowdown", "reset", "short"],
 )
 def test_a_range_that_fails_transiently_is_asked_again_after_a_pause(
@@ -129,7 +130,9 @@ def test_a_large_range_goes_out_as_parallel_parts(monkeypatch: pytest.MonkeyPatc
     assert max(sizes) == 1000 and sizes.count(1000) == 4 and 96 in sizes  # 4096 = 4 x 1000 + 96
 
 
-def test_a_range_that_keeps_failing_raises_after_the_last_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_range_that_keeps_failing_raises_after_the_last_attempt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     fs = fsspec.filesystem("memory")
     location, _ = model_on(fs)
     faults = Faults(fs, hit=lambda s, e: e - s == 4096, error=SLOW_DOWN, times=99)

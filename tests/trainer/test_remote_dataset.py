@@ -34,7 +34,9 @@ def obj(url: str, size: int = 1) -> RemoteObject:
 
 
 def test_local_names_keep_key_order_and_tell_equal_base_names_apart() -> None:
-    names = local_names([obj("s3://b/a/part.jsonl"), obj("s3://b/b/part.jsonl"), obj("s3://b/c.jsonl")])
+    names = local_names(
+        [obj("s3://b/a/part.jsonl"), obj("s3://b/b/part.jsonl"), obj("s3://b/c.jsonl")]
+    )
     assert names == ["00000-part.jsonl", "00001-part.jsonl", "00002-c.jsonl"]
     assert sorted(names) == names
 
@@ -77,7 +79,9 @@ def test_jsonl_objects_are_fetched_once_and_a_changed_object_is_not_served_stale
     data = tmp_path / "pod"
     built = load(server, spec, data)
     assert built.source == "cache built"
-    assert np.array_equal(np.asarray(built.blocks), reference_blocks(texts(first) + texts(second), SEQ))
+    assert np.array_equal(
+        np.asarray(built.blocks), reference_blocks(texts(first) + texts(second), SEQ)
+    )
     copies = sorted((data / OBJECTS_DIR).glob("*/[0-9]*"))
     assert [p.name for p in copies] == ["00000-part-0.jsonl", "00001-part-1.jsonl"]
     stamps = [p.stat().st_mtime_ns for p in copies]
@@ -105,7 +109,9 @@ def test_a_parquet_object_reads_like_the_same_file_on_a_volume(
     rows = texts(write_corpus(tmp_path / "a.jsonl"))
     pq.write_table(pa.table({"text": rows}), tmp_path / "train.parquet", row_group_size=40)
     put(server, f"{root}/train.parquet", tmp_path / "train.parquet")
-    remote = load(server, DatasetSpec(uri=f"{root}/train.parquet", format="parquet"), tmp_path / "pod")
+    remote = load(
+        server, DatasetSpec(uri=f"{root}/train.parquet", format="parquet"), tmp_path / "pod"
+    )
     local = build_dataset(DatasetSpec(uri=str(tmp_path / "train.parquet"), format="parquet"),
                           build_byte_tokenizer(), SEQ)  # fmt: skip
     assert np.array_equal(np.asarray(remote.blocks), local.blocks)

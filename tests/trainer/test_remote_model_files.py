@@ -57,6 +57,7 @@ def test_files_go_to_the_data_cache_and_a_restart_reuses_them(
     assert (got / "config.json").read_bytes() == CONFIG
 
     model_files.cache_clear()  # a restarted worker: a new process
+
     def no_fetch(*a: object, **kw: object) -> bytes:
         raise AssertionError("fetched again")
 

@@ -211,8 +211,11 @@ def test_two_ranks_read_their_shards_from_s3_not_the_model(
     job = s3_job(server, uri, strategy="fsdp-full-shard")
     cfg = write_job(tmp_path / "job.json", job)
     out = tmp_path / "out.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
         [TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "model", str(out), str(cfg)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
@@ -222,7 +225,9 @@ def test_two_ranks_read_their_shards_from_s3_not_the_model(
     assert torch.equal(got["logits"], plain_logits(local))
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
     fetched = [row["bytes_read"] for row in got["fetched"]]
-    headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in local.glob("*.safetensors"))
+    headers = sum(
+        8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in local.glob("*.safetensors")
+    )
     # Each rank: every header, and half the data (dim-0 shards of even sizes); together, the
     # data exactly once.
     assert sum(fetched) == 2 * headers + (total - headers), (fetched, total, headers)

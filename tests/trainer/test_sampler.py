@@ -7,9 +7,17 @@ import pytest
 from finetune_trainer.sampler import StepSampler
 
 
-def sampler(world: int, rank: int, *, n: int = 37, gb: int = 8, micro_batch_size: int = 2) -> StepSampler:
-    return StepSampler(num_samples=n, global_batch=gb, micro_batch_size=micro_batch_size, rank=rank,
-                       world_size=world, seed=7)
+def sampler(
+    world: int, rank: int, *, n: int = 37, gb: int = 8, micro_batch_size: int = 2
+) -> StepSampler:
+    return StepSampler(
+        num_samples=n,
+        global_batch=gb,
+        micro_batch_size=micro_batch_size,
+        rank=rank,
+        world_size=world,
+        seed=7,
+    )
 
 
 def global_step(world: int, samplers: list[StepSampler]) -> list[int]:
@@ -43,7 +51,9 @@ def test_position_resumes_at_another_world_size() -> None:
 
 
 def test_every_epoch_is_a_permutation_and_epochs_differ() -> None:
-    s = StepSampler(num_samples=16, global_batch=16, micro_batch_size=16, rank=0, world_size=1, seed=3)
+    s = StepSampler(
+        num_samples=16, global_batch=16, micro_batch_size=16, rank=0, world_size=1, seed=3
+    )
     e0, e1 = s.next_step()[0], s.next_step()[0]
     assert sorted(e0) == sorted(e1) == list(range(16))
     assert e0 != e1

@@ -60,10 +60,17 @@ def test_precision_context_autocasts_half_precisions_only() -> None:
 
 
 def test_runtime_env_from_environ() -> None:
-    env = RuntimeEnv.from_environ({
-        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-        "TORCHELASTIC_RESTART_COUNT": "2", "POD_IP": "10.0.0.5", "FT_STEP_DELAY_SECONDS": "0.5",
-    })
+    env = RuntimeEnv.from_environ(
+        {
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "TORCHELASTIC_RESTART_COUNT": "2",
+            "POD_IP": "10.0.0.5",
+            "FT_STEP_DELAY_SECONDS": "0.5",
+        }
+    )
     assert (env.rank, env.local_rank, env.world_size, env.restart_count) == (3, 1, 4, 2)
     assert env.metrics_port == 9401 and env.pod_ip == "10.0.0.5"
     assert env.faults.step_delay_seconds == 0.5 and env.rank != 0

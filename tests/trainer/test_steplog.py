@@ -43,7 +43,10 @@ def test_step_lines_stay_whole_under_concurrent_logging(tmp_path: Path) -> None:
     with log.open("wb") as out:
         proc = subprocess.run(
             [sys.executable, "-u", "-c", _STRESS.replace("N + 1", f"{n} + 1")],
-            stdout=out, stderr=subprocess.STDOUT, timeout=120, check=False,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=120,
+            check=False,
         )
     text = log.read_text()
     assert proc.returncode == 0, text[-2000:]

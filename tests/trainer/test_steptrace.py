@@ -50,7 +50,9 @@ def test_each_step_is_on_disk_as_soon_as_it_is_recorded(tmp_path: Path) -> None:
     trace.record(stats(41, 0.5, 0.1), checkpoint=False)
     trace.record(stats(42, 0.6, 0.0), checkpoint=True)
     # Read before close: a pod killed mid-run leaves its steps behind.
-    lines = [json.loads(line) for line in (tmp_path / "trace" / "rank-3.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line) for line in (tmp_path / "trace" / "rank-3.jsonl").read_text().splitlines()
+    ]
     # The process's start: the same on every line of this run, a different one for the next.
     started = {line.pop("started") for line in lines}
     assert len(started) == 1 and abs(started.pop() - time.time()) < 60
@@ -74,28 +76,54 @@ def test_two_pods_one_slowed_replay_names_it(
     knob, so its rank computes longer and pod-a waits for it. The written trace, replayed with
     a short-window policy, names pod-b and only pod-b."""
     steps = 30
-    config = write_job(tmp_path / "job.json",
-                       make_job(training={"maxSteps": steps}, checkpoint={"intervalSteps": 20}))
+    config = write_job(
+        tmp_path / "job.json",
+        make_job(training={"maxSteps": steps}, checkpoint={"intervalSteps": 20}),
+    )
     port = free_port()
-    store = Proc([sys.executable, "-m", "finetune_trainer.rendezvous", "--port", str(port),
-                  "--host", "127.0.0.1"], cwd=tmp_path, log=tmp_path / "store.log", env={})
+    store = Proc(
+        [
+            sys.executable,
+            "-m",
+            "finetune_trainer.rendezvous",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+        ],
+        cwd=tmp_path,
+        log=tmp_path / "store.log",
+        env={},
+    )
     procs.append(store)
     wait_until(lambda: "READY" in (tmp_path / "store.log").read_text(), 30, "store", store.log)
     trace = tmp_path / "trace"
     agents = []
     for pod, ip, delay in (("pod-a", "127.0.0.2", "0"), ("pod-b", "127.0.0.3", "0.2")):
-        args = elastic_args(config=config, endpoint=f"127.0.0.1:{port}", pod_ip=ip,
-                            min_nodes=2, max_nodes=2, restarts=0)
-        env = trainer_env(ip, FT_STEP_DELAY_SECONDS=delay, POD_NAME=pod, NODE_NAME=f"node-{pod}",
-                          FINETUNE_STEP_TRACE_DIR=str(trace))
+        args = elastic_args(
+            config=config,
+            endpoint=f"127.0.0.1:{port}",
+            pod_ip=ip,
+            min_nodes=2,
+            max_nodes=2,
+            restarts=0,
+        )
+        env = trainer_env(
+            ip,
+            FT_STEP_DELAY_SECONDS=delay,
+            POD_NAME=pod,
+            NODE_NAME=f"node-{pod}",
+            FINETUNE_STEP_TRACE_DIR=str(trace),
+        )
         agents.append(Proc(args, cwd=tmp_path, log=tmp_path / f"{pod}.log", env=env))
         procs.append(agents[-1])
     for a in agents:
         assert a.wait(240) == 0, tail(a.log)
 
     records = read_traces([trace])
-    assert sorted((r.rank, r.step) for r in records) == [(k, s) for k in (0, 1)
-                                                         for s in range(1, steps + 1)]
+    assert sorted((r.rank, r.step) for r in records) == [
+        (k, s) for k in (0, 1) for s in range(1, steps + 1)
+    ]
     assert {r.step for r in records if r.checkpoint} == {20, 30}
     by_pod = {r.pod: r for r in records if r.step == steps}
     assert by_pod["pod-b"].compute_seconds > 0.2 > by_pod["pod-b"].wait_seconds

@@ -20,7 +20,7 @@ from finetune_trainer.termination_log import (
 # Adversarial strings: ASCII, 2-byte UTF-8 characters, a quote and a backslash (escaped
 # JSON), and astral emoji (a surrogate pair: 12 bytes each as a JSON escape).
 LONG_URI = "s3://bucket/" + "a/" * 5000 + "model"
-LONG_UNICODE = "é\"\\👩‍🔬" * 2000
+LONG_UNICODE = 'é"\\👩‍🔬' * 2000
 
 
 def test_report_says_resume_skips_and_signal_stop(tmp_path: Path) -> None:
@@ -36,7 +36,9 @@ def test_report_says_resume_skips_and_signal_stop(tmp_path: Path) -> None:
 def test_a_restarted_trainer_clears_its_predecessors_report(tmp_path: Path) -> None:
     log = tmp_path / "termination-log"
     log.touch()
-    write_final_report(step=3, loss=None, checkpoint_step=0, rank=0, path=str(log), stop_reason="Signal")
+    write_final_report(
+        step=3, loss=None, checkpoint_step=0, rank=0, path=str(log), stop_reason="Signal"
+    )
     clear_final_report(str(log))
     assert log.read_text() == ""  # a crash now leaves no stale "stopped by a signal"
     clear_final_report(str(tmp_path / "absent"))  # outside a pod: nothing to do
@@ -51,8 +53,12 @@ def _read(log: Path) -> dict[str, Any]:
     return report
 
 
-@pytest.mark.parametrize("output", [LONG_URI, "s3://b/" + LONG_UNICODE, "x" * 4070], ids=["uri", "unicode", "edge"])
-def test_final_report_stays_valid_json_whatever_the_output_length(tmp_path: Path, output: str) -> None:
+@pytest.mark.parametrize(
+    "output", [LONG_URI, "s3://b/" + LONG_UNICODE, "x" * 4070], ids=["uri", "unicode", "edge"]
+)
+def test_final_report_stays_valid_json_whatever_the_output_length(
+    tmp_path: Path, output: str
+) -> None:
     log = tmp_path / "termination-log"
     log.touch()
     assert write_final_report(step=7, loss=0.5, checkpoint_step=6, rank=2, path=str(log), output=output,

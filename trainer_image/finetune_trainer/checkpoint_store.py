@@ -163,9 +163,7 @@ def manifest_of(marker: dict[str, Any] | None) -> dict[str, dict[str, Any]] | No
     return files if isinstance(files, dict) and files else None
 
 
-def verify_files(
-    path: Location, manifest: dict[str, dict[str, Any]], names: Iterable[str]
-) -> None:
+def verify_files(path: Location, manifest: dict[str, dict[str, Any]], names: Iterable[str]) -> None:
     """Check the named manifest entries against the stored files: present, same size, same
     hash. Sizes are checked before anything is hashed (cheap first)."""
     entries = [(n, manifest[n]) for n in names]

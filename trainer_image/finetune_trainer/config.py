@@ -81,7 +81,9 @@ class RuntimeEnv:
             step_trace_dir=Path(raw) if (raw := env.get("FINETUNE_STEP_TRACE_DIR")) else None,
             compile=env.get("FT_COMPILE", "1").strip() != "0",
             data_cache_dir=Path(raw) if (raw := env.get("FT_DATA_CACHE_DIR")) else None,
-            data_cache_limit_bytes=int(raw) if (raw := env.get("FT_DATA_CACHE_LIMIT_BYTES")) else None,
+            data_cache_limit_bytes=int(raw)
+            if (raw := env.get("FT_DATA_CACHE_LIMIT_BYTES"))
+            else None,
         )
 
     @property

@@ -156,9 +156,7 @@ def is_out_of_memory(exception: str | None, message: str) -> bool:
     return "out of memory" in message.lower()  # a CUDA runtime error re-raised as RuntimeError
 
 
-def crash_report(
-    failures: Sequence[RankFailure], *, planned: str | None = None
-) -> dict[str, Any]:
+def crash_report(failures: Sequence[RankFailure], *, planned: str | None = None) -> dict[str, Any]:
     """The termination-log report of a failed worker group (`failures`: non-empty), at most
     MAX_REPORT_BYTES as JSON. `planned`: the plan's predicted memory, added to an OOM."""
     root = root_cause(failures)
@@ -226,7 +224,7 @@ def fit_report(report: dict[str, Any], limit: int = MAX_REPORT_BYTES) -> dict[st
 
 
 def planned_memory_note(plan: Any) -> str | None:
-    """"planned X GiB per GPU of Y GiB" from a job.json `Plan` (None when it planned none)."""
+    """ "planned X GiB per GPU of Y GiB" from a job.json `Plan` (None when it planned none)."""
     total = int(plan.memory.total)
     if total <= 0:
         return None

@@ -165,7 +165,9 @@ def remove_stale(root: Path, infix: str) -> list[Path]:
     """Leftovers of an earlier attempt next to `root` (`<name>.tmp-<step>`, `<name>.old-<step>`:
     only names this exporter makes, so a user's `<name>.tmp-notes` is never touched)."""
     pattern = f"{glob.escape(root.name)}{infix}*"
-    stale = sorted(p for p in root.parent.glob(pattern) if p.name[len(root.name) + len(infix) :].isdigit())
+    stale = sorted(
+        p for p in root.parent.glob(pattern) if p.name[len(root.name) + len(infix) :].isdigit()
+    )
     for path in stale:
         remove(path)
     return stale

@@ -73,7 +73,9 @@ class FaultConfig:
         crash = env_number(env, "FT_CRASH_AT_STEP", int)
         kind = env.get("FT_CRASH_KIND", "").strip() or "exception"
         if kind not in CRASH_KINDS:
-            raise ValueError(f"environment variable FT_CRASH_KIND={kind!r} must be one of {CRASH_KINDS}")
+            raise ValueError(
+                f"environment variable FT_CRASH_KIND={kind!r} must be one of {CRASH_KINDS}"
+            )
         return cls(
             step_delay_seconds=float(delay or 0.0),
             hang_at_step=int(hang) if hang is not None else None,
@@ -135,7 +137,9 @@ class InjectedFaults:
         if self.config.step_delay_seconds:
             time.sleep(self.config.step_delay_seconds / max(micro_batches, 1))
         if step == self.config.hang_at_step and self._claim_hang():
-            while True:  # SIGTERM only sets the stop flag: like a stuck kernel, only SIGKILL ends it
+            while (
+                True
+            ):  # SIGTERM only sets the stop flag: like a stuck kernel, only SIGKILL ends it
                 time.sleep(3600)
 
     def _crash(self, step: int) -> None:

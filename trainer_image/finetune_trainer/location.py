@@ -111,7 +111,10 @@ class Location:
         return f"Location({self.url!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Location) and (self.url, self.is_local) == (other.url, other.is_local)
+        return isinstance(other, Location) and (self.url, self.is_local) == (
+            other.url,
+            other.is_local,
+        )
 
     def __hash__(self) -> int:
         return hash(self.url)

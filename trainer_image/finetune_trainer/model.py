@@ -214,7 +214,9 @@ def build_meta_model(
         with torch.device("meta") if on_meta else contextlib.nullcontext():
             model = _add_lora(model, method)
     # A ZeRO-3 partitioned parameter is an empty placeholder; `ds_numel` is its real size.
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    trainable = sum(
+        getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad
+    )
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     log.info("model %s: %d parameters, %d trainable", spec.name, total, trainable)
     return model

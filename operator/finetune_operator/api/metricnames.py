@@ -115,7 +115,10 @@ TRAINER_CHECKPOINT_SAVE_DURATION: Final = _trainer(
 
 # --- operator (one endpoint; per-job series keyed by namespace and finetunejob) ---
 OPERATOR_JOBS: Final = Metric(
-    "finetune_operator_jobs", GAUGE, (LABEL_STATE,), "FineTuneJobs known to this operator, by phase."
+    "finetune_operator_jobs",
+    GAUGE,
+    (LABEL_STATE,),
+    "FineTuneJobs known to this operator, by phase.",
 )
 OPERATOR_RECONCILE_DURATION: Final = Metric(
     "finetune_operator_reconcile_duration_seconds",

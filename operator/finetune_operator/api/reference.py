@@ -12,7 +12,11 @@ from finetune_operator.api.crd import INT_OR_AUTO_RULE, build_crd
 
 def _type_of(node: dict[str, Any]) -> str:
     if node.get("x-kubernetes-int-or-string"):
-        return "int or `auto`" if INT_OR_AUTO_RULE in node["x-kubernetes-validations"] else "int or string"
+        return (
+            "int or `auto`"
+            if INT_OR_AUTO_RULE in node["x-kubernetes-validations"]
+            else "int or string"
+        )
     kind = str(node.get("type", "object"))
     if "enum" in node:
         return " \\| ".join(f"`{v}`" for v in node["enum"])
@@ -57,8 +61,9 @@ def _rows(node: dict[str, Any], path: str, required: set[str]) -> Iterator[tuple
         )
         target = sub.get("items", sub) if sub.get("type") == "array" else sub
         if target.get("properties"):
-            yield from _rows(target, here + ("[]" if target is not sub else ""),
-                             set(target.get("required", [])))
+            yield from _rows(
+                target, here + ("[]" if target is not sub else ""), set(target.get("required", []))
+            )
 
 
 def render_reference() -> str:
@@ -72,11 +77,16 @@ def render_reference() -> str:
     ]
     for section in ("spec", "status"):
         node = root["properties"][section]
-        lines += [f"## {section}", "", "| field | type | required | default | description |",
-                  "|---|---|---|---|---|"]
         lines += [
-            "| " + " | ".join(cell.replace("|", "\\|") if i != 1 else cell
-                             for i, cell in enumerate(row)) + " |"
+            f"## {section}",
+            "",
+            "| field | type | required | default | description |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            "| "
+            + " | ".join(cell.replace("|", "\\|") if i != 1 else cell for i, cell in enumerate(row))
+            + " |"
             for row in _rows(node, section, set(node.get("required", [])))
         ]
         lines.append("")

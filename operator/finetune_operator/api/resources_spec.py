@@ -30,7 +30,12 @@ Quantity = Annotated[
     BeforeValidator(_quantity_text),
     Field(max_length=lim.MAX_SHORT_STRING),
     WithJsonSchema(
-        {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "maxLength": lim.MAX_SHORT_STRING}]}
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "maxLength": lim.MAX_SHORT_STRING},
+            ]
+        }
     ),
 ]
 

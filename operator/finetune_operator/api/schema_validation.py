@@ -33,9 +33,21 @@ FieldError = tuple[str, str]
 
 # Keys of the OpenAPI schema that jsonschema understands the same way (draft 4).
 _PASSTHROUGH = (
-    "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength",
-    "maxLength", "pattern", "minItems", "maxItems", "uniqueItems", "minProperties",
-    "maxProperties", "multipleOf", "required",
+    "enum",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "uniqueItems",
+    "minProperties",
+    "maxProperties",
+    "multipleOf",
+    "required",
 )
 
 
@@ -156,7 +168,10 @@ def _describe(error: jsonschema.ValidationError) -> FieldError:
         wanted = error.validator_value if error.validator == "type" else "integer or string"
         if isinstance(wanted, list):
             wanted = wanted[0]
-        return (path, f"Invalid value: {_show(value)}: {path} in body must be of type {wanted}: {_show(value)}")
+        return (
+            path,
+            f"Invalid value: {_show(value)}: {path} in body must be of type {wanted}: {_show(value)}",
+        )
     words = {
         "minimum": "should be greater than or equal to",
         "maximum": "should be less than or equal to",
@@ -171,10 +186,16 @@ def _describe(error: jsonschema.ValidationError) -> FieldError:
     ):
         above = "greater" if error.validator == "minimum" else "less"
         bound = error.validator_value
-        return (path, f"Invalid value: {_show(value)}: {path} in body should be {above} than {bound}")
+        return (
+            path,
+            f"Invalid value: {_show(value)}: {path} in body should be {above} than {bound}",
+        )
     if error.validator in words:
         bound = error.validator_value
-        return (path, f"Invalid value: {_show(value)}: {path} in body {words[str(error.validator)]} {bound}")
+        return (
+            path,
+            f"Invalid value: {_show(value)}: {path} in body {words[str(error.validator)]} {bound}",
+        )
     return (path, f"Invalid value: {_show(value)}: {error.message}")
 
 
@@ -207,7 +228,9 @@ def _cel_rules(value: Any, old: Any, schema: Schema, path: str, errors: list[Fie
     if isinstance(value, dict):
         for key, sub in schema.get("properties", {}).items():
             if key in value:
-                _cel_rules(value[key], old_map.get(key), sub, f"{path}.{key}" if path else key, errors)
+                _cel_rules(
+                    value[key], old_map.get(key), sub, f"{path}.{key}" if path else key, errors
+                )
         additional = schema.get("additionalProperties")
         if isinstance(additional, dict):
             for key in set(value) - set(schema.get("properties", {})):
@@ -241,6 +264,8 @@ class CustomResourceSchema:
         if errors:
             return sorted(set(errors))  # CEL needs a schema-valid object to mean anything
         body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata")}
-        old_body = {k: v for k, v in (old or {}).items() if k not in ("apiVersion", "kind", "metadata")}
+        old_body = {
+            k: v for k, v in (old or {}).items() if k not in ("apiVersion", "kind", "metadata")
+        }
         _cel_rules(body, old_body if old else None, self.schema, "", errors)
         return errors

@@ -58,7 +58,10 @@ class ClaimMount(SpecModel):
         ..., min_length=1, max_length=lim.MAX_NAME_LENGTH, description="PersistentVolumeClaim name."
     )
     mount_path: str = Field(
-        ..., min_length=1, max_length=lim.MAX_URI_LENGTH, description="Absolute path in the workers."
+        ...,
+        min_length=1,
+        max_length=lim.MAX_URI_LENGTH,
+        description="Absolute path in the workers.",
     )
     read_only: bool = Field(False, description="Mount read-only (weights, datasets).")
     sub_path: str | None = Field(
@@ -70,10 +73,16 @@ class VolumeMount(SpecModel):
     """A core/v1 VolumeMount of the trainer container."""
 
     name: str = Field(
-        ..., min_length=1, max_length=lim.MAX_SHORT_STRING, description="A volume of storage.volumes."
+        ...,
+        min_length=1,
+        max_length=lim.MAX_SHORT_STRING,
+        description="A volume of storage.volumes.",
     )
     mount_path: str = Field(
-        ..., min_length=1, max_length=lim.MAX_URI_LENGTH, description="Absolute path in the workers."
+        ...,
+        min_length=1,
+        max_length=lim.MAX_URI_LENGTH,
+        description="Absolute path in the workers.",
     )
     read_only: bool = Field(False, description="Mount read-only.")
     sub_path: str | None = Field(
@@ -276,12 +285,17 @@ def unmounted_paths(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
         found = mount_for(path, spec.storage)
         if found is None:
             declared = [m for m, _ in spec.storage.mounts()] or "none"
-            problems.append((field, (
-                f"{uri!r} is not under a mounted volume (declared mounts: {declared}); the "
-                "worker's root filesystem is read-only and its own disk dies with the pod: add "
-                "spec.storage.claims (a ReadWriteMany PersistentVolumeClaim) or "
-                "spec.storage.volumes and volumeMounts"
-            )))
+            problems.append(
+                (
+                    field,
+                    (
+                        f"{uri!r} is not under a mounted volume (declared mounts: {declared}); the "
+                        "worker's root filesystem is read-only and its own disk dies with the pod: add "
+                        "spec.storage.claims (a ReadWriteMany PersistentVolumeClaim) or "
+                        "spec.storage.volumes and volumeMounts"
+                    ),
+                )
+            )
         elif written and found[1]:
             problems.append((field, f"{uri!r} is written but {found[0]} is mounted read-only"))
     return problems
@@ -335,20 +349,30 @@ def object_store_problems(spec: FineTuneJobSpec) -> list[tuple[str, str]]:
         if not sep or scheme in _NOT_OBJECT_STORES:
             continue
         if scheme == "gs":
-            problems.append((field, (
-                f"{uri!r}: gs:// is not supported; use s3:// through the GCS XML API "
-                "(storage.objectStore.endpointUrl https://storage.googleapis.com, an HMAC key "
-                "in the Secret)"
-            )))
+            problems.append(
+                (
+                    field,
+                    (
+                        f"{uri!r}: gs:// is not supported; use s3:// through the GCS XML API "
+                        "(storage.objectStore.endpointUrl https://storage.googleapis.com, an HMAC key "
+                        "in the Secret)"
+                    ),
+                )
+            )
         elif f"{scheme}://" != OBJECT_STORE_SCHEME:
             problems.append((field, f"{uri!r}: {scheme}:// is not supported; use s3:// or a path"))
         elif not rest.split("/", 1)[0]:
             problems.append((field, f"{uri!r} names no bucket: s3://<bucket>/<prefix>"))
         elif spec.storage.object_store is None:
-            problems.append((field, (
-                f"{uri!r} needs spec.storage.objectStore (secretName: a Secret with "
-                f"{' and '.join(SECRET_KEYS_REQUIRED)}; endpointUrl for S3-compatible stores)"
-            )))
+            problems.append(
+                (
+                    field,
+                    (
+                        f"{uri!r} needs spec.storage.objectStore (secretName: a Secret with "
+                        f"{' and '.join(SECRET_KEYS_REQUIRED)}; endpointUrl for S3-compatible stores)"
+                    ),
+                )
+            )
         elif field not in ("spec.checkpoint.uri", "spec.output.uri"):
             problem = _read_problem(field, uri, spec)
             if problem:

@@ -59,7 +59,9 @@ class DatasetSpec(SpecModel):
     @field_validator("cache_size_limit")
     @classmethod
     def _cache_size(cls, text: str) -> str:
-        if quantity_bytes(text, "dataset.cacheSizeLimit") < quantity_bytes(MIN_CACHE_SIZE_LIMIT, ""):
+        if quantity_bytes(text, "dataset.cacheSizeLimit") < quantity_bytes(
+            MIN_CACHE_SIZE_LIMIT, ""
+        ):
             raise ValueError(f"dataset.cacheSizeLimit {text!r} is below {MIN_CACHE_SIZE_LIMIT}")
         return text
 

@@ -53,7 +53,9 @@ def layer_backward_transient(m: ModelShape, e: int, autocast: bool = False) -> i
     gradients are fp32 like the stream itself.
     """
     r = FP32 if autocast else e
-    return e * (4 * m.expert_inter * max(1, m.experts_active) + m.q_dim) + 8 * r * m.arch.hidden_size
+    return (
+        e * (4 * m.expert_inter * max(1, m.experts_active) + m.q_dim) + 8 * r * m.arch.hidden_size
+    )
 
 
 @dataclass(frozen=True)
@@ -254,8 +256,10 @@ def _eager_layer_bytes(
     per_tok = layer_bytes_per_token(m, e, seq, attention, autocast)
     if lora_targets:
         per_tok -= frozen_base_savings(m, e, lora_targets)
-        per_tok += lora_reads_norm_output(lora_targets, lora_dropout, lora_compute) * e * (
-            m.arch.hidden_size
+        per_tok += (
+            lora_reads_norm_output(lora_targets, lora_dropout, lora_compute)
+            * e
+            * (m.arch.hidden_size)
         )
         per_tok += lora_bytes_per_token(m, e, lora_targets, lora_dropout, lora_compute)
         per_tok += (FP32 if lora_compute == "fp32" else e) * lora_rank * len(lora_targets)

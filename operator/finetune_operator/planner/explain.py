@@ -66,9 +66,12 @@ def explain_choice(
         f"{plan.world_size} x {_device(p)}: {_plan_config(plan)}; "
         f"modelled {plan.estimated_step_seconds:.3g} s/step. Needs {_gib(plan.memory.total)} "
         f"of {_gib(mem)} {_per(p)} ({plan.headroom:.0%} headroom, peak at "
-        f"{best.est.peak_phase})" + (
+        f"{best.est.peak_phase})"
+        + (
             f" at minNodes ({best.cand.world_size} ranks, micro-batch {best.shape.micro_batch_size} "
-            f"x {best.shape.grad_accumulation} accumulation)." if elastic else "."
+            f"x {best.shape.grad_accumulation} accumulation)."
+            if elastic
+            else "."
         )
     ]
     smaller = [n for n in sorted(result.tried) if n < best.cand.world_size]

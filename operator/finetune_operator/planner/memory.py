@@ -61,7 +61,6 @@ class MemoryEstimate:
     phases: dict[str, int] = field(default_factory=dict)
 
 
-
 def _gathered_units(m: ModelShape, shape: TrainingShape, cand: Candidate) -> tuple[int, int]:
     """(loss-phase, backward-phase) bytes of all-gathered parameters and unsharded grads.
 

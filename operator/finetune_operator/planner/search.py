@@ -96,7 +96,12 @@ def divisors(n: int) -> list[int]:
 
 
 def evaluate(
-    p: Problem, n: int, row: Strategy, micro_batch_size: int, ckpt: bool, mem_world: int | None = None
+    p: Problem,
+    n: int,
+    row: Strategy,
+    micro_batch_size: int,
+    ckpt: bool,
+    mem_world: int | None = None,
 ) -> Evaluated:
     """One configuration: memory at `mem_world` ranks (elastic minimum), time at `n`."""
     gpn = p.spec.resources.gpus_per_node

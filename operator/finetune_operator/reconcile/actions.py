@@ -213,7 +213,10 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     wanted = build_workload(ev.job.owner, ev.spec, ev.plan, q.queue, q.priority)
     if (q.stale or q.moved) and not q.quota_reserved:
         return wanted  # rewritten (Actions.workload_rewrite)
-    if q.raw is not None and (q.raw.get("spec") or {}).get("active", True) == wanted["spec"]["active"]:
+    if (
+        q.raw is not None
+        and (q.raw.get("spec") or {}).get("active", True) == wanted["spec"]["active"]
+    ):
         return None
     return wanted
 
@@ -225,7 +228,9 @@ def _stale_workload_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, .
     q = ev.queue
     if q is None or not q.stale or not q.quota_reserved or a.terminating or a.live_pods:
         return ()
-    return (ObjectRef(KUEUE_API_VERSION, WORKLOAD_KIND, WORKLOAD_PLURAL, workload_name(ev.job.owner)),)
+    return (
+        ObjectRef(KUEUE_API_VERSION, WORKLOAD_KIND, WORKLOAD_PLURAL, workload_name(ev.job.owner)),
+    )
 
 
 def _pods_ready(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
@@ -236,7 +241,9 @@ def _pods_ready(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] 
     ready = a.desired > 0 and a.ready >= a.desired
     if q.pods_ready is ready:
         return None
-    return pods_ready_patch(q.raw, ready, pods_ready_reason(ready, q.pods_ready, q.pods_ready_reason), now)
+    return pods_ready_patch(
+        q.raw, ready, pods_ready_reason(ready, q.pods_ready, q.pods_ready_reason), now
+    )
 
 
 def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
@@ -326,7 +333,9 @@ def decide_actions(
         delete=_deletions(a.live_pods, reason),
         remove=_pod_group_removal(ev, a) + _stale_workload_removal(ev, a),
         workload=workload,
-        workload_rewrite=workload is not None and ev.queue is not None and (ev.queue.stale or ev.queue.moved),
+        workload_rewrite=workload is not None
+        and ev.queue is not None
+        and (ev.queue.stale or ev.queue.moved),
         workload_status=status_patch,
         workload_name=workload_name(ev.job.owner),
         workload_deactivate=deactivate,

@@ -91,7 +91,9 @@ class QueueState:
     def describe_hold(self) -> str:
         """What the job's condition says while running workers are kept on an unknown admission."""
         why = self.unreadable or self.describe_wait()
-        return f"Kueue admission cannot be read ({why}): running workers kept, no new pod until it can"
+        return (
+            f"Kueue admission cannot be read ({why}): running workers kept, no new pod until it can"
+        )
 
     def describe_wait(self) -> str:
         """Why the job waits, for its condition: the queue, and Kueue's message."""
@@ -139,7 +141,9 @@ def _pod_set_count(workload: Mapping[str, Any]) -> int:
 
 
 def _placement(
-    workload: Mapping[str, Any], assignment: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any]]
+    workload: Mapping[str, Any],
+    assignment: Mapping[str, Any],
+    flavors: Mapping[str, Mapping[str, Any]],
 ) -> tuple[Placement, tuple[str, ...]]:
     selector: dict[str, str] = {}
     tolerations: list[dict[str, Any]] = []
@@ -229,7 +233,14 @@ _POD_SHAPE = ("nodeSelector", "tolerations", "priorityClassName", "runtimeClassN
 
 
 def _pod_set_shape(workload: Mapping[str, Any]) -> dict[str, Any] | None:
-    pod_set = next((ps for ps in (workload.get("spec") or {}).get("podSets") or [] if ps.get("name") == POD_SET), None)
+    pod_set = next(
+        (
+            ps
+            for ps in (workload.get("spec") or {}).get("podSets") or []
+            if ps.get("name") == POD_SET
+        ),
+        None,
+    )
     if pod_set is None:
         return None
     spec = (pod_set.get("template") or {}).get("spec") or {}
@@ -264,7 +275,9 @@ def _condition(ctype: str, status: str, reason: str, message: str, now: datetime
     }
 
 
-def _with(conds: Sequence[Mapping[str, Any]], new: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _with(
+    conds: Sequence[Mapping[str, Any]], new: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """`conds` with `new` set by type; a condition whose status did not change keeps its
     lastTransitionTime (metav1.SetStatusCondition)."""
     out = [dict(c) for c in conds]
@@ -290,9 +303,7 @@ def _guarded(workload: Mapping[str, Any], status: dict[str, Any]) -> dict[str, A
     return patch
 
 
-def release_patch(
-    workload: Mapping[str, Any], message: str, now: datetime
-) -> dict[str, Any]:
+def release_patch(workload: Mapping[str, Any], message: str, now: datetime) -> dict[str, Any]:
     """The status merge patch that gives an evicted Workload's quota back once its pods are
     gone, as Kueue's UnsetQuotaReservationWithCondition: admission cleared, QuotaReserved
     False (Pending, with the eviction's message), Admitted False, Requeued set. Kueue requeues it.
@@ -314,14 +325,24 @@ def release_patch(
         again = "True" if reason in _REQUEUED_AFTER else "False"
         new.append(_condition(REQUEUED, again, reason, str(evicted.get("message", "")), now, gen))
     if _is_true(_conditions(workload), ADMITTED):
-        new.append(_condition(ADMITTED, "False", "NoReservation", "The workload has no reservation", now, gen))
+        new.append(
+            _condition(
+                ADMITTED, "False", "NoReservation", "The workload has no reservation", now, gen
+            )
+        )
     if _is_true(_conditions(workload), PODS_READY):
         new.append(_pods_ready_condition(False, WAIT_FOR_START, now, gen))
     return _guarded(workload, {"admission": None, "conditions": _with(conds, new)})
 
 
-def _pods_ready_condition(ready: bool, reason: str, now: datetime, generation: int) -> dict[str, Any]:
-    message = {STARTED: _READY_MESSAGE, RECOVERED: _READY_MESSAGE, WAIT_FOR_RECOVERY: _RECOVERY_MESSAGE}
+def _pods_ready_condition(
+    ready: bool, reason: str, now: datetime, generation: int
+) -> dict[str, Any]:
+    message = {
+        STARTED: _READY_MESSAGE,
+        RECOVERED: _READY_MESSAGE,
+        WAIT_FOR_RECOVERY: _RECOVERY_MESSAGE,
+    }
     return _condition(PODS_READY, "True" if ready else "False", reason,
                       message.get(reason, _NOT_READY_MESSAGE), now, generation)  # fmt: skip
 
@@ -347,7 +368,9 @@ def pods_ready_patch(
     until it is True."""
     gen = int((workload.get("metadata") or {}).get("generation") or 0)
     conds = (workload.get("status") or {}).get("conditions") or []
-    return _guarded(workload, {"conditions": _with(conds, [_pods_ready_condition(ready, reason, now, gen)])})
+    return _guarded(
+        workload, {"conditions": _with(conds, [_pods_ready_condition(ready, reason, now, gen)])}
+    )
 
 
 def finish_patch(

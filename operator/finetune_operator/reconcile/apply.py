@@ -155,7 +155,9 @@ class ClusterApi:
         group, _, version = obj["apiVersion"].rpartition("/")
         ns = obj["metadata"]["namespace"]
         try:
-            await self._call(self.custom.create_namespaced_custom_object, group, version, ns, plural, obj)
+            await self._call(
+                self.custom.create_namespaced_custom_object, group, version, ns, plural, obj
+            )
         except ApiException as err:
             if err.status != 409:
                 raise
@@ -225,7 +227,11 @@ class ClusterApi:
         for name in names:
             try:
                 out[name] = await self._call(
-                    self.custom.get_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, FLAVOR_PLURAL, name
+                    self.custom.get_cluster_custom_object,
+                    KUEUE_GROUP,
+                    KUEUE_VERSION,
+                    FLAVOR_PLURAL,
+                    name,
                 )
             except ApiException as err:
                 if err.status not in (403, 404):
@@ -237,16 +243,25 @@ class ClusterApi:
         try:
             if ref.group == KUEUE_GROUP:
                 found = await self._call(
-                    self.custom.get_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, ref.plural, ref.name
+                    self.custom.get_cluster_custom_object,
+                    KUEUE_GROUP,
+                    KUEUE_VERSION,
+                    ref.plural,
+                    ref.name,
                 )
             else:
-                found = await self._call(self.custom.get_cluster_custom_object, ref.group, "v1", ref.plural, ref.name)
+                found = await self._call(
+                    self.custom.get_cluster_custom_object, ref.group, "v1", ref.plural, ref.name
+                )
         except ApiException as err:
             what = f"{ref.kind} {ref.name} ({_describe(err)})"
             if err.status == 404:
                 return None, f"{what} does not exist"
             if err.status == 403:
-                return None, f"{what}: the operator may not read {ref.plural}.{ref.group} (chart value kueue.enabled)"
+                return (
+                    None,
+                    f"{what}: the operator may not read {ref.plural}.{ref.group} (chart value kueue.enabled)",
+                )
             return None, what
         value = found.get("value")
         if not isinstance(value, int):
@@ -265,7 +280,12 @@ class ClusterApi:
         group, _, version = ref.api_version.rpartition("/")
         try:
             await self._call(
-                self.custom.delete_namespaced_custom_object, group, version, namespace, ref.plural, ref.name
+                self.custom.delete_namespaced_custom_object,
+                group,
+                version,
+                namespace,
+                ref.plural,
+                ref.name,
             )
             return True
         except ApiException as err:
@@ -317,15 +337,21 @@ class ClusterApi:
                 await self.deactivate_workload(namespace, actions.workload_name)
             except ApiException as err:
                 if err.status != 404:  # gone: nothing holds quota
-                    result.errors.append(f"Workload {actions.workload_name} (active false): {_describe(err)}")
+                    result.errors.append(
+                        f"Workload {actions.workload_name} (active false): {_describe(err)}"
+                    )
         if actions.workload_status is not None:
             try:
-                await self.patch_workload_status(namespace, actions.workload_name, actions.workload_status)
+                await self.patch_workload_status(
+                    namespace, actions.workload_name, actions.workload_status
+                )
             except ApiException as err:
                 # 409: Kueue wrote it since it was read; the next pass reads it again and
                 # decides anew (as controllers requeue on a conflict), nothing to report.
                 if err.status != 409:
-                    result.errors.append(f"Workload {actions.workload_name} status: {_describe(err)}")
+                    result.errors.append(
+                        f"Workload {actions.workload_name} status: {_describe(err)}"
+                    )
         group_ok = True
         if actions.pod_group is not None:
             try:

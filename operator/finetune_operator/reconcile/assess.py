@@ -67,7 +67,9 @@ def root_cause_first(pods: Sequence[PodView]) -> list[PodView]:
     """Failed pods, the likeliest root cause first: a pod whose ranks only lost their peer is a
     consequence of another's failure (finished at about the same moment, in either order), so
     it comes after every pod that failed of its own; then by finish time and name."""
-    return sorted(pods, key=lambda p: (is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name))
+    return sorted(
+        pods, key=lambda p: (is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name)
+    )
 
 
 def _backoff_due(pod: PodView, base: float, k: int, now: datetime) -> datetime:
@@ -89,7 +91,10 @@ def _walk_failures(
     k = status.restarts
     replace_now: list[PodView] = []
     waiting: list[tuple[PodView, datetime]] = []
-    order = sorted(failed, key=lambda p: (not is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name))
+    order = sorted(
+        failed,
+        key=lambda p: (not is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name),
+    )
     for pod in order:
         if k >= ft.max_restarts:
             return replace_now, waiting, k, pod
@@ -163,7 +168,9 @@ def assess(
         return replace(seen, mode=Mode.SUCCEEDED, message=msg)
     failed_pods = [p for p in live if p.phase == FAILED]
     # A trainer that refused its configuration would refuse again: fail now, spend nothing.
-    refusal = next((e for p in failed_pods if (e := parse_trainer_error(p.termination_message))), None)
+    refusal = next(
+        (e for p in failed_pods if (e := parse_trainer_error(p.termination_message))), None
+    )
     if refusal is not None:
         msg = f"the trainer refused the job: {refusal}"
         return replace(seen, mode=Mode.FAILED, failure_reason=REASON_TRAINER_REFUSED, message=msg)
@@ -172,9 +179,7 @@ def assess(
     store_created = (store.created_at or EPOCH) if store is not None and store.active else None
     verdicts = [(p, classify_exit(p, store_created)) for p in ended]
     preempted = tuple((p, v) for p, v in verdicts if not v.disposition.counted)
-    seen = replace(
-        seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted)
-    )
+    seen = replace(seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted))
     failed = [p for p, v in verdicts if v.disposition.counted]
     replace_now, waiting, restarts, exhausted = _walk_failures(ev, status, failed, now)
     if exhausted is not None:
@@ -182,6 +187,8 @@ def assess(
         # Say the root cause: a pod whose ranks only lost their peer is a consequence of
         # another's failure (finished at the same moment, in any order).
         culprit = root_cause_first(failed)[0]
-        msg = shorten(f"{culprit.describe_failure()}; all {used} replacements allowed are used", 1000)
+        msg = shorten(
+            f"{culprit.describe_failure()}; all {used} replacements allowed are used", 1000
+        )
         return replace(seen, mode=Mode.FAILED, restarts=restarts, message=msg)
     return replace(seen, replace_now=tuple(replace_now), waiting=tuple(waiting), restarts=restarts)

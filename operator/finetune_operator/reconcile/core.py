@@ -82,7 +82,13 @@ def reconcile_job(
     buffer, ratios = None, {}
     if health is not None:
         h = assess_health(ev, status, new_status, actions, seen, health, now)
-        new_status, actions, extra, buffer, ratios = h.status, h.actions, h.events, h.buffer, h.ratios
+        new_status, actions, extra, buffer, ratios = (
+            h.status,
+            h.actions,
+            h.events,
+            h.buffer,
+            h.ratios,
+        )
     events = (
         *condition_events(status.conditions, new_status.conditions),
         *actions.events,

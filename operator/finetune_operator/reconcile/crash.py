@@ -48,7 +48,7 @@ def _crash(message: str | None) -> dict[str, Any] | None:
 
 
 def describe_crash_report(crash: dict[str, Any]) -> str:
-    """"rank 3: RuntimeError: expected ... (trainer.py:212)"; an accelerator OOM adds what the
+    """ "rank 3: RuntimeError: expected ... (trainer.py:212)"; an accelerator OOM adds what the
     plan predicted ("[planned 61.2 GiB per GPU of 79.1 GiB]"). Only the message is cut."""
     rank = crash.get("rank")
     text = str(crash.get("message") or crash.get("kind") or "crashed")

@@ -115,7 +115,9 @@ def assess_health(
     deletes: list[PodDeletion] = []
     events = list(straggler.events)
     if straggler.evict is not None and straggler.eviction is not None:
-        deletes.append(PodDeletion(straggler.evict.name, straggler.evict.uid, REASON_STRAGGLER_EVICTED))
+        deletes.append(
+            PodDeletion(straggler.evict.name, straggler.evict.uid, REASON_STRAGGLER_EVICTED)
+        )
         update["evictions"] = [*status.evictions, straggler.eviction]
         node = straggler.eviction.node
         if node and node not in status.excluded_nodes:
@@ -139,11 +141,17 @@ def assess_health(
         events.append(EventSpec("Warning", REASON_HANG_DETECTED, message))
         update["hangs"] = status.hangs + 1
         if status.restarts >= budget:
-            failed = Want("True", REASON_BACKOFF_LIMIT_EXCEEDED, f"{message}; all {budget} restarts allowed are used")
+            failed = Want(
+                "True",
+                REASON_BACKOFF_LIMIT_EXCEEDED,
+                f"{message}; all {budget} restarts allowed are used",
+            )
             conds = set_condition(conds, COND_FAILED, failed, now, gen)
         else:
             update["restarts"] = status.restarts + 1
-        deletes += [PodDeletion(p.name, p.uid, REASON_HANG_DETECTED, HANG_GRACE_SECONDS) for p in workers]
+        deletes += [
+            PodDeletion(p.name, p.uid, REASON_HANG_DETECTED, HANG_GRACE_SECONDS) for p in workers
+        ]
         buffer = RecordBuffer()
     update["conditions"] = conds
     update["phase"] = derive_phase(conds)

@@ -36,7 +36,9 @@ class PodView:
     finished_at: datetime | None = None
     reason: str | None = None
     termination_message: str | None = None  # what the container left in its termination log
-    disruption: str | None = None  # DisruptionTarget condition reason, or an eviction's status.reason
+    disruption: str | None = (
+        None  # DisruptionTarget condition reason, or an eviction's status.reason
+    )
     created_at: datetime | None = None  # metadata.creationTimestamp
     # Why the pod cannot start, as the scheduler ("Unschedulable: 0/4 nodes are available: ...")
     # or the kubelet says ("CreateContainerConfigError: secret \"s3\" not found"); None while
@@ -58,7 +60,7 @@ class PodView:
         return not self.terminating and self.phase in (PENDING, RUNNING)
 
     def describe_failure(self) -> str:
-        """"pod w-1 failed on node n (exit code 1, Error): rank 3: ValueError: ... (x.py:9)":
+        """ "pod w-1 failed on node n (exit code 1, Error): rank 3: ValueError: ... (x.py:9)":
         the root cause when the trainer's report, its log's tail or the kubelet gives one."""
         detail = f"exit code {self.exit_code}" if self.exit_code is not None else "no exit code"
         if self.reason and self.reason != REASON_OOM_KILLED:  # the cause says it, with the limit

@@ -141,7 +141,11 @@ def parse_termination_message(text: str | None) -> TrainerProgress:
     )
     failed = number("checkpointFailedStep")
     skipped_list = data.get("skippedCheckpoints")
-    skipped = [int(v) for v in skipped_list if isinstance(v, int) and not isinstance(v, bool)] if isinstance(skipped_list, list) else []
+    skipped = (
+        [int(v) for v in skipped_list if isinstance(v, int) and not isinstance(v, bool)]
+        if isinstance(skipped_list, list)
+        else []
+    )
     return TrainerProgress(
         step=int(step) if step is not None else None,
         loss=loss,
@@ -150,7 +154,9 @@ def parse_termination_message(text: str | None) -> TrainerProgress:
         checkpoint_time=when or None,
         checkpoint_failed_step=int(failed) if failed else None,
         # A final report only says what the trainer that wrote it resumed from; absent: fresh.
-        resumed_from_step=int(resumed) if resumed is not None else (0 if step is not None else None),
+        resumed_from_step=int(resumed)
+        if resumed is not None
+        else (0 if step is not None else None),
         skipped_checkpoint=max(skipped) if skipped else None,
     )
 

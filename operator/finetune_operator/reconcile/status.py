@@ -127,7 +127,9 @@ def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
             COND_FAILED: Want("False", reason, waiting.message),
         }
     progress = _progress(a)
-    ready_msg = f"{a.ready}/{a.desired} worker pods ready{_blocked_detail(a)}" + (f"; {a.hold}" if a.hold else "")
+    ready_msg = f"{a.ready}/{a.desired} worker pods ready{_blocked_detail(a)}" + (
+        f"; {a.hold}" if a.hold else ""
+    )
     ready = (
         Want("True", REASON_ALL_WORKERS_READY, ready_msg)
         if a.desired and a.ready >= a.desired

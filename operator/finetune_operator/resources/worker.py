@@ -54,6 +54,7 @@ def data_cache_budget_bytes(spec: FineTuneJobSpec) -> int:
     limit = spec.dataset.cache_size_limit_bytes
     return limit - min(DATA_CACHE_MARGIN_BYTES, limit // 8)
 
+
 TORCHRUN_LAUNCHER: tuple[str, ...] = ("python", "-m", "finetune_trainer.launch")
 # The single place for extra torchrun flags the trainer needs (e.g. "--local-addr=$(POD_IP)";
 # Kubernetes expands $(VAR) in a command from the container's env).

@@ -62,7 +62,9 @@ class PriorityRef:
         return "workloadpriorityclasses" if self.group == KUEUE_GROUP else "priorityclasses"
 
 
-def priority_ref(labels: dict[str, str] | None, priority_class_name: str | None) -> PriorityRef | None:
+def priority_ref(
+    labels: dict[str, str] | None, priority_class_name: str | None
+) -> PriorityRef | None:
     """The job's Workload priority class: its priority-class label (a WorkloadPriorityClass),
     else its pods' PriorityClass, else none (Kueue's default, 0)."""
     label = (labels or {}).get(PRIORITY_LABEL, "").strip()

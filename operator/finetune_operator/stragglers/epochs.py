@@ -85,7 +85,9 @@ def group_incarnations(records: Iterable[StepRecord]) -> dict[IncarnationKey, In
         key = incarnation_key(r)
         inc = incs.get(key)
         if inc is None:
-            inc = incs[key] = Incarnation(pod=r.pod, restart=r.restart, rank=r.rank, started=r.started)
+            inc = incs[key] = Incarnation(
+                pod=r.pod, restart=r.restart, rank=r.rank, started=r.started
+            )
         inc.by_step[r.step] = r
     for inc in incs.values():
         inc.first = min(r.step - r.steps + 1 for r in inc.by_step.values())
@@ -120,7 +122,9 @@ def split_epochs(incarnations: Iterable[Incarnation]) -> list[Epoch]:
     """The epochs in order; the last one is the group as it runs now. Arrival order does not
     matter: incarnations are taken in the order of their first steps."""
     epochs: list[Epoch] = []
-    order = sorted(incarnations, key=lambda i: (i.first, i.restart, i.rank, i.pod or "", i.started or 0.0))
+    order = sorted(
+        incarnations, key=lambda i: (i.first, i.restart, i.rank, i.pod or "", i.started or 0.0)
+    )
     for inc in order:
         cur = epochs[-1] if epochs else None
         claims = cur is not None and (

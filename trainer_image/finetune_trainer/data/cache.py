@@ -357,7 +357,9 @@ def _fetch(shared: SharedCache, key: str, tmp: Path, budget: int) -> tuple[Entry
     try:
         outcome = shared.fetch(key, tmp, budget)
     except _SHARED_ERRORS as e:
-        log.warning("data cache: the shared copy %s cannot be read (%r): tokenizing", shared.root, e)
+        log.warning(
+            "data cache: the shared copy %s cannot be read (%r): tokenizing", shared.root, e
+        )
         outcome = "unreadable"
     entry = open_entry(tmp, key) if outcome == "copied" else None
     if entry is None and outcome in ("copied", "damaged"):
@@ -377,7 +379,9 @@ def _share(shared: SharedCache, key: str, entry: Path, *, publish: bool, replace
             log.info("data cache: entry %s %s to %s in %.2f s", key, outcome, shared.root,
                      time.perf_counter() - t0)  # fmt: skip
         for name in shared.prune(keep=key):
-            log.info("data cache: removed %s from %s (not this job's current data)", name, shared.root)
+            log.info(
+                "data cache: removed %s from %s (not this job's current data)", name, shared.root
+            )
     except _SHARED_ERRORS as e:
         log.warning("data cache: could not publish to %s (%r); pods replacing this one will "
                     "tokenize again", shared.root, e)  # fmt: skip

@@ -79,7 +79,9 @@ class TokenBlocks:
         return int((blocks != self.pad_id).sum())
 
 
-def _in_memory(spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, packer: BlockPacker) -> Blocks:
+def _in_memory(
+    spec: DatasetSpec, tokenizer: PreTrainedTokenizerBase, packer: BlockPacker
+) -> Blocks:
     parts = list(stream_blocks(spec, tokenizer, packer))
     if not parts:
         return np.empty((0, packer.seq_len), dtype=packer.dtype)
@@ -97,7 +99,9 @@ def _cached(
     # version) and the job's own URI, not on the local copy's paths and mtimes.
     files = staged.files if staged is not None else files_identity(spec)
     if files is None:
-        log.info("dataset %s: a hub dataset is not cached (its content cannot be checked)", spec.uri)
+        log.info(
+            "dataset %s: a hub dataset is not cached (its content cannot be checked)", spec.uri
+        )
         return None, "tokenized"
     key = cache_key(spec, files, tokenizer_identity(tokenizer), packer.seq_len, packer.dtype.str)
     read = staged.spec if staged is not None else spec

@@ -166,8 +166,10 @@ def download(spec: DatasetSpec, source: Location, obj: RemoteObject, target: Pat
         remove(tmp)
         # Not a refusal: a broken connection or an object replaced meanwhile; a restart
         # downloads it again.
-        raise OSError(f"dataset.uri {spec.uri!r}: {obj.url} downloaded {got} of {obj.size} "
-                      "bytes (truncated, or the object changed while downloading)")
+        raise OSError(
+            f"dataset.uri {spec.uri!r}: {obj.url} downloaded {got} of {obj.size} "
+            "bytes (truncated, or the object changed while downloading)"
+        )
     # The bytes are whatever the key held while they were read (s3fs fetches a large object
     # in concurrent ranges): rewritten since the listing, even to the same size, they are not
     # the listed object, and the tokenized cache would key them on the listed ETag, serving

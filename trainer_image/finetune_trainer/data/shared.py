@@ -192,10 +192,14 @@ class SharedCache:
 
     def _abandoned(self, name: str, now: float) -> bool:
         # An object store has no temporary directories (entries are put in place).
-        return self.root.is_local and is_abandoned(_last_write(self.root.local_path / name, now), now)
+        return self.root.is_local and is_abandoned(
+            _last_write(self.root.local_path / name, now), now
+        )
 
 
-def _publish_local(root: Path, key: str, entry: Path, meta: dict[str, Any], *, replace: bool) -> str:
+def _publish_local(
+    root: Path, key: str, entry: Path, meta: dict[str, Any], *, replace: bool
+) -> str:
     """Copy `entry` under a temporary name of this pod's, verify and fsync it, and rename it
     to `<root>/<key>`; `present` if another pod's rename came first."""
     tmp = root / f".{key}.tmp-{socket.gethostname()}-{os.getpid()}"
