@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,8 @@ from finetune_operator.planner.loading import largest_module_parameters  # noqa:
 WORKER = REPO / "tests" / "trainer" / "loading_worker.py"
 ZERO3_WORKER = REPO / "tests" / "trainer" / "zero3_loading_worker.py"
 MIB = 2**20
+# Lines of a rank's stderr worth quoting when a run fails.
+WORDS = re.compile(r"terminate called|Fatal Python error|Error|what\(\)|Killed|Traceback")
 SLACK_BYTES = 256 * MIB
 # Wide and shallow: 534M parameters in 6 layers, so building it stays quick.
 ARCH: dict[str, Any] = {
@@ -108,7 +111,10 @@ def measure(
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     done = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
+        # torchrun's summary at the end says only which rank died and by which signal: keep
+        # the ranks' own last words (an abort's "terminate called ...", a traceback) too.
+        said = [line for line in done.stderr.splitlines() if WORDS.search(line)]
+        raise RuntimeError("\n".join(said[-20:]) + "\n" + done.stderr[-2000:])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return [{**r, "path": path} for r in rows]
 
