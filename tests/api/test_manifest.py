@@ -62,7 +62,7 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         ("spec.checkpoint.uri", "../other-job", "spec.checkpoint.uri", "'..' path segments"),
         ("spec.output.uri", "out/../../etc", "spec.output.uri", "'..' path segments"),
         # Taken as "unset" before: the trained model went nowhere without a word.
-        ("spec.output.uri", "", "spec.output.uri", "should be at least 1"),
+        ("spec.output.uri", "", "spec.output.uri", "output.uri is empty"),
         # Accepted and ignored before (the quickstart is a full fine-tune).
         ("spec.output.mergeLora", True, "spec.output.mergeLora", "needs method lora or qlora"),
         ("spec.dataset.uri", "s3://bucket/../x", "spec.dataset.uri", "'..' path segments"),

@@ -131,11 +131,31 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
     ],
 }
 
+
+def kept_when_stored(check: str) -> str:
+    """A transition rule (with `optionalOldSelf`) that refuses a value failing `check`
+    (written on `{x}`) on create, and on update only where the old value passed it.
+
+    For a rule added in a later release: a job stored before it must stay writable (the
+    operator patches its status, the user toggles suspend), or the upgraded cluster would
+    wedge a running job. The spec is immutable, so the old value failing is the value
+    unchanged. A plain rule would not do: before ratcheting (Kubernetes 1.30) the server
+    checks it on every update, status included, and ratcheting spares only an unchanged
+    node (a suspend toggle changes the spec node)."""
+    new, old = check.format(x="self"), check.format(x="oldSelf.value()")
+    return f"({new}) || (oldSelf.hasValue() && !({old}))"
+
+
+MERGE_LORA_CHECK = (
+    "!has({x}.output) || !has({x}.output.mergeLora) || !{x}.output.mergeLora || "
+    "(has({x}.method) && has({x}.method.type) && {x}.method.type != 'full')"
+)
+
 # Rules across parts of the spec (the spec's own, mirroring FineTuneJobSpec's validators).
-SPEC_CEL_RULES: list[dict[str, str]] = [
+SPEC_CEL_RULES: list[dict[str, Any]] = [
     {
-        "rule": "!has(self.output) || !has(self.output.mergeLora) || !self.output.mergeLora || "
-        "(has(self.method) && has(self.method.type) && self.method.type != 'full')",
+        "rule": kept_when_stored(MERGE_LORA_CHECK),
+        "optionalOldSelf": True,
         "message": "output.mergeLora needs method lora or qlora: a full fine-tune has no "
         "adapters to merge",
         "fieldPath": ".output.mergeLora",
@@ -143,19 +163,32 @@ SPEC_CEL_RULES: list[dict[str, str]] = [
 ]
 
 # Storage URIs: no `..` segments (spec.refuse_parent_segments), on the string itself.
-URI_RULES: dict[str, dict[str, str]] = {
-    "DatasetSpec": {
-        "rule": NO_PARENT_SEGMENTS_RULE,
-        "message": "dataset.uri must not contain '..' path segments",
-    },
-    "CheckpointSpec": {
-        "rule": NO_PARENT_SEGMENTS_RULE,
-        "message": "checkpoint.uri must not contain '..' path segments",
-    },
-    "OutputSpec": {
-        "rule": NO_PARENT_SEGMENTS_RULE,
-        "message": "output.uri must not contain '..' path segments",
-    },
+URI_RULES: dict[str, list[dict[str, Any]]] = {
+    "DatasetSpec": [
+        {
+            "rule": NO_PARENT_SEGMENTS_RULE,
+            "message": "dataset.uri must not contain '..' path segments",
+        }
+    ],
+    "CheckpointSpec": [
+        {
+            "rule": NO_PARENT_SEGMENTS_RULE,
+            "message": "checkpoint.uri must not contain '..' path segments",
+        }
+    ],
+    "OutputSpec": [
+        {
+            "rule": NO_PARENT_SEGMENTS_RULE,
+            "message": "output.uri must not contain '..' path segments",
+        },
+        {
+            # Not minLength: a schema bound cannot spare a job stored with "" (kept_when_stored).
+            "rule": kept_when_stored("size({x}) > 0"),
+            "optionalOldSelf": True,
+            "message": "output.uri is empty: give a directory or s3:// URI, or omit it for "
+            "no export",
+        },
+    ],
 }
 
 # int | "auto" fields: structural schemas allow exactly this one union.
@@ -280,7 +313,7 @@ def _convert_object(
         for name, sub in props.items():
             converted = _convert(sub, defs)
             if name == "uri" and def_name in URI_RULES:
-                converted["x-kubernetes-validations"] = [dict(URI_RULES[def_name])]
+                converted["x-kubernetes-validations"] = copy.deepcopy(URI_RULES[def_name])
             # A nested model with a default_factory: default it to {} so the API server
             # fills in its own defaults too (pydantic emits no default for factories).
             is_model = "$ref" in sub and converted.get("type") == "object"

@@ -1,0 +1,96 @@
+"""An operator upgrade never turns a job it (or an older operator) already planned into
+InvalidSpec for a spec form the new release refuses: the job runs on with the old meaning,
+the Planned condition says what to change, and one Warning Event says it once."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from finetune_operator.api.constants import (
+    COND_FAILED,
+    COND_PLANNED,
+    LABEL_JOB,
+    LABEL_ROLE,
+    LABEL_WORKER_INDEX,
+    REASON_DEPRECATED_SPEC,
+)
+from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.reconcile import JobRef, Outcome, PodView, observe_pod, reconcile_job
+from finetune_operator.reconcile.conditions import find
+from tests.operator.factories import UID, make_plan, quickstart_raw
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+JOB = JobRef(name="qs", namespace="ns", uid=UID, generation=1)
+ALL = ("qs-rdzv", "qs-worker-0", "qs-worker-1")
+
+STALE = {
+    "empty-output-uri": ({"uri": ""}, 'spec.output.uri is ""'),
+    "merge-lora-of-a-full-fine-tune": ({"mergeLora": True}, "spec.output.mergeLora is true"),
+}
+
+
+def _running() -> list[PodView]:
+    pods = []
+    for name in ALL:
+        role = "rendezvous" if name.endswith("rdzv") else "worker"
+        labels = {LABEL_JOB: "qs", LABEL_ROLE: role}
+        if role == "worker":
+            labels[LABEL_WORKER_INDEX] = name.rsplit("-", 1)[1]
+        pod: dict[str, Any] = {
+            "metadata": {"name": name, "uid": f"uid-{name}", "labels": labels},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+        pods.append(observe_pod(pod))
+    return pods
+
+
+def _pass(
+    spec: dict[str, Any], status: FineTuneJobStatus, at: datetime, job: JobRef = JOB
+) -> Outcome:
+    return reconcile_job(
+        job,
+        spec,
+        status,
+        _running(),
+        at,
+        planner=lambda _: make_plan(2),
+        ensured_generation=job.generation,
+    )
+
+
+@pytest.mark.parametrize("form", list(STALE))
+def test_a_planned_job_runs_on_with_the_old_meaning(form: str) -> None:
+    output, wording = STALE[form]
+    stale = {**quickstart_raw(), "output": output}
+    # Planned by the older operator, which accepted the form; workers are running.
+    accepted = _pass(quickstart_raw(), FineTuneJobStatus(), T0).status
+    upgraded = _pass(stale, accepted, T0 + timedelta(seconds=5))
+    assert upgraded.evaluation.ok and upgraded.status.phase == "Running"
+    assert upgraded.actions.delete == () and upgraded.actions.create == ()
+    assert upgraded.evaluation.spec is not None
+    assert upgraded.evaluation.spec.output.uri is None
+    assert upgraded.evaluation.spec.output.merge_lora is False
+    planned = find(upgraded.status.conditions, COND_PLANNED)
+    failed = find(upgraded.status.conditions, COND_FAILED)
+    assert planned is not None and planned.status == "True" and wording in planned.message
+    assert failed is not None and failed.status == "False"
+    warnings = [e for e in upgraded.events if e.reason == REASON_DEPRECATED_SPEC]
+    assert len(warnings) == 1 and warnings[0].type == "Warning" and wording in warnings[0].message
+    # Said once: the next pass posts no second Event, and keeps the condition's message.
+    again = _pass(stale, upgraded.status, T0 + timedelta(seconds=10))
+    assert not [e for e in again.events if e.reason == REASON_DEPRECATED_SPEC]
+    # A suspend toggle bumps the generation (the plan is made again): still not refused.
+    suspended = {**stale, "suspend": True}
+    toggled = _pass(suspended, again.status, T0 + timedelta(seconds=15), JobRef("qs", "ns", UID, 2))
+    assert toggled.evaluation.ok and toggled.status.phase == "Suspended"
+
+
+@pytest.mark.parametrize("form", list(STALE))
+def test_a_new_job_with_the_form_is_still_refused(form: str) -> None:
+    stale = {**quickstart_raw(), "output": STALE[form][0]}
+    out = _pass(stale, FineTuneJobStatus(), T0)
+    failed = find(out.status.conditions, COND_FAILED)
+    assert failed is not None and (failed.status, failed.reason) == ("True", "InvalidSpec")
