@@ -99,7 +99,7 @@ class Trainer:
         check_precision(spec.training.precision)  # refuse early
         torch.manual_seed(spec.training.seed)
 
-        tokenizer = build_tokenizer(spec.model, spec.storage.object_store)
+        tokenizer = build_tokenizer(spec.model, spec.storage.object_store, env.data_cache_dir)
         store = spec.storage.object_store
         staged = stage_dataset(
             spec.dataset, store, env.data_cache_dir, env.data_cache_limit_bytes,
@@ -118,6 +118,7 @@ class Trainer:
             # The plan says whether the blocks are compiled (its activation memory assumes
             # it); FT_COMPILE=0 still forces eager, for debugging, at eager's memory.
             compile_model=job.plan.compiled_blocks and env.compile and self.device.type == "cuda",
+            data_cache_dir=env.data_cache_dir,
         )
         self.model = self.parallel.model
         self.total_steps = spec.training.max_steps or math.ceil(
