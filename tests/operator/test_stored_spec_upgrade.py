@@ -4,47 +4,22 @@ the Planned condition says what to change, and one Warning Event says it once.""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 
-from finetune_operator.api.constants import (
-    COND_FAILED,
-    COND_PLANNED,
-    LABEL_JOB,
-    LABEL_ROLE,
-    LABEL_WORKER_INDEX,
-    REASON_DEPRECATED_SPEC,
-)
+from finetune_operator.api.constants import COND_FAILED, COND_PLANNED, REASON_DEPRECATED_SPEC
 from finetune_operator.api.status import FineTuneJobStatus
-from finetune_operator.reconcile import JobRef, Outcome, PodView, observe_pod, reconcile_job
+from finetune_operator.reconcile import JobRef, Outcome, reconcile_job
 from finetune_operator.reconcile.conditions import find
 from tests.operator.factories import UID, make_plan, quickstart_raw
-
-T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
-JOB = JobRef(name="qs", namespace="ns", uid=UID, generation=1)
-ALL = ("qs-rdzv", "qs-worker-0", "qs-worker-1")
+from tests.operator.test_reconcile import ALL, JOB, T0, running
 
 STALE = {
     "empty-output-uri": ({"uri": ""}, 'spec.output.uri is ""'),
     "merge-lora-of-a-full-fine-tune": ({"mergeLora": True}, "spec.output.mergeLora is true"),
 }
-
-
-def _running() -> list[PodView]:
-    pods = []
-    for name in ALL:
-        role = "rendezvous" if name.endswith("rdzv") else "worker"
-        labels = {LABEL_JOB: "qs", LABEL_ROLE: role}
-        if role == "worker":
-            labels[LABEL_WORKER_INDEX] = name.rsplit("-", 1)[1]
-        pod: dict[str, Any] = {
-            "metadata": {"name": name, "uid": f"uid-{name}", "labels": labels},
-            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
-        }
-        pods.append(observe_pod(pod))
-    return pods
 
 
 def _pass(
@@ -54,7 +29,7 @@ def _pass(
         job,
         spec,
         status,
-        _running(),
+        running(*ALL),
         at,
         planner=lambda _: make_plan(2),
         ensured_generation=job.generation,
