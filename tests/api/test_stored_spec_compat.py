@@ -1,5 +1,6 @@
 """A job stored before a release began refusing a spec form stays writable and keeps its old
-meaning; a new job with that form is still refused (api/spec_compat.py, crd.kept_when_stored)."""
+meaning; a new job with that form is still refused, and an edit cannot introduce it
+(api/spec_compat.py, crd.kept_when_stored)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import yaml
 
 from finetune_operator.api.crd import build_crd
 from finetune_operator.api.jobconfig import JobConfig
+from finetune_operator.api.manifest import ManifestError, parse_manifest
 from finetune_operator.api.schema_validation import CustomResourceSchema
 from finetune_operator.api.spec_compat import accept_stored_spec
 from tests.operator.factories import make_plan
@@ -39,9 +41,13 @@ def _stored(schema: CustomResourceSchema, edit: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("form", list(STALE))
-def test_the_api_server_refuses_the_form_on_create(schema: CustomResourceSchema, form: str) -> None:
-    errors = schema.validate(_stored(schema, STALE[form]))
-    assert errors and any("output" in path for path, _ in errors), errors
+def test_a_new_job_with_the_form_is_refused_by_the_operators_check(form: str) -> None:
+    """The API server takes it (a transition rule is not evaluated on create); `ftjob plan`
+    and the operator (InvalidSpec) refuse it, naming the field."""
+    doc = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    STALE[form](doc["spec"])
+    with pytest.raises(ManifestError, match=r"output\.(uri is empty|mergeLora is true)"):
+        parse_manifest(doc, "job.yaml")
 
 
 @pytest.mark.parametrize("form", list(STALE))
@@ -57,12 +63,21 @@ def test_a_stored_job_takes_status_patches_and_suspend(
     assert schema.validate(schema.normalise(suspended), old) == []
 
 
-def test_a_valid_stored_job_cannot_gain_the_form(schema: CustomResourceSchema) -> None:
-    old = _stored(schema, lambda s: None)
+@pytest.mark.parametrize(
+    ("output", "path", "message"),
+    [
+        ({"mergeLora": True}, "spec.output.mergeLora", "output.mergeLora needs method lora"),
+        ({"uri": ""}, "spec.output.uri", "output.uri is empty"),
+    ],
+)
+def test_a_valid_stored_job_cannot_gain_the_form(
+    schema: CustomResourceSchema, output: dict[str, Any], path: str, message: str
+) -> None:
+    old = _stored(schema, lambda s: s.update(output={"uri": "/out"}))
     new = copy.deepcopy(old)
-    new["spec"]["output"]["mergeLora"] = True
-    messages = [m for _, m in schema.validate(schema.normalise(new), old)]
-    assert any("output.mergeLora needs method lora or qlora" in m for m in messages), messages
+    new["spec"]["output"].update(output)
+    errors = schema.validate(schema.normalise(new), old)
+    assert any(p == path and message in m for p, m in errors), errors
 
 
 @pytest.mark.parametrize(

@@ -133,17 +133,22 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
 
 
 def kept_when_stored(check: str) -> str:
-    """A transition rule (with `optionalOldSelf`) that refuses a value failing `check`
-    (written on `{x}`) on create, and on update only where the old value passed it.
+    """A transition rule that refuses an update making a value fail `check` (written on
+    `{x}`), and lets through one where the old value failed it too.
 
-    For a rule added in a later release: a job stored before it must stay writable (the
-    operator patches its status, the user toggles suspend), or the upgraded cluster would
-    wedge a running job. The spec is immutable, so the old value failing is the value
-    unchanged. A plain rule would not do: before ratcheting (Kubernetes 1.30) the server
-    checks it on every update, status included, and ratcheting spares only an unchanged
-    node (a suspend toggle changes the spec node)."""
-    new, old = check.format(x="self"), check.format(x="oldSelf.value()")
-    return f"({new}) || (oldSelf.hasValue() && !({old}))"
+    For a check added after jobs were stored: a stored job that fails it must stay writable,
+    or the upgraded cluster wedges a running job. The server evaluates the CRD's CEL rules on
+    every write of the object, status and metadata included (kopf's annotations and
+    finalizers, the operator's status patches), and spares an unchanged value only from
+    Kubernetes 1.30 (ratcheting; on the status subresource from 1.33), and a suspend toggle
+    changes the spec node a spec-wide rule sits on. A plain rule (or minLength) would refuse
+    them all. A transition rule is not evaluated on create: a new job with the value is
+    refused by the operator (InvalidSpec, naming the field) and `ftjob plan`; the API server
+    could refuse it too only with `optionalOldSelf`, which servers before 1.30 (the chart
+    claims 1.28) do not take. The spec is immutable, so "the old value failed too" is "the
+    value is the stored one"."""
+    new, old = check.format(x="self"), check.format(x="oldSelf")
+    return f"({new}) || !({old})"
 
 
 MERGE_LORA_CHECK = (
@@ -155,7 +160,6 @@ MERGE_LORA_CHECK = (
 SPEC_CEL_RULES: list[dict[str, Any]] = [
     {
         "rule": kept_when_stored(MERGE_LORA_CHECK),
-        "optionalOldSelf": True,
         "message": "output.mergeLora needs method lora or qlora: a full fine-tune has no "
         "adapters to merge",
         "fieldPath": ".output.mergeLora",
@@ -184,7 +188,6 @@ URI_RULES: dict[str, list[dict[str, Any]]] = {
         {
             # Not minLength: a schema bound cannot spare a job stored with "" (kept_when_stored).
             "rule": kept_when_stored("size({x}) > 0"),
-            "optionalOldSelf": True,
             "message": "output.uri is empty: give a directory or s3:// URI, or omit it for "
             "no export",
         },

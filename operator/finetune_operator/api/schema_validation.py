@@ -11,9 +11,7 @@ cluster's API server, so that the two can never disagree.
    ``exclusiveMinimum``), after translating the Kubernetes extensions
    (``x-kubernetes-int-or-string``, ``nullable``).
 4. **Evaluate** ``x-kubernetes-validations`` CEL rules with ``cel-python``; rules that use
-   ``oldSelf`` (transition rules) run on updates only, where the old value exists, unless
-   they set ``optionalOldSelf``: then always, ``oldSelf`` a CEL optional (``hasValue()``,
-   ``value()``), empty on create.
+   ``oldSelf`` (transition rules) run on updates only.
 
 Errors come back as ``(field path, message)`` pairs in the wording of the real server, so that
 ``kubectl`` users and tests see the same text.
@@ -201,48 +199,23 @@ def _describe(error: jsonschema.ValidationError) -> FieldError:
     return (path, f"Invalid value: {_show(value)}: {error.message}")
 
 
-class _OptionalOldSelf:
-    """`oldSelf` of a rule with optionalOldSelf: a CEL optional (cel-python has none)."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _has_value(optional: _OptionalOldSelf) -> celpy.celtypes.BoolType:
-    return celpy.celtypes.BoolType(optional.value is not None)
-
-
-def _value(optional: _OptionalOldSelf) -> Any:
-    if optional.value is None:
-        raise ValueError("optional.none() dereference")
-    return optional.value
-
-
 @lru_cache(maxsize=256)
 def _cel_program(rule: str) -> celpy.Runner:
     env = celpy.Environment()
-    return env.program(env.compile(rule), functions={"hasValue": _has_value, "value": _value})
-
-
-def evaluate_rule(rule: Schema, value: Any, old: Any = None) -> Any:
-    """One x-kubernetes-validations rule on `value` (`old`: the old value, None on create):
-    True, False, or the evaluation error (a CEL error value or an exception raised)."""
-    activation: dict[str, Any] = {"self": json_to_cel(value)}
-    if rule.get("optionalOldSelf"):
-        activation["oldSelf"] = _OptionalOldSelf(None if old is None else json_to_cel(old))
-    elif old is not None:
-        activation["oldSelf"] = json_to_cel(old)
-    return _cel_program(rule["rule"]).evaluate(activation)
+    return env.program(env.compile(rule))
 
 
 def _cel_rules(value: Any, old: Any, schema: Schema, path: str, errors: list[FieldError]) -> None:
     for item in schema.get("x-kubernetes-validations", []):
         rule = item["rule"]
-        if "oldSelf" in rule and old is None and not item.get("optionalOldSelf"):
+        if "oldSelf" in rule and old is None:
             continue  # transition rules only apply when there is an old value
+        activation = {"self": json_to_cel(value)}
+        if old is not None:
+            activation["oldSelf"] = json_to_cel(old)
         field = path + item.get("fieldPath", "")
         try:
-            ok = evaluate_rule(item, value, old)
+            ok = _cel_program(rule).evaluate(activation)
         except Exception as exc:  # celpy raises its own evaluation errors
             errors.append((field, f"Invalid value: {_show(value)}: rule evaluation error: {exc}"))
             continue
