@@ -69,3 +69,17 @@ def test_a_new_job_with_the_form_is_still_refused(form: str) -> None:
     out = _pass(stale, FineTuneJobStatus(), T0)
     failed = find(out.status.conditions, COND_FAILED)
     assert failed is not None and (failed.status, failed.reason) == ("True", "InvalidSpec")
+
+
+def test_a_job_the_refusing_release_failed_runs_again_after_a_suspend_toggle() -> None:
+    stale = {**quickstart_raw(), "output": {"mergeLora": True}}
+    accepted = _pass(quickstart_raw(), FineTuneJobStatus(), T0).status
+    # What the release without spec_compat wrote: InvalidSpec at generation 1, plan kept.
+    failed = _pass(stale, FineTuneJobStatus(), T0).status.model_copy(update={"plan": accepted.plan})
+    again = _pass(stale, failed, T0 + timedelta(seconds=5))
+    assert again.status.phase == "Failed"  # sticky at its generation, as any refusal
+    resumed = _pass(stale, failed, T0 + timedelta(seconds=9), JobRef("qs", "ns", UID, 3))
+    assert resumed.evaluation.ok and resumed.status.phase != "Failed"
+    assert [e.reason for e in resumed.events if e.reason == REASON_DEPRECATED_SPEC] == [
+        REASON_DEPRECATED_SPEC
+    ]

@@ -126,9 +126,10 @@ def _cached_plan(job: JobRef, status: FineTuneJobStatus) -> Plan | None:
 
 def _accepted_before(status: FineTuneJobStatus) -> bool:
     """Whether an operator planned this job before (at any generation: a suspend toggle
-    bumps it). Its spec was valid then, and it may be running: spec_compat applies."""
-    planned = find(status.conditions, COND_PLANNED)
-    return status.plan is not None and planned is not None and planned.status == "True"
+    bumps it). Its spec was valid then (it is immutable), and it may be running:
+    spec_compat applies. The plan stays in the status when a later release refuses the
+    spec, so a job that release failed runs again once its generation moves (suspend)."""
+    return status.plan is not None
 
 
 def _network_policy(policy: JobPolicy) -> tuple[str, ...] | None:
