@@ -68,8 +68,7 @@ def _cel(rule: str, obj: Any) -> bool:
 
 
 def _rules_pass(model: str, obj: dict[str, Any]) -> bool:
-    rules = SPEC_CEL_RULES if model == "FineTuneJobSpec" else CEL_RULES[model]
-    return all(_cel(r["rule"], obj) for r in rules)
+    return all(_cel(r["rule"], obj) for r in CEL_RULES[model])
 
 
 @pytest.mark.parametrize(
@@ -112,15 +111,35 @@ def _rules_pass(model: str, obj: dict[str, Any]) -> bool:
         ("DatasetSpec", {"uri": "d", "cacheSizeLimit": "32GB"}, False),
         ("DatasetSpec", {"uri": "d", "cacheSizeLimit": "-1Gi"}, False),
         ("DatasetSpec", {"uri": "d", "cacheSizeLimit": 0}, False),
-        ("FineTuneJobSpec", {"method": {"type": "full"}, "output": {"mergeLora": True}}, False),
-        ("FineTuneJobSpec", {"method": {"type": "lora"}, "output": {"mergeLora": True}}, True),
-        ("FineTuneJobSpec", {"method": {"type": "full"}, "output": {"mergeLora": False}}, True),
-        ("FineTuneJobSpec", {"method": {"type": "full"}, "output": {}}, True),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else "",
 )
 def test_cel_rules(model: str, obj: dict[str, Any], ok: bool) -> None:
     assert _rules_pass(model, obj) is ok
+
+
+FULL_MERGE = {"method": {"type": "full"}, "output": {"mergeLora": True}}
+VALID = {"method": {"type": "full"}, "output": {}}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "ok"),
+    [
+        (VALID, FULL_MERGE, False),
+        (VALID, {"method": {"type": "lora"}, "output": {"mergeLora": True}}, True),
+        (VALID, {"method": {"type": "full"}, "output": {"mergeLora": False}}, True),
+        (VALID, VALID, True),
+        (FULL_MERGE, FULL_MERGE, True),  # stored before the rule: stays writable
+        (FULL_MERGE, {**FULL_MERGE, "suspend": True}, True),
+    ],
+    ids=["gains-it", "lora", "false", "valid", "stored-with-it", "stored-with-it-suspended"],
+)
+def test_spec_transition_rules(old: dict[str, Any], new: dict[str, Any], ok: bool) -> None:
+    """Transition rules (crd.kept_when_stored): refused where an update brings the form in."""
+    env = celpy.Environment()
+    for rule in SPEC_CEL_RULES:
+        activation = {"self": celpy.json_to_cel(new), "oldSelf": celpy.json_to_cel(old)}
+        assert env.program(env.compile(rule["rule"])).evaluate(activation) == ok
 
 
 @pytest.mark.parametrize(

@@ -62,9 +62,10 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         ("spec.checkpoint.uri", "../other-job", "spec.checkpoint.uri", "'..' path segments"),
         ("spec.output.uri", "out/../../etc", "spec.output.uri", "'..' path segments"),
         # Taken as "unset" before: the trained model went nowhere without a word.
-        ("spec.output.uri", "", "spec.output.uri", "should be at least 1"),
-        # Accepted and ignored before (the quickstart is a full fine-tune).
-        ("spec.output.mergeLora", True, "spec.output.mergeLora", "needs method lora or qlora"),
+        ("spec.output.uri", "", "spec.output.uri", "output.uri is empty"),
+        # Accepted and ignored before (the quickstart is a full fine-tune). Refused by the
+        # operator's check of the whole spec (the CRD's rule for it is a transition rule).
+        ("spec.output.mergeLora", True, "spec", "output.mergeLora is true but method.type is"),
         ("spec.dataset.uri", "s3://bucket/../x", "spec.dataset.uri", "'..' path segments"),
         ("metadata", "job", "metadata", "must be an object"),
         ("metadata", ["job"], "metadata", "must be an object"),

@@ -150,3 +150,58 @@ def test_an_optimizer_setting_one_torch_has_and_the_other_not_loads(
         assert "are not read: group 0 old_setting" in caplog.text
     train_steps(fresh, 1)  # the optimizer steps with what it has
     assert fresh.step == 3
+
+
+NEWER = "newer_state"  # what a newer torch's AdamW would keep per parameter besides its own
+
+
+def _add_state(state: TrainState) -> None:
+    for p in state.model.parameters():
+        state.optimizer.state[p][NEWER] = torch.full_like(p, 0.5)
+
+
+def test_a_state_a_newer_torchs_optimizer_kept_is_not_read(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Written by an optimizer that keeps one more state per parameter: this one resumes from
+    every state it keeps, exactly, and leaves the other unread."""
+    state = blocks_state()
+    train_steps(state, 1)
+    _add_state(state)  # AdamW's step keeps what else is in a parameter's state
+    ckpt = checkpointer(state, tmp_path, ckpt_group)
+    train_steps(state, 1, ckpt)  # step 2 saved, with the extra state
+    assert ckpt.finish(timeout=60)
+    ckpt.close()
+    fresh = blocks_state()
+    resumed = checkpointer(fresh, tmp_path, ckpt_group)
+    with caplog.at_level(logging.WARNING, logger="finetune_trainer.dcp_resume"):
+        assert resumed.load() == 2
+    resumed.close()
+    assert f"optimizer does not keep is not read (every state it keeps is): {NEWER}" in caplog.text
+    saved = dict(zip(state.model.parameters(), fresh.model.parameters(), strict=True))
+    for old_p, new_p in saved.items():
+        old, new = state.optimizer.state[old_p], fresh.optimizer.state[new_p]
+        assert set(new) == set(old) - {NEWER}
+        for name in new:
+            assert torch.equal(torch.as_tensor(new[name]), torch.as_tensor(old[name])), name
+    train_steps(fresh, 1)  # the optimizer steps with what it keeps
+    assert fresh.step == 3
+
+
+def test_a_state_this_optimizer_keeps_and_the_checkpoint_lacks_is_refused(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup
+) -> None:
+    """The other way round (a checkpoint of an older torch): the state would start at its
+    initial value mid-run, changing every update after the resume; refused, naming it."""
+    state = blocks_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group)
+    train_steps(state, 2, ckpt)
+    assert ckpt.finish(timeout=60)
+    ckpt.close()
+    fresh = blocks_state()
+    train_steps(fresh, 1)  # its optimizer state exists, with the state the checkpoint lacks
+    _add_state(fresh)
+    resumed = checkpointer(fresh, tmp_path, ckpt_group)
+    with pytest.raises(IncompatibleCheckpointError, match=rf"\.{NEWER} \(checkpoint: absent"):
+        resumed.load()
+    resumed.close()

@@ -38,6 +38,8 @@ Q_B = "model.base_model.model.layers.0.q_proj.lora_B.default.weight"
 V_A = "model.base_model.model.layers.0.v_proj.lora_A.default.weight"
 B_STATE = "optim.state.base_model.model.layers.0.q_proj.lora_B.default.weight"
 V_STATE = "optim.state.base_model.model.layers.0.v_proj.lora_A.default.weight"
+A_STATE = "optim.state.base_model.model.layers.0.q_proj.lora_A.default.weight"
+B_ADAM: dict[str, Shape] = {f"{B_STATE}.exp_avg": (64, 8), f"{B_STATE}.step": ()}
 SAVED: dict[str, Shape] = {
     Q_A: (8, 64),
     Q_B: (64, 8),
@@ -127,6 +129,27 @@ def without(*keys: str) -> dict[str, Shape]:
         ),
         pytest.param(
             SAVED, changed(**{"optim.param_groups.0.new": None}), [], id="a-setting-this-torch-adds"
+        ),
+        # A newer torch's optimizer keeps a state per parameter that this one does not.
+        pytest.param(
+            changed(**{f"{A_STATE}.newer": (8, 64)}), SAVED, [], id="a-state-this-torch-lacks"
+        ),
+        # ... but a state this optimizer keeps and the checkpoint lacks changes the maths.
+        pytest.param(
+            SAVED,
+            changed(**{f"{A_STATE}.newer": (8, 64)}),
+            [Difference(f"{A_STATE}.newer", None, (8, 64), in_checkpoint=False)],
+            id="a-state-the-checkpoint-lacks",
+        ),
+        # ... and so does a state this optimizer keeps for another parameter only.
+        pytest.param(
+            changed(**{f"{A_STATE}.exp_avg_sq": (8, 64), **B_ADAM}),
+            changed(**{**B_ADAM, f"{B_STATE}.exp_avg_sq": (64, 8)}),
+            [
+                Difference(f"{B_STATE}.exp_avg_sq", None, (64, 8), in_checkpoint=False),
+                Difference(f"{A_STATE}.exp_avg_sq", (8, 64), None, in_job=False),
+            ],
+            id="a-state-this-torch-keeps-for-another-parameter",
         ),
         pytest.param(
             SAVED,

@@ -15,17 +15,21 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from finetune_trainer.data.remote import RemoteObject
+from finetune_trainer.data.remote import RemoteObject, local_data_dir
 from finetune_trainer.location import Location
-from finetune_trainer.remote_model import MODELS_DIR, STAGING, cache_name, model_files
+from finetune_trainer.remote_model import MODELS_DIR, STAGING, cache_name, cache_root, model_files
 
 
 @pytest.fixture
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    monkeypatch.setenv("FT_DATA_CACHE_DIR", str(tmp_path / "data-cache"))
+def cache_dir(tmp_path: Path) -> Iterator[Path]:
     model_files.cache_clear()  # once per process in the trainer; per test here
     yield tmp_path / "data-cache" / MODELS_DIR
     model_files.cache_clear()
+
+
+def fetch(location: Location, cache_dir: Path) -> Path:
+    """As the trainer calls it: into the pod's data cache (RuntimeEnv.data_cache_dir)."""
+    return model_files(location, "spec.model.path", cache_dir.parent)
 
 
 def remote(files: dict[str, bytes]) -> Location:
@@ -51,7 +55,7 @@ def test_files_go_to_the_data_cache_and_a_restart_reuses_them(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     location = remote({"config.json": CONFIG, "tokenizer.json": b"{}", "w.safetensors": b"x"})
-    got = model_files(location)
+    got = fetch(location, cache_dir)
     assert got.parent == cache_dir
     assert sorted(p.name for p in got.iterdir()) == ["config.json", "tokenizer.json"]
     assert (got / "config.json").read_bytes() == CONFIG
@@ -62,15 +66,15 @@ def test_files_go_to_the_data_cache_and_a_restart_reuses_them(
         raise AssertionError("fetched again")
 
     monkeypatch.setattr(location.fs, "cat_file", no_fetch)
-    assert model_files(location) == got
+    assert fetch(location, cache_dir) == got
 
 
 def test_a_rewritten_config_is_fetched_again_and_the_old_copy_removed(cache_dir: Path) -> None:
     location = remote({"config.json": CONFIG})
-    first = model_files(location)
+    first = fetch(location, cache_dir)
     location.fs.pipe_file(f"{location.path}/config.json", CONFIG + b" ")
     model_files.cache_clear()
-    second = model_files(location)
+    second = fetch(location, cache_dir)
     assert second != first and not first.exists()
     assert (second / "config.json").read_bytes() == CONFIG + b" "
 
@@ -88,7 +92,7 @@ def test_a_fetch_that_fails_part_way_leaves_nothing_that_is_used(
 
     monkeypatch.setattr(location.fs, "cat_file", reset)
     with pytest.raises(ConnectionResetError):  # transient: not a refusal
-        model_files(location)
+        fetch(location, cache_dir)
     assert list(cache_dir.iterdir()) == []  # config.json was fetched, but not renamed
 
 
@@ -100,6 +104,14 @@ def test_a_killed_fetchs_staging_directory_is_removed_not_used(cache_dir: Path) 
     (stale / "config.json").write_bytes(CONFIG[:5])  # killed mid-write
     mine = cache_dir / f"{STAGING}{os.getpid()}-live0000"  # a live rank's: kept
     mine.mkdir()
-    got = model_files(remote({"config.json": CONFIG}))
+    got = fetch(remote({"config.json": CONFIG}), cache_dir)
     assert (got / "config.json").read_bytes() == CONFIG
     assert not stale.exists() and mine.exists()
+
+
+def test_the_cache_root_is_the_one_passed_in_not_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FT_DATA_CACHE_DIR", str(tmp_path / "from-env"))
+    assert cache_root(tmp_path / "pod") == tmp_path / "pod" / MODELS_DIR
+    assert cache_root(None) == local_data_dir(None) / MODELS_DIR  # no data cache: temp dir

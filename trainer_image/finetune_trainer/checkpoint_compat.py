@@ -28,6 +28,18 @@ Not another model either, so loaded (with a warning line naming them; `tolerate`
 - an optimizer setting (param-group key) one side has and the other lacks: another torch
   records another set. One the checkpoint lacks keeps this job's value; one this job lacks is
   not read. Its model weights' keys and sizes still have to match exactly.
+- a per-parameter optimizer state (`optim.state.<param>.<name>`) that the checkpoint holds
+  and this job's optimizer keeps for no parameter at all: a newer torch's optimizer records
+  more per parameter (or an older one did). It is not read: this optimizer never reads it,
+  and every state it does keep must still be in the checkpoint with its size, so its updates
+  are the ones it would have made.
+
+Still refused: a per-parameter state this job's optimizer keeps that the checkpoint lacks
+(an older torch's checkpoint for a newer optimizer, or one with state this job has for a
+parameter of the checkpoint's that has other state). A torch optimizer creates a parameter's
+state only when it has none, all at once: one state missing would fail its first step, and
+filled with its initial value (a running average at zero) it would change the maths, with no
+error, for every step after the resume.
 
 What counts as damage stays damage (dcp_checkpointer skips to the previous checkpoint):
 unreadable metadata, a missing COMMITTED marker, a manifest or size mismatch, a failing
@@ -88,10 +100,11 @@ class Allowance:
     stateless: tuple[str, ...] = ()  # parameters (FQN) with no optimizer state saved
     added: tuple[tuple[int, str], ...] = ()  # (group, setting) this job has, the checkpoint not
     dropped: tuple[tuple[int, str], ...] = ()  # (group, setting) the checkpoint has, this job not
+    unread_state: tuple[str, ...] = ()  # per-parameter state names this optimizer keeps not
     keys: frozenset[str] = field(default_factory=frozenset)  # every key of both sides concerned
 
     def __bool__(self) -> bool:
-        return bool(self.stateless or self.added or self.dropped)
+        return bool(self.stateless or self.added or self.dropped or self.unread_state)
 
     def describe(self) -> str:
         """The warning line: what is loaded differently, and why that is not another model."""
@@ -111,6 +124,11 @@ class Allowance:
             parts.append(
                 "optimizer settings this torch does not have are not read: "
                 + _names([f"group {g} {k}" for g, k in self.dropped])
+            )
+        if self.unread_state:
+            parts.append(
+                "per-parameter optimizer state this torch's optimizer does not keep is not "
+                "read (every state it keeps is): " + _names(self.unread_state)
             )
         return "; ".join(parts)
 
@@ -132,6 +150,29 @@ def _names(items: Collection[str]) -> str:
 
 def _state_param(key: str) -> str:
     return key[len(STATE) :].rsplit(".", 1)[0]
+
+
+def _state_name(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def _unread_state(saved: Collection[str], expected: Collection[str]) -> tuple[list[str], set[str]]:
+    """The per-parameter state names only the checkpoint holds, for parameters with state on
+    both sides, that this job's optimizer keeps for no parameter (module docstring), and the
+    checkpoint's keys of them. Nothing when the job's optimizer keeps no state at all."""
+    job_states = {k for k in expected if k.startswith(STATE)}
+    kept_names = {_state_name(k) for k in job_states}
+    job_params = {_state_param(k) for k in job_states}
+    names: dict[str, None] = {}
+    keys: set[str] = set()
+    for key in saved:
+        if not key.startswith(STATE) or key in expected:
+            continue
+        name = _state_name(key)
+        if kept_names and name not in kept_names and _state_param(key) in job_params:
+            names[name] = None
+            keys.add(key)
+    return list(names), keys
 
 
 def _group_setting(key: str) -> tuple[int, str] | None:
@@ -168,7 +209,9 @@ def tolerate(saved: Collection[str], expected: Collection[str]) -> Allowance:
         return list(found)
 
     added, dropped = settings(expected, saved), settings(saved, expected)
-    return Allowance(tuple(stateless), tuple(added), tuple(dropped), frozenset(keys))
+    unread, unread_keys = _unread_state(saved, expected)
+    keys |= unread_keys
+    return Allowance(tuple(stateless), tuple(added), tuple(dropped), tuple(unread), frozenset(keys))
 
 
 def compare(saved: Mapping[str, Shape], expected: Mapping[str, Shape]) -> list[Difference]:

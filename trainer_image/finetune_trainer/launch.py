@@ -7,7 +7,7 @@ torchrun turns SIGTERM (every graceful pod delete, drain or preemption) into a
 `SignalException`, forwards the signal to its workers and shuts them down, then lets the
 exception escape: a traceback in the pod's log and exit code 1 for what is an orderly stop.
 Here that stop ends with one log line and 128 + the signal (143 for SIGTERM), the code the
-trainer itself exits with when stopped (`trainer.EXIT_STOPPED`) and that
+trainer itself exits with when stopped (`finish.EXIT_STOPPED`) and that
 `reconcile/disposition.py` reads as a preemption.
 
 A failed worker group ends torchrun with a `ChildFailedError` carrying each failed rank's

@@ -12,6 +12,8 @@ QLoRA's base is quantised while loading and arrives materialised."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
@@ -39,9 +41,11 @@ def load_parallel_model(
     local_world_size: int,
     *,
     compile_model: bool = False,
+    data_cache_dir: Path | None = None,
 ) -> Parallel:
     """Build on meta, shard, materialise (see the module docstring); `compile_model` compiles
-    the decoder blocks (parallelize.compile_blocks: lazy, so the meta model is fine)."""
+    the decoder blocks (parallelize.compile_blocks: lazy, so the meta model is fine);
+    `data_cache_dir`: the pod's data cache, where an s3:// model's config is fetched to."""
     spec = job.spec
     store = spec.storage.object_store
     if uses_deepspeed(job.plan):
@@ -56,6 +60,7 @@ def load_parallel_model(
         activation_checkpointing=job.plan.activation_checkpointing,
         precision=spec.training.precision,
         object_store=store,
+        cache_dir=data_cache_dir,
     )
     weights = weights_source(spec.model, store)
     seed = spec.training.seed

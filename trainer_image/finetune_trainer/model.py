@@ -60,17 +60,20 @@ def base_dtype(method: MethodSpec, precision: Precision) -> torch.dtype:
     return torch.float32
 
 
-def weights_dir(spec: ModelSpec, object_store: ObjectStoreSpec | None = None) -> Path | None:
+def weights_dir(
+    spec: ModelSpec, object_store: ObjectStoreSpec | None = None, cache_dir: Path | None = None
+) -> Path | None:
     """Where a pretrained model's config (and, but for object storage, safetensors) are: a
     directory (source pvc/uri, or a hub id already on disk), the config and tokenizer files
-    fetched from an s3:// prefix (remote_model), else the hub snapshot (downloaded by every
-    rank into its own cache; no weights for inline models)."""
+    fetched from an s3:// prefix (remote_model, into `cache_dir`: the pod's data cache), else
+    the hub snapshot (downloaded by every rank into its own cache; no weights for inline
+    models)."""
     location = spec.weights_location()
     if location is None:
         return None
     remote = remote_weights(spec, object_store)
     if remote is not None:
-        return model_files(remote, weights_field(spec))
+        return model_files(remote, weights_field(spec), cache_dir)
     path = Path(location.removeprefix("file://"))
     if path.is_dir():
         return path
@@ -104,10 +107,11 @@ def model_config(
     tokenizer: PreTrainedTokenizerBase,
     architecture: ModelArchitecture | None,
     object_store: ObjectStoreSpec | None = None,
+    cache_dir: Path | None = None,
 ) -> PretrainedConfig:
     """The config to build: the weights' own config.json for pretrained models, else the
     architecture the planner resolved (spec, catalog or config.json: `Plan.architecture`)."""
-    weights = weights_dir(spec, object_store)
+    weights = weights_dir(spec, object_store, cache_dir)
     if weights is not None:
         config: PretrainedConfig = AutoConfig.from_pretrained(weights)
         return config
@@ -179,13 +183,15 @@ def build_meta_model(
     precision: Precision,
     construct_in: contextlib.AbstractContextManager[object] | None = None,
     object_store: ObjectStoreSpec | None = None,
+    cache_dir: Path | None = None,
 ) -> nn.Module:
     """The model with LoRA adapters, on the meta device: shapes and dtypes only, no memory.
     Shard it (parallelize), then `materialize` it; QLoRA is built loaded (see above).
     `construct_in`: the context the base model is constructed in instead of the meta device
     (DeepSpeed ZeRO-3's `zero.Init`, which partitions each module as it is created:
     deepspeed_loading); the adapters are then created outside it, whole. `object_store`: where
-    an s3:// model's files are (spec.storage.objectStore)."""
+    an s3:// model's files are (spec.storage.objectStore); `cache_dir`: the pod's data cache,
+    where its config is fetched to (RuntimeEnv.data_cache_dir)."""
     if method.type == "qlora" and device.type != "cuda":
         raise UnsupportedConfigError(
             "method.type qlora needs a CUDA GPU (bitsandbytes 4-bit weights); "
@@ -198,7 +204,7 @@ def build_meta_model(
     if method.type == "qlora":
         model = _load_qlora_base(spec, device)
     else:
-        config = model_config(spec, tokenizer, architecture, object_store)
+        config = model_config(spec, tokenizer, architecture, object_store, cache_dir)
         attn = _attention(spec, device)
         # dtype explicitly: transformers 5 defaults to "auto" (the checkpoint's own dtype),
         # which would silently drop full fine-tuning's fp32 master weights.
@@ -237,6 +243,7 @@ def build_model(
     architecture: ModelArchitecture | None = None,
     seed: int | None = None,
     object_store: ObjectStoreSpec | None = None,
+    cache_dir: Path | None = None,
 ) -> nn.Module:
     """A whole, unsharded model on `device` in the dtypes `precision` asks for (see the module
     docstring): the same weights the trainer gives its shards for this seed (default: the
@@ -250,6 +257,7 @@ def build_model(
         activation_checkpointing=activation_checkpointing,
         precision=precision,
         object_store=object_store,
+        cache_dir=cache_dir,
     )
     if is_meta(model):
         seed = torch.initial_seed() if seed is None else seed

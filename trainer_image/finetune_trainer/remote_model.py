@@ -2,8 +2,8 @@
 s3://bucket/prefix`): its small files fetched, its weights left where they are.
 
 config.json, the tokenizer's files and the generation config are what transformers needs as
-a directory: they are fetched into the pod's data-cache volume (`FT_DATA_CACHE_DIR`, the
-emptyDir the dataset and the tokenized cache use; the temporary directory without one), not
+a directory: they are fetched into the pod's data-cache volume (`RuntimeEnv.data_cache_dir`,
+the emptyDir the dataset and the tokenized cache use; the temporary directory without one), not
 into /tmp: a worker that is SIGKILLed or OOM-killed runs no atexit hook, and its files would
 pile up there at every restart (on a read-only root, /tmp may not even be writable).
 
@@ -61,12 +61,11 @@ def small_file_names(names: list[str]) -> list[str]:
     return sorted(n for n in names if any(fnmatch.fnmatch(n, p) for p in SMALL_FILES))
 
 
-def cache_root(env: dict[str, str] | None = None) -> Path:
-    """Where fetched model files live: the pod's data-cache volume (FT_DATA_CACHE_DIR, set by
-    the worker pod for its `data-cache` emptyDir), else the temporary directory (as the
-    dataset's copy, data/remote.py)."""
-    raw = (os.environ if env is None else env).get("FT_DATA_CACHE_DIR")
-    return local_data_dir(Path(raw) if raw else None) / MODELS_DIR
+def cache_root(data_cache_dir: Path | None) -> Path:
+    """Where fetched model files live: the pod's data-cache volume (`RuntimeEnv.data_cache_dir`,
+    the worker pod's `data-cache` emptyDir), else the temporary directory (as the dataset's
+    copy, data/remote.py)."""
+    return local_data_dir(data_cache_dir) / MODELS_DIR
 
 
 def cache_name(url: str, objects: list[RemoteObject]) -> str:
@@ -121,10 +120,13 @@ def _listing(location: Location, field: str) -> dict[str, RemoteObject]:
 
 
 @functools.cache
-def model_files(location: Location, field: str = "spec.model.path") -> Path:
+def model_files(
+    location: Location, field: str = "spec.model.path", cache_dir: Path | None = None
+) -> Path:
     """A local directory with the model's config and tokenizer files, fetched once per pod
-    (and kept for its restarts) under `cache_root()`. A missing prefix, no config.json or
-    denied access is a configuration error naming the URI."""
+    (and kept for its restarts) under `cache_root(cache_dir)` (`cache_dir`: the pod's data
+    cache, `RuntimeEnv.data_cache_dir`). A missing prefix, no config.json or denied access is
+    a configuration error naming the URI."""
     listed = _listing(location, field)
     names = small_file_names(list(listed))
     if "config.json" not in names:
@@ -140,7 +142,7 @@ def model_files(location: Location, field: str = "spec.model.path") -> Path:
             f"{MAX_SMALL_FILE_BYTES >> 20} MiB: not config or tokenizer files"
         )
     objects = [listed[n] for n in names]
-    root = cache_root()
+    root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     directory = root / cache_name(location.url, objects)
     if directory.is_dir():

@@ -1,6 +1,6 @@
 """A SIGTERM or SIGINT (a pod deleted, drained or preempted; Ctrl-C) asks the trainer to stop:
 the handler only records it, and the loop finishes the step, agrees with its peers and saves
-a final checkpoint (trainer.Trainer._finish)."""
+a final checkpoint (finish.finish_run)."""
 
 from __future__ import annotations
 

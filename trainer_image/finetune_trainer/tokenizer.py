@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -49,16 +51,18 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tokenizer(
-    spec: ModelSpec, object_store: ObjectStoreSpec | None = None
+    spec: ModelSpec, object_store: ObjectStoreSpec | None = None, cache_dir: Path | None = None
 ) -> PreTrainedTokenizerBase:
     """The model's tokenizer; `object_store`: where an s3:// model's files are (its tokenizer
-    files are fetched with its config: remote_model)."""
+    files are fetched with its config into `cache_dir`, the pod's data cache: remote_model)."""
     if spec.source == "inline":
         return build_byte_tokenizer()
     from finetune_trainer.remote_model import model_files, remote_weights, weights_field
 
     remote = remote_weights(spec, object_store)
-    where = model_files(remote, weights_field(spec)) if remote else spec.weights_location()
+    where = (
+        model_files(remote, weights_field(spec), cache_dir) if remote else spec.weights_location()
+    )
     tok = AutoTokenizer.from_pretrained(where, revision=spec.revision)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -23,6 +23,11 @@ from finetune_trainer.distributed import init_distributed, select_device, set_tr
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.export import build_exporter
 from finetune_trainer.faults import build_faults
+from finetune_trainer.finish import (
+    STOP_REASON_SIGNAL,
+    finish_run,
+    unrecovered_failure,
+)
 from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.loss_scale import build_loss_scale
 from finetune_trainer.metrics import StepStats, TrainerMetrics
@@ -37,21 +42,6 @@ from finetune_trainer.tokenizer import build_tokenizer
 from finetune_trainer.torch_floor import check_torch
 
 log = logging.getLogger(__name__)
-
-# Exit code of a rank that stopped because a *peer* was told to stop (eviction of another
-# pod): non-zero so torchrun restarts this worker group, which re-forms without the peer.
-EXIT_PEER_STOPPED = 75
-# Exit code of a run whose final checkpoint was not committed: never a clean finish. torchrun
-# restarts the group, which resumes from the newest committed checkpoint and saves again;
-# with the restart budget spent the job ends Failed (docs/checkpoints.md, "Failed saves").
-EXIT_FINAL_CHECKPOINT_FAILED = 3
-# Exit code of a rank stopped by its own SIGTERM/SIGINT before training completed: non-zero,
-# so its torchrun agent restarts the group (or, if the agent itself is being stopped, fails
-# the pod, which the termination report marks as stopped, not failed). Exit 0 would make the
-# agent treat the group as finished and wait out its exit barrier for peers that never come.
-EXIT_STOPPED = 143  # 128 + SIGTERM, what an uncaught SIGTERM would have given
-STOP_REASON_SIGNAL = "Signal"
-PEER_SIGNAL_WAIT_SECONDS = 5.0
 
 
 def gradient_accumulation(global_batch: int, world_size: int, micro_batch_size: int) -> int:
@@ -109,7 +99,7 @@ class Trainer:
         check_precision(spec.training.precision)  # refuse early
         torch.manual_seed(spec.training.seed)
 
-        tokenizer = build_tokenizer(spec.model, spec.storage.object_store)
+        tokenizer = build_tokenizer(spec.model, spec.storage.object_store, env.data_cache_dir)
         store = spec.storage.object_store
         staged = stage_dataset(
             spec.dataset, store, env.data_cache_dir, env.data_cache_limit_bytes,
@@ -128,6 +118,7 @@ class Trainer:
             # The plan says whether the blocks are compiled (its activation memory assumes
             # it); FT_COMPILE=0 still forces eager, for debugging, at eager's memory.
             compile_model=job.plan.compiled_blocks and env.compile and self.device.type == "cuda",
+            data_cache_dir=env.data_cache_dir,
         )
         self.model = self.parallel.model
         self.total_steps = spec.training.max_steps or math.ceil(
@@ -240,7 +231,14 @@ class Trainer:
             if "first step" not in self.startup.marks:
                 self.startup.mark("first step")
                 log.info("%s", self.startup.summary(cpu_seconds=time.process_time()))
-        code = self._finish(stopped=stop)
+        end = finish_run(
+            self.checkpointer,
+            self.stop_signal,
+            step=self.state.step,
+            stopped=stop,
+            grace_seconds=self.env.grace_seconds,
+        )
+        code, self.hard_exit = end.code, end.hard_exit
         self.metrics.log_summary()
         # Only a completed run exports (collective); a stopped one resumes and exports later,
         # and so does one whose final checkpoint failed (it exits non-zero and is restarted).
@@ -250,7 +248,7 @@ class Trainer:
                 step=self.state.step,
                 loss=loss,
                 checkpoint_step=self.checkpointer.last_committed_step,
-                checkpoint_failed_step=self._unrecovered_failure(),
+                checkpoint_failed_step=unrecovered_failure(self.checkpointer),
                 rank=self.dist.rank,
                 output=str(output) if output else None,
                 resumed_from_step=self.checkpointer.resumed_from_step,
@@ -353,46 +351,6 @@ class Trainer:
     def _device_sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _finish(self, *, stopped: bool) -> int:
-        if not stopped:
-            self.checkpointer.finish()
-            if self._unrecovered_failure() >= self.state.step:
-                log.error(
-                    "final checkpoint (step %d) failed; newest committed: step %d. Exiting "
-                    "with code %d so the run is restarted from it, not reported complete",
-                    self.state.step,
-                    self.checkpointer.last_committed_step,
-                    EXIT_FINAL_CHECKPOINT_FAILED,
-                )
-                return EXIT_FINAL_CHECKPOINT_FAILED
-            log.info("training complete at step %d", self.state.step)
-            return 0
-        if not self.stop_signal.requested:
-            # A peer was signalled (its pod is going away); give our own signal a moment in
-            # case the whole group is being stopped (torchrun scale-up restarts everyone).
-            deadline = time.monotonic() + PEER_SIGNAL_WAIT_SECONDS
-            while not self.stop_signal.requested and time.monotonic() < deadline:
-                time.sleep(0.1)
-        started = self.stop_signal.received_at or time.monotonic()
-        left = max(0.0, self.env.grace_seconds - (time.monotonic() - started))
-        if not self.checkpointer.finish(timeout=left):
-            log.error(
-                "final checkpoint not committed within the %.0fs grace period",
-                self.env.grace_seconds,
-            )
-            self.hard_exit = True
-        log.info(
-            "stopped at step %d (last committed checkpoint: step %d)",
-            self.state.step,
-            self.checkpointer.last_committed_step,
-        )
-        return EXIT_STOPPED if self.stop_signal.requested else EXIT_PEER_STOPPED
-
-    def _unrecovered_failure(self) -> int:
-        """The newest failed save not followed by a committed one (0: none)."""
-        failed = self.checkpointer.last_failed_step
-        return failed if failed > self.checkpointer.last_committed_step else 0
 
     def close(self) -> None:
         self.step_trace.close()

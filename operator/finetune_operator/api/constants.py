@@ -45,6 +45,8 @@ REASON_PLAN_INFEASIBLE: Final = "PlanInfeasible"
 REASON_INVALID_SPEC: Final = "InvalidSpec"
 REASON_UNSUPPORTED: Final = "Unsupported"  # valid, but not implemented by this trainer
 REASON_NOT_ALLOWED: Final = "NotAllowed"  # valid, but outside the operator's job policy
+# Refused for new jobs, kept with its old meaning for a job accepted before (api/spec_compat.py).
+REASON_DEPRECATED_SPEC: Final = "DeprecatedSpec"
 REASON_PENDING: Final = "Pending"
 REASON_RUNNING: Final = "Running"
 REASON_RESTARTING: Final = "Restarting"

@@ -131,11 +131,35 @@ CEL_RULES: dict[str, list[dict[str, str]]] = {
     ],
 }
 
+
+def kept_when_stored(check: str) -> str:
+    """A transition rule that refuses an update making a value fail `check` (written on
+    `{x}`), and lets through one where the old value failed it too.
+
+    For a check added after jobs were stored: a stored job that fails it must stay writable,
+    or the upgraded cluster wedges a running job. The server evaluates the CRD's CEL rules on
+    every write of the object, status and metadata included (kopf's annotations and
+    finalizers, the operator's status patches), and spares an unchanged value only from
+    Kubernetes 1.30 (ratcheting; on the status subresource from 1.33), and a suspend toggle
+    changes the spec node a spec-wide rule sits on. A plain rule (or minLength) would refuse
+    them all. A transition rule is not evaluated on create: a new job with the value is
+    refused by the operator (InvalidSpec, naming the field) and `ftjob plan`; the API server
+    could refuse it too only with `optionalOldSelf`, which servers before 1.30 (the chart
+    claims 1.28) do not take. The spec is immutable, so "the old value failed too" is "the
+    value is the stored one"."""
+    new, old = check.format(x="self"), check.format(x="oldSelf")
+    return f"({new}) || !({old})"
+
+
+MERGE_LORA_CHECK = (
+    "!has({x}.output) || !has({x}.output.mergeLora) || !{x}.output.mergeLora || "
+    "(has({x}.method) && has({x}.method.type) && {x}.method.type != 'full')"
+)
+
 # Rules across parts of the spec (the spec's own, mirroring FineTuneJobSpec's validators).
-SPEC_CEL_RULES: list[dict[str, str]] = [
+SPEC_CEL_RULES: list[dict[str, Any]] = [
     {
-        "rule": "!has(self.output) || !has(self.output.mergeLora) || !self.output.mergeLora || "
-        "(has(self.method) && has(self.method.type) && self.method.type != 'full')",
+        "rule": kept_when_stored(MERGE_LORA_CHECK),
         "message": "output.mergeLora needs method lora or qlora: a full fine-tune has no "
         "adapters to merge",
         "fieldPath": ".output.mergeLora",
@@ -143,19 +167,31 @@ SPEC_CEL_RULES: list[dict[str, str]] = [
 ]
 
 # Storage URIs: no `..` segments (spec.refuse_parent_segments), on the string itself.
-URI_RULES: dict[str, dict[str, str]] = {
-    "DatasetSpec": {
-        "rule": NO_PARENT_SEGMENTS_RULE,
-        "message": "dataset.uri must not contain '..' path segments",
-    },
-    "CheckpointSpec": {
-        "rule": NO_PARENT_SEGMENTS_RULE,
-        "message": "checkpoint.uri must not contain '..' path segments",
-    },
-    "OutputSpec": {
-        "rule": NO_PARENT_SEGMENTS_RULE,
-        "message": "output.uri must not contain '..' path segments",
-    },
+URI_RULES: dict[str, list[dict[str, Any]]] = {
+    "DatasetSpec": [
+        {
+            "rule": NO_PARENT_SEGMENTS_RULE,
+            "message": "dataset.uri must not contain '..' path segments",
+        }
+    ],
+    "CheckpointSpec": [
+        {
+            "rule": NO_PARENT_SEGMENTS_RULE,
+            "message": "checkpoint.uri must not contain '..' path segments",
+        }
+    ],
+    "OutputSpec": [
+        {
+            "rule": NO_PARENT_SEGMENTS_RULE,
+            "message": "output.uri must not contain '..' path segments",
+        },
+        {
+            # Not minLength: a schema bound cannot spare a job stored with "" (kept_when_stored).
+            "rule": kept_when_stored("size({x}) > 0"),
+            "message": "output.uri is empty: give a directory or s3:// URI, or omit it for "
+            "no export",
+        },
+    ],
 }
 
 # int | "auto" fields: structural schemas allow exactly this one union.
@@ -280,7 +316,7 @@ def _convert_object(
         for name, sub in props.items():
             converted = _convert(sub, defs)
             if name == "uri" and def_name in URI_RULES:
-                converted["x-kubernetes-validations"] = [dict(URI_RULES[def_name])]
+                converted["x-kubernetes-validations"] = copy.deepcopy(URI_RULES[def_name])
             # A nested model with a default_factory: default it to {} so the API server
             # fills in its own defaults too (pydantic emits no default for factories).
             is_model = "$ref" in sub and converted.get("type") == "object"

@@ -199,7 +199,9 @@ class FaultToleranceSpec(SpecModel):
 class OutputSpec(SpecModel):
     uri: str | None = Field(
         None,
-        min_length=1,
+        # No min_length (in the CRD it would wedge jobs stored with ""): _uri_not_empty
+        # refuses it for new jobs, and a CEL transition rule an edit to it
+        # (crd.kept_when_stored).
         max_length=lim.MAX_URI_LENGTH,
         description="Where the final model is written (a directory or s3:// URI); omitted: "
         "no export, the model is only in the checkpoints.",

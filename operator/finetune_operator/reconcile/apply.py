@@ -60,25 +60,57 @@ def _describe(err: ApiException) -> str:
     return f"HTTP {err.status} {err.reason}"
 
 
-def describe_pod_group_error(obj: dict[str, Any], err: ApiException) -> str:
-    """What a user or admin must do when the job's PodGroup cannot be written: the usual
-    causes are a scheduler that is not installed (the API server has no such resource: 404)
-    and an operator not allowed to manage PodGroups (403)."""
+@dataclass(frozen=True)
+class ChildErrorAdvice:
+    """What differs between the children whose write can fail for want of a CRD (404) or of
+    RBAC (403): the remedies, and who waits (`{resource}` in a remedy: e.g. podgroups.<group>)."""
+
+    kind: str
+    plural: str
+    not_served: str
+    forbidden: str
+    waiting: str
+    done: str
+
+
+POD_GROUP_ADVICE = ChildErrorAdvice(
+    kind="PodGroup",
+    plural=POD_GROUP_PLURAL,
+    not_served="install the gang scheduler that defines the CRD {resource}, or unset "
+    "spec.resources.gangScheduling",
+    forbidden="add its scheduler to the chart value gangScheduling.schedulers",
+    waiting="worker pods wait",
+    done="created",
+)
+WORKLOAD_ADVICE = ChildErrorAdvice(
+    kind="Workload",
+    plural=WORKLOAD_PLURAL,
+    not_served=f"install Kueue (v0.15 or later), or remove the job's {QUEUE_LABEL} label",
+    forbidden="set the chart value kueue.enabled=true",
+    waiting="the job waits",
+    done="written",
+)
+
+
+def describe_child_error(obj: dict[str, Any], err: ApiException, advice: ChildErrorAdvice) -> str:
+    """What a user or admin must do when a PodGroup or Workload cannot be written (or read):
+    the usual causes are a scheduler or Kueue that is not installed (the API server has no
+    such resource: 404) and an operator not allowed to manage the resource (403)."""
     group, _, version = obj["apiVersion"].rpartition("/")
-    resource = f"podgroups.{group}"
-    head = f"PodGroup {obj['metadata']['name']} ({_describe(err)})"
+    resource = f"{advice.plural}.{group}"
+    head = f"{advice.kind} {obj['metadata']['name']} ({_describe(err)})"
     if err.status == 404:
+        remedy = advice.not_served.format(resource=resource)
         return (
-            f"{head}: the API server does not serve {resource}/{version}: install the gang "
-            f"scheduler that defines the CRD {resource}, or unset "
-            "spec.resources.gangScheduling; worker pods wait until it exists"
+            f"{head}: the API server does not serve {resource}/{version}: {remedy}; "
+            f"{advice.waiting} until it exists"
         )
     if err.status == 403:
         return (
-            f"{head}: the operator may not manage {resource}: add its scheduler to the chart "
-            "value gangScheduling.schedulers; worker pods wait until it may"
+            f"{head}: the operator may not manage {resource}: {advice.forbidden}; "
+            f"{advice.waiting} until it may"
         )
-    return f"{head}; worker pods wait until it is created"
+    return f"{head}; {advice.waiting} until it is {advice.done}"
 
 
 def workload_absent(err: ApiException, name: str) -> bool:
@@ -92,26 +124,6 @@ def workload_absent(err: ApiException, name: str) -> bool:
     except (ValueError, AttributeError):
         return False
     return isinstance(details, dict) and details.get("name") == name
-
-
-def describe_workload_error(obj: dict[str, Any], err: ApiException) -> str:
-    """What to do when the job's Kueue Workload cannot be written or read: Kueue is not
-    installed (404) or the operator may not manage Workloads (403)."""
-    group, _, version = obj["apiVersion"].rpartition("/")
-    resource = f"{WORKLOAD_PLURAL}.{group}"
-    head = f"Workload {obj['metadata']['name']} ({_describe(err)})"
-    if err.status == 404:
-        return (
-            f"{head}: the API server does not serve {resource}/{version}: install Kueue "
-            f"(v0.15 or later), or remove the job's {QUEUE_LABEL} label; the job waits "
-            "until it exists"
-        )
-    if err.status == 403:
-        return (
-            f"{head}: the operator may not manage {resource}: set the chart value "
-            "kueue.enabled=true; the job waits until it may"
-        )
-    return f"{head}; the job waits until it is written"
 
 
 class ClusterApi:
@@ -218,7 +230,7 @@ class ClusterApi:
                 return None, ""
             if err.status in (403, 404):
                 obj = {"apiVersion": KUEUE_API_VERSION, "metadata": {"name": name}}
-                return None, describe_workload_error(obj, err)
+                return None, describe_child_error(obj, err, WORKLOAD_ADVICE)
             raise
 
     async def read_flavors(self, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -331,7 +343,7 @@ class ClusterApi:
             try:
                 await self.ensure_workload(actions.workload, actions.workload_rewrite)
             except ApiException as err:
-                result.errors.append(describe_workload_error(actions.workload, err))
+                result.errors.append(describe_child_error(actions.workload, err, WORKLOAD_ADVICE))
         if actions.workload_deactivate:
             try:
                 await self.deactivate_workload(namespace, actions.workload_name)
@@ -358,7 +370,7 @@ class ClusterApi:
                 await self.ensure_custom(actions.pod_group, POD_GROUP_PLURAL)
             except ApiException as err:
                 group_ok = False
-                result.errors.append(describe_pod_group_error(actions.pod_group, err))
+                result.errors.append(describe_child_error(actions.pod_group, err, POD_GROUP_ADVICE))
         for ref in actions.remove:
             try:
                 await self.remove(namespace, ref)

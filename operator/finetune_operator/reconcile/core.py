@@ -9,11 +9,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from finetune_operator.api.constants import COND_PLANNED, REASON_DEPRECATED_SPEC
 from finetune_operator.api.policy import JobPolicy
+from finetune_operator.api.spec_compat import describe_deprecations
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.actions import Actions, decide_actions
 from finetune_operator.reconcile.admission import QueueState, pod_sets_differ
-from finetune_operator.reconcile.conditions import EventSpec, condition_events
+from finetune_operator.reconcile.conditions import EventSpec, condition_events, find
 from finetune_operator.reconcile.evaluation import Evaluation, JobRef, PlanFn, evaluate_job
 from finetune_operator.reconcile.health import HealthInput, assess_health
 from finetune_operator.reconcile.observed import PodView, mark_terminating
@@ -50,6 +52,18 @@ def _with_sync(ev: Evaluation, queue: QueueState) -> QueueState:
         return queue
     wanted = build_workload(ev.job.owner, ev.spec, ev.plan, queue.queue)
     return replace(queue, stale=pod_sets_differ(queue.raw, wanted))
+
+
+def deprecation_events(ev: Evaluation, old: FineTuneJobStatus) -> tuple[EventSpec, ...]:
+    """A Warning the first time a job runs on with a deprecated spec form (the Planned
+    condition's message keeps saying it afterwards: status.py)."""
+    if not ev.deprecations:
+        return ()
+    text = describe_deprecations(ev.deprecations)
+    planned = find(old.conditions, COND_PLANNED)
+    if planned is not None and planned.message.startswith(text):
+        return ()
+    return (EventSpec("Warning", REASON_DEPRECATED_SPEC, text),)
 
 
 def reconcile_job(
@@ -91,6 +105,7 @@ def reconcile_job(
         )
     events = (
         *condition_events(status.conditions, new_status.conditions),
+        *deprecation_events(ev, status),
         *actions.events,
         *extra,
     )

@@ -24,6 +24,7 @@ from finetune_operator.api.limits import MAX_JOB_NAME, MAX_NODES
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.policy import JobPolicy, policy_refusals, with_policy_defaults
 from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.api.spec_compat import Deprecation, accept_stored_spec
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.reconcile.admission import QueueState
@@ -63,6 +64,8 @@ class Evaluation:
     network_policy: tuple[str, ...] | None = None
     # Kueue: the job's Workload as read this pass; None when the job is not queued in Kueue.
     queue: QueueState | None = None
+    # Spec forms refused for new jobs, kept with their old meaning for this accepted one.
+    deprecations: tuple[Deprecation, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -121,6 +124,14 @@ def _cached_plan(job: JobRef, status: FineTuneJobStatus) -> Plan | None:
     return None
 
 
+def _accepted_before(status: FineTuneJobStatus) -> bool:
+    """Whether an operator planned this job before (at any generation: a suspend toggle
+    bumps it). Its spec was valid then (it is immutable), and it may be running:
+    spec_compat applies. The plan stays in the status when a later release refuses the
+    spec, so a job that release failed runs again once its generation moves (suspend)."""
+    return status.plan is not None
+
+
 def _network_policy(policy: JobPolicy) -> tuple[str, ...] | None:
     if not policy.network_policy:
         return None
@@ -144,6 +155,9 @@ def evaluate_job(
     name_problem = _check_name(job)
     if name_problem:
         return Evaluation(job, failure_reason=REASON_INVALID_SPEC, failure_message=name_problem)
+    deprecations: tuple[Deprecation, ...] = ()
+    if _accepted_before(status):
+        raw_spec, deprecations = accept_stored_spec(raw_spec)
     try:
         spec = FineTuneJobSpec.model_validate(dict(raw_spec))
     except ValidationError as err:
@@ -172,4 +186,6 @@ def evaluate_job(
     if refusals:
         message = "the trainer cannot run this job: " + "; ".join(refusals)
         return Evaluation(job, spec, plan, REASON_UNSUPPORTED, message)
-    return Evaluation(job, spec, plan, network_policy=_network_policy(policy))
+    return Evaluation(
+        job, spec, plan, network_policy=_network_policy(policy), deprecations=deprecations
+    )

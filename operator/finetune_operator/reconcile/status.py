@@ -30,6 +30,7 @@ from finetune_operator.api.constants import (
     REASON_SUSPENDED,
     REASON_WORKERS_NOT_READY,
 )
+from finetune_operator.api.spec_compat import describe_deprecations
 from finetune_operator.api.status import Condition, FineTuneJobStatus
 from finetune_operator.reconcile.assess import Assessment, Mode, assess, root_cause_first
 from finetune_operator.reconcile.conditions import Want, derive_phase, find, set_condition
@@ -82,6 +83,14 @@ def _progress(a: Assessment) -> Want:
     return Want("Unknown", REASON_PENDING, detail)
 
 
+def _planned_message(ev: Evaluation) -> str:
+    reason = ev.plan.reason if ev.plan else ""
+    if not ev.deprecations:
+        return reason
+    # First, so that a long plan reason cannot cut off what the user must change.
+    return shorten(f"{describe_deprecations(ev.deprecations)}; {reason}", MAX_MESSAGE_CHARS)
+
+
 def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
     if a.mode is Mode.INVALID:
         reason, msg = ev.failure_reason or "", ev.failure_message
@@ -91,7 +100,7 @@ def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
             COND_SUCCEEDED: Want("False", reason, msg),
             COND_FAILED: Want("True", reason, msg),
         }
-    planned = Want("True", REASON_PLAN_FITS, ev.plan.reason if ev.plan else "")
+    planned = Want("True", REASON_PLAN_FITS, _planned_message(ev))
     if a.mode is Mode.SUCCEEDED:
         done = Want("False", REASON_COMPLETED, a.message)
         return {
