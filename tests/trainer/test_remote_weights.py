@@ -142,8 +142,10 @@ def test_s3_weights_load_like_from_pretrained_reading_the_whole_model_once(
         logging.getLogger("finetune_trainer.pretrained").removeHandler(fetched)
     with torch.no_grad():
         assert torch.equal(model(input_ids=INPUT).logits, plain_logits(local))
-    # One rank holds every shard: it read every file once, headers and all, no more.
+    # One rank holds every shard: it read every file once (the index, the headers and all the
+    # data), no more.
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
+    total += (local / "model.safetensors.index.json").stat().st_size
     assert fetched.rows == [(total, total)]
 
 
@@ -223,16 +225,21 @@ def test_two_ranks_read_their_shards_from_s3_not_the_model(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     got = torch.load(out, weights_only=False)
     assert torch.equal(got["logits"], plain_logits(local))
-    total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
-    fetched = [row["bytes_read"] for row in got["fetched"]]
-    headers = sum(
-        8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in local.glob("*.safetensors")
-    )
-    # Each rank: every header, and half the data (dim-0 shards of even sizes); together, the
-    # data exactly once.
-    assert sum(fetched) == 2 * headers + (total - headers), (fetched, total, headers)
-    for n in fetched:
-        assert n < 0.6 * total, (fetched, total)
+    files = sorted(local.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in files)
+    index = (local / "model.safetensors.index.json").stat().st_size
+    headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in files)
+    rows = got["fetched"]
+    # Each rank asked for half the data (dim-0 shards of even sizes); together, the data
+    # exactly once.
+    wanted = [row["bytes_wanted"] for row in rows]
+    assert sum(wanted) == total - headers, (wanted, total, headers)
+    assert all(n < 0.6 * (total - headers) for n in wanted), wanted
+    for row in rows:
+        # The model is far smaller than the 1 MiB gap: each file's rows of a rank coalesce
+        # into one request, besides the index and two reads per header.
+        assert row["requests"] == 1 + 3 * len(files), (row, len(files))
+        assert index + headers + row["bytes_wanted"] <= row["bytes_read"] <= index + total
 
 
 def test_a_tensor_in_two_files_of_the_prefix_is_refused_naming_both(tmp_path: Path) -> None:
