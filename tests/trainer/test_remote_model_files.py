@@ -15,9 +15,12 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from finetune_trainer.data.remote import RemoteObject
-from finetune_trainer.location import Location
+from finetune_operator.api.spec import DatasetSpec
+from finetune_trainer.data.remote import RemoteObject, stage_dataset
+from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.location import Location, locate
 from finetune_trainer.remote_model import MODELS_DIR, STAGING, cache_name, model_files
+from tests.objectstore import MotoServer
 
 
 @pytest.fixture
@@ -103,3 +106,40 @@ def test_a_killed_fetchs_staging_directory_is_removed_not_used(cache_dir: Path) 
     got = model_files(remote({"config.json": CONFIG}))
     assert (got / "config.json").read_bytes() == CONFIG
     assert not stale.exists() and mine.exists()
+
+
+# ---- the data area's budget (dataset.cacheSizeLimit) --------------------------------------
+
+
+def test_model_files_over_the_data_areas_budget_are_refused_before_fetching(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = b"t" * 5000
+    location = remote({"config.json": CONFIG, "tokenizer.json": tokenizer})
+    (cache_dir.parent / "objects").mkdir(parents=True)
+    (cache_dir.parent / "objects" / "corpus.jsonl").write_bytes(b"c" * 1000)  # already there
+    monkeypatch.setenv("FT_DATA_CACHE_LIMIT_BYTES", str(1000 + len(CONFIG) + len(tokenizer) - 1))
+    with pytest.raises(UnsupportedConfigError, match=r"raise dataset\.cacheSizeLimit") as err:
+        model_files(location)
+    assert location.url in str(err.value)
+    assert not [p for p in cache_dir.iterdir()]  # nothing fetched
+    monkeypatch.setenv("FT_DATA_CACHE_LIMIT_BYTES", str(1000 + len(CONFIG) + len(tokenizer)))
+    assert (model_files(location) / "tokenizer.json").read_bytes() == tokenizer
+
+
+def test_model_files_count_in_the_datasets_budget(
+    cache_dir: Path, s3_credentials: MotoServer, tmp_path: Path
+) -> None:
+    """The corpus fetched after the model files (the trainer's order) has what they left."""
+    model_files(remote({"config.json": CONFIG, "tokenizer.json": b"t" * 5000}))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(b'{"text": "hello"}\n' * 100)
+    uri = f"s3://{s3_credentials.new_bucket()}/corpus.jsonl"
+    locate(uri, "test", object_store=s3_credentials.spec()).upload(corpus)
+    held = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+    assert held == len(CONFIG) + 5000
+    data_dir = cache_dir.parent
+    size = corpus.stat().st_size
+    with pytest.raises(UnsupportedConfigError, match=r"raise dataset\.cacheSizeLimit"):
+        stage_dataset(DatasetSpec(uri=uri), s3_credentials.spec(), data_dir, size + held - 1)
+    assert stage_dataset(DatasetSpec(uri=uri), s3_credentials.spec(), data_dir, size + held)

@@ -10,7 +10,9 @@ pile up there at every restart (on a read-only root, /tmp may not even be writab
 Layout under `<data dir>/models/`: `<url hash>-<identity hash>/`, the identity being every
 fetched object's (URL, size, ETag, version id), so a restart that lists the same objects
 reuses the directory without fetching, and a rewritten config gets a new directory (the old
-ones of the prefix are removed). Each rank fetches into a staging directory of its own and
+ones of the prefix are removed). They count against the data area's budget
+(`dataset.cacheSizeLimit`) like the corpus and the tokenized blocks: fetched only if they fit
+what is left, and counted by the checks that come after them. Each rank fetches into a staging directory of its own and
 renames it into place when complete: a killed fetch never leaves a directory that is used,
 and ranks racing to fetch never wait on one another. The safetensors are not fetched: they are
 read by byte ranges straight into each rank's shards (finetune_trainer.safetensors_ranges)."""
@@ -28,7 +30,13 @@ from pathlib import Path
 
 from finetune_operator.api.spec import ModelSpec
 from finetune_operator.api.storage import ObjectStoreSpec, is_object_store_uri
-from finetune_trainer.data.remote import RemoteObject, local_data_dir, remote_object
+from finetune_trainer.data.remote import (
+    RemoteObject,
+    fits,
+    local_data_dir,
+    remote_object,
+    used_bytes,
+)
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.files import fsync_dir, remove, write_synced
 from finetune_trainer.location import Location, access_problem, locate
@@ -67,6 +75,13 @@ def cache_root(env: dict[str, str] | None = None) -> Path:
     dataset's copy, data/remote.py)."""
     raw = (os.environ if env is None else env).get("FT_DATA_CACHE_DIR")
     return local_data_dir(Path(raw) if raw else None) / MODELS_DIR
+
+
+def cache_limit(env: dict[str, str] | None = None) -> int | None:
+    """The data area's budget (FT_DATA_CACHE_LIMIT_BYTES: the worker pod's data-cache
+    sizeLimit less a margin, resources/worker.py); None without one."""
+    raw = (os.environ if env is None else env).get("FT_DATA_CACHE_LIMIT_BYTES")
+    return int(raw) if raw else None
 
 
 def cache_name(url: str, objects: list[RemoteObject]) -> str:
@@ -147,6 +162,18 @@ def model_files(location: Location, field: str = "spec.model.path") -> Path:
         log.info("model files %s: the pod's copy is current (%s)", location.url, directory)
         return directory
     _remove_stale(root, directory.name)
+    limit = cache_limit()
+    # The files count against dataset.cacheSizeLimit like the corpus and the tokenized
+    # blocks (each check walks the whole data area): a tokenizer of tens of MB in a small
+    # cache would otherwise overrun the emptyDir's sizeLimit, and the kubelet evicts the pod.
+    budget = None if limit is None else limit - used_bytes(root.parent)
+    if not fits(objects, budget):
+        raise UnsupportedConfigError(
+            f"{field} {location.url!r}: the config and tokenizer files take "
+            f"{sum(o.size for o in objects)} bytes, more than the {budget} the pod's data area "
+            "has left: raise dataset.cacheSizeLimit (it holds these files, the downloaded "
+            "corpus and its tokenized blocks)"
+        )
     staging = root / f"{STAGING}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
