@@ -8,7 +8,7 @@ on loopback; torchrun ranks load it the trainer's way (meta -> shard -> ranged r
 shards: finetune_trainer.safetensors_ranges) and report the bytes they read; the loaded
 logits are checked against `from_pretrained` of the same files.
 
-    python bench/remote_weights.py [--worlds 2 4] [--out bench/results/remote_weights.txt]
+    python bench/remote_weights.py [--worlds 1 2 4] [--out bench/results/remote_weights.txt]
 
 moto serves from memory on the same machine: the seconds say nothing of a real store's
 throughput, only the byte counts carry over.
@@ -82,7 +82,7 @@ def run(world: int, job: JobConfig, tmp: Path, gap: int | None) -> tuple[list[in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.environ.update(CREDENTIALS)
