@@ -114,6 +114,7 @@ def test_a_killed_fetchs_staging_directory_is_removed_not_used(cache_dir: Path) 
 def test_model_files_over_the_data_areas_budget_are_refused_before_fetching(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     tokenizer = b"t" * 5000
     location = remote({"config.json": CONFIG, "tokenizer.json": tokenizer})
     (cache_dir.parent / "objects").mkdir(parents=True)
@@ -124,6 +125,11 @@ def test_model_files_over_the_data_areas_budget_are_refused_before_fetching(
     assert location.url in str(err.value)
     assert not [p for p in cache_dir.iterdir()]  # nothing fetched
     monkeypatch.setenv("FT_DATA_CACHE_LIMIT_BYTES", str(1000 + len(CONFIG) + len(tokenizer)))
+    # Two local ranks may stage a copy each at once: both must fit.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(UnsupportedConfigError, match="2 local ranks' copies"):
+        model_files(location)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert (model_files(location) / "tokenizer.json").read_bytes() == tokenizer
 
 

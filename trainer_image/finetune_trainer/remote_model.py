@@ -32,7 +32,6 @@ from finetune_operator.api.spec import ModelSpec
 from finetune_operator.api.storage import ObjectStoreSpec, is_object_store_uri
 from finetune_trainer.data.remote import (
     RemoteObject,
-    fits,
     local_data_dir,
     remote_object,
     used_bytes,
@@ -166,13 +165,16 @@ def model_files(location: Location, field: str = "spec.model.path") -> Path:
     # The files count against dataset.cacheSizeLimit like the corpus and the tokenized
     # blocks (each check walks the whole data area): a tokenizer of tens of MB in a small
     # cache would otherwise overrun the emptyDir's sizeLimit, and the kubelet evicts the pod.
+    # Every local rank may be staging its own copy at once (one survives the renames).
+    copies = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     budget = None if limit is None else limit - used_bytes(root.parent)
-    if not fits(objects, budget):
+    need = copies * sum(o.size for o in objects)
+    if budget is not None and need > budget:
         raise UnsupportedConfigError(
             f"{field} {location.url!r}: the config and tokenizer files take "
-            f"{sum(o.size for o in objects)} bytes, more than the {budget} the pod's data area "
-            "has left: raise dataset.cacheSizeLimit (it holds these files, the downloaded "
-            "corpus and its tokenized blocks)"
+            f"{need} bytes ({copies} local ranks' copies while fetching), more than the "
+            f"{budget} the pod's data area has left: raise dataset.cacheSizeLimit (it holds "
+            "these files, the downloaded corpus and its tokenized blocks)"
         )
     staging = root / f"{STAGING}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
