@@ -178,8 +178,9 @@ class RangedSafetensorsReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Span] = {}
         self.bytes_read = 0
         self.bytes_total = 0
-        # The bytes of the ranges the load plan asked for, and the GETs that fetched them
-        # (parts and headers included): bytes_read - bytes_wanted is what coalescing wasted.
+        # The bytes of the slices the load plan asked for, and the ranges fetched (parts,
+        # index and headers included): bytes_read - bytes_wanted is the index, the headers
+        # and the gaps that coalescing read and dropped.
         self.bytes_wanted = 0
         self.requests = 0
         # The first error of a read, as raised: DCP flattens a metadata read's error into
