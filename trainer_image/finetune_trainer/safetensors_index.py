@@ -33,16 +33,7 @@ def parse_index(url: str, raw: bytes) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{url}: not a safetensors index (no weight_map of tensor to file)")
     for name, file in weight_map.items():
-        if (
-            not isinstance(file, str)
-            or not file.endswith(SUFFIX)
-            or "/" in file
-            or file
-            in {
-                ".",
-                "..",
-            }
-        ):
+        if not isinstance(file, str) or not file.endswith(SUFFIX) or "/" in file:
             raise ValueError(
                 f"{url}: weight_map[{name!r}] is {file!r}, not a *.safetensors file of the "
                 "same directory"
