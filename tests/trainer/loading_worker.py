@@ -60,7 +60,7 @@ class Fetched(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if hasattr(record, "bytes_read"):
-            keys = ("bytes_read", "bytes_total", "bytes_wanted", "requests")
+            keys = ("bytes_read", "bytes_total", "bytes_gaps", "bytes_index", "requests")
             self.rows.append({k: getattr(record, k) for k in keys})
 
 

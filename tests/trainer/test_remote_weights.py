@@ -142,10 +142,8 @@ def test_s3_weights_load_like_from_pretrained_reading_the_whole_model_once(
         logging.getLogger("finetune_trainer.pretrained").removeHandler(fetched)
     with torch.no_grad():
         assert torch.equal(model(input_ids=INPUT).logits, plain_logits(local))
-    # One rank holds every shard: it read every file once (the index, the headers and all the
-    # data), no more.
+    # One rank holds every shard: it read every file once, headers and all, no more.
     total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
-    total += (local / "model.safetensors.index.json").stat().st_size
     assert fetched.rows == [(total, total)]
 
 
@@ -230,16 +228,18 @@ def test_two_ranks_read_their_shards_from_s3_not_the_model(
     index = (local / "model.safetensors.index.json").stat().st_size
     headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in files)
     rows = got["fetched"]
-    # Each rank asked for half the data (dim-0 shards of even sizes); together, the data
-    # exactly once.
-    wanted = [row["bytes_wanted"] for row in rows]
-    assert sum(wanted) == total - headers, (wanted, total, headers)
-    assert all(n < 0.6 * (total - headers) for n in wanted), wanted
+    # Each rank: every header, and half the data (dim-0 shards of even sizes); together, the
+    # data exactly once.
+    fetched = [row["bytes_read"] for row in rows]
+    assert sum(fetched) == 2 * headers + (total - headers), (fetched, total, headers)
     for row in rows:
-        # The model is far smaller than the 1 MiB gap: each file's rows of a rank coalesce
-        # into one request, besides the index and two reads per header.
+        assert row["bytes_read"] < 0.6 * total, (fetched, total)
+        # The model is far smaller than the 1 MiB gap: a rank's rows of each file coalesce
+        # into one request (the other rank's rows between them read and dropped), besides
+        # the index and two reads per header.
         assert row["requests"] == 1 + 3 * len(files), (row, len(files))
-        assert index + headers + row["bytes_wanted"] <= row["bytes_read"] <= index + total
+        assert row["bytes_index"] == index
+        assert 0 < row["bytes_gaps"] < total - headers, row
 
 
 def test_a_tensor_in_two_files_of_the_prefix_is_refused_naming_both(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.location import Location, locate
 from finetune_trainer.pretrained import load_safetensors
-from finetune_trainer.ranged_reads import Request, coalesce
+from finetune_trainer.ranged_reads import Request, coalesce, dropped_bytes
 from finetune_trainer.safetensors_index import (
     INDEX_NAME,
     absent,
@@ -73,6 +73,13 @@ def test_an_index_naming_a_missing_file_is_refused_naming_it() -> None:
         files_to_read(["m-1.safetensors"], {"a": "m-1.safetensors", "b": "m-2.safetensors"},
                       "s3://b/m/" + INDEX_NAME)  # fmt: skip
     assert "s3://b/m/" + INDEX_NAME in str(err.value)
+
+
+def test_the_gaps_between_coalesced_ranges_are_counted_once() -> None:
+    ranges = [("f", 0, 100), ("f", 50, 120), ("f", 130, 200), ("g", 0, 10)]
+    requests = coalesce(ranges, 20, 300)
+    assert dropped_bytes(requests, ranges) == 10  # 120..130; the overlap is no gap
+    assert dropped_bytes(coalesce(ranges, -1, 300), ranges) == 0
 
 
 @pytest.mark.parametrize(
@@ -222,7 +229,8 @@ def test_many_small_tensors_of_a_file_are_one_request(
     assert all(torch.equal(state[k], want[k]) for k in want)
     # The header's length and the header, then the data.
     assert len(counted.ranges) == 2 + data_requests == reader.requests
-    assert reader.bytes_wanted == 40 * 64 * 4
+    # The whole file, once; nothing between the tensors to drop.
+    assert reader.bytes_read == reader.bytes_total and reader.bytes_gaps == 0
 
 
 def test_a_coalesced_read_respects_the_part_size(monkeypatch: pytest.MonkeyPatch) -> None:

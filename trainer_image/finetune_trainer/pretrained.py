@@ -112,16 +112,19 @@ def _load_ranged(model: nn.Module, weights: Location) -> set[int]:
             f"from its config: {problem}"
         ) from exc
     log.info(
-        "pretrained weights: read %d of %d bytes from %s in %d requests (%d of them asked for)",
+        "pretrained weights: read %d of %d bytes from %s (in %d requests; %d bytes of gaps "
+        "between coalesced ranges and %d of index fetched besides)",
         reader.bytes_read,
         reader.bytes_total,
         weights.url,
         reader.requests,
-        reader.bytes_wanted,
+        reader.bytes_gaps,
+        reader.bytes_index,
         extra={
             "bytes_read": reader.bytes_read,
             "bytes_total": reader.bytes_total,
-            "bytes_wanted": reader.bytes_wanted,
+            "bytes_gaps": reader.bytes_gaps,
+            "bytes_index": reader.bytes_index,
             "requests": reader.requests,
         },
     )

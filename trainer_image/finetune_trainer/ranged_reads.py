@@ -117,6 +117,21 @@ def coalesce(
     return out
 
 
+def dropped_bytes(requests: Sequence[Request], ranges: Sequence[tuple[str, int, int]]) -> int:
+    """Pure: the bytes the requests fetch that none of their ranges covers (the gaps that
+    coalescing reads and drops)."""
+    total = 0
+    for req in requests:
+        covered, reach = 0, req.start
+        for i in sorted(req.members, key=lambda i: ranges[i][1]):
+            _, start, end = ranges[i]
+            if end > reach:
+                covered += end - max(start, reach)
+                reach = end
+        total += (req.end - req.start) - covered
+    return total
+
+
 def cat_ranges_retrying(
     fs: AbstractFileSystem,
     paths: Sequence[str],

@@ -48,6 +48,7 @@ from finetune_trainer.ranged_reads import (
     ShortReadError,
     cat_ranges_retrying,
     coalesce,
+    dropped_bytes,
     split_range,
 )
 from finetune_trainer.safetensors_index import (
@@ -154,10 +155,11 @@ def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
 
 class RangedSafetensorsReader(StorageReader):
     """Hugging Face safetensors under `location` (any fsspec filesystem), read by ranges.
-    `bytes_read` counts what this rank fetched (index, headers and coalescing's gaps
-    included), `requests` the ranges it fetched them in (a retry not counted again), and
-    `bytes_wanted` the bytes of the slices the load plan asked for; `bytes_total` is the size
-    of the files read (the index and the safetensors files it names)."""
+    `bytes_read` counts the bytes of the safetensors this rank needed (the headers and the
+    slices the load plan asked for) and `bytes_total` is the size of the safetensors files
+    read; what it fetched besides: `bytes_gaps` (between ranges coalesced into one request,
+    read and dropped) and `bytes_index` (model.safetensors.index.json); `requests` counts the
+    ranges it fetched (a retry not counted again)."""
 
     def __init__(
         self,
@@ -178,10 +180,8 @@ class RangedSafetensorsReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Span] = {}
         self.bytes_read = 0
         self.bytes_total = 0
-        # The bytes of the slices the load plan asked for, and the ranges fetched (parts,
-        # index and headers included): bytes_read - bytes_wanted is the index, the headers
-        # and the gaps that coalescing read and dropped.
-        self.bytes_wanted = 0
+        self.bytes_gaps = 0
+        self.bytes_index = 0
         self.requests = 0
         # The first error of a read, as raised: DCP flattens a metadata read's error into
         # an AssertionError's text, which the caller cannot classify.
@@ -202,7 +202,6 @@ class RangedSafetensorsReader(StorageReader):
         fs = self.location.fs
         urls = [str(fs.unstrip_protocol(p)) for p in paths]
         got = cat_ranges_retrying(fs, paths, starts, ends, urls, self.retry)
-        self.bytes_read += sum(len(b) for b in got)
         self.requests += len(got)
         return got
 
@@ -216,12 +215,14 @@ class RangedSafetensorsReader(StorageReader):
         if size < HEADER_LEN_BYTES:
             raise ValueError(f"{url}: not a safetensors file ({size} bytes)")
         (length,) = struct.unpack("<Q", self._cat(path, 0, HEADER_LEN_BYTES))
+        self.bytes_read += HEADER_LEN_BYTES
         if length > min(MAX_HEADER_BYTES, size - HEADER_LEN_BYTES):
             raise ValueError(
                 f"{url}: not a safetensors file, or truncated (header length {length}, "
                 f"{size} bytes)"
             )
         raw = self._cat(path, HEADER_LEN_BYTES, HEADER_LEN_BYTES + length)
+        self.bytes_read += len(raw)
         return parse_header(url, raw, HEADER_LEN_BYTES + length, size)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -239,14 +240,13 @@ class RangedSafetensorsReader(StorageReader):
             if listed[INDEX_NAME] > MAX_INDEX_BYTES:
                 raise ValueError(f"{index.url}: {listed[INDEX_NAME]} bytes, not an index")
             raw = self._cat(index.path, 0, listed[INDEX_NAME])
+            self.bytes_index += len(raw)
             weight_map = parse_index(index.url, raw)
         files = files_to_read(listed, weight_map, index.url)
         skipped = ignored_files(listed, weight_map)
         if skipped:
             log.warning("%s: not in %s, not read: %s", self.location.url, INDEX_NAME, skipped)
         self.bytes_total = sum(listed[name] for name in files)
-        if weight_map is not None:
-            self.bytes_total += listed[INDEX_NAME]
         tensors: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, Span] = {}
         files_of: dict[str, str] = {}
@@ -305,12 +305,10 @@ class RangedSafetensorsReader(StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         items = list(plan.items)
         spans = [self._range(item) for item in items]
-        self.bytes_wanted += sum(end - start for _, start, end in spans)
-        requests = coalesce(
-            [(span.file, start, end) for span, start, end in spans],
-            self.gap_bytes,
-            self.part_bytes,
-        )
+        ranges = [(span.file, start, end) for span, start, end in spans]
+        requests = coalesce(ranges, self.gap_bytes, self.part_bytes)
+        self.bytes_read += sum(end - start for _, start, end in ranges)
+        self.bytes_gaps += dropped_bytes(requests, ranges)
         # Each request's range as parts (request index, start, end, offset in its bytes).
         parts: list[tuple[int, int, int, int]] = []
         buffers: dict[int, bytearray] = {}
