@@ -60,7 +60,8 @@ class Fetched(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if hasattr(record, "bytes_read"):
-            self.rows.append({"bytes_read": record.bytes_read, "bytes_total": record.bytes_total})
+            keys = ("bytes_read", "bytes_total", "bytes_gaps", "bytes_index", "requests")
+            self.rows.append({k: getattr(record, k) for k in keys})
 
 
 def main() -> None:

@@ -15,9 +15,12 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from finetune_trainer.data.remote import RemoteObject, local_data_dir
-from finetune_trainer.location import Location
+from finetune_operator.api.spec import DatasetSpec
+from finetune_trainer.data.remote import RemoteObject, local_data_dir, stage_dataset
+from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.location import Location, locate
 from finetune_trainer.remote_model import MODELS_DIR, STAGING, cache_name, cache_root, model_files
+from tests.objectstore import MotoServer
 
 
 @pytest.fixture
@@ -115,3 +118,46 @@ def test_the_cache_root_is_the_one_passed_in_not_the_environment(
     monkeypatch.setenv("FT_DATA_CACHE_DIR", str(tmp_path / "from-env"))
     assert cache_root(tmp_path / "pod") == tmp_path / "pod" / MODELS_DIR
     assert cache_root(None) == local_data_dir(None) / MODELS_DIR  # no data cache: temp dir
+
+
+# ---- the data area's budget (dataset.cacheSizeLimit) --------------------------------------
+
+
+def test_model_files_over_the_data_areas_budget_are_refused_before_fetching(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    tokenizer = b"t" * 5000
+    location = remote({"config.json": CONFIG, "tokenizer.json": tokenizer})
+    (cache_dir.parent / "objects").mkdir(parents=True)
+    (cache_dir.parent / "objects" / "corpus.jsonl").write_bytes(b"c" * 1000)  # already there
+    monkeypatch.setenv("FT_DATA_CACHE_LIMIT_BYTES", str(1000 + len(CONFIG) + len(tokenizer) - 1))
+    with pytest.raises(UnsupportedConfigError, match=r"raise dataset\.cacheSizeLimit") as err:
+        fetch(location, cache_dir)
+    assert location.url in str(err.value)
+    assert not [p for p in cache_dir.iterdir()]  # nothing fetched
+    monkeypatch.setenv("FT_DATA_CACHE_LIMIT_BYTES", str(1000 + len(CONFIG) + len(tokenizer)))
+    # Two local ranks may stage a copy each at once: both must fit.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(UnsupportedConfigError, match="2 local ranks' copies"):
+        fetch(location, cache_dir)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert (fetch(location, cache_dir) / "tokenizer.json").read_bytes() == tokenizer
+
+
+def test_model_files_count_in_the_datasets_budget(
+    cache_dir: Path, s3_credentials: MotoServer, tmp_path: Path
+) -> None:
+    """The corpus fetched after the model files (the trainer's order) has what they left."""
+    fetch(remote({"config.json": CONFIG, "tokenizer.json": b"t" * 5000}), cache_dir)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(b'{"text": "hello"}\n' * 100)
+    uri = f"s3://{s3_credentials.new_bucket()}/corpus.jsonl"
+    locate(uri, "test", object_store=s3_credentials.spec()).upload(corpus)
+    held = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+    assert held == len(CONFIG) + 5000
+    data_dir = cache_dir.parent
+    size = corpus.stat().st_size
+    with pytest.raises(UnsupportedConfigError, match=r"raise dataset\.cacheSizeLimit"):
+        stage_dataset(DatasetSpec(uri=uri), s3_credentials.spec(), data_dir, size + held - 1)
+    assert stage_dataset(DatasetSpec(uri=uri), s3_credentials.spec(), data_dir, size + held)

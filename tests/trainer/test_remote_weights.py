@@ -223,16 +223,23 @@ def test_two_ranks_read_their_shards_from_s3_not_the_model(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     got = torch.load(out, weights_only=False)
     assert torch.equal(got["logits"], plain_logits(local))
-    total = sum(p.stat().st_size for p in local.glob("*.safetensors"))
-    fetched = [row["bytes_read"] for row in got["fetched"]]
-    headers = sum(
-        8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in local.glob("*.safetensors")
-    )
+    files = sorted(local.glob("*.safetensors"))
+    total = sum(p.stat().st_size for p in files)
+    index = (local / "model.safetensors.index.json").stat().st_size
+    headers = sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in files)
+    rows = got["fetched"]
     # Each rank: every header, and half the data (dim-0 shards of even sizes); together, the
     # data exactly once.
+    fetched = [row["bytes_read"] for row in rows]
     assert sum(fetched) == 2 * headers + (total - headers), (fetched, total, headers)
-    for n in fetched:
-        assert n < 0.6 * total, (fetched, total)
+    for row in rows:
+        assert row["bytes_read"] < 0.6 * total, (fetched, total)
+        # The model is far smaller than the 1 MiB gap: a rank's rows of each file coalesce
+        # into one request (the other rank's rows between them read and dropped), besides
+        # the index and two reads per header.
+        assert row["requests"] == 1 + 3 * len(files), (row, len(files))
+        assert row["bytes_index"] == index
+        assert 0 < row["bytes_gaps"] < total - headers, row
 
 
 def test_a_tensor_in_two_files_of_the_prefix_is_refused_naming_both(tmp_path: Path) -> None:

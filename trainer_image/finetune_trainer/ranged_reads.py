@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 # A part of a range: large enough to amortise a request, small enough that a retry is cheap.
 PART_BYTES = 64 << 20
+# Ranges of one file at most this far apart are fetched as one request, the gap dropped: a
+# request costs tens of milliseconds of latency, in which a store delivers about this much.
+GAP_BYTES = 1 << 20
 # Errors that no retry (in this process) changes: the caller classifies them.
 _FINAL = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -75,6 +78,58 @@ def split_range(start: int, end: int, part_bytes: int) -> list[tuple[int, int]]:
     if end - start <= part_bytes:
         return [(start, end)]
     return [(s, min(s + part_bytes, end)) for s in range(start, end, part_bytes)]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One GET's range [start, end) of `file`, serving the ranges `members` (indices into
+    the ranges given to `coalesce`), each inside it."""
+
+    file: str
+    start: int
+    end: int
+    members: tuple[int, ...]
+
+
+def coalesce(
+    ranges: Sequence[tuple[str, int, int]], gap_bytes: int, limit_bytes: int
+) -> list[Request]:
+    """Pure: the (file, start, end) ranges as requests, in file and offset order: ranges of
+    one file that overlap, touch or lie at most `gap_bytes` apart go out as one request (the
+    gap read and dropped), as long as the request stays within `limit_bytes` (a range larger
+    than that alone is one request, split into parts later). A rank reading many small
+    tensors, or the rows of several adjacent ones, pays one request's latency, not one each."""
+    order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1], ranges[i][2]))
+    out: list[Request] = []
+    for i in order:
+        file, start, end = ranges[i]
+        if out:
+            last = out[-1]
+            merged_end = max(last.end, end)
+            if (
+                last.file == file
+                and start - last.end <= gap_bytes
+                and merged_end - last.start <= limit_bytes
+            ):
+                out[-1] = Request(file, last.start, merged_end, (*last.members, i))
+                continue
+        out.append(Request(file, start, end, (i,)))
+    return out
+
+
+def dropped_bytes(requests: Sequence[Request], ranges: Sequence[tuple[str, int, int]]) -> int:
+    """Pure: the bytes the requests fetch that none of their ranges covers (the gaps that
+    coalescing reads and drops)."""
+    total = 0
+    for req in requests:
+        covered, reach = 0, req.start
+        for i in sorted(req.members, key=lambda i: ranges[i][1]):
+            _, start, end = ranges[i]
+            if end > reach:
+                covered += end - max(start, reach)
+                reach = end
+        total += (req.end - req.start) - covered
+    return total
 
 
 def cat_ranges_retrying(

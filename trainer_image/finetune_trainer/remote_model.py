@@ -10,7 +10,9 @@ pile up there at every restart (on a read-only root, /tmp may not even be writab
 Layout under `<data dir>/models/`: `<url hash>-<identity hash>/`, the identity being every
 fetched object's (URL, size, ETag, version id), so a restart that lists the same objects
 reuses the directory without fetching, and a rewritten config gets a new directory (the old
-ones of the prefix are removed). Each rank fetches into a staging directory of its own and
+ones of the prefix are removed). They count against the data area's budget
+(`dataset.cacheSizeLimit`) like the corpus and the tokenized blocks: fetched only if they fit
+what is left, and counted by the checks that come after them. Each rank fetches into a staging directory of its own and
 renames it into place when complete: a killed fetch never leaves a directory that is used,
 and ranks racing to fetch never wait on one another. The safetensors are not fetched: they are
 read by byte ranges straight into each rank's shards (finetune_trainer.safetensors_ranges)."""
@@ -28,7 +30,12 @@ from pathlib import Path
 
 from finetune_operator.api.spec import ModelSpec
 from finetune_operator.api.storage import ObjectStoreSpec, is_object_store_uri
-from finetune_trainer.data.remote import RemoteObject, local_data_dir, remote_object
+from finetune_trainer.data.remote import (
+    RemoteObject,
+    local_data_dir,
+    remote_object,
+    used_bytes,
+)
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.files import fsync_dir, remove, write_synced
 from finetune_trainer.location import Location, access_problem, locate
@@ -66,6 +73,13 @@ def cache_root(data_cache_dir: Path | None) -> Path:
     the worker pod's `data-cache` emptyDir), else the temporary directory (as the dataset's
     copy, data/remote.py)."""
     return local_data_dir(data_cache_dir) / MODELS_DIR
+
+
+def cache_limit(env: dict[str, str] | None = None) -> int | None:
+    """The data area's budget (FT_DATA_CACHE_LIMIT_BYTES: the worker pod's data-cache
+    sizeLimit less a margin, resources/worker.py); None without one."""
+    raw = (os.environ if env is None else env).get("FT_DATA_CACHE_LIMIT_BYTES")
+    return int(raw) if raw else None
 
 
 def cache_name(url: str, objects: list[RemoteObject]) -> str:
@@ -149,6 +163,21 @@ def model_files(
         log.info("model files %s: the pod's copy is current (%s)", location.url, directory)
         return directory
     _remove_stale(root, directory.name)
+    limit = cache_limit()
+    # The files count against dataset.cacheSizeLimit like the corpus and the tokenized
+    # blocks (each check walks the whole data area): a tokenizer of tens of MB in a small
+    # cache would otherwise overrun the emptyDir's sizeLimit, and the kubelet evicts the pod.
+    # Every local rank may be staging its own copy at once (one survives the renames).
+    copies = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    budget = None if limit is None else limit - used_bytes(root.parent)
+    need = copies * sum(o.size for o in objects)
+    if budget is not None and need > budget:
+        raise UnsupportedConfigError(
+            f"{field} {location.url!r}: the config and tokenizer files take "
+            f"{need} bytes ({copies} local ranks' copies while fetching), more than the "
+            f"{budget} the pod's data area has left: raise dataset.cacheSizeLimit (it holds "
+            "these files, the downloaded corpus and its tokenized blocks)"
+        )
     staging = root / f"{STAGING}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:

@@ -7,11 +7,15 @@ every node's disk (and, without care, in every rank's memory). A safetensors fil
 library to read by ranges: 8 bytes of header length, a JSON header giving each tensor's dtype,
 shape and byte span, then the raw little-endian data in row-major order. So a rank reads the
 headers (kilobytes), and for each slice DCP's load plan asks of it, only the rows of dim 0
-the slice covers: with FSDP2's dim-0 shards that is exactly its shard's bytes. The requests
-of a batch go out concurrently (`cat_ranges`), a batch bounded in bytes so the raw buffers
-never exceed `batch_bytes` next to the shards (plus the tensor being assembled); a range
-larger than `part_bytes` goes out as parallel parts, and each part that fails transiently is
-asked again with backoff (finetune_trainer.ranged_reads)."""
+the slice covers: with FSDP2's dim-0 shards that is exactly its shard's bytes. Ranges of one
+file at most `gap_bytes` apart (the rows of many small tensors, a DDP rank's whole tensors
+one after another) are coalesced into one request of at most `part_bytes`, the gap read and
+dropped. The requests of a batch go out concurrently (`cat_ranges`), a batch bounded in
+bytes so the raw buffers never exceed `batch_bytes` next to the shards (plus the tensor
+being assembled); a range larger than `part_bytes` goes out as parallel parts, and each part
+that fails transiently is asked again with backoff (finetune_trainer.ranged_reads). A
+sharded checkpoint's `model.safetensors.index.json` decides which file each tensor is read
+from (finetune_trainer.safetensors_index)."""
 
 from __future__ import annotations
 
@@ -38,16 +42,27 @@ from torch.futures import Future
 from finetune_trainer.location import Location
 from finetune_trainer.ranged_reads import (
     DEFAULT_RETRY,
+    GAP_BYTES,
     PART_BYTES,
     RetryPolicy,
     ShortReadError,
     cat_ranges_retrying,
+    coalesce,
+    dropped_bytes,
     split_range,
+)
+from finetune_trainer.safetensors_index import (
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    absent,
+    files_to_read,
+    ignored_files,
+    owned,
+    parse_index,
 )
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".safetensors"
 HEADER_LEN_BYTES = 8
 # Bounds one header read: real headers are a few hundred KB at most.
 MAX_HEADER_BYTES = 100 << 20
@@ -140,8 +155,11 @@ def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
 
 class RangedSafetensorsReader(StorageReader):
     """Hugging Face safetensors under `location` (any fsspec filesystem), read by ranges.
-    `bytes_read` counts what this rank fetched (headers included); `bytes_total` is the size
-    of the safetensors files."""
+    `bytes_read` counts the bytes of the safetensors this rank needed (the headers and the
+    slices the load plan asked for) and `bytes_total` is the size of the safetensors files
+    read; what it fetched besides: `bytes_gaps` (between ranges coalesced into one request,
+    read and dropped) and `bytes_index` (model.safetensors.index.json); `requests` counts the
+    ranges it fetched (a retry not counted again)."""
 
     def __init__(
         self,
@@ -149,17 +167,22 @@ class RangedSafetensorsReader(StorageReader):
         *,
         batch_bytes: int = BATCH_BYTES,
         part_bytes: int = PART_BYTES,
+        gap_bytes: int = GAP_BYTES,
         retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__()
         self.location = location
         self.batch_bytes = batch_bytes
         self.part_bytes = part_bytes
+        self.gap_bytes = gap_bytes
         # Looked up when reading, so that a test may replace the module's default.
         self._retry = retry
         self.storage_data: dict[MetadataIndex, Span] = {}
         self.bytes_read = 0
         self.bytes_total = 0
+        self.bytes_gaps = 0
+        self.bytes_index = 0
+        self.requests = 0
         # The first error of a read, as raised: DCP flattens a metadata read's error into
         # an AssertionError's text, which the caller cannot classify.
         self.failure: BaseException | None = None
@@ -179,25 +202,27 @@ class RangedSafetensorsReader(StorageReader):
         fs = self.location.fs
         urls = [str(fs.unstrip_protocol(p)) for p in paths]
         got = cat_ranges_retrying(fs, paths, starts, ends, urls, self.retry)
-        self.bytes_read += sum(len(b) for b in got)
+        self.requests += len(got)
         return got
 
     def _cat(self, path: str, start: int, end: int) -> bytes:
         return self._fetch([path], [start], [end])[0]
 
-    def _header(self, path: str, size: int) -> dict[str, Span]:
+    def _header(self, file: Location, size: int) -> dict[str, Span]:
         # Against the listed size, what the object lacks is the object's fault (a refusal);
         # a read that returns less than the object has is the network's (WeightsReadError).
-        url = self.location.fs.unstrip_protocol(path)
+        url, path = file.url, file.path
         if size < HEADER_LEN_BYTES:
             raise ValueError(f"{url}: not a safetensors file ({size} bytes)")
         (length,) = struct.unpack("<Q", self._cat(path, 0, HEADER_LEN_BYTES))
+        self.bytes_read += HEADER_LEN_BYTES
         if length > min(MAX_HEADER_BYTES, size - HEADER_LEN_BYTES):
             raise ValueError(
                 f"{url}: not a safetensors file, or truncated (header length {length}, "
                 f"{size} bytes)"
             )
         raw = self._cat(path, HEADER_LEN_BYTES, HEADER_LEN_BYTES + length)
+        self.bytes_read += len(raw)
         return parse_header(url, raw, HEADER_LEN_BYTES + length, size)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -208,32 +233,52 @@ class RangedSafetensorsReader(StorageReader):
             raise
 
     def _read_metadata(self) -> Metadata:
-        files = sorted(
-            (e for e in self.location.children() if e.name.endswith(SUFFIX) and not e.is_dir),
-            key=lambda e: e.name,
-        )
-        self.bytes_total = sum(e.size for e in files)
+        listed = {e.name: e.size for e in self.location.children() if not e.is_dir}
+        index = self.location / INDEX_NAME
+        weight_map = None
+        if INDEX_NAME in listed:
+            if listed[INDEX_NAME] > MAX_INDEX_BYTES:
+                raise ValueError(f"{index.url}: {listed[INDEX_NAME]} bytes, not an index")
+            raw = self._cat(index.path, 0, listed[INDEX_NAME])
+            self.bytes_index += len(raw)
+            weight_map = parse_index(index.url, raw)
+        files = files_to_read(listed, weight_map, index.url)
+        skipped = ignored_files(listed, weight_map)
+        if skipped:
+            log.warning("%s: not in %s, not read: %s", self.location.url, INDEX_NAME, skipped)
+        self.bytes_total = sum(listed[name] for name in files)
         tensors: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, Span] = {}
         files_of: dict[str, str] = {}
-        for entry in files:
-            path = (self.location / entry.name).path
-            for name, span in self._header(path, entry.size).items():
-                if name in files_of:
-                    # Two files holding one tensor: two models (or a consolidated copy beside
-                    # the shards) under one prefix; which one is read would be an accident.
+        for name in files:
+            spans = self._header(self.location / name, listed[name])
+            for tensor in owned(name, spans, weight_map):
+                span = spans[tensor]
+                if tensor in files_of:
+                    # Two files holding one tensor, no index to choose: two models (or a
+                    # consolidated copy beside the shards) under one prefix; which one is
+                    # read would be an accident.
                     raise ValueError(
-                        f"{span.file}: tensor {name} is also in {files_of[name]}: one model's "
-                        "safetensors per prefix"
+                        f"{span.file}: tensor {tensor} is also in {files_of[tensor]}: one "
+                        f"model's safetensors per prefix (or a {INDEX_NAME} naming the files)"
                     )
-                files_of[name] = span.file
+                files_of[tensor] = span.file
                 zero = torch.Size([0] * len(span.shape))
-                tensors[name] = TensorStorageMetadata(
+                tensors[tensor] = TensorStorageMetadata(
                     properties=TensorProperties(dtype=span.dtype),
                     size=torch.Size(span.shape),
                     chunks=[ChunkStorageMetadata(offsets=zero, sizes=torch.Size(span.shape))],
                 )
-                storage[MetadataIndex(fqn=name, offset=zero)] = span
+                storage[MetadataIndex(fqn=tensor, offset=zero)] = span
+        if weight_map is not None:
+            found = {t: f.rsplit("/", 1)[-1] for t, f in files_of.items()}
+            lost = absent(found, weight_map)
+            if lost:
+                shown = ", ".join(f"{t} (in {f})" for t, f in lost[:5])
+                raise ValueError(
+                    f"{index.url} maps {len(lost)} tensors to files that do not hold them: "
+                    f"{shown} (an index from another save: upload the model again)"
+                )
         return Metadata(state_dict_metadata=dict(tensors), storage_data=storage)
 
     def set_up_storage_reader(
@@ -259,34 +304,44 @@ class RangedSafetensorsReader(StorageReader):
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         items = list(plan.items)
-        # Each item's range as parts (item index, start, end, offset in the item's bytes).
+        spans = [self._range(item) for item in items]
+        ranges = [(span.file, start, end) for span, start, end in spans]
+        requests = coalesce(ranges, self.gap_bytes, self.part_bytes)
+        self.bytes_read += sum(end - start for _, start, end in ranges)
+        self.bytes_gaps += dropped_bytes(requests, ranges)
+        # Each request's range as parts (request index, start, end, offset in its bytes).
         parts: list[tuple[int, int, int, int]] = []
         buffers: dict[int, bytearray] = {}
         left: dict[int, int] = {}
-        spans = [self._range(item) for item in items]
-        for i, (_, start, end) in enumerate(spans):
-            pieces = split_range(start, end, self.part_bytes)
-            left[i] = len(pieces)
-            parts.extend((i, s, e, s - start) for s, e in pieces)
+        for r, req in enumerate(requests):
+            pieces = split_range(req.start, req.end, self.part_bytes)
+            left[r] = len(pieces)
+            parts.extend((r, s, e, s - req.start) for s, e in pieces)
         strip = self.location.fs._strip_protocol
         for group in batches([e - s for _, s, e, _ in parts], self.batch_bytes):
             chosen = [parts[k] for k in group]
             raw = self._fetch(
-                [strip(spans[i][0].file) for i, _, _, _ in chosen],
+                [strip(requests[r].file) for r, _, _, _ in chosen],
                 [s for _, s, _, _ in chosen],
                 [e for _, _, e, _ in chosen],
             )
-            for (i, s, e, at), data in zip(chosen, raw, strict=True):
-                _, start, end = spans[i]
-                if (s, e) == (start, end):
-                    whole = bytearray(data)  # the item in one part
+            for (r, s, e, at), data in zip(chosen, raw, strict=True):
+                req = requests[r]
+                if (s, e) == (req.start, req.end):
+                    whole = bytearray(data)  # the request in one part
                 else:
-                    whole = buffers.setdefault(i, bytearray(end - start))
+                    whole = buffers.setdefault(r, bytearray(req.end - req.start))
                     whole[at : at + (e - s)] = data
-                left[i] -= 1
-                if left[i] == 0:
-                    buffers.pop(i, None)
-                    self._copy(items[i], spans[i][0], whole, planner)
+                left[r] -= 1
+                if left[r] == 0:
+                    buffers.pop(r, None)
+                    view = memoryview(whole)
+                    for i in req.members:
+                        span, start, end = spans[i]
+                        piece = view[start - req.start : end - req.start]
+                        if (start - req.start) % span.dtype.itemsize:
+                            piece = memoryview(bytearray(piece))  # aligned for its dtype
+                        self._copy(items[i], span, piece, planner)
 
     def _range(self, item: ReadItem) -> tuple[Span, int, int]:
         span = self.storage_data[item.storage_index]
@@ -294,8 +349,11 @@ class RangedSafetensorsReader(StorageReader):
         return span, start, end
 
     @staticmethod
-    def _copy(item: ReadItem, span: Span, data: bytearray, planner: LoadPlanner) -> None:
-        rows = torch.frombuffer(data, dtype=span.dtype)
+    def _copy(item: ReadItem, span: Span, data: memoryview, planner: LoadPlanner) -> None:
+        if len(data):
+            rows = torch.frombuffer(data, dtype=span.dtype)
+        else:  # frombuffer refuses an empty buffer
+            rows = torch.empty(0, dtype=span.dtype)
         if span.shape:
             rows = rows.view(-1, *span.shape[1:])
             rest = tuple(

@@ -103,7 +103,7 @@ class Trainer:
         store = spec.storage.object_store
         staged = stage_dataset(
             spec.dataset, store, env.data_cache_dir, env.data_cache_limit_bytes,
-            agree=self.dist.rank0s,
+            agree=self.timeout.agreeing(self.dist.rank0s),
         )  # fmt: skip
         self.data = build_dataset(
             spec.dataset, tokenizer, spec.training.sequence_length, cache=data_cache(env, job),

@@ -189,7 +189,12 @@ def download(spec: DatasetSpec, source: Location, obj: RemoteObject, target: Pat
     os.replace(tmp, target)
 
 
-def _used_bytes(path: Path) -> int:
+def used_bytes(path: Path) -> int:
+    """What the data area holds now: the corpus's copy (`objects/`), the tokenized blocks and
+    a remote model's config and tokenizer files (`models/`, finetune_trainer.remote_model)
+    alike, so that each budget check counts the others'."""
+    if not path.is_dir():
+        return 0
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
@@ -244,7 +249,7 @@ def stage_dataset(
         else:
             remove(directory)
             _evict_others(objects_dir, name)
-            budget = None if limit_bytes is None else limit_bytes - _used_bytes(data_dir)
+            budget = None if limit_bytes is None else limit_bytes - used_bytes(data_dir)
             if not fits(objects, budget):
                 total = sum(o.size for o in objects)
                 raise _refusal(spec, (
