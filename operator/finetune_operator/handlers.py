@@ -53,7 +53,12 @@ from finetune_operator.reconcile import (
     scrape_targets,
     status_patch,
 )
-from finetune_operator.reconcile.admission import QueueState, flavors_assigned, read_queue_state
+from finetune_operator.reconcile.admission import (
+    QueueState,
+    flavors_assigned,
+    read_left_queue_state,
+    read_queue_state,
+)
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
 from finetune_operator.resources.workload import priority_ref, queue_name_of, workload_name
 from finetune_operator.scrape import scrape_all
@@ -201,7 +206,7 @@ async def _queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> Que
     """The job's standing in Kueue (its Workload and the flavors it was admitted to, or the
     priority its Workload is to be created with); None for a job not queued in Kueue."""
     if job.queue_name is None:
-        return None
+        return await _left_queue_state(cluster, job, body)
     workload, unreadable = await cluster.read_workload(job.namespace, workload_name(job.owner))
     if unreadable:
         return read_queue_state(job.queue_name, None, {}, unreadable=unreadable)
@@ -215,6 +220,16 @@ async def _queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> Que
     value, problem = await cluster.read_priority(ref)
     priority = (ref, value) if value is not None else None
     return read_queue_state(job.queue_name, None, {}, priority=priority, priority_problem=problem)
+
+
+async def _left_queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> QueueState | None:
+    """A job without the queue-name label that had a Workload (status.workload, written while
+    it was queued): its Workload, if still there, is given back (admission.QueueState.left).
+    A job never queued costs no API call."""
+    if not (body.get("status") or {}).get("workload"):
+        return None
+    workload, unreadable = await cluster.read_workload(job.namespace, workload_name(job.owner))
+    return None if unreadable else read_left_queue_state(workload, job.uid)
 
 
 async def _reconcile(

@@ -11,10 +11,8 @@ from finetune_operator.api.constants import (
     ANNOTATION_RESTART_ATTEMPT,
     LABEL_ROLE,
     REASON_COMPLETED,
-    REASON_EVICTED,
     REASON_INVALID_SPEC,
     REASON_PREEMPTED,
-    REASON_QUEUED,
     REASON_RESTARTING,
     REASON_SUSPENDED,
     ROLE_WORKER,
@@ -27,7 +25,7 @@ from finetune_operator.reconcile.admission import (
     pods_ready_reason,
     release_patch,
 )
-from finetune_operator.reconcile.assess import Assessment, Mode, assess
+from finetune_operator.reconcile.assess import Assessment, Mode, assess, queued_reason
 from finetune_operator.reconcile.conditions import EventSpec
 from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView
@@ -206,7 +204,7 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     """The Workload to write: when it does not exist yet, or its `active` is not what the
     job wants (false while suspended). Otherwise nothing: its podSets are immutable."""
     q = ev.queue
-    if q is None or ev.spec is None or ev.plan is None or q.foreign:
+    if q is None or ev.spec is None or ev.plan is None or q.foreign or q.left:
         return None
     if q.raw is None and q.priority_problem:
         return None  # created once its priority can be read: Kueue cannot change it later
@@ -221,12 +219,15 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     return wanted
 
 
-def _stale_workload_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
-    """A stale Workload that holds quota is deleted once the job's pods are gone (the quota
-    goes with it; Kueue forbids changing podSets while reserved); the next pass creates it
-    anew, as Kueue's job reconciler does with a Workload no longer equivalent to its job."""
+def _workload_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
+    """The Workload deleted once the job's pods are gone (its quota goes with it): a stale
+    one that holds quota (Kueue forbids changing podSets while reserved; the next pass
+    creates it anew, as Kueue's job reconciler does with a Workload no longer equivalent to
+    its job), or the Workload of a job whose queue-name label was removed (it leaves Kueue)."""
     q = ev.queue
-    if q is None or not q.stale or not q.quota_reserved or a.terminating or a.live_pods:
+    if q is None or a.terminating or a.live_pods:
+        return ()
+    if not (q.left or (q.stale and q.quota_reserved)):
         return ()
     return (
         ObjectRef(KUEUE_API_VERSION, WORKLOAD_KIND, WORKLOAD_PLURAL, workload_name(ev.job.owner)),
@@ -251,7 +252,7 @@ def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | N
     Kueue requeues it then, and admits it again when there is room. A Workload found no
     longer admitted with its PodsReady still True has that set False."""
     q = ev.queue
-    if q is None or q.raw is None:
+    if q is None or q.raw is None or q.left:  # leaving: the Workload is deleted instead
         return None
     if q.evicted is None or not q.quota_reserved:
         # Not admitted (any more) without it being this pass's doing: PodsReady is False
@@ -311,10 +312,9 @@ def decide_actions(
             workload_status=_finish(ev, a, now),
             workload_name=workload_name(ev.job.owner),
         )
-    queued = ev.queue is not None and ev.queue.evicted is not None
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
-        Mode.QUEUED: REASON_EVICTED if queued else REASON_QUEUED,
+        Mode.QUEUED: queued_reason(ev),
         Mode.FAILED: a.failure_reason,
         Mode.INVALID: ev.failure_reason or REASON_INVALID_SPEC,
     }[a.mode]
@@ -331,7 +331,7 @@ def decide_actions(
     )  # fmt: skip
     return Actions(
         delete=_deletions(a.live_pods, reason),
-        remove=_pod_group_removal(ev, a) + _stale_workload_removal(ev, a),
+        remove=_pod_group_removal(ev, a) + _workload_removal(ev, a),
         workload=workload,
         workload_rewrite=workload is not None
         and ev.queue is not None

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from finetune_operator.reconcile.observed import format_time
-from finetune_operator.resources.workload import POD_SET, Placement, PriorityRef
+from finetune_operator.resources.workload import POD_SET, QUEUE_LABEL, Placement, PriorityRef
 
 ADMITTED = "Admitted"
 QUOTA_RESERVED = "QuotaReserved"
@@ -75,6 +75,13 @@ class QueueState:
     # withdrawn admission. Running workers are kept (new pods wait), as with a flavor that
     # cannot be read; only a Workload known absent gates the job as not admitted.
     unreadable: str = ""
+    # The job's queue-name label was removed while this Workload (its own, not Finished) is
+    # still there. Kueue's webhook refuses that change on a running job of its own
+    # integrations (the label is immutable while unsuspended) and ignores a job without the
+    # label; the operator cannot refuse it, so the job leaves Kueue: its workers stop (as on
+    # an eviction), the Workload is deleted once they are gone (its quota with it), and the
+    # job then runs as one without the label. `queue` is the LocalQueue it leaves.
+    left: bool = False
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -97,6 +104,12 @@ class QueueState:
 
     def describe_wait(self) -> str:
         """Why the job waits, for its condition: the queue, and Kueue's message."""
+        if self.left:
+            return (
+                f"the {QUEUE_LABEL} label was removed: leaving Kueue's LocalQueue {self.queue}; "
+                "workers stopped, then its Workload is deleted (its quota given back) and the "
+                "job runs outside Kueue"
+            )
         if self.foreign:
             return f"queued in LocalQueue {self.queue}: a Workload of the job's name belongs to another owner; waiting for it to be deleted"
         if self.stale:
@@ -186,12 +199,14 @@ def read_queue_state(
     priority_problem: str = "",
     owner_uid: str | None = None,
     unreadable: str = "",
+    left: bool = False,
 ) -> QueueState:
     """The job's standing in Kueue from its Workload (None: not created yet) and the
     ResourceFlavor objects its admission names (by name). `priority` (or why it could not
     be read) matters only while the Workload is still to be created. `owner_uid`: the job's;
     a Workload not owned by it is not its own. `unreadable`: why the Workload could not be
-    read (then `workload` is None, and nothing is known of its admission)."""
+    read (then `workload` is None, and nothing is known of its admission). `left`: the job's
+    queue-name label is gone (`queue`: the LocalQueue the Workload names); see QueueState."""
     if unreadable:
         return QueueState(queue, unreadable=unreadable)
     if workload is None:
@@ -216,6 +231,8 @@ def read_queue_state(
     moved = (workload.get("spec") or {}).get("queueName") != queue
     state = QueueState(queue, True, None, Placement(), reserved, evicted, evicted_message, why,
                        finished, pods_ready, pods_ready_reason, moved=moved, raw=workload)  # fmt: skip
+    if left:
+        return replace(state, left=True, moved=False)
     assignment = _our_assignment(workload)
     if not (_is_true(conds, ADMITTED) and assignment is not None) or evicted is not None:
         return state
@@ -225,6 +242,19 @@ def read_queue_state(
     if missing:
         return replace(state, missing_flavors=missing)
     return replace(state, admitted_count=count, placement=placement)
+
+
+def read_left_queue_state(workload: Mapping[str, Any] | None, owner_uid: str) -> QueueState | None:
+    """A job without the queue-name label whose own Workload is still there and not Finished
+    (the label was removed): the state that makes it leave Kueue (QueueState.left). None
+    otherwise: no Workload, another owner's, or a Finished one (its quota already released)."""
+    if workload is None:
+        return None
+    owners = {o.get("uid") for o in (workload.get("metadata") or {}).get("ownerReferences") or []}
+    if owner_uid not in owners or _is_true(_conditions(workload), FINISHED):
+        return None
+    queue = str((workload.get("spec") or {}).get("queueName") or "")
+    return read_queue_state(queue, workload, {}, owner_uid=owner_uid, left=True)
 
 
 # What a podSet's quota and flavor choice depend on; the rest of its template may be

@@ -12,6 +12,9 @@ from finetune_operator.api.constants import (
     COND_FAILED,
     COND_SUCCEEDED,
     REASON_BACKOFF_LIMIT_EXCEEDED,
+    REASON_EVICTED,
+    REASON_QUEUE_LABEL_REMOVED,
+    REASON_QUEUED,
     REASON_TRAINER_REFUSED,
 )
 from finetune_operator.api.status import FineTuneJobStatus
@@ -120,6 +123,15 @@ def _sticky_mode(status: FineTuneJobStatus) -> tuple[Mode, str] | None:
     return None
 
 
+def queued_reason(ev: Evaluation) -> str:
+    """The reason of a job that runs no pod because of Kueue (its conditions, its pods'
+    deletions): evicted, leaving Kueue (label removed), or waiting to be admitted."""
+    q = ev.queue
+    if q is not None and q.left:
+        return REASON_QUEUE_LABEL_REMOVED
+    return REASON_EVICTED if q is not None and q.evicted is not None else REASON_QUEUED
+
+
 def assess(
     ev: Evaluation, status: FineTuneJobStatus, pods: Sequence[PodView], now: datetime
 ) -> Assessment:
@@ -150,6 +162,8 @@ def assess(
         # eviction stops them like a suspend: nothing after this point is counted.
         # A stale Workload's admission is for other pods: they stop until it is replaced.
         q = ev.queue
+        if q.left:
+            return replace(seen, mode=Mode.QUEUED)  # leaving Kueue: stopped, as on eviction
         running = [i for i, p in workers.items() if p.active]
         if q.unknown and q.evicted is None and not q.stale and running:
             # Kueue uninstalled, the operator's access to it revoked, a flavor unreadable:

@@ -46,7 +46,14 @@ def read_status(raw: Mapping[str, Any] | None) -> FineTuneJobStatus:
 
 def _with_sync(ev: Evaluation, queue: QueueState) -> QueueState:
     """`queue`, stale when its Workload no longer asks for the pods the job's spec makes."""
-    if queue.raw is None or queue.foreign or queue.finished or ev.spec is None or ev.plan is None:
+    if (
+        queue.raw is None
+        or queue.foreign
+        or queue.finished
+        or queue.left
+        or ev.spec is None
+        or ev.plan is None
+    ):
         return queue
     wanted = build_workload(ev.job.owner, ev.spec, ev.plan, queue.queue)
     return replace(queue, stale=pod_sets_differ(queue.raw, wanted))
