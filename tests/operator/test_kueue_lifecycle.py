@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 
+from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile import Outcome, PodView, reconcile_job
 from finetune_operator.reconcile.admission import QueueState, read_left_queue_state
+from finetune_operator.resources.workload import build_workload
 from tests.operator.factories import make_plan, quickstart_raw
-from tests.operator.test_kueue import QUEUE, _cond, admitted, kstep, workload
+from tests.operator.test_kueue import QUEUE, SPOT, _cond, admitted, kstep, workload
 from tests.operator.test_reconcile import ALL, JOB, T0, cond, created, deleted, running
 
 
@@ -89,3 +91,95 @@ def test_a_suspended_job_leaving_kueue_deletes_its_workload_too() -> None:
     out = _pass(FineTuneJobStatus(), [], leaving, spec=quickstart_raw() | {"suspend": True})
     assert [(r.kind, r.name) for r in out.actions.remove] == [("Workload", "qs")]
     assert out.actions.workload is None  # not deactivated: deleted
+
+
+# ---------------------------------------------------------------- a flavor contradicting the job
+
+
+def _admitted_for(raw: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    """Admitted at 2 to the spot flavor, written for the job as `raw` makes it."""
+    wl = admitted(2, **kw)
+    spec = FineTuneJobSpec.model_validate(raw)
+    wl["spec"] = build_workload(JOB.owner, spec, make_plan(2), QUEUE)["spec"]
+    return wl
+
+
+def _on_demand() -> dict[str, Any]:
+    """The job, pinned by its own nodeSelector to the pool the spot flavor's label contradicts."""
+    raw = quickstart_raw()
+    raw["resources"]["nodeSelector"] = {"cloud.example.com/pool": "on-demand"}
+    return raw
+
+
+def test_a_flavor_label_contradicting_the_job_s_selector_is_refused_and_the_quota_given_back() -> (
+    None
+):
+    """Kueue's podset.Merge refuses a key set both ways; its job reconciler then marks the
+    Workload Finished (FailedToStart): no pod starts, the quota goes back."""
+    out = kstep(FineTuneJobStatus(), [], _admitted_for(_on_demand()), spec=_on_demand())
+    assert created(out) == [] and out.status.phase == "Failed"
+    assert cond(out.status, "Failed") == ("True", "FailedToStart")
+    message = _message(out, "Failed")
+    for part in (
+        "ResourceFlavor spot",
+        "cloud.example.com/pool=spot",
+        "cloud.example.com/pool=on-demand",
+    ):
+        assert part in message
+    patch = out.actions.workload_status
+    assert patch is not None
+    finished = next(c for c in patch["status"]["conditions"] if c["type"] == "Finished")
+    assert (finished["status"], finished["reason"]) == ("True", "FailedToStart")
+    assert "cloud.example.com/pool" in finished["message"]
+    # Finished: nothing more written; with or without its admission left, the job says why.
+    done = _admitted_for(_on_demand())
+    done["status"]["conditions"].append(
+        _cond("Finished", "True", "FailedToStart", finished["message"])
+    )
+    again = kstep(out.status, [], done, 5, spec=_on_demand())
+    assert again.actions.workload_status is None and created(again) == []
+    assert cond(again.status, "Failed") == ("True", "FailedToStart")
+    del done["status"]["admission"]
+    bare = kstep(out.status, [], done, 10, spec=_on_demand())
+    assert cond(bare.status, "Failed") == ("True", "FailedToStart") and created(bare) == []
+
+
+def test_a_flavor_label_agreeing_with_the_job_s_selector_starts_it() -> None:
+    raw = quickstart_raw()
+    raw["resources"]["nodeSelector"] = {"cloud.example.com/pool": "spot"}
+    out = kstep(FineTuneJobStatus(), [], _admitted_for(raw), spec=raw)
+    assert created(out) == list(ALL)
+    worker = next(p for p in out.actions.create if p["metadata"]["name"] == "qs-worker-0")
+    assert worker["spec"]["nodeSelector"]["cloud.example.com/pool"] == "spot"
+
+
+def test_an_admission_check_update_contradicting_the_flavor_is_refused() -> None:
+    checks = [{"name": "prov", "state": "Ready", "message": "", "lastTransitionTime": "2026-01-01T12:00:00Z",
+               "podSetUpdates": [{"name": "workers", "nodeSelector": {"cloud.example.com/pool": "reserved"}}]}]  # fmt: skip
+    out = kstep(FineTuneJobStatus(), [], admitted(2, checks=checks))
+    assert created(out) == [] and cond(out.status, "Failed") == ("True", "FailedToStart")
+    message = _message(out, "Failed")
+    assert "admission check prov" in message and "ResourceFlavor spot" in message
+    assert "cloud.example.com/pool=reserved" in message
+
+
+def test_tolerations_are_only_added_never_refused() -> None:
+    raw = quickstart_raw()
+    raw["resources"]["tolerations"] = [
+        {"key": "spot", "operator": "Equal", "value": "x", "effect": "NoExecute"}
+    ]
+    out = kstep(FineTuneJobStatus(), [], _admitted_for(raw), spec=raw)
+    worker = next(p for p in out.actions.create if p["metadata"]["name"] == "qs-worker-0")
+    assert raw["resources"]["tolerations"][0] in worker["spec"]["tolerations"]
+    assert SPOT["spec"]["tolerations"][0] in worker["spec"]["tolerations"]  # type: ignore[index]
+
+
+def test_workers_started_before_a_flavor_changed_keep_running_but_none_is_added() -> None:
+    out = kstep(
+        FineTuneJobStatus(),
+        running("qs-rdzv", "qs-worker-0"),
+        _admitted_for(_on_demand()),
+        spec=_on_demand(),
+    )
+    assert deleted(out) == [] and created(out) == []
+    assert "cannot be applied" in _message(out, "WorkersReady")

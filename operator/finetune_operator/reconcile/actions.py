@@ -19,6 +19,7 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.admission import (
+    FAILED_TO_START,
     WAIT_FOR_START,
     finish_patch,
     pods_ready_patch,
@@ -269,7 +270,8 @@ def _finish(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | No
     q = ev.queue
     if q is None or q.raw is None or q.finished:
         return None
-    return finish_patch(q.raw, a.mode is Mode.SUCCEEDED, a.message or "", now)
+    reason = FAILED_TO_START if a.failure_reason == FAILED_TO_START else ""
+    return finish_patch(q.raw, a.mode is Mode.SUCCEEDED, a.message or "", now, reason)
 
 
 def _pod_group_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:

@@ -25,6 +25,9 @@ EVICTED = "Evicted"
 FINISHED = "Finished"
 PODS_READY = "PodsReady"
 REQUEUED = "Requeued"
+# Kueue's Finished reason for an admission its job reconciler could not apply to the job
+# (a permanent podset.Merge error): never admitted again.
+FAILED_TO_START = "FailedToStart"
 # The eviction reasons after which Kueue's job reconciler sets Requeued True when it gives the
 # quota back (WorkloadEvictedByPreemption, WorkloadEvictedDueToNodeFailures); any other
 # (Deactivated, PodsReadyTimeout, an admission check...) sets it False, for Kueue to decide.
@@ -82,6 +85,12 @@ class QueueState:
     # an eviction), the Workload is deleted once they are gone (its quota with it), and the
     # job then runs as one without the label. `queue` is the LocalQueue it leaves.
     left: bool = False
+    # Why the admission cannot be applied to the job's pods (a flavor's node label, or an
+    # admission check's update, on a key the job's pods set otherwise, or two of them
+    # disagreeing): Kueue's podset.Merge refuses it and its job reconciler marks the Workload
+    # Finished (FailedToStart), which gives the quota back; so does the operator, and the
+    # job fails with this message. Also read back from that Finished condition.
+    failed_to_start: str = ""
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -100,6 +109,16 @@ class QueueState:
         why = self.unreadable or self.describe_wait()
         return (
             f"Kueue admission cannot be read ({why}): running workers kept, no new pod until it can"
+        )
+
+    def describe_failed_to_start(self) -> str:
+        """The job's Failed message when its admission cannot be applied to its pods."""
+        return (
+            f"Kueue's admission (LocalQueue {self.queue}) cannot be applied: "
+            f"{self.failed_to_start}. No pod started with a contradicting selector (Kueue "
+            "refuses it likewise); the Workload is marked Finished (FailedToStart) and its "
+            "quota given back. Change the job's spec.resources.nodeSelector (or the flavor), "
+            "then delete the Workload to queue the job again"
         )
 
     def describe_wait(self) -> str:
@@ -153,35 +172,72 @@ def _pod_set_count(workload: Mapping[str, Any]) -> int:
     return 0
 
 
+def _merge(
+    into: dict[str, str],
+    origins: dict[tuple[str, str], str],
+    what: str,
+    added: Mapping[str, str],
+    origin: str,
+) -> str:
+    """Add `added` to `into` (keys it lacks), or say which key two sources set differently:
+    Kueue's PodSetInfo.Merge refuses an admission check's update that contradicts the
+    flavors' (or an earlier check's) as a permanent error."""
+    for key, value in sorted(added.items()):
+        if key in into and into[key] != value:
+            first = origins.get((what, key), "")
+            return f"{origin} sets {what} {key}={value}, but {first} set {key}={into[key]}"
+        if key not in into:
+            into[key], origins[(what, key)] = value, origin
+    return ""
+
+
 def _placement(
     workload: Mapping[str, Any],
     assignment: Mapping[str, Any],
     flavors: Mapping[str, Mapping[str, Any]],
-) -> tuple[Placement, tuple[str, ...]]:
+) -> tuple[Placement, tuple[str, ...], str]:
+    """The admission's placement, the flavors that could not be read, and why it cannot be
+    applied at all (two of its sources disagree on a key; "" when they do not)."""
     selector: dict[str, str] = {}
     tolerations: list[dict[str, Any]] = []
     missing: list[str] = []
+    origins: dict[tuple[str, str], str] = {}
     for name in sorted(set((assignment.get("flavors") or {}).values())):
         flavor = flavors.get(name)
         if flavor is None:
             missing.append(name)
             continue
         fspec = flavor.get("spec") or {}
-        selector.update(fspec.get("nodeLabels") or {})
+        # Between flavors the first one's label is kept (Kueue's MergeKeepFirst), no error.
+        _merge(
+            selector,
+            origins,
+            "nodeSelector",
+            fspec.get("nodeLabels") or {},
+            f"ResourceFlavor {name}",
+        )
         tolerations.extend(t for t in fspec.get("tolerations") or [] if t not in tolerations)
     labels: dict[str, str] = {}
     annotations: dict[str, str] = {}
+    conflict = ""
     # Admission checks (a ProvisioningRequest, say) may add to the pods as well.
     for check in (workload.get("status") or {}).get("admissionChecks") or []:
+        origin = f"admission check {check.get('name', '')}"
         for update in check.get("podSetUpdates") or []:
             if update.get("name") != POD_SET:
                 continue
-            labels.update(update.get("labels") or {})
-            annotations.update(update.get("annotations") or {})
-            selector.update(update.get("nodeSelector") or {})
+            conflict = conflict or (
+                _merge(labels, origins, "labels", update.get("labels") or {}, origin)
+                or _merge(
+                    annotations, origins, "annotations", update.get("annotations") or {}, origin
+                )
+                or _merge(
+                    selector, origins, "nodeSelector", update.get("nodeSelector") or {}, origin
+                )
+            )
             tolerations.extend(t for t in update.get("tolerations") or [] if t not in tolerations)
-    placement = Placement(selector, tuple(tolerations), labels, annotations)
-    return placement, tuple(missing)
+    placement = Placement(selector, tuple(tolerations), labels, annotations, origins)
+    return placement, tuple(missing), conflict
 
 
 def flavors_assigned(workload: Mapping[str, Any] | None) -> list[str]:
@@ -229,8 +285,15 @@ def read_queue_state(
     # Admitted one's (admission checks still pending).
     why = conds.get(ADMITTED if reserved else QUOTA_RESERVED, {}).get("message", "")
     moved = (workload.get("spec") or {}).get("queueName") != queue
+    failed = conds.get(FINISHED, {}) if finished else {}
+    failed_to_start = (
+        str(failed.get("message") or FAILED_TO_START)
+        if failed.get("reason") == FAILED_TO_START
+        else ""
+    )
     state = QueueState(queue, True, None, Placement(), reserved, evicted, evicted_message, why,
-                       finished, pods_ready, pods_ready_reason, moved=moved, raw=workload)  # fmt: skip
+                       finished, pods_ready, pods_ready_reason, moved=moved,
+                       failed_to_start=failed_to_start, raw=workload)  # fmt: skip
     if left:
         return replace(state, left=True, moved=False)
     assignment = _our_assignment(workload)
@@ -238,10 +301,10 @@ def read_queue_state(
         return state
     count = assignment.get("count")
     count = int(count) if count is not None else _pod_set_count(workload)
-    placement, missing = _placement(workload, assignment, flavors)
+    placement, missing, conflict = _placement(workload, assignment, flavors)
     if missing:
         return replace(state, missing_flavors=missing)
-    return replace(state, admitted_count=count, placement=placement)
+    return replace(state, admitted_count=count, placement=placement, failed_to_start=conflict)
 
 
 def read_left_queue_state(workload: Mapping[str, Any] | None, owner_uid: str) -> QueueState | None:
@@ -404,12 +467,12 @@ def pods_ready_patch(
 
 
 def finish_patch(
-    workload: Mapping[str, Any], succeeded: bool, message: str, now: datetime
+    workload: Mapping[str, Any], succeeded: bool, message: str, now: datetime, reason: str = ""
 ) -> dict[str, Any]:
     """The status merge patch that marks the Workload Finished (reason Succeeded or Failed,
-    Kueue's WorkloadFinishedReason*), which releases its quota."""
+    Kueue's WorkloadFinishedReason*, or `reason`: FailedToStart), which releases its quota."""
     gen = int((workload.get("metadata") or {}).get("generation") or 0)
     conds = (workload.get("status") or {}).get("conditions") or []
-    reason = "Succeeded" if succeeded else "Failed"
+    reason = reason or ("Succeeded" if succeeded else "Failed")
     new = [_condition(FINISHED, "True", reason, message or reason, now, gen)]
     return _guarded(workload, {"conditions": _with(conds, new)})

@@ -18,6 +18,7 @@ from finetune_operator.api.constants import (
     REASON_TRAINER_REFUSED,
 )
 from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.reconcile.admission import FAILED_TO_START
 from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
@@ -165,6 +166,14 @@ def assess(
         if q.left:
             return replace(seen, mode=Mode.QUEUED)  # leaving Kueue: stopped, as on eviction
         running = [i for i, p in workers.items() if p.active]
+        if q.failed_to_start and not running:
+            # Kueue applies an admission once, when it starts the job: refused, never started.
+            msg = q.describe_failed_to_start()
+            return replace(seen, mode=Mode.FAILED, failure_reason=FAILED_TO_START, message=msg)
+        if q.failed_to_start:
+            # Started under an admission that agreed (a flavor edited since): Kueue's job
+            # keeps running too; no pod is added under the one that no longer does.
+            seen = replace(seen, hold=q.describe_failed_to_start())
         if q.unknown and q.evicted is None and not q.stale and running:
             # Kueue uninstalled, the operator's access to it revoked, a flavor unreadable:
             # no word that the admission was withdrawn, so what runs keeps running.
