@@ -18,6 +18,7 @@ from typing import Any
 
 import kopf
 from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
 
 from finetune_operator import metrics
 from finetune_operator.api.constants import (
@@ -175,10 +176,20 @@ async def observe(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: kopf.Lo
 
 
 @kopf.on.delete(*FTJ, optional=True)
-def deleted(namespace: str | None, name: str, **_: Any) -> None:
-    # optional: no finalizer; children go by ownerReference garbage collection.
+async def deleted(namespace: str | None, name: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:  # fmt: skip
+    # optional: no finalizer; children go by ownerReference garbage collection. The Workload's
+    # resource-in-use finalizer comes off here (as Kueue's job reconciler drops it once the
+    # job is gone), or garbage collection would wait on it forever.
     metrics.set_job_phase(f"{namespace}/{name}", None)
     metrics.forget_job_series(namespace or "", name)
+    job = _job_ref(body)
+    if job.queue_name or (body.get("status") or {}).get("workload"):
+        try:
+            await memo["cluster"].release_workload(job.namespace, workload_name(job.owner), job.uid)
+        except ApiException as err:
+            logger.warning(
+                "Workload %s keeps its finalizer: %s", workload_name(job.owner), err.reason
+            )
 
 
 @kopf.on.probe(id="jobs")

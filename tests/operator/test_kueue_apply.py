@@ -161,3 +161,26 @@ def test_a_stale_status_patch_is_refused_and_not_an_error(with_kueue: LocalClust
     assert result.errors == []
     now = asyncio.run(cluster.read_workload("default", "stale"))[0]
     assert now is not None and [c["type"] for c in now["status"]["conditions"]] == ["Evicted"]
+
+
+def test_a_deleted_job_s_workload_waits_on_its_finalizer_until_the_operator_drops_it(
+    with_kueue: LocalCluster,
+) -> None:
+    """Garbage collection of the Workload of a deleted job stops at Kueue's resource-in-use
+    finalizer (as on a real API server) until the operator removes it (the job's delete
+    handler, as Kueue's job reconciler once the job is gone): nothing hangs."""
+    cluster = ClusterApi(config.new_client_from_config(config_file=str(with_kueue.kubeconfig_path)))
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gc-owner"}}
+    made = cluster.core.create_namespaced_config_map("default", body)
+    owner = Owner(name="gc", namespace="default", uid=made.metadata.uid)
+    spec = FineTuneJobSpec.model_validate(quickstart_raw())
+    wl = build_workload(owner, spec, make_plan(2), "q")
+    assert asyncio.run(cluster.apply("default", Actions(workload=wl))).errors == []
+    cluster.core.delete_namespaced_config_map("gc-owner", "default")  # the owner goes
+    held, _ = asyncio.run(cluster.read_workload("default", "gc"))
+    assert held is not None and held["metadata"].get("deletionTimestamp")
+    assert held["metadata"]["finalizers"] == ["kueue.x-k8s.io/resource-in-use"]
+    asyncio.run(cluster.release_workload("default", "gc", "another-job-uid"))  # not its own
+    assert asyncio.run(cluster.read_workload("default", "gc"))[0] is not None
+    asyncio.run(cluster.release_workload("default", "gc", owner.uid))
+    assert asyncio.run(cluster.read_workload("default", "gc")) == (None, "")

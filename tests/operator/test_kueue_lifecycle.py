@@ -183,3 +183,73 @@ def test_workers_started_before_a_flavor_changed_keep_running_but_none_is_added(
     )
     assert deleted(out) == [] and created(out) == []
     assert "cannot be applied" in _message(out, "WorkersReady")
+
+
+# ---------------------------------------------------------------- the resource-in-use finalizer
+
+IN_USE = "kueue.x-k8s.io/resource-in-use"
+
+
+def _finished(wl: dict[str, Any]) -> dict[str, Any]:
+    wl["status"]["conditions"].append(_cond("Finished", "True", "Succeeded"))
+    return wl
+
+
+def _deleting(wl: dict[str, Any]) -> dict[str, Any]:
+    wl["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"
+    return wl
+
+
+def _drops_finalizer(out: Outcome) -> bool:
+    patch = out.actions.workload_finalizer
+    if patch is None:
+        return False
+    assert patch["metadata"]["resourceVersion"] == "7"  # the list is replaced whole
+    return IN_USE not in patch["metadata"]["finalizers"]
+
+
+def test_the_workload_is_created_with_kueue_s_resource_in_use_finalizer() -> None:
+    out = kstep(FineTuneJobStatus(), [], None)
+    assert out.actions.workload is not None
+    assert out.actions.workload["metadata"]["finalizers"] == [IN_USE]
+
+
+def test_the_finalizer_comes_off_once_the_workload_finished_and_no_pod_runs() -> None:
+    from tests.operator.test_reconcile import pod
+
+    done = [
+        pod("qs-worker-0", "Succeeded", exit_code=0),
+        pod("qs-worker-1", "Succeeded", exit_code=0),
+    ]
+    marking = kstep(FineTuneJobStatus(), done, admitted(2))
+    assert marking.actions.workload_status is not None  # Finished is written first
+    assert not _drops_finalizer(marking)
+    # Read back Finished: finished workers hold nothing; the store still going away does.
+    store = pod("qs-rdzv", "Running", ready=True, deleting=True)
+    assert not _drops_finalizer(kstep(marking.status, [*done, store], _finished(admitted(2)), 5))
+    assert _drops_finalizer(kstep(marking.status, done, _finished(admitted(2)), 10))
+    gone = _finished(admitted(2))
+    gone["metadata"]["finalizers"] = []
+    assert kstep(marking.status, done, gone, 15).actions.workload_finalizer is None
+
+
+def test_a_workload_being_deleted_stops_the_workers_then_drops_its_finalizer() -> None:
+    """Kueue's job reconciler stops the job of a Workload marked for deletion and removes the
+    finalizer; the operator removes it once the pods are gone (the quota counted till then)."""
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    stop = kstep(live, running(*ALL), _deleting(admitted(2)), 5)
+    assert sorted(deleted(stop)) == sorted(ALL) and not _drops_finalizer(stop)
+    assert stop.actions.workload is None and stop.actions.remove == ()
+    assert "being deleted" in _message(stop)
+    gone = kstep(stop.status, [], _deleting(admitted(2)), 10)
+    assert _drops_finalizer(gone) and gone.actions.workload_status is None
+    assert created(gone) == [] and gone.actions.workload is None
+    # Once it is gone, a new one is created (and admitted anew before any pod).
+    anew = kstep(gone.status, [], None, 15)
+    assert anew.actions.workload is not None and created(anew) == []
+
+
+def test_leaving_kueue_deletes_the_workload_then_drops_its_finalizer() -> None:
+    leaving = read_left_queue_state(_deleting(admitted(2)), JOB.uid)
+    out = _pass(FineTuneJobStatus(), [], leaving)
+    assert out.actions.remove == () and _drops_finalizer(out)  # deleted already

@@ -21,6 +21,7 @@ from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.admission import (
     FAILED_TO_START,
     WAIT_FOR_START,
+    finalizer_release_patch,
     finish_patch,
     pods_ready_patch,
     pods_ready_reason,
@@ -90,6 +91,9 @@ class Actions:
     workload_rewrite: bool = False
     workload_status: dict[str, Any] | None = None
     workload_name: str = ""
+    # A merge patch of the Workload's metadata that removes the resource-in-use finalizer
+    # (the Workload Finished or being deleted, and no pod of the job running any more).
+    workload_finalizer: dict[str, Any] | None = None
     # Set the existing Workload's `active` false (the job's spec became invalid: no Workload
     # can be built, and the one admitted must give its quota back).
     workload_deactivate: bool = False
@@ -99,6 +103,7 @@ class Actions:
         return not (
             self.ensure or self.delete or self.create or self.pod_group or self.remove
             or self.workload or self.workload_status or self.workload_deactivate
+            or self.workload_finalizer
         )  # fmt: skip
 
 
@@ -205,7 +210,7 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     """The Workload to write: when it does not exist yet, or its `active` is not what the
     job wants (false while suspended). Otherwise nothing: its podSets are immutable."""
     q = ev.queue
-    if q is None or ev.spec is None or ev.plan is None or q.foreign or q.left:
+    if q is None or ev.spec is None or ev.plan is None or q.foreign or q.left or q.deleting:
         return None
     if q.raw is None and q.priority_problem:
         return None  # created once its priority can be read: Kueue cannot change it later
@@ -226,7 +231,7 @@ def _workload_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
     creates it anew, as Kueue's job reconciler does with a Workload no longer equivalent to
     its job), or the Workload of a job whose queue-name label was removed (it leaves Kueue)."""
     q = ev.queue
-    if q is None or a.terminating or a.live_pods:
+    if q is None or q.deleting or a.terminating or a.live_pods:
         return ()
     if not (q.left or (q.stale and q.quota_reserved)):
         return ()
@@ -253,7 +258,7 @@ def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | N
     Kueue requeues it then, and admits it again when there is room. A Workload found no
     longer admitted with its PodsReady still True has that set False."""
     q = ev.queue
-    if q is None or q.raw is None or q.left:  # leaving: the Workload is deleted instead
+    if q is None or q.raw is None or q.left or q.deleting:  # deleted instead
         return None
     if q.evicted is None or not q.quota_reserved:
         # Not admitted (any more) without it being this pass's doing: PodsReady is False
@@ -264,6 +269,18 @@ def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | N
     if a.terminating or a.live_pods:
         return None
     return release_patch(q.raw, q.evicted_message or q.evicted, now)
+
+
+def _finalizer_release(ev: Evaluation, a: Assessment) -> dict[str, Any] | None:
+    """The resource-in-use finalizer comes off once the quota may go: the Workload Finished
+    (as read: the pass that marks it waits for the next) or being deleted, and no pod of the
+    job still running or going away (finished workers kept for their logs hold nothing)."""
+    q = ev.queue
+    if q is None or q.raw is None or q.foreign or not (q.finished or q.deleting):
+        return None
+    if a.terminating or any(p.active for p in a.live_pods):
+        return None
+    return finalizer_release_patch(q.raw)
 
 
 def _finish(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
@@ -313,6 +330,7 @@ def decide_actions(
             remove=_pod_group_removal(ev, a),
             workload_status=_finish(ev, a, now),
             workload_name=workload_name(ev.job.owner),
+            workload_finalizer=_finalizer_release(ev, a),
         )
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
@@ -341,4 +359,5 @@ def decide_actions(
         workload_status=status_patch,
         workload_name=workload_name(ev.job.owner),
         workload_deactivate=deactivate,
+        workload_finalizer=_finalizer_release(ev, a),
     )

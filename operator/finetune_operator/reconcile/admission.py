@@ -17,7 +17,13 @@ from datetime import datetime
 from typing import Any
 
 from finetune_operator.reconcile.observed import format_time
-from finetune_operator.resources.workload import POD_SET, QUEUE_LABEL, Placement, PriorityRef
+from finetune_operator.resources.workload import (
+    POD_SET,
+    QUEUE_LABEL,
+    RESOURCE_IN_USE,
+    Placement,
+    PriorityRef,
+)
 
 ADMITTED = "Admitted"
 QUOTA_RESERVED = "QuotaReserved"
@@ -91,6 +97,10 @@ class QueueState:
     # Finished (FailedToStart), which gives the quota back; so does the operator, and the
     # job fails with this message. Also read back from that Finished condition.
     failed_to_start: str = ""
+    # It is being deleted (deletionTimestamp: by a user, by garbage collection, or by the
+    # operator replacing it or leaving Kueue): as in Kueue's job reconciler, the workers
+    # stop, and the resource-in-use finalizer is removed once they are gone.
+    deleting: bool = False
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -129,6 +139,8 @@ class QueueState:
                 "workers stopped, then its Workload is deleted (its quota given back) and the "
                 "job runs outside Kueue"
             )
+        if self.deleting:
+            return f"queued in LocalQueue {self.queue}: its Workload is being deleted; workers stopped, a new one is created once it is gone"
         if self.foreign:
             return f"queued in LocalQueue {self.queue}: a Workload of the job's name belongs to another owner; waiting for it to be deleted"
         if self.stale:
@@ -294,6 +306,8 @@ def read_queue_state(
     state = QueueState(queue, True, None, Placement(), reserved, evicted, evicted_message, why,
                        finished, pods_ready, pods_ready_reason, moved=moved,
                        failed_to_start=failed_to_start, raw=workload)  # fmt: skip
+    if (workload.get("metadata") or {}).get("deletionTimestamp"):
+        state = replace(state, deleting=True)
     if left:
         return replace(state, left=True, moved=False)
     assignment = _our_assignment(workload)
@@ -476,3 +490,17 @@ def finish_patch(
     reason = reason or ("Succeeded" if succeeded else "Failed")
     new = [_condition(FINISHED, "True", reason, message or reason, now, gen)]
     return _guarded(workload, {"conditions": _with(conds, new)})
+
+
+def finalizer_release_patch(workload: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The metadata merge patch that removes the resource-in-use finalizer (None when the
+    Workload does not carry it), with the resourceVersion read: the list is replaced whole,
+    so a finalizer someone added in between must make it fail (409) and be redone."""
+    meta = workload.get("metadata") or {}
+    finalizers = list(meta.get("finalizers") or [])
+    if RESOURCE_IN_USE not in finalizers:
+        return None
+    patch: dict[str, Any] = {"finalizers": [f for f in finalizers if f != RESOURCE_IN_USE]}
+    if meta.get("resourceVersion"):
+        patch["resourceVersion"] = meta["resourceVersion"]
+    return {"metadata": patch}

@@ -163,8 +163,8 @@ def assess(
         # eviction stops them like a suspend: nothing after this point is counted.
         # A stale Workload's admission is for other pods: they stop until it is replaced.
         q = ev.queue
-        if q.left:
-            return replace(seen, mode=Mode.QUEUED)  # leaving Kueue: stopped, as on eviction
+        if q.left or q.deleting:
+            return replace(seen, mode=Mode.QUEUED)  # stopped, as on an eviction
         running = [i for i, p in workers.items() if p.active]
         if q.failed_to_start and not running:
             # Kueue applies an admission once, when it starts the job: refused, never started.

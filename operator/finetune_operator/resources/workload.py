@@ -38,6 +38,10 @@ QUEUE_LABEL: Final = f"{KUEUE_GROUP}/queue-name"
 # without it the worker pods' PriorityClass (spec.resources.priorityClassName) is used.
 PRIORITY_LABEL: Final = f"{KUEUE_GROUP}/priority-class"
 POD_SET: Final = "workers"
+# Kueue's job reconciler puts it on every Workload it creates (ResourceInUseFinalizerName):
+# a Workload deleted while its job's pods still run stays (its quota counted) until the job
+# controller has stopped them and removes it. The operator does the same for its jobs.
+RESOURCE_IN_USE: Final = f"{KUEUE_GROUP}/resource-in-use"
 ROLE_WORKLOAD = "workload"
 # PodTemplateSpec.metadata in a Workload may hold only labels and annotations.
 _TEMPLATE_META = ("labels", "annotations")
@@ -118,12 +122,9 @@ def build_workload(
         ref, value = priority
         body["priorityClassRef"] = {"group": ref.group, "kind": ref.kind, "name": ref.name}
         body["priority"] = value
-    return {
-        "apiVersion": KUEUE_API_VERSION,
-        "kind": WORKLOAD_KIND,
-        "metadata": object_meta(owner, workload_name(owner), ROLE_WORKLOAD),
-        "spec": body,
-    }
+    meta = object_meta(owner, workload_name(owner), ROLE_WORKLOAD)
+    meta["finalizers"] = [RESOURCE_IN_USE]
+    return {"apiVersion": KUEUE_API_VERSION, "kind": WORKLOAD_KIND, "metadata": meta, "spec": body}
 
 
 @dataclass(frozen=True)
