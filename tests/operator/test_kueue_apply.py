@@ -184,3 +184,36 @@ def test_a_deleted_job_s_workload_waits_on_its_finalizer_until_the_operator_drop
     assert asyncio.run(cluster.read_workload("default", "gc"))[0] is not None
     asyncio.run(cluster.release_workload("default", "gc", owner.uid))
     assert asyncio.run(cluster.read_workload("default", "gc")) == (None, "")
+
+
+def test_the_workload_handler_nudges_its_job_and_frees_an_orphan_s_finalizer(
+    with_kueue: LocalCluster,
+) -> None:
+    """The Workload event handler: the owning job's pass is due at the next tick; a Workload
+    being deleted whose job is gone (its delete handler missed) loses its finalizer."""
+    import logging
+
+    from finetune_operator.handlers import owner_job, workload_changed
+
+    cluster = ClusterApi(config.new_client_from_config(config_file=str(with_kueue.kubeconfig_path)))
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "orphan-owner"}}
+    made = cluster.core.create_namespaced_config_map("default", body)
+    owner = Owner(name="orphan", namespace="default", uid=made.metadata.uid)
+    spec = FineTuneJobSpec.model_validate(quickstart_raw())
+    assert asyncio.run(cluster.apply("default", Actions(workload=build_workload(owner, spec, make_plan(2), "q")))).errors == []  # fmt: skip
+    memo: dict[str, Any] = {"cluster": cluster, "nudged": set()}
+    log = logging.getLogger("test")
+    live = asyncio.run(cluster.read_workload("default", "orphan"))[0]
+    assert live is not None and owner_job(live) is not None
+    assert (
+        owner_job({"metadata": {"ownerReferences": [{"kind": "Job", "apiVersion": "batch/v1"}]}})
+        is None
+    )
+    asyncio.run(workload_changed(namespace="default", body=live, memo=memo, logger=log))
+    assert memo["nudged"] == {("default", "orphan")}
+    assert asyncio.run(cluster.read_workload("default", "orphan"))[0] is not None  # not deleting
+    cluster.core.delete_namespaced_config_map("orphan-owner", "default")  # collected: held
+    held = asyncio.run(cluster.read_workload("default", "orphan"))[0]
+    assert held is not None and held["metadata"].get("deletionTimestamp")
+    asyncio.run(workload_changed(namespace="default", body=held, memo=memo, logger=log))
+    assert asyncio.run(cluster.read_workload("default", "orphan")) == (None, "")

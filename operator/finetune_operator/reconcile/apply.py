@@ -16,7 +16,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from finetune_operator.api.constants import LABEL_ROLE, ROLE_WORKER
+from finetune_operator.api.constants import GROUP, LABEL_ROLE, PLURAL, ROLE_WORKER, VERSION
 from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion
 from finetune_operator.reconcile.admission import finalizer_release_patch
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
@@ -303,6 +303,18 @@ class ClusterApi:
         except ApiException as err:
             if err.status not in (404, 409):
                 raise
+
+    async def job_exists(self, namespace: str, name: str, uid: str) -> bool:
+        """Whether the FineTuneJob of that name and uid is still there."""
+        try:
+            job = await self._call(
+                self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
+            )
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        return bool((job.get("metadata") or {}).get("uid") == uid)
 
     async def remove(self, namespace: str, ref: ObjectRef) -> bool:
         """Delete the custom object; False when it is already gone (or its kind is)."""
