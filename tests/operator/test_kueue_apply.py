@@ -15,8 +15,9 @@ from kubernetes import config
 from finetune_local.cluster import LocalCluster
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.reconcile.actions import Actions
-from finetune_operator.reconcile.admission import finish_patch, flavors_assigned, read_queue_state
+from finetune_operator.reconcile.admission import flavors_assigned, read_queue_state
 from finetune_operator.reconcile.apply import ClusterApi
+from finetune_operator.reconcile.workload_patches import finish_patch
 from finetune_operator.resources import Owner
 from finetune_operator.resources.workload import build_workload
 from tests.operator.factories import UID, make_plan, quickstart_raw

@@ -18,8 +18,12 @@ from finetune_operator.api.constants import (
     ROLE_WORKER,
 )
 from finetune_operator.api.status import FineTuneJobStatus
-from finetune_operator.reconcile.admission import (
-    FAILED_TO_START,
+from finetune_operator.reconcile.admission import FAILED_TO_START
+from finetune_operator.reconcile.assess import Assessment, Mode, assess, queued_reason
+from finetune_operator.reconcile.conditions import EventSpec
+from finetune_operator.reconcile.evaluation import Evaluation
+from finetune_operator.reconcile.observed import PodView
+from finetune_operator.reconcile.workload_patches import (
     WAIT_FOR_START,
     finalizer_release_patch,
     finish_patch,
@@ -27,10 +31,6 @@ from finetune_operator.reconcile.admission import (
     pods_ready_reason,
     release_patch,
 )
-from finetune_operator.reconcile.assess import Assessment, Mode, assess, queued_reason
-from finetune_operator.reconcile.conditions import EventSpec
-from finetune_operator.reconcile.evaluation import Evaluation
-from finetune_operator.reconcile.observed import PodView
 from finetune_operator.resources import (
     build_job_pod_group,
     build_rendezvous_pod,

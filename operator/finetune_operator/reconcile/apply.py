@@ -18,7 +18,7 @@ from kubernetes.client.exceptions import ApiException
 
 from finetune_operator.api.constants import GROUP, LABEL_ROLE, PLURAL, ROLE_WORKER, VERSION
 from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion
-from finetune_operator.reconcile.admission import finalizer_release_patch
+from finetune_operator.reconcile.workload_patches import finalizer_release_patch
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
 from finetune_operator.resources.workload import (
     FLAVOR_PLURAL,
