@@ -79,6 +79,7 @@ def test_a_workload_not_to_give_back_is_left_alone(case: str) -> None:
     assert wl is not None
     if case == "finished":
         wl["status"]["conditions"].append(_cond("Finished", "True", "Succeeded"))
+        wl["metadata"]["finalizers"] = []  # removed already: nothing left to do
     elif case == "foreign":
         wl["metadata"]["ownerReferences"][0]["uid"] = "an-older-job"
     else:
@@ -253,3 +254,18 @@ def test_leaving_kueue_deletes_the_workload_then_drops_its_finalizer() -> None:
     leaving = read_left_queue_state(_deleting(admitted(2)), JOB.uid)
     out = _pass(FineTuneJobStatus(), [], leaving)
     assert out.actions.remove == () and _drops_finalizer(out)  # deleted already
+
+
+def test_a_finished_job_whose_label_is_removed_still_drops_the_finalizer() -> None:
+    from tests.operator.test_reconcile import pod
+
+    done = [
+        pod("qs-worker-0", "Succeeded", exit_code=0),
+        pod("qs-worker-1", "Succeeded", exit_code=0),
+    ]
+    status = kstep(FineTuneJobStatus(), done, admitted(2)).status
+    leaving = read_left_queue_state(_finished(admitted(2)), JOB.uid)
+    assert leaving is not None and leaving.finished
+    out = _pass(status, done, leaving, 5)
+    assert out.status.phase == "Succeeded" and _drops_finalizer(out)
+    assert out.actions.remove == () and created(out) == []

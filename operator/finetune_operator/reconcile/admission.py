@@ -18,6 +18,7 @@ from typing import Any
 from finetune_operator.resources.workload import (
     POD_SET,
     QUEUE_LABEL,
+    RESOURCE_IN_USE,
     Placement,
     PriorityRef,
 )
@@ -303,13 +304,16 @@ def read_queue_state(
 
 
 def read_left_queue_state(workload: Mapping[str, Any] | None, owner_uid: str) -> QueueState | None:
-    """A job without the queue-name label whose own Workload is still there and not Finished
-    (the label was removed): the state that makes it leave Kueue (QueueState.left). None
-    otherwise: no Workload, another owner's, or a Finished one (its quota already released)."""
+    """A job without the queue-name label whose own Workload is still there (the label was
+    removed): the state that makes it leave Kueue (QueueState.left). None otherwise: no
+    Workload, another owner's, or a Finished one (its quota released) without the
+    resource-in-use finalizer left to remove."""
     if workload is None:
         return None
-    owners = {o.get("uid") for o in (workload.get("metadata") or {}).get("ownerReferences") or []}
-    if owner_uid not in owners or condition_true(workload_conditions(workload), FINISHED):
+    meta = workload.get("metadata") or {}
+    owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
+    done = condition_true(workload_conditions(workload), FINISHED)
+    if owner_uid not in owners or (done and RESOURCE_IN_USE not in (meta.get("finalizers") or [])):
         return None
     queue = str((workload.get("spec") or {}).get("queueName") or "")
     return read_queue_state(queue, workload, {}, owner_uid=owner_uid, left=True)
