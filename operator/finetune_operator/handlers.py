@@ -65,6 +65,7 @@ from finetune_operator.reconcile.apply import ClusterApi, load_api_client
 from finetune_operator.resources.workload import (
     KUEUE_GROUP,
     KUEUE_VERSION,
+    QUEUE_LABEL,
     RESOURCE_IN_USE,
     WORKLOAD_PLURAL,
     priority_ref,
@@ -175,6 +176,12 @@ async def resumed(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: kopf.Lo
 
 @kopf.on.update(*FTJ, field="spec")
 async def spec_changed(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: kopf.Logger, **kw: Any) -> None:  # fmt: skip
+    await _reconcile(body, memo, patch, kw["job_pods"], logger)
+
+
+@kopf.on.update(*FTJ, field=("metadata", "labels", QUEUE_LABEL))
+async def queue_label_changed(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: kopf.Logger, **kw: Any) -> None:  # fmt: skip
+    # Added, changed or removed: the job joins, moves in or leaves Kueue now, not next pass.
     await _reconcile(body, memo, patch, kw["job_pods"], logger)
 
 

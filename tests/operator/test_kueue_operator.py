@@ -1,6 +1,7 @@
 """The real kopf operator, in-process, against the embedded local cluster serving Kueue's
-CRDs (slow): a Workload event reaches its job at once. With a 60 s reconcile interval, the
-workers of an admitted job are created within seconds of the admission, not at the next pass."""
+CRDs (slow): a Workload event, or a change of the queue-name label, reaches its job at once.
+With a 60 s reconcile interval, the workers of an admitted job are created within seconds of
+the admission, and stopped within seconds of the label's removal, not at the next pass."""
 
 from __future__ import annotations
 
@@ -61,6 +62,13 @@ def _admitted(count: int) -> dict[str, Any]:
                        "admission": {"clusterQueue": "cq", "podSetAssignments": [assignment]}}}  # fmt: skip
 
 
+def _succeeded_reason(custom: Any) -> str | None:
+    job = custom.get_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "queued")
+    conds = {c["type"]: c for c in (job.get("status") or {}).get("conditions") or []}
+    reason = conds.get("Succeeded", {}).get("reason")
+    return reason if reason == "QueueLabelRemoved" else None
+
+
 def test_an_admission_reaches_the_job_before_its_next_pass(cluster: Any) -> None:
     from kubernetes import client
 
@@ -99,6 +107,16 @@ def test_an_admission_reaches_the_job_before_its_next_pass(cluster: Any) -> None
         )
         wait_until(lambda: len(workers()) == 2, "the admitted workers", INTERVAL / 2, interval=0.2)
         assert time.monotonic() - admitted_at < INTERVAL / 2
+        # The queue-name label removed: the job leaves Kueue now (its handler, not the next
+        # pass), its workers stopped first (found through status.workload).
+        job = custom.get_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "queued")
+        assert job["status"]["workload"] == "queued"
+        time.sleep(3)  # the passes the admission set off (the Workload's PodsReady) are over
+        unlabel = {"metadata": {"labels": {"kueue.x-k8s.io/queue-name": None}}}
+        custom.patch_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "queued", unlabel)
+        wait_until(lambda: workers() == [], "the workers stopped", INTERVAL / 2, interval=0.2)
+        reason = wait_until(lambda: _succeeded_reason(custom), "the job's reason", 10, interval=0.2)
+        assert reason == "QueueLabelRemoved"
     finally:
         stop.set()
         thread.join(30)
