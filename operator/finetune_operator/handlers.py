@@ -205,6 +205,7 @@ async def deleted(namespace: str | None, name: str, body: kopf.Body, memo: Any, 
     # job is gone), or garbage collection would wait on it forever.
     metrics.set_job_phase(f"{namespace}/{name}", None)
     metrics.forget_job_series(namespace or "", name)
+    memo.get("nudged", set()).discard((namespace, name))
     job = _job_ref(body)
     if job.queue_name or (body.get("status") or {}).get("workload"):
         try:
