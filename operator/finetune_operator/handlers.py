@@ -18,11 +18,13 @@ from typing import Any
 
 import kopf
 from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
 
 from finetune_operator import metrics
 from finetune_operator.api.constants import (
     ANNOTATION_PROGRESS_PREFIX,
     GROUP,
+    KIND,
     LABEL_JOB,
     PHASE_FAILED,
     PHASE_SUCCEEDED,
@@ -53,9 +55,23 @@ from finetune_operator.reconcile import (
     scrape_targets,
     status_patch,
 )
-from finetune_operator.reconcile.admission import QueueState, flavors_assigned, read_queue_state
+from finetune_operator.reconcile.admission import (
+    QueueState,
+    flavors_assigned,
+    read_left_queue_state,
+    read_queue_state,
+)
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
-from finetune_operator.resources.workload import priority_ref, queue_name_of, workload_name
+from finetune_operator.resources.workload import (
+    KUEUE_GROUP,
+    KUEUE_VERSION,
+    QUEUE_LABEL,
+    RESOURCE_IN_USE,
+    WORKLOAD_PLURAL,
+    priority_ref,
+    queue_name_of,
+    workload_name,
+)
 from finetune_operator.scrape import scrape_all
 from finetune_operator.settings import OperatorSettings
 
@@ -109,6 +125,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.peering.standalone = True  # one replica (local mode): no peering objects
     if memo.get("cluster") is None:
         memo["cluster"] = ClusterApi(load_api_client(memo.get("kubeconfig")))
+    # Jobs whose pass is due at the next timer tick (a Workload event). In the root memo, which
+    # every object's memo copies shallowly: one set shared by all handlers.
+    memo.setdefault("nudged", set())
     if memo.get("planner") is None:
         memo["planner"] = default_planner()
     if ours.metrics_port:
@@ -160,20 +179,81 @@ async def spec_changed(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: ko
     await _reconcile(body, memo, patch, kw["job_pods"], logger)
 
 
+@kopf.on.update(*FTJ, field=("metadata", "labels", QUEUE_LABEL))
+async def queue_label_changed(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: kopf.Logger, **kw: Any) -> None:  # fmt: skip
+    # Added, changed or removed: the job joins, moves in or leaves Kueue now, not next pass.
+    await _reconcile(body, memo, patch, kw["job_pods"], logger)
+
+
 @kopf.timer(*FTJ, interval=TIMER_TICK_SECONDS, initial_delay=TIMER_TICK_SECONDS)
 async def observe(body: kopf.Body, memo: Any, patch: kopf.Patch, logger: kopf.Logger, **kw: Any) -> None:  # fmt: skip
     state, interval = _job_state(memo), _settings(memo).reconcile_interval_seconds
-    if time.monotonic() - state.last_pass < interval:
+    key = (body.get("metadata", {}).get("namespace"), body.get("metadata", {}).get("name"))
+    nudged: set[tuple[str | None, str | None]] = memo.get("nudged", set())
+    if key in nudged:
+        nudged.discard(key)  # its Workload changed: this tick, not the interval's end
+    elif time.monotonic() - state.last_pass < interval:
         return
     state.last_pass = time.monotonic()
     await _reconcile(body, memo, patch, kw["job_pods"], logger, scrape=True)
 
 
 @kopf.on.delete(*FTJ, optional=True)
-def deleted(namespace: str | None, name: str, **_: Any) -> None:
-    # optional: no finalizer; children go by ownerReference garbage collection.
+async def deleted(namespace: str | None, name: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:  # fmt: skip
+    # optional: no finalizer; children go by ownerReference garbage collection. The Workload's
+    # resource-in-use finalizer comes off here (as Kueue's job reconciler drops it once the
+    # job is gone), or garbage collection would wait on it forever.
     metrics.set_job_phase(f"{namespace}/{name}", None)
     metrics.forget_job_series(namespace or "", name)
+    memo.get("nudged", set()).discard((namespace, name))
+    job = _job_ref(body)
+    if job.queue_name or (body.get("status") or {}).get("workload"):
+        try:
+            await memo["cluster"].release_workload(job.namespace, workload_name(job.owner), job.uid)
+        except ApiException as err:
+            logger.warning(
+                "Workload %s keeps its finalizer: %s", workload_name(job.owner), err.reason
+            )
+
+
+def owner_job(body: kopf.Body | dict[str, Any]) -> dict[str, Any] | None:
+    """The FineTuneJob ownerReference of a Workload (None: not one of ours)."""
+    for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion") == f"{GROUP}/{VERSION}":
+            found: dict[str, Any] = dict(ref)
+            return found
+    return None
+
+
+def _owned_by_a_job(body: kopf.Body, **_: Any) -> bool:
+    return owner_job(body) is not None
+
+
+# Kueue's CRDs not installed: kopf warns that the resource cannot be served and watches the
+# rest (and starts watching once the CRD appears). On.event, not an index: an index kopf
+# cannot fill (no permission to list Workloads) would hold every handler back.
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOAD_PLURAL, labels={LABEL_JOB: kopf.PRESENT}, when=_owned_by_a_job)  # fmt: skip
+async def workload_changed(namespace: str | None, body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:  # fmt: skip
+    """Kueue admitted, evicted or finished a job's Workload: the job's pass runs at the next
+    timer tick, not up to a reconcile interval later. A Workload being deleted whose job is
+    gone (its delete handler missed, the operator down then) loses its finalizer here."""
+    owner = owner_job(body)
+    assert owner is not None  # when=
+    nudged: set[tuple[str | None, str | None]] = memo.get("nudged", set())
+    nudged.add((namespace, owner.get("name")))
+    meta = body.get("metadata", {})
+    if not meta.get("deletionTimestamp") or RESOURCE_IN_USE not in (meta.get("finalizers") or []):
+        return
+    cluster: ClusterApi = memo["cluster"]
+    try:
+        if not await cluster.job_exists(
+            namespace or "", owner.get("name", ""), owner.get("uid", "")
+        ):
+            await cluster.release_workload(
+                namespace or "", meta.get("name", ""), owner.get("uid", "")
+            )
+    except ApiException as err:
+        logger.warning("Workload %s keeps its finalizer: %s", meta.get("name"), err.reason)
 
 
 @kopf.on.probe(id="jobs")
@@ -201,7 +281,7 @@ async def _queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> Que
     """The job's standing in Kueue (its Workload and the flavors it was admitted to, or the
     priority its Workload is to be created with); None for a job not queued in Kueue."""
     if job.queue_name is None:
-        return None
+        return await _left_queue_state(cluster, job, body)
     workload, unreadable = await cluster.read_workload(job.namespace, workload_name(job.owner))
     if unreadable:
         return read_queue_state(job.queue_name, None, {}, unreadable=unreadable)
@@ -215,6 +295,16 @@ async def _queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> Que
     value, problem = await cluster.read_priority(ref)
     priority = (ref, value) if value is not None else None
     return read_queue_state(job.queue_name, None, {}, priority=priority, priority_problem=problem)
+
+
+async def _left_queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> QueueState | None:
+    """A job without the queue-name label that had a Workload (status.workload, written while
+    it was queued): its Workload, if still there, is given back (admission.QueueState.left).
+    A job never queued costs no API call."""
+    if not (body.get("status") or {}).get("workload"):
+        return None
+    workload, unreadable = await cluster.read_workload(job.namespace, workload_name(job.owner))
+    return None if unreadable else read_left_queue_state(workload, job.uid)
 
 
 async def _reconcile(

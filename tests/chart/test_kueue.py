@@ -1,6 +1,7 @@
 """The chart's Kueue value: RBAC on exactly what the operator calls on Kueue's objects
 (reconcile/apply.py: Workloads created, read, patched and deleted (one written for an
-earlier spec of its job), their status patched; the
+earlier spec of its job), their status patched; listed and watched by the operator's Workload
+event handler (handlers.py); the
 ResourceFlavors an admission names and the priority class a Workload is created with, read), absent by default, in the ClusterRole or in each
 watched namespace's Role, and every rendered object valid."""
 
@@ -32,7 +33,7 @@ def test_cluster_wide_grants_workloads_and_flavors(render: Render) -> None:
     docs = render("kueue.enabled=true")
     grants = _kueue_grants([only(docs, "ClusterRole")])
     assert grants == {
-        WORKLOADS: {"create", "get", "patch", "delete"},
+        WORKLOADS: {"create", "get", "list", "watch", "patch", "delete"},
         STATUS: {"patch"},
         FLAVORS: {"get"},
         WPC: {"get"},
@@ -59,6 +60,6 @@ def test_namespaced_mode_grants_workloads_per_namespace_and_flavors_cluster_wide
     assert len(roles) == 2
     for role in roles:
         assert _kueue_grants([role]) == {
-            WORKLOADS: {"create", "get", "patch", "delete"},
+            WORKLOADS: {"create", "get", "list", "watch", "patch", "delete"},
             STATUS: {"patch"},
         }

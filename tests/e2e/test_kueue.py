@@ -186,3 +186,17 @@ def test_queued_admitted_evicted_readmitted_succeeds(
             lambda: kueue.conditions().get("Finished"), "the Workload Finished", timeout=30
         )
         assert finished["status"] == "True" and finished["reason"] == "Succeeded"
+        # Finished and no pod running: the operator takes Kueue's resource-in-use finalizer
+        # off; deleting the job then lets garbage collection take the Workload.
+        wait_until(
+            lambda: (
+                "kueue.x-k8s.io/resource-in-use"
+                not in ((kueue.workload() or {}).get("metadata") or {}).get("finalizers", [])
+            ),
+            "the finalizer removed",
+            timeout=30,
+        )
+        session.custom.delete_namespaced_custom_object(
+            "finetune.dev", "v1alpha1", "default", "finetunejobs", NAME
+        )
+        wait_until(lambda: kueue.workload() is None, "the Workload collected", timeout=30)

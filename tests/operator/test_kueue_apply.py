@@ -15,8 +15,9 @@ from kubernetes import config
 from finetune_local.cluster import LocalCluster
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.reconcile.actions import Actions
-from finetune_operator.reconcile.admission import finish_patch, flavors_assigned, read_queue_state
+from finetune_operator.reconcile.admission import flavors_assigned, read_queue_state
 from finetune_operator.reconcile.apply import ClusterApi
+from finetune_operator.reconcile.workload_patches import finish_patch
 from finetune_operator.resources import Owner
 from finetune_operator.resources.workload import build_workload
 from tests.operator.factories import UID, make_plan, quickstart_raw
@@ -161,3 +162,59 @@ def test_a_stale_status_patch_is_refused_and_not_an_error(with_kueue: LocalClust
     assert result.errors == []
     now = asyncio.run(cluster.read_workload("default", "stale"))[0]
     assert now is not None and [c["type"] for c in now["status"]["conditions"]] == ["Evicted"]
+
+
+def test_a_deleted_job_s_workload_waits_on_its_finalizer_until_the_operator_drops_it(
+    with_kueue: LocalCluster,
+) -> None:
+    """Garbage collection of the Workload of a deleted job stops at Kueue's resource-in-use
+    finalizer (as on a real API server) until the operator removes it (the job's delete
+    handler, as Kueue's job reconciler once the job is gone): nothing hangs."""
+    cluster = ClusterApi(config.new_client_from_config(config_file=str(with_kueue.kubeconfig_path)))
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gc-owner"}}
+    made = cluster.core.create_namespaced_config_map("default", body)
+    owner = Owner(name="gc", namespace="default", uid=made.metadata.uid)
+    spec = FineTuneJobSpec.model_validate(quickstart_raw())
+    wl = build_workload(owner, spec, make_plan(2), "q")
+    assert asyncio.run(cluster.apply("default", Actions(workload=wl))).errors == []
+    cluster.core.delete_namespaced_config_map("gc-owner", "default")  # the owner goes
+    held, _ = asyncio.run(cluster.read_workload("default", "gc"))
+    assert held is not None and held["metadata"].get("deletionTimestamp")
+    assert held["metadata"]["finalizers"] == ["kueue.x-k8s.io/resource-in-use"]
+    asyncio.run(cluster.release_workload("default", "gc", "another-job-uid"))  # not its own
+    assert asyncio.run(cluster.read_workload("default", "gc"))[0] is not None
+    asyncio.run(cluster.release_workload("default", "gc", owner.uid))
+    assert asyncio.run(cluster.read_workload("default", "gc")) == (None, "")
+
+
+def test_the_workload_handler_nudges_its_job_and_frees_an_orphan_s_finalizer(
+    with_kueue: LocalCluster,
+) -> None:
+    """The Workload event handler: the owning job's pass is due at the next tick; a Workload
+    being deleted whose job is gone (its delete handler missed) loses its finalizer."""
+    import logging
+
+    from finetune_operator.handlers import owner_job, workload_changed
+
+    cluster = ClusterApi(config.new_client_from_config(config_file=str(with_kueue.kubeconfig_path)))
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "orphan-owner"}}
+    made = cluster.core.create_namespaced_config_map("default", body)
+    owner = Owner(name="orphan", namespace="default", uid=made.metadata.uid)
+    spec = FineTuneJobSpec.model_validate(quickstart_raw())
+    assert asyncio.run(cluster.apply("default", Actions(workload=build_workload(owner, spec, make_plan(2), "q")))).errors == []  # fmt: skip
+    memo: dict[str, Any] = {"cluster": cluster, "nudged": set()}
+    log = logging.getLogger("test")
+    live = asyncio.run(cluster.read_workload("default", "orphan"))[0]
+    assert live is not None and owner_job(live) is not None
+    assert (
+        owner_job({"metadata": {"ownerReferences": [{"kind": "Job", "apiVersion": "batch/v1"}]}})
+        is None
+    )
+    asyncio.run(workload_changed(namespace="default", body=live, memo=memo, logger=log))
+    assert memo["nudged"] == {("default", "orphan")}
+    assert asyncio.run(cluster.read_workload("default", "orphan"))[0] is not None  # not deleting
+    cluster.core.delete_namespaced_config_map("orphan-owner", "default")  # collected: held
+    held = asyncio.run(cluster.read_workload("default", "orphan"))[0]
+    assert held is not None and held["metadata"].get("deletionTimestamp")
+    asyncio.run(workload_changed(namespace="default", body=held, memo=memo, logger=log))
+    assert asyncio.run(cluster.read_workload("default", "orphan")) == (None, "")

@@ -152,7 +152,7 @@ app.kubernetes.io/part-of: finetune-operator
 {{- if .Values.kueue.enabled }}
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
-  verbs: ["create", "get", "patch", "delete"]
+  verbs: ["create", "get", "list", "watch", "patch", "delete"]
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]

@@ -72,6 +72,9 @@ REASON_NO_PROGRESS: Final = "NoProgress"  # no rank's step advanced
 REASON_HANG_DETECTED: Final = "HangDetected"  # the Event of a hang restart
 REASON_QUEUED: Final = "Queued"  # waiting for Kueue to admit the job's Workload
 REASON_EVICTED: Final = "Evicted"  # Kueue evicted the Workload: workers stopped, waits
+# The queue-name label was removed from a job Kueue knows: it leaves Kueue (workers stopped,
+# its Workload deleted once they are gone, so the quota goes back), then runs outside it.
+REASON_QUEUE_LABEL_REMOVED: Final = "QueueLabelRemoved"
 
 # Phases, derived from conditions for `kubectl get` only.
 PHASE_PENDING: Final = "Pending"

@@ -86,3 +86,9 @@ class FineTuneJobStatus(ApiModel):
     start_time: str | None = None
     completion_time: str | None = None
     observed_generation: int | None = Field(None, ge=0)
+    workload: str | None = Field(
+        None,
+        description="The job's Kueue Workload (its name, in the job's namespace) while the job "
+        "is queued in Kueue: read on every pass, also once the queue-name label is removed, so "
+        "that its quota is given back.",
+    )

@@ -11,26 +11,26 @@ from finetune_operator.api.constants import (
     ANNOTATION_RESTART_ATTEMPT,
     LABEL_ROLE,
     REASON_COMPLETED,
-    REASON_EVICTED,
     REASON_INVALID_SPEC,
     REASON_PREEMPTED,
-    REASON_QUEUED,
     REASON_RESTARTING,
     REASON_SUSPENDED,
     ROLE_WORKER,
 )
 from finetune_operator.api.status import FineTuneJobStatus
-from finetune_operator.reconcile.admission import (
+from finetune_operator.reconcile.admission import FAILED_TO_START
+from finetune_operator.reconcile.assess import Assessment, Mode, assess, queued_reason
+from finetune_operator.reconcile.conditions import EventSpec
+from finetune_operator.reconcile.evaluation import Evaluation
+from finetune_operator.reconcile.observed import PodView
+from finetune_operator.reconcile.workload_patches import (
     WAIT_FOR_START,
+    finalizer_release_patch,
     finish_patch,
     pods_ready_patch,
     pods_ready_reason,
     release_patch,
 )
-from finetune_operator.reconcile.assess import Assessment, Mode, assess
-from finetune_operator.reconcile.conditions import EventSpec
-from finetune_operator.reconcile.evaluation import Evaluation
-from finetune_operator.reconcile.observed import PodView
 from finetune_operator.resources import (
     build_job_pod_group,
     build_rendezvous_pod,
@@ -91,6 +91,9 @@ class Actions:
     workload_rewrite: bool = False
     workload_status: dict[str, Any] | None = None
     workload_name: str = ""
+    # A merge patch of the Workload's metadata that removes the resource-in-use finalizer
+    # (the Workload Finished or being deleted, and no pod of the job running any more).
+    workload_finalizer: dict[str, Any] | None = None
     # Set the existing Workload's `active` false (the job's spec became invalid: no Workload
     # can be built, and the one admitted must give its quota back).
     workload_deactivate: bool = False
@@ -100,6 +103,7 @@ class Actions:
         return not (
             self.ensure or self.delete or self.create or self.pod_group or self.remove
             or self.workload or self.workload_status or self.workload_deactivate
+            or self.workload_finalizer
         )  # fmt: skip
 
 
@@ -206,7 +210,7 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     """The Workload to write: when it does not exist yet, or its `active` is not what the
     job wants (false while suspended). Otherwise nothing: its podSets are immutable."""
     q = ev.queue
-    if q is None or ev.spec is None or ev.plan is None or q.foreign:
+    if q is None or ev.spec is None or ev.plan is None or q.foreign or q.left or q.deleting:
         return None
     if q.raw is None and q.priority_problem:
         return None  # created once its priority can be read: Kueue cannot change it later
@@ -221,12 +225,15 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     return wanted
 
 
-def _stale_workload_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
-    """A stale Workload that holds quota is deleted once the job's pods are gone (the quota
-    goes with it; Kueue forbids changing podSets while reserved); the next pass creates it
-    anew, as Kueue's job reconciler does with a Workload no longer equivalent to its job."""
+def _workload_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
+    """The Workload deleted once the job's pods are gone (its quota goes with it): a stale
+    one that holds quota (Kueue forbids changing podSets while reserved; the next pass
+    creates it anew, as Kueue's job reconciler does with a Workload no longer equivalent to
+    its job), or the Workload of a job whose queue-name label was removed (it leaves Kueue)."""
     q = ev.queue
-    if q is None or not q.stale or not q.quota_reserved or a.terminating or a.live_pods:
+    if q is None or q.deleting or a.terminating or a.live_pods:
+        return ()
+    if not (q.left or (q.stale and q.quota_reserved)):
         return ()
     return (
         ObjectRef(KUEUE_API_VERSION, WORKLOAD_KIND, WORKLOAD_PLURAL, workload_name(ev.job.owner)),
@@ -251,7 +258,7 @@ def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | N
     Kueue requeues it then, and admits it again when there is room. A Workload found no
     longer admitted with its PodsReady still True has that set False."""
     q = ev.queue
-    if q is None or q.raw is None:
+    if q is None or q.raw is None or q.left or q.deleting:  # deleted instead
         return None
     if q.evicted is None or not q.quota_reserved:
         # Not admitted (any more) without it being this pass's doing: PodsReady is False
@@ -264,11 +271,24 @@ def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | N
     return release_patch(q.raw, q.evicted_message or q.evicted, now)
 
 
+def _finalizer_release(ev: Evaluation, a: Assessment) -> dict[str, Any] | None:
+    """The resource-in-use finalizer comes off once the quota may go: the Workload Finished
+    (as read: the pass that marks it waits for the next) or being deleted, and no pod of the
+    job still running or going away (finished workers kept for their logs hold nothing)."""
+    q = ev.queue
+    if q is None or q.raw is None or q.foreign or not (q.finished or q.deleting):
+        return None
+    if a.terminating or any(p.active for p in a.live_pods):
+        return None
+    return finalizer_release_patch(q.raw)
+
+
 def _finish(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
     q = ev.queue
     if q is None or q.raw is None or q.finished:
         return None
-    return finish_patch(q.raw, a.mode is Mode.SUCCEEDED, a.message or "", now)
+    reason = FAILED_TO_START if a.failure_reason == FAILED_TO_START else ""
+    return finish_patch(q.raw, a.mode is Mode.SUCCEEDED, a.message or "", now, reason)
 
 
 def _pod_group_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
@@ -310,11 +330,11 @@ def decide_actions(
             remove=_pod_group_removal(ev, a),
             workload_status=_finish(ev, a, now),
             workload_name=workload_name(ev.job.owner),
+            workload_finalizer=_finalizer_release(ev, a),
         )
-    queued = ev.queue is not None and ev.queue.evicted is not None
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
-        Mode.QUEUED: REASON_EVICTED if queued else REASON_QUEUED,
+        Mode.QUEUED: queued_reason(ev),
         Mode.FAILED: a.failure_reason,
         Mode.INVALID: ev.failure_reason or REASON_INVALID_SPEC,
     }[a.mode]
@@ -331,7 +351,7 @@ def decide_actions(
     )  # fmt: skip
     return Actions(
         delete=_deletions(a.live_pods, reason),
-        remove=_pod_group_removal(ev, a) + _stale_workload_removal(ev, a),
+        remove=_pod_group_removal(ev, a) + _workload_removal(ev, a),
         workload=workload,
         workload_rewrite=workload is not None
         and ev.queue is not None
@@ -339,4 +359,5 @@ def decide_actions(
         workload_status=status_patch,
         workload_name=workload_name(ev.job.owner),
         workload_deactivate=deactivate,
+        workload_finalizer=_finalizer_release(ev, a),
     )

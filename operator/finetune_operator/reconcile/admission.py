@@ -1,5 +1,5 @@
 """Reading the job's Kueue Workload: queued, admitted (how many nodes, which placement), or
-evicted; and the two status changes a job controller owes Kueue (pure, `now` passed in).
+evicted (pure); the writes a job controller owes Kueue are in workload_patches.py.
 
 Kueue's contract with a job controller (its jobframework reconciler does the same for the
 Job, JobSet, RayJob... integrations): start the job only while the Workload is Admitted, with
@@ -11,35 +11,26 @@ ends set the Workload's Finished condition, which releases its quota for good.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import Any
 
-from finetune_operator.reconcile.observed import format_time
-from finetune_operator.resources.workload import POD_SET, Placement, PriorityRef
+from finetune_operator.resources.workload import (
+    POD_SET,
+    QUEUE_LABEL,
+    RESOURCE_IN_USE,
+    Placement,
+    PriorityRef,
+)
 
 ADMITTED = "Admitted"
 QUOTA_RESERVED = "QuotaReserved"
 EVICTED = "Evicted"
 FINISHED = "Finished"
 PODS_READY = "PodsReady"
-REQUEUED = "Requeued"
-# The eviction reasons after which Kueue's job reconciler sets Requeued True when it gives the
-# quota back (WorkloadEvictedByPreemption, WorkloadEvictedDueToNodeFailures); any other
-# (Deactivated, PodsReadyTimeout, an admission check...) sets it False, for Kueue to decide.
-_REQUEUED_AFTER = ("Preempted", "NodeFailures")
-# Kueue's reason for a Workload waiting for quota (UnsetQuotaReservationWithCondition's).
-REASON_PENDING = "Pending"
-MAX_CONDITION_MESSAGE = 32768  # metav1.Condition's limit
-# PodsReady's reasons and messages, Kueue's (WorkloadStarted, WorkloadWaitForStart, ...).
-STARTED = "Started"
-RECOVERED = "Recovered"
-WAIT_FOR_START = "WaitForStart"
-WAIT_FOR_RECOVERY = "WaitForRecovery"
-_READY_MESSAGE = "All pods reached readiness and the workload is running"
-_NOT_READY_MESSAGE = "Not all pods are ready or succeeded"
-_RECOVERY_MESSAGE = "At least one pod has failed, waiting for recovery"
+# Kueue's Finished reason for an admission its job reconciler could not apply to the job
+# (a permanent podset.Merge error): never admitted again.
+FAILED_TO_START = "FailedToStart"
 
 
 @dataclass(frozen=True)
@@ -75,6 +66,23 @@ class QueueState:
     # withdrawn admission. Running workers are kept (new pods wait), as with a flavor that
     # cannot be read; only a Workload known absent gates the job as not admitted.
     unreadable: str = ""
+    # The job's queue-name label was removed while this Workload (its own, not Finished) is
+    # still there. Kueue's webhook refuses that change on a running job of its own
+    # integrations (the label is immutable while unsuspended) and ignores a job without the
+    # label; the operator cannot refuse it, so the job leaves Kueue: its workers stop (as on
+    # an eviction), the Workload is deleted once they are gone (its quota with it), and the
+    # job then runs as one without the label. `queue` is the LocalQueue it leaves.
+    left: bool = False
+    # Why the admission cannot be applied to the job's pods (a flavor's node label, or an
+    # admission check's update, on a key the job's pods set otherwise, or two of them
+    # disagreeing): Kueue's podset.Merge refuses it and its job reconciler marks the Workload
+    # Finished (FailedToStart), which gives the quota back; so does the operator, and the
+    # job fails with this message. Also read back from that Finished condition.
+    failed_to_start: str = ""
+    # It is being deleted (deletionTimestamp: by a user, by garbage collection, or by the
+    # operator replacing it or leaving Kueue): as in Kueue's job reconciler, the workers
+    # stop, and the resource-in-use finalizer is removed once they are gone.
+    deleting: bool = False
     # The Workload as read, for the status patches below (None: not created yet).
     raw: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
@@ -95,8 +103,26 @@ class QueueState:
             f"Kueue admission cannot be read ({why}): running workers kept, no new pod until it can"
         )
 
+    def describe_failed_to_start(self) -> str:
+        """The job's Failed message when its admission cannot be applied to its pods."""
+        return (
+            f"Kueue's admission (LocalQueue {self.queue}) cannot be applied: "
+            f"{self.failed_to_start}. No pod started with a contradicting selector (Kueue "
+            "refuses it likewise); the Workload is marked Finished (FailedToStart) and its "
+            "quota given back. Change the job's spec.resources.nodeSelector (or the flavor), "
+            "then delete the Workload to queue the job again"
+        )
+
     def describe_wait(self) -> str:
         """Why the job waits, for its condition: the queue, and Kueue's message."""
+        if self.left:
+            return (
+                f"the {QUEUE_LABEL} label was removed: leaving Kueue's LocalQueue {self.queue}; "
+                "workers stopped, then its Workload is deleted (its quota given back) and the "
+                "job runs outside Kueue"
+            )
+        if self.deleting:
+            return f"queued in LocalQueue {self.queue}: its Workload is being deleted; workers stopped, a new one is created once it is gone"
         if self.foreign:
             return f"queued in LocalQueue {self.queue}: a Workload of the job's name belongs to another owner; waiting for it to be deleted"
         if self.stale:
@@ -116,12 +142,12 @@ class QueueState:
         return f"queued in LocalQueue {self.queue}: {why}"
 
 
-def _conditions(workload: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+def workload_conditions(workload: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     conds = (workload.get("status") or {}).get("conditions") or []
     return {c.get("type", ""): c for c in conds if isinstance(c, Mapping)}
 
 
-def _is_true(conds: Mapping[str, Mapping[str, Any]], ctype: str) -> bool:
+def condition_true(conds: Mapping[str, Mapping[str, Any]], ctype: str) -> bool:
     return conds.get(ctype, {}).get("status") == "True"
 
 
@@ -140,35 +166,72 @@ def _pod_set_count(workload: Mapping[str, Any]) -> int:
     return 0
 
 
+def _merge(
+    into: dict[str, str],
+    origins: dict[tuple[str, str], str],
+    what: str,
+    added: Mapping[str, str],
+    origin: str,
+) -> str:
+    """Add `added` to `into` (keys it lacks), or say which key two sources set differently:
+    Kueue's PodSetInfo.Merge refuses an admission check's update that contradicts the
+    flavors' (or an earlier check's) as a permanent error."""
+    for key, value in sorted(added.items()):
+        if key in into and into[key] != value:
+            first = origins.get((what, key), "")
+            return f"{origin} sets {what} {key}={value}, but {first} set {key}={into[key]}"
+        if key not in into:
+            into[key], origins[(what, key)] = value, origin
+    return ""
+
+
 def _placement(
     workload: Mapping[str, Any],
     assignment: Mapping[str, Any],
     flavors: Mapping[str, Mapping[str, Any]],
-) -> tuple[Placement, tuple[str, ...]]:
+) -> tuple[Placement, tuple[str, ...], str]:
+    """The admission's placement, the flavors that could not be read, and why it cannot be
+    applied at all (two of its sources disagree on a key; "" when they do not)."""
     selector: dict[str, str] = {}
     tolerations: list[dict[str, Any]] = []
     missing: list[str] = []
+    origins: dict[tuple[str, str], str] = {}
     for name in sorted(set((assignment.get("flavors") or {}).values())):
         flavor = flavors.get(name)
         if flavor is None:
             missing.append(name)
             continue
         fspec = flavor.get("spec") or {}
-        selector.update(fspec.get("nodeLabels") or {})
+        # Between flavors the first one's label is kept (Kueue's MergeKeepFirst), no error.
+        _merge(
+            selector,
+            origins,
+            "nodeSelector",
+            fspec.get("nodeLabels") or {},
+            f"ResourceFlavor {name}",
+        )
         tolerations.extend(t for t in fspec.get("tolerations") or [] if t not in tolerations)
     labels: dict[str, str] = {}
     annotations: dict[str, str] = {}
+    conflict = ""
     # Admission checks (a ProvisioningRequest, say) may add to the pods as well.
     for check in (workload.get("status") or {}).get("admissionChecks") or []:
+        origin = f"admission check {check.get('name', '')}"
         for update in check.get("podSetUpdates") or []:
             if update.get("name") != POD_SET:
                 continue
-            labels.update(update.get("labels") or {})
-            annotations.update(update.get("annotations") or {})
-            selector.update(update.get("nodeSelector") or {})
+            conflict = conflict or (
+                _merge(labels, origins, "labels", update.get("labels") or {}, origin)
+                or _merge(
+                    annotations, origins, "annotations", update.get("annotations") or {}, origin
+                )
+                or _merge(
+                    selector, origins, "nodeSelector", update.get("nodeSelector") or {}, origin
+                )
+            )
             tolerations.extend(t for t in update.get("tolerations") or [] if t not in tolerations)
-    placement = Placement(selector, tuple(tolerations), labels, annotations)
-    return placement, tuple(missing)
+    placement = Placement(selector, tuple(tolerations), labels, annotations, origins)
+    return placement, tuple(missing), conflict
 
 
 def flavors_assigned(workload: Mapping[str, Any] | None) -> list[str]:
@@ -186,12 +249,14 @@ def read_queue_state(
     priority_problem: str = "",
     owner_uid: str | None = None,
     unreadable: str = "",
+    left: bool = False,
 ) -> QueueState:
     """The job's standing in Kueue from its Workload (None: not created yet) and the
     ResourceFlavor objects its admission names (by name). `priority` (or why it could not
     be read) matters only while the Workload is still to be created. `owner_uid`: the job's;
     a Workload not owned by it is not its own. `unreadable`: why the Workload could not be
-    read (then `workload` is None, and nothing is known of its admission)."""
+    read (then `workload` is None, and nothing is known of its admission). `left`: the job's
+    queue-name label is gone (`queue`: the LocalQueue the Workload names); see QueueState."""
     if unreadable:
         return QueueState(queue, unreadable=unreadable)
     if workload is None:
@@ -199,11 +264,11 @@ def read_queue_state(
     owners = {o.get("uid") for o in (workload.get("metadata") or {}).get("ownerReferences") or []}
     if owner_uid is not None and owner_uid not in owners:
         return QueueState(queue, exists=True, foreign=True)
-    conds = _conditions(workload)
-    reserved = _is_true(conds, QUOTA_RESERVED)
-    finished = _is_true(conds, FINISHED)
+    conds = workload_conditions(workload)
+    reserved = condition_true(conds, QUOTA_RESERVED)
+    finished = condition_true(conds, FINISHED)
     evicted, evicted_message = None, ""
-    if _is_true(conds, EVICTED):
+    if condition_true(conds, EVICTED):
         ev = conds[EVICTED]
         evicted_message = str(ev.get("message", ""))
         evicted = f"{ev.get('reason', '')}: {evicted_message}".strip(": ")
@@ -214,17 +279,44 @@ def read_queue_state(
     # Admitted one's (admission checks still pending).
     why = conds.get(ADMITTED if reserved else QUOTA_RESERVED, {}).get("message", "")
     moved = (workload.get("spec") or {}).get("queueName") != queue
+    failed = conds.get(FINISHED, {}) if finished else {}
+    failed_to_start = (
+        str(failed.get("message") or FAILED_TO_START)
+        if failed.get("reason") == FAILED_TO_START
+        else ""
+    )
     state = QueueState(queue, True, None, Placement(), reserved, evicted, evicted_message, why,
-                       finished, pods_ready, pods_ready_reason, moved=moved, raw=workload)  # fmt: skip
+                       finished, pods_ready, pods_ready_reason, moved=moved,
+                       failed_to_start=failed_to_start, raw=workload)  # fmt: skip
+    if (workload.get("metadata") or {}).get("deletionTimestamp"):
+        state = replace(state, deleting=True)
+    if left:
+        return replace(state, left=True, moved=False)
     assignment = _our_assignment(workload)
-    if not (_is_true(conds, ADMITTED) and assignment is not None) or evicted is not None:
+    if not (condition_true(conds, ADMITTED) and assignment is not None) or evicted is not None:
         return state
     count = assignment.get("count")
     count = int(count) if count is not None else _pod_set_count(workload)
-    placement, missing = _placement(workload, assignment, flavors)
+    placement, missing, conflict = _placement(workload, assignment, flavors)
     if missing:
         return replace(state, missing_flavors=missing)
-    return replace(state, admitted_count=count, placement=placement)
+    return replace(state, admitted_count=count, placement=placement, failed_to_start=conflict)
+
+
+def read_left_queue_state(workload: Mapping[str, Any] | None, owner_uid: str) -> QueueState | None:
+    """A job without the queue-name label whose own Workload is still there (the label was
+    removed): the state that makes it leave Kueue (QueueState.left). None otherwise: no
+    Workload, another owner's, or a Finished one (its quota released) without the
+    resource-in-use finalizer left to remove."""
+    if workload is None:
+        return None
+    meta = workload.get("metadata") or {}
+    owners = {o.get("uid") for o in meta.get("ownerReferences") or []}
+    done = condition_true(workload_conditions(workload), FINISHED)
+    if owner_uid not in owners or (done and RESOURCE_IN_USE not in (meta.get("finalizers") or [])):
+        return None
+    queue = str((workload.get("spec") or {}).get("queueName") or "")
+    return read_queue_state(queue, workload, {}, owner_uid=owner_uid, left=True)
 
 
 # What a podSet's quota and flavor choice depend on; the rest of its template may be
@@ -261,125 +353,3 @@ def pod_sets_differ(existing: Mapping[str, Any], wanted: Mapping[str, Any]) -> b
         # Kueue's webhook drops minCount where its PartialAdmission gate is off: not a change.
         asked["minCount"] = None
     return held != asked
-
-
-def _condition(ctype: str, status: str, reason: str, message: str, now: datetime,
-               generation: int) -> dict[str, Any]:  # fmt: skip
-    return {
-        "type": ctype,
-        "status": status,
-        "reason": reason,
-        "message": message[:MAX_CONDITION_MESSAGE],
-        "lastTransitionTime": format_time(now),
-        "observedGeneration": generation,
-    }
-
-
-def _with(
-    conds: Sequence[Mapping[str, Any]], new: Sequence[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """`conds` with `new` set by type; a condition whose status did not change keeps its
-    lastTransitionTime (metav1.SetStatusCondition)."""
-    out = [dict(c) for c in conds]
-    for cond in new:
-        old = next((c for c in out if c.get("type") == cond["type"]), None)
-        if old is None:
-            out.append(cond)
-            continue
-        keep = old.get("lastTransitionTime") if old.get("status") == cond["status"] else None
-        old.update(cond)
-        if keep:
-            old["lastTransitionTime"] = keep
-    return out
-
-
-def _guarded(workload: Mapping[str, Any], status: dict[str, Any]) -> dict[str, Any]:
-    """The patch, with the resourceVersion read: the conditions list is replaced whole (a
-    merge patch), so a Kueue write in between must make it fail (409) and be redone."""
-    patch: dict[str, Any] = {"status": status}
-    version = (workload.get("metadata") or {}).get("resourceVersion")
-    if version:
-        patch["metadata"] = {"resourceVersion": version}
-    return patch
-
-
-def release_patch(workload: Mapping[str, Any], message: str, now: datetime) -> dict[str, Any]:
-    """The status merge patch that gives an evicted Workload's quota back once its pods are
-    gone, as Kueue's UnsetQuotaReservationWithCondition: admission cleared, QuotaReserved
-    False (Pending, with the eviction's message), Admitted False, Requeued set. Kueue requeues it.
-    A True PodsReady goes False (WaitForStart) with it, as Kueue's job reconciler writes it
-    for a Workload no longer admitted: left True, the next admission would count as ready
-    before any pod is (waitForPodsReady's blockAdmission would not hold the queue back) and
-    its first not-ready pass would read as a recovery (timed by recoveryTimeout, if any,
-    instead of the start timeout)."""
-    gen = int((workload.get("metadata") or {}).get("generation") or 0)
-    conds = (workload.get("status") or {}).get("conditions") or []
-    new = [_condition(QUOTA_RESERVED, "False", REASON_PENDING, message, now, gen)]
-    # Requeued, as Kueue's job reconciler sets it with the release (SetRequeuedCondition):
-    # the eviction's reason and message. Kueue's queueing does not read it to admit (only
-    # finished, active and quota do), but its metrics time the wait from it, and its workload
-    # controller's requeue bookkeeping (backoff, reactivation) keys on its reason.
-    evicted = _conditions(workload).get(EVICTED)
-    if evicted is not None and evicted.get("status") == "True":
-        reason = str(evicted.get("reason") or "Evicted")
-        again = "True" if reason in _REQUEUED_AFTER else "False"
-        new.append(_condition(REQUEUED, again, reason, str(evicted.get("message", "")), now, gen))
-    if _is_true(_conditions(workload), ADMITTED):
-        new.append(
-            _condition(
-                ADMITTED, "False", "NoReservation", "The workload has no reservation", now, gen
-            )
-        )
-    if _is_true(_conditions(workload), PODS_READY):
-        new.append(_pods_ready_condition(False, WAIT_FOR_START, now, gen))
-    return _guarded(workload, {"admission": None, "conditions": _with(conds, new)})
-
-
-def _pods_ready_condition(
-    ready: bool, reason: str, now: datetime, generation: int
-) -> dict[str, Any]:
-    message = {
-        STARTED: _READY_MESSAGE,
-        RECOVERED: _READY_MESSAGE,
-        WAIT_FOR_RECOVERY: _RECOVERY_MESSAGE,
-    }
-    return _condition(PODS_READY, "True" if ready else "False", reason,
-                      message.get(reason, _NOT_READY_MESSAGE), now, generation)  # fmt: skip
-
-
-def pods_ready_reason(ready: bool, was_ready: bool | None, was_reason: str) -> str:
-    """The PodsReady reason Kueue's job reconciler gives (generatePodsReadyCondition): ready
-    is Started, or Recovered after a WaitForRecovery; not ready is WaitForRecovery once it
-    had been ready (or while it recovers), else WaitForStart."""
-    if ready:
-        return RECOVERED if was_reason in (WAIT_FOR_RECOVERY, RECOVERED) else STARTED
-    if was_ready or (was_ready is False and was_reason == WAIT_FOR_RECOVERY):
-        return WAIT_FOR_RECOVERY
-    return WAIT_FOR_START
-
-
-def pods_ready_patch(
-    workload: Mapping[str, Any], ready: bool, reason: str, now: datetime
-) -> dict[str, Any]:
-    """The Workload's PodsReady condition, as Kueue's job integrations keep it: True once the
-    admitted number of workers is ready; False while they start (WaitForStart) or after one
-    was lost (WaitForRecovery); `reason` from pods_ready_reason. Kueue's waitForPodsReady
-    evicts a Workload that stays False past its timeout, and holds the next admissions back
-    until it is True."""
-    gen = int((workload.get("metadata") or {}).get("generation") or 0)
-    conds = (workload.get("status") or {}).get("conditions") or []
-    return _guarded(
-        workload, {"conditions": _with(conds, [_pods_ready_condition(ready, reason, now, gen)])}
-    )
-
-
-def finish_patch(
-    workload: Mapping[str, Any], succeeded: bool, message: str, now: datetime
-) -> dict[str, Any]:
-    """The status merge patch that marks the Workload Finished (reason Succeeded or Failed,
-    Kueue's WorkloadFinishedReason*), which releases its quota."""
-    gen = int((workload.get("metadata") or {}).get("generation") or 0)
-    conds = (workload.get("status") or {}).get("conditions") or []
-    reason = "Succeeded" if succeeded else "Failed"
-    new = [_condition(FINISHED, "True", reason, message or reason, now, gen)]
-    return _guarded(workload, {"conditions": _with(conds, new)})

@@ -16,8 +16,9 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from finetune_operator.api.constants import LABEL_ROLE, ROLE_WORKER
+from finetune_operator.api.constants import GROUP, LABEL_ROLE, PLURAL, ROLE_WORKER, VERSION
 from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion
+from finetune_operator.reconcile.workload_patches import finalizer_release_patch
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
 from finetune_operator.resources.workload import (
     FLAVOR_PLURAL,
@@ -287,6 +288,46 @@ class ClusterApi:
             _content_type=MERGE_PATCH,
         )  # fmt: skip
 
+    async def patch_workload(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        """A merge patch of the Workload itself (its metadata: the finalizer)."""
+        await self._call(
+            self.custom.patch_namespaced_custom_object,
+            KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL, name, patch,
+            _content_type=MERGE_PATCH,
+        )  # fmt: skip
+
+    async def release_workload(self, namespace: str, name: str, owner_uid: str) -> None:
+        """Remove the resource-in-use finalizer from the Workload of a deleted job (Kueue's job
+        reconciler does so once the job is gone): garbage collection can then delete it.
+        Nothing to do when it is absent, not this job's, or Kueue is not served."""
+        workload, unreadable = await self.read_workload(namespace, name)
+        owners = {
+            o.get("uid")
+            for o in ((workload or {}).get("metadata") or {}).get("ownerReferences") or []
+        }
+        if unreadable or workload is None or owner_uid not in owners:
+            return
+        patch = finalizer_release_patch(workload)
+        if patch is None:
+            return
+        try:
+            await self.patch_workload(namespace, name, patch)
+        except ApiException as err:
+            if err.status not in (404, 409):
+                raise
+
+    async def job_exists(self, namespace: str, name: str, uid: str) -> bool:
+        """Whether the FineTuneJob of that name and uid is still there."""
+        try:
+            job = await self._call(
+                self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
+            )
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        return bool((job.get("metadata") or {}).get("uid") == uid)
+
     async def remove(self, namespace: str, ref: ObjectRef) -> bool:
         """Delete the custom object; False when it is already gone (or its kind is)."""
         group, _, version = ref.api_version.rpartition("/")
@@ -363,6 +404,17 @@ class ClusterApi:
                 if err.status != 409:
                     result.errors.append(
                         f"Workload {actions.workload_name} status: {_describe(err)}"
+                    )
+        if actions.workload_finalizer is not None:
+            try:
+                await self.patch_workload(
+                    namespace, actions.workload_name, actions.workload_finalizer
+                )
+            except ApiException as err:
+                # 404: gone already; 409: written since it was read, decided anew next pass.
+                if err.status not in (404, 409):
+                    result.errors.append(
+                        f"Workload {actions.workload_name} (finalizer): {_describe(err)}"
                     )
         group_ok = True
         if actions.pod_group is not None:

@@ -12,9 +12,13 @@ from finetune_operator.api.constants import (
     COND_FAILED,
     COND_SUCCEEDED,
     REASON_BACKOFF_LIMIT_EXCEEDED,
+    REASON_EVICTED,
+    REASON_QUEUE_LABEL_REMOVED,
+    REASON_QUEUED,
     REASON_TRAINER_REFUSED,
 )
 from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.reconcile.admission import FAILED_TO_START
 from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
@@ -120,6 +124,15 @@ def _sticky_mode(status: FineTuneJobStatus) -> tuple[Mode, str] | None:
     return None
 
 
+def queued_reason(ev: Evaluation) -> str:
+    """The reason of a job that runs no pod because of Kueue (its conditions, its pods'
+    deletions): evicted, leaving Kueue (label removed), or waiting to be admitted."""
+    q = ev.queue
+    if q is not None and q.left:
+        return REASON_QUEUE_LABEL_REMOVED
+    return REASON_EVICTED if q is not None and q.evicted is not None else REASON_QUEUED
+
+
 def assess(
     ev: Evaluation, status: FineTuneJobStatus, pods: Sequence[PodView], now: datetime
 ) -> Assessment:
@@ -150,7 +163,17 @@ def assess(
         # eviction stops them like a suspend: nothing after this point is counted.
         # A stale Workload's admission is for other pods: they stop until it is replaced.
         q = ev.queue
+        if q.left or q.deleting:
+            return replace(seen, mode=Mode.QUEUED)  # stopped, as on an eviction
         running = [i for i, p in workers.items() if p.active]
+        if q.failed_to_start and not running:
+            # Kueue applies an admission once, when it starts the job: refused, never started.
+            msg = q.describe_failed_to_start()
+            return replace(seen, mode=Mode.FAILED, failure_reason=FAILED_TO_START, message=msg)
+        if q.failed_to_start:
+            # Started under an admission that agreed (a flavor edited since): Kueue's job
+            # keeps running too; no pod is added under the one that no longer does.
+            seen = replace(seen, hold=q.describe_failed_to_start())
         if q.unknown and q.evicted is None and not q.stale and running:
             # Kueue uninstalled, the operator's access to it revoked, a flavor unreadable:
             # no word that the admission was withdrawn, so what runs keeps running.

@@ -21,7 +21,8 @@ from finetune_operator.reconcile.health import HealthInput, assess_health
 from finetune_operator.reconcile.observed import PodView, mark_terminating
 from finetune_operator.reconcile.samples import RecordBuffer
 from finetune_operator.reconcile.status import compute_status
-from finetune_operator.resources.workload import build_workload
+from finetune_operator.resources.worker import build_worker_pod
+from finetune_operator.resources.workload import build_workload, placement_conflict
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,17 @@ def read_status(raw: Mapping[str, Any] | None) -> FineTuneJobStatus:
 
 
 def _with_sync(ev: Evaluation, queue: QueueState) -> QueueState:
-    """`queue`, stale when its Workload no longer asks for the pods the job's spec makes."""
-    if queue.raw is None or queue.foreign or queue.finished or ev.spec is None or ev.plan is None:
+    """`queue`, stale when its Workload no longer asks for the pods the job's spec makes, and
+    failed_to_start when its admission contradicts what the job's pods set themselves."""
+    if queue.raw is None or queue.foreign or queue.left or ev.spec is None or ev.plan is None:
         return queue
-    wanted = build_workload(ev.job.owner, ev.spec, ev.plan, queue.queue)
-    return replace(queue, stale=pod_sets_differ(queue.raw, wanted))
+    if not queue.finished:
+        wanted = build_workload(ev.job.owner, ev.spec, ev.plan, queue.queue)
+        queue = replace(queue, stale=pod_sets_differ(queue.raw, wanted))
+    if queue.admitted and not queue.stale and not queue.failed_to_start:
+        worker = build_worker_pod(ev.job.owner, ev.spec, ev.plan, 0)
+        queue = replace(queue, failed_to_start=placement_conflict(worker, queue.placement))
+    return queue
 
 
 def deprecation_events(ev: Evaluation, old: FineTuneJobStatus) -> tuple[EventSpec, ...]:

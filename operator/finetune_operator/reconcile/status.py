@@ -19,12 +19,10 @@ from finetune_operator.api.constants import (
     REASON_CHECKPOINT_SAVE_FAILED,
     REASON_CHECKPOINTS_COMMITTING,
     REASON_COMPLETED,
-    REASON_EVICTED,
     REASON_NO_HANG,
     REASON_NO_STRAGGLER,
     REASON_PENDING,
     REASON_PLAN_FITS,
-    REASON_QUEUED,
     REASON_RESTARTING,
     REASON_RUNNING,
     REASON_SUSPENDED,
@@ -32,12 +30,19 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.spec_compat import describe_deprecations
 from finetune_operator.api.status import Condition, FineTuneJobStatus
-from finetune_operator.reconcile.assess import Assessment, Mode, assess, root_cause_first
+from finetune_operator.reconcile.assess import (
+    Assessment,
+    Mode,
+    assess,
+    queued_reason,
+    root_cause_first,
+)
 from finetune_operator.reconcile.conditions import Want, derive_phase, find, set_condition
 from finetune_operator.reconcile.crash import shorten
 from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView, format_time
 from finetune_operator.reconcile.progress import TrainerProgress
+from finetune_operator.resources.workload import workload_name
 
 TERMINAL = (PHASE_FAILED, PHASE_SUCCEEDED)
 MAX_PODS_DESCRIBED = 2
@@ -127,7 +132,7 @@ def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
         }
     if a.mode is Mode.QUEUED:
         assert ev.queue is not None
-        reason = REASON_EVICTED if ev.queue.evicted else REASON_QUEUED
+        reason = queued_reason(ev)
         waiting = Want("Unknown", reason, shorten(ev.queue.describe_wait(), MAX_MESSAGE_CHARS))
         return {
             COND_PLANNED: planned,
@@ -169,6 +174,18 @@ def _conditions(
     return sorted(conds, key=lambda c: rank.get(c.type, len(rank)))
 
 
+def _workload_of(ev: Evaluation, status: FineTuneJobStatus) -> str | None:
+    """status.workload: the Workload's name while the job is queued in Kueue (also the pass
+    that creates it) or leaving it, so that a pass after the label is removed still reads it;
+    kept while it cannot be read; None once the job has none."""
+    q = ev.queue
+    if q is None or q.foreign:
+        return None
+    if q.unreadable:
+        return status.workload
+    return workload_name(ev.job.owner)
+
+
 def compute_status(
     ev: Evaluation, status: FineTuneJobStatus, pods: Sequence[PodView], now: datetime
 ) -> FineTuneJobStatus:
@@ -183,6 +200,7 @@ def compute_status(
         "ready_workers": a.ready,
         "observed_generation": ev.job.generation,
     }
+    update["workload"] = _workload_of(ev, status)
     if ev.plan is not None:
         update["plan"] = ev.plan
         if ev.plan.fits:

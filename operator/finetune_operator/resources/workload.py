@@ -38,6 +38,10 @@ QUEUE_LABEL: Final = f"{KUEUE_GROUP}/queue-name"
 # without it the worker pods' PriorityClass (spec.resources.priorityClassName) is used.
 PRIORITY_LABEL: Final = f"{KUEUE_GROUP}/priority-class"
 POD_SET: Final = "workers"
+# Kueue's job reconciler puts it on every Workload it creates (ResourceInUseFinalizerName):
+# a Workload deleted while its job's pods still run stays (its quota counted) until the job
+# controller has stopped them and removes it. The operator does the same for its jobs.
+RESOURCE_IN_USE: Final = f"{KUEUE_GROUP}/resource-in-use"
 ROLE_WORKLOAD = "workload"
 # PodTemplateSpec.metadata in a Workload may hold only labels and annotations.
 _TEMPLATE_META = ("labels", "annotations")
@@ -118,12 +122,9 @@ def build_workload(
         ref, value = priority
         body["priorityClassRef"] = {"group": ref.group, "kind": ref.kind, "name": ref.name}
         body["priority"] = value
-    return {
-        "apiVersion": KUEUE_API_VERSION,
-        "kind": WORKLOAD_KIND,
-        "metadata": object_meta(owner, workload_name(owner), ROLE_WORKLOAD),
-        "spec": body,
-    }
+    meta = object_meta(owner, workload_name(owner), ROLE_WORKLOAD)
+    meta["finalizers"] = [RESOURCE_IN_USE]
+    return {"apiVersion": KUEUE_API_VERSION, "kind": WORKLOAD_KIND, "metadata": meta, "spec": body}
 
 
 @dataclass(frozen=True)
@@ -136,12 +137,37 @@ class Placement:
     tolerations: tuple[dict[str, Any], ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    # Where each entry came from ("ResourceFlavor spot", "admission check prov"), keyed by
+    # (field, key) with field "nodeSelector", "labels" or "annotations": named in a conflict.
+    origins: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
+def placement_conflict(pod: dict[str, Any], placement: Placement) -> str:
+    """Why the admission cannot be applied to the job's `pod` ("" when it can): a key the
+    job's pod already sets (nodeSelector, labels, annotations) with another value, which
+    Kueue's podset.Merge refuses as a permanent error (the Workload then Finished,
+    FailedToStart) rather than let either side win. Tolerations are only ever added (Kueue
+    appends those not already there), so they never conflict."""
+    spec, meta = pod["spec"], pod["metadata"]
+    for what, own, added in (
+        ("nodeSelector", spec.get("nodeSelector") or {}, placement.node_selector),
+        ("labels", meta.get("labels") or {}, placement.labels),
+        ("annotations", meta.get("annotations") or {}, placement.annotations),
+    ):
+        for key in sorted(set(own) & set(added)):
+            if own[key] != added[key]:
+                origin = placement.origins.get((what, key), "its admission")
+                return (
+                    f"{origin} sets {what} {key}={added[key]}, but the job's worker pods have "
+                    f"{key}={own[key]}"
+                )
+    return ""
 
 
 def place_worker(pod: dict[str, Any], placement: Placement) -> dict[str, Any]:
-    """`pod` with the admission's placement added. The job's own nodeSelector keys win over
-    nothing: a flavor's label on a key the job also sets replaces it, as in Kueue (the
-    flavor was chosen to match the job's selector, so they agree when both are set)."""
+    """`pod` with the admission's placement added: keys it does not set yet, and tolerations
+    not already there (placement_conflict first: a key set both ways is refused, as Kueue's
+    podset.Merge does)."""
     spec, meta = pod["spec"], pod["metadata"]
     if placement.node_selector:
         spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **placement.node_selector}

@@ -1,0 +1,122 @@
+"""The real kopf operator, in-process, against the embedded local cluster serving Kueue's
+CRDs (slow): a Workload event, or a change of the queue-name label, reaches its job at once.
+With a 60 s reconcile interval, the workers of an admitted job are created within seconds of
+the admission, and stopped within seconds of the label's removal, not at the next pass."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
+from tests.conftest import wait_until
+from tests.operator.factories import make_plan, quickstart_raw
+
+pytestmark = pytest.mark.slow
+
+local = pytest.importorskip("finetune_local.cluster")
+KUEUE = ("kueue.x-k8s.io", "v1beta2")
+INTERVAL = 60
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Any]:
+    with local.LocalCluster(tmp_path / "cluster", kubelet=False, kueue=True) as c:
+        yield c
+
+
+def _run_operator(kubeconfig: str, stop: threading.Event, ready: threading.Event) -> None:
+    from finetune_operator.handlers import operate
+    from finetune_operator.settings import parse_operator_args
+
+    settings = parse_operator_args(
+        [
+            "--namespace=default",
+            "--standalone",
+            f"--reconcile-interval={INTERVAL}",
+            "--metrics-port=0",
+        ]
+    )
+    asyncio.run(
+        operate(
+            settings,
+            kubeconfig=kubeconfig,
+            planner=lambda _: make_plan(2, 1),
+            ready_flag=ready,
+            stop_flag=stop,
+        )
+    )
+
+
+def _admitted(count: int) -> dict[str, Any]:
+    conds = [{"type": t, "status": "True", "reason": t, "message": "", "lastTransitionTime": "2026-01-01T12:00:00Z"}
+             for t in ("QuotaReserved", "Admitted")]  # fmt: skip
+    assignment = {"name": "workers", "count": count}
+    return {"status": {"conditions": conds,
+                       "admission": {"clusterQueue": "cq", "podSetAssignments": [assignment]}}}  # fmt: skip
+
+
+def _succeeded_reason(custom: Any) -> str | None:
+    job = custom.get_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "queued")
+    conds = {c["type"]: c for c in (job.get("status") or {}).get("conditions") or []}
+    reason = conds.get("Succeeded", {}).get("reason")
+    return reason if reason == "QueueLabelRemoved" else None
+
+
+def test_an_admission_reaches_the_job_before_its_next_pass(cluster: Any) -> None:
+    from kubernetes import client
+
+    from finetune_operator.reconcile.apply import load_api_client
+
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=_run_operator, args=(str(cluster.kubeconfig_path), stop, ready), daemon=True
+    )
+    thread.start()
+    try:
+        assert ready.wait(30), "operator did not start"
+        api = load_api_client(str(cluster.kubeconfig_path))
+        custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "FineTuneJob",
+                "metadata": {"name": "queued", "labels": {"kueue.x-k8s.io/queue-name": "q"}},
+                "spec": quickstart_raw()}  # fmt: skip
+        custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, body)
+
+        def workload() -> dict[str, Any] | None:
+            found = custom.list_namespaced_custom_object(*KUEUE, "default", "workloads")["items"]
+            return found[0] if found else None
+
+        wait_until(workload, "the job's Workload", 30, interval=0.2)
+
+        def workers() -> list[Any]:
+            pods = core.list_namespaced_pod("default", label_selector=f"{LABEL_JOB}=queued").items
+            return [p for p in pods if p.metadata.name.startswith("queued-worker")]
+
+        # Past the job's first timer pass (1 s after it is seen): the next is INTERVAL away.
+        time.sleep(3)
+        assert workers() == []
+        admitted_at = time.monotonic()
+        custom.patch_namespaced_custom_object_status(
+            *KUEUE, "default", "workloads", "queued", _admitted(2)
+        )
+        wait_until(lambda: len(workers()) == 2, "the admitted workers", INTERVAL / 2, interval=0.2)
+        assert time.monotonic() - admitted_at < INTERVAL / 2
+        # The queue-name label removed: the job leaves Kueue now (its handler, not the next
+        # pass), its workers stopped first (found through status.workload).
+        job = custom.get_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "queued")
+        assert job["status"]["workload"] == "queued"
+        time.sleep(3)  # the passes the admission set off (the Workload's PodsReady) are over
+        unlabel = {"metadata": {"labels": {"kueue.x-k8s.io/queue-name": None}}}
+        custom.patch_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "queued", unlabel)
+        wait_until(lambda: workers() == [], "the workers stopped", INTERVAL / 2, interval=0.2)
+        reason = wait_until(lambda: _succeeded_reason(custom), "the job's reason", 10, interval=0.2)
+        assert reason == "QueueLabelRemoved"
+    finally:
+        stop.set()
+        thread.join(30)
