@@ -12,8 +12,9 @@ once, spread over every node's network, and the all-gather that makes each tenso
 over the collective fabric (NVLink/InfiniBand), an order of magnitude faster than the store.
 Each rank fetches 1/W of the data plus the headers.
 
-Memory: the stripes (1/W of the model, in the replica's dtype) beside the replica, plus one
-tensor gathered whole at a time. A directory on a volume is read whole by every rank as
+Memory: beside the replica, the stripes of one group of tensors (at most STRIPE_BYTES per
+rank, in the replica's dtype; a DCP load per group), plus one tensor gathered whole at a
+time. A directory on a volume is read whole by every rank as
 before (finetune_trainer.pretrained: a node's page cache serves its ranks, and there is no
 egress); so is a one-rank job."""
 
@@ -27,16 +28,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from finetune_trainer.location import Entry, Location
 from finetune_trainer.pretrained import checkpoint_keys, load_safetensors
 from finetune_trainer.remote_tensors import weights_error
-from finetune_trainer.safetensors_ranges import RangedSafetensorsReader
+from finetune_trainer.safetensors_ranges import RangedSafetensorsReader, batches
 
 log = logging.getLogger(__name__)
+
+# A rank's stripes of one DCP load at most (a larger tensor's stripe alone): what the striped
+# read holds beside the replica, besides the one tensor being gathered. Each load reads the
+# headers again (kilobytes per file).
+STRIPE_BYTES = 256 << 20
 
 
 def load_replica(model: nn.Module, weights: Path | Location) -> set[int]:
@@ -51,24 +57,14 @@ def load_replica(model: nn.Module, weights: Path | Location) -> set[int]:
     if not any(e.name.endswith(".safetensors") for e in _children(weights)):
         return load_safetensors(model, weights)
     params = checkpoint_keys(model)
+    world = dist.get_world_size()
     device = next(iter(params.values())).device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    # A scalar has no rows to split: every rank reads it (a few bytes).
-    stripes: dict[str, torch.Tensor] = {
-        name: dtensor_empty(*p.shape, dtype=p.dtype, device_mesh=mesh, placements=[Shard(0)])
-        if p.dim()
-        else torch.empty((), dtype=p.dtype, device=device)
-        for name, p in params.items()
-    }
+    mesh = init_device_mesh(device.type, (world,))
     reader = RangedSafetensorsReader(weights)
-    try:
-        dcp.load(stripes, storage_reader=reader)
-    # DCP wraps per-rank failures in CheckpointException, a BaseException.
-    except (Exception, CheckpointException) as exc:
-        raise weights_error(weights, reader.failure or exc) from exc
-    for name, p in params.items():
-        stripe = stripes.pop(name)
-        p.copy_(stripe.full_tensor() if isinstance(stripe, DTensor) else stripe)
+    names = list(params)
+    stripe_bytes = [params[n].numel() * params[n].element_size() // world for n in names]
+    for group in batches(stripe_bytes, STRIPE_BYTES):
+        _load_group({names[i]: params[names[i]] for i in group}, mesh, reader, weights)
     log.info(
         "pretrained weights (striped over %d ranks, rank %d): read %d of %d bytes from %s",
         dist.get_world_size(),
@@ -79,6 +75,31 @@ def load_replica(model: nn.Module, weights: Path | Location) -> set[int]:
         extra={"bytes_read": reader.bytes_read, "bytes_total": reader.bytes_total},
     )
     return {id(p) for p in params.values()}
+
+
+def _load_group(
+    params: dict[str, nn.Parameter],
+    mesh: DeviceMesh,
+    reader: RangedSafetensorsReader,
+    weights: Location,
+) -> None:
+    """One DCP load of these parameters' stripes (this rank's rows of dim 0 of each), then
+    each all-gathered whole into its parameter."""
+    # A scalar has no rows to split: every rank reads it (a few bytes).
+    stripes: dict[str, torch.Tensor] = {
+        name: dtensor_empty(*p.shape, dtype=p.dtype, device_mesh=mesh, placements=[Shard(0)])
+        if p.dim()
+        else torch.empty((), dtype=p.dtype, device=p.device)
+        for name, p in params.items()
+    }
+    try:
+        dcp.load(stripes, storage_reader=reader)
+    # DCP wraps per-rank failures in CheckpointException, a BaseException.
+    except (Exception, CheckpointException) as exc:
+        raise weights_error(weights, reader.failure or exc) from exc
+    for name, p in params.items():
+        stripe = stripes.pop(name)
+        p.copy_(stripe.full_tensor() if isinstance(stripe, DTensor) else stripe)
 
 
 def _children(weights: Location) -> list[Entry]:
