@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from finetune_operator.api.spec import ModelSpec
+from finetune_trainer import model as model_module
 from finetune_trainer.deepspeed_loading import load_safetensors_zero3
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.location import Location, locate
@@ -138,8 +140,13 @@ def test_qlora_read_path_loads_from_s3_like_from_pretrained_of_the_directory(
     logger.addHandler(fetched)
     logger.setLevel(logging.INFO)
     try:
+        # The options of model._load_qlora_base but the quantisation (and fp32, to compare).
         model = from_pretrained_remote(
-            location, AutoConfig.from_pretrained(local), dtype=torch.float32
+            location,
+            AutoConfig.from_pretrained(local),
+            dtype=torch.float32,
+            device_map={"": torch.device("cpu")},
+            attn_implementation="sdpa",
         ).eval()
     finally:
         logger.removeHandler(fetched)
@@ -151,3 +158,22 @@ def test_qlora_read_path_loads_from_s3_like_from_pretrained_of_the_directory(
         assert torch.equal(state[name], tensor), name
     total, _ = sizes(local)
     assert fetched.rows == [(total, total)]
+
+
+def test_qlora_base_from_s3_routes_through_the_ranged_read(
+    s3_tied: tuple[Location, Path],
+    s3_credentials: MotoServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """model._load_qlora_base with an s3:// model: config fetched, weights read by ranges,
+    in the base's bf16. The 4-bit config is left out (bitsandbytes needs a GPU)."""
+    location, local = s3_tied
+    monkeypatch.setenv("FT_DATA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_module, "_qlora_config", lambda: None)
+    spec = ModelSpec(name="tiny-llama", source="uri", path=location.url)
+    base = model_module._load_qlora_base(spec, torch.device("cpu"), s3_credentials.spec())
+    want = files_of(local)
+    for name, p in base.named_parameters():
+        assert p.dtype == torch.bfloat16, name
+        assert torch.equal(p, want[name].to(torch.bfloat16)), name
