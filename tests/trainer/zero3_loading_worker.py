@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import sys
 import time
@@ -34,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer import replica_loading
 from finetune_trainer.deepspeed_engine import (
     import_deepspeed,
     job_deepspeed_config,
@@ -44,7 +46,7 @@ from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.model import build_model
 from finetune_trainer.pretrained import hf_model
 from finetune_trainer.tokenizer import build_tokenizer
-from tests.trainer.loading_worker import Fetched, rss_bytes
+from tests.trainer.loading_worker import rss_bytes
 
 CPU = torch.device("cpu")
 
@@ -92,6 +94,19 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return int(t.untyped_storage().data_ptr())
     except RuntimeError:  # a wrapper subclass with no data of its own (a collective's result)
         return -1
+
+
+class Fetched(logging.Handler):
+    """What an object-store load logs having read (and, striped, in how many DCP loads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "bytes_read"):
+            self.rows.append({"bytes_read": record.bytes_read, "bytes_total": record.bytes_total,
+                              "loads": getattr(record, "loads", 1)})  # fmt: skip
 
 
 def partition_bytes(model: torch.nn.Module) -> int:
@@ -153,6 +168,8 @@ def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
     jobs = [Path(a) for a in sys.argv[3:] if not a.startswith("--")]
     old = "--old" in sys.argv
+    if "FT_TEST_STRIPE_BYTES" in os.environ:  # a test's small groups: several DCP loads
+        replica_loading.STRIPE_BYTES = int(os.environ["FT_TEST_STRIPE_BYTES"])
     select_accelerator(CPU)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -63,16 +63,23 @@ def load_replica(model: nn.Module, weights: Path | Location) -> set[int]:
     reader = RangedSafetensorsReader(weights)
     names = list(params)
     stripe_bytes = [params[n].numel() * params[n].element_size() // world for n in names]
-    for group in batches(stripe_bytes, STRIPE_BYTES):
+    groups = batches(stripe_bytes, STRIPE_BYTES)
+    for group in groups:
         _load_group({names[i]: params[names[i]] for i in group}, mesh, reader, weights)
     log.info(
-        "pretrained weights (striped over %d ranks, rank %d): read %d of %d bytes from %s",
-        dist.get_world_size(),
+        "pretrained weights (striped over %d ranks, rank %d, %d loads): read %d of %d bytes "
+        "from %s",
+        world,
         dist.get_rank(),
+        len(groups),
         reader.bytes_read,
         reader.bytes_total,
         weights.url,
-        extra={"bytes_read": reader.bytes_read, "bytes_total": reader.bytes_total},
+        extra={
+            "bytes_read": reader.bytes_read,
+            "bytes_total": reader.bytes_total,
+            "loads": len(groups),
+        },
     )
     return {id(p) for p in params.values()}
 
