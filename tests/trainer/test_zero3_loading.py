@@ -8,7 +8,8 @@ module at a time:
   within its partition plus one module gathered and its fp32 init, below the whole model
   (which every rank held before);
 - pretrained safetensors (sharded files, tied) with LoRA on top: the base equals the files,
-  the adapters equal the torch path's.
+  the adapters equal the torch path's; the same from s3:// (moto) under ZeRO-3 and ZeRO-2
+  (2 ranks, in the same torchrun run), with the bytes each rank read.
 
 ZeRO-2 under bf16 (finetune_trainer.loading), 1 rank (the replica is the same at any world
 size): built in the engine's dtype, so the load never holds an fp32 replica, with the torch
@@ -18,6 +19,7 @@ path's weights rounded to bf16 (what the engine's own cast gave) and fp32 buffer
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -27,8 +29,11 @@ import torch
 from safetensors.torch import load_file
 
 from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer.location import locate
+from tests.objectstore import MotoServer
 from tests.trainer.conftest import REPO, TORCHRUN, write_job
 from tests.trainer.test_loading import inline_job, pretrained_job, reference, save_pretrained
+from tests.trainer.test_remote_weights import upload_dir
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +52,21 @@ def zero3(job: JobConfig, stage: int = 3) -> JobConfig:
     return job.model_copy(update={"spec": spec, "plan": plan})
 
 
-def run(tmp_path: Path, job: JobConfig, name: str, ranks: int = 2) -> dict[str, Any]:
-    cfg = write_job(tmp_path / f"{name}.json", job)
+def run(
+    tmp_path: Path,
+    job: JobConfig,
+    name: str,
+    ranks: int = 2,
+    more: tuple[JobConfig, ...] = (),
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """`job` loaded under torchrun (and each of `more` after it, in the same run: its results
+    in "runs"), with `env` added to the workers' environment."""
+    cfgs = [str(write_job(tmp_path / f"{name}-{i}.json", j)) for i, j in enumerate((job, *more))]
     out = tmp_path / f"{name}.pt"
     args = [TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", str(WORKER), "model",
-            str(out), str(cfg)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+            str(out), *cfgs]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **(env or {}),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
@@ -89,27 +103,68 @@ def test_inline_init_equals_the_torch_path_and_no_rank_holds_the_model(tmp_path:
         assert r["live_peak"] < whole, (r, whole)
 
 
-def test_pretrained_safetensors_with_lora_land_in_the_partitions(tmp_path: Path) -> None:
+def on_s3(job: JobConfig, server: MotoServer, uri: str) -> JobConfig:
+    model = job.spec.model.model_copy(update={"source": "uri", "path": uri})
+    storage = job.spec.storage.model_copy(update={"object_store": server.spec()})
+    spec = job.spec.model_copy(update={"model": model, "storage": storage})
+    return job.model_copy(update={"spec": spec})
+
+
+def test_pretrained_safetensors_with_lora_land_in_the_partitions_from_a_volume_or_s3(
+    tmp_path: Path, s3_credentials: MotoServer
+) -> None:
+    """One torchrun, three loads of the same files: ZeRO-3 from the directory, ZeRO-3 from
+    s3:// (rank 0 reads each module's ranges, DeepSpeed broadcasts), ZeRO-2 from s3:// (a
+    stripe per rank, all-gathered). Every load gives the files' weights; from s3:// the
+    ranks together read the data once, each rank the headers besides."""
     weights = tmp_path / "weights"
     save_pretrained(weights, tied=True)
+    uri = f"s3://{s3_credentials.new_bucket()}/models/tiny"
+    upload_dir(weights, locate(uri, "test", object_store=s3_credentials.spec()))
     job = zero3(pretrained_job(weights, strategy="ddp", method="lora"))
-    got = run(tmp_path, job, "pretrained")
+    zero3_s3 = on_s3(job, s3_credentials, uri)
+    zero2_s3 = on_s3(zero3(pretrained_job(weights, strategy="ddp", method="lora"), stage=2),
+                     s3_credentials, uri)  # fmt: skip
+    # Stripes in groups of at most 40 KiB per rank: several DCP loads, as a model over 256 MiB
+    # per rank takes.
+    got = run(tmp_path, job, "pretrained", more=(zero3_s3, zero2_s3),
+              env={"FT_TEST_STRIPE_BYTES": str(40 << 10)})  # fmt: skip
     files: dict[str, torch.Tensor] = {}
     for f in weights.glob("*.safetensors"):
         files.update(load_file(f))
-    assert got["tied"]
-    state = got["state"]
-    prefix = "base_model.model."
-    for key, tensor in files.items():
-        name = prefix + key.replace("_proj.weight", "_proj.base_layer.weight")
-        if name not in state:
-            name = prefix + key
-        assert torch.equal(state[name], tensor.float()), key
     ref = dict(reference(job).named_parameters())
-    adapters = [n for n in state if ".lora_" in n]
-    assert adapters
-    for name in adapters:
-        assert torch.equal(state[name], ref[name].detach()), name
+    prefix = "base_model.model."
+    for run_ in got["runs"]:
+        assert run_["tied"]
+        state = run_["state"]
+        for key, tensor in files.items():
+            name = prefix + key.replace("_proj.weight", "_proj.base_layer.weight")
+            if name not in state:
+                name = prefix + key
+            assert torch.equal(state[name], tensor.float()), key
+        adapters = [n for n in state if ".lora_" in n]
+        assert adapters
+        for name in adapters:
+            assert torch.equal(state[name], ref[name].detach()), name
+
+    total = sum(p.stat().st_size for p in weights.glob("*.safetensors"))
+    headers = sum(
+        8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in weights.glob("*.safetensors")
+    )
+    local, z3, z2 = ([r["fetched"] for r in run_["rows"]] for run_ in got["runs"])
+    assert local == [[], []]  # a volume: no ranged reads
+    # ZeRO-3: rank 0 reads every tensor, rank 1 only the headers (to check the shapes).
+    assert z3 == [[{"bytes_read": total, "bytes_total": total, "loads": 1}],
+                  [{"bytes_read": headers, "bytes_total": total, "loads": 1}]]  # fmt: skip
+    # ZeRO-2: each rank its stripe (the rows of dim 0, halved) and the headers (again at each
+    # of its DCP loads); together the data once.
+    loads = z2[0][0]["loads"]
+    assert loads > 1 and all(rows[0]["loads"] == loads for rows in z2)
+    per_rank = [rows[0]["bytes_read"] for rows in z2]
+    data = sum(per_rank) - 2 * loads * headers
+    assert data == total - headers, (per_rank, total, headers, loads)
+    for n in per_rank:
+        assert n - loads * headers < 0.6 * (total - headers), (per_rank, total, headers)
 
 
 def test_zero2_bf16_replica_is_built_in_bf16_never_in_fp32(tmp_path: Path) -> None:

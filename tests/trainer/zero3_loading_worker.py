@@ -3,9 +3,11 @@ job's model the way the trainer does (finetune_trainer.loading: ZeRO-3 partition
 zero.Init), then report.
 
 Modes:
-  model   OUT JOB   rank 0 writes {"state": every parameter gathered whole, "buffers",
-                    "tied", "peaks": per rank, the most bytes of tensors alive at once while
-                    loading, "partition_bytes": per rank} to OUT (torch.save)
+  model   OUT JOB [JOB...]   rank 0 writes {"state": every parameter gathered whole,
+                    "buffers", "tied", "rows": per rank, "live_peak" (the most bytes of
+                    tensors alive at once while loading), "shard_bytes" (its partition) and
+                    "fetched" (the bytes an object-store read logged)} of the first JOB to
+                    OUT (torch.save), and the same of each JOB, loaded in turn, as "runs"
   memory  OUT JOB [--old]   peak RSS while loading, per rank, appended as JSON lines to OUT
                     (--old: the previous path, the whole model on every rank, then
                     partitioned as `deepspeed.initialize` did)
@@ -18,6 +20,8 @@ allocator's and Python's noise that RSS carries (which needs a large model to se
 from __future__ import annotations
 
 import json
+import logging
+import os
 import resource
 import sys
 import time
@@ -31,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer import replica_loading
 from finetune_trainer.deepspeed_engine import (
     import_deepspeed,
     job_deepspeed_config,
@@ -70,7 +75,7 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = id(storage)
-                if key in self.live or _storage_ptr(t) in inputs:
+                if key in self.live or (inputs and _storage_ptr(t) in inputs):
                     continue
                 self.live[key] = storage.nbytes()
                 self.current += self.live[key]
@@ -83,7 +88,25 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().data_ptr()) if t.device.type != "meta" else -1
+    if t.device.type == "meta":
+        return -1
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except RuntimeError:  # a wrapper subclass with no data of its own (a collective's result)
+        return -1
+
+
+class Fetched(logging.Handler):
+    """What an object-store load logs having read (and, striped, in how many DCP loads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "bytes_read"):
+            self.rows.append({"bytes_read": record.bytes_read, "bytes_total": record.bytes_total,
+                              "loads": getattr(record, "loads", 1)})  # fmt: skip
 
 
 def partition_bytes(model: torch.nn.Module) -> int:
@@ -117,38 +140,57 @@ def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def main() -> None:
-    mode, out, job_path = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    old = "--old" in sys.argv
-    select_accelerator(CPU)
-    dist.init_process_group("gloo")
+def load(job: JobConfig, old: bool) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Load `job`'s model (the trainer's path, or the old one), with this rank's figures."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    job = JobConfig.model_validate_json(job_path.read_text())
-    tok = build_tokenizer(job.spec.model)
-    import_deepspeed()  # its import is not the load's
+    tok = build_tokenizer(job.spec.model, job.spec.storage.object_store)
+    fetched = Fetched()  # the bytes an object-store load logs having read
+    logging.getLogger("finetune_trainer").addHandler(fetched)
+    logging.getLogger("finetune_trainer").setLevel(logging.INFO)
     base = rss_bytes()
     counter = LiveBytes()
     t0 = time.perf_counter()
-    with counter:
-        model = old_path(job, tok) if old else load_parallel_model(job, tok, CPU, world).model
+    try:
+        with counter:
+            model = old_path(job, tok) if old else load_parallel_model(job, tok, CPU, world).model
+    finally:
+        logging.getLogger("finetune_trainer").removeHandler(fetched)
     seconds = time.perf_counter() - t0
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     mine = {"rank": rank, "world": world, "path": "old" if old else "new", "base_rss": base,
             "peak_rss": peak_rss, "shard_bytes": partition_bytes(model),
-            "live_peak": counter.peak, "seconds": round(seconds, 2)}  # fmt: skip
-    rows: list[Any] = [None] * world
-    dist.all_gather_object(rows, mine)
-    if mode == "memory":
-        if rank == 0:
-            with out.open("a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
-    else:
-        state = gathered(model)
+            "live_peak": counter.peak, "seconds": round(seconds, 2),
+            "fetched": fetched.rows}  # fmt: skip
+    return model, mine
+
+
+def main() -> None:
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    jobs = [Path(a) for a in sys.argv[3:] if not a.startswith("--")]
+    old = "--old" in sys.argv
+    if "FT_TEST_STRIPE_BYTES" in os.environ:  # a test's small groups: several DCP loads
+        replica_loading.STRIPE_BYTES = int(os.environ["FT_TEST_STRIPE_BYTES"])
+    select_accelerator(CPU)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    import_deepspeed()  # its import is not the load's
+    runs = []
+    for job_path in jobs:  # each job loaded in turn: one torchrun start for several loads
+        model, mine = load(JobConfig.model_validate_json(job_path.read_text()), old)
+        rows: list[Any] = [None] * world
+        dist.all_gather_object(rows, mine)
+        if mode == "memory":
+            if rank == 0:
+                with out.open("a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in rows)
+            continue
         base_model = hf_model(model)
         tied = base_model.get_output_embeddings().weight is base_model.get_input_embeddings().weight
         buffers = {n: b.clone() for n, b in model.named_buffers()}
-        if rank == 0:
-            torch.save({"state": state, "buffers": buffers, "tied": tied, "rows": rows}, out)
+        runs.append({"state": gathered(model), "buffers": buffers, "tied": tied, "rows": rows})
+        del model, base_model
+    if mode == "model" and rank == 0:
+        torch.save({**runs[0], "runs": runs}, out)
     dist.destroy_process_group()
 
 

@@ -14,8 +14,11 @@
      fp32, seeded by job seed and module name), so a ZeRO-3 job starts from the same weights
      as a DDP/FSDP job of the same seed (in fp32; bf16/fp16 round them, as DeepSpeed's
      masters are made from the half-precision partitions).
-   - Pretrained (safetensors): rank 0 reads one tensor at a time (safetensors' lazy
-     `safe_open`: just that tensor's bytes); never a whole state dict.
+   - Pretrained (safetensors): rank 0 reads the module's tensors (safetensors' lazy
+     `safe_open`: just those tensors' bytes); never a whole state dict. From an object-store
+     prefix (`s3://`) the same, by byte ranges (finetune_trainer.remote_tensors: the module's
+     ranges requested together): the ranks together read the model once, every rank only
+     the headers besides.
    Why modifier_rank=0 rather than every rank computing the same values: DeepSpeed keeps a
    change made under GatheredParameters only through a broadcast from the modifier rank
    (modifier_rank=None discards it), so the broadcast happens either way; with one modifier,
@@ -31,6 +34,7 @@ that module in fp32 (finetune_operator.planner.loading)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,9 +54,13 @@ from finetune_trainer.deepspeed_engine import (
     param_dtype,
 )
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.location import Location
 from finetune_trainer.materialize import initialize
-from finetune_trainer.model import build_meta_model, weights_dir
+from finetune_trainer.model import build_meta_model, weights_source
 from finetune_trainer.pretrained import checkpoint_keys, has_safetensors, hf_model
+from finetune_trainer.remote_tensors import RemoteSafetensors
+
+log = logging.getLogger(__name__)
 
 MODIFIER_RANK = 0
 
@@ -112,46 +120,79 @@ def _fp32_buffers(model: nn.Module) -> None:
                 )
 
 
-def _safetensors_index(path: Path) -> dict[str, Path]:
-    """Tensor name -> file, from the safetensors headers (no tensor data read)."""
-    if not has_safetensors(path):
-        raise UnsupportedConfigError(
-            f"spec.model: no *.safetensors weights in {path} (the trainer reads Hugging "
-            "Face safetensors; convert .bin checkpoints with save_pretrained)"
-        )
-    index: dict[str, Path] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            index.update(dict.fromkeys(f.keys(), file))
-    return index
+class _LocalSafetensors:
+    """The safetensors of a directory: names and shapes from the headers (no tensor data
+    read), tensors read one at a time (safetensors' lazy `safe_open`)."""
+
+    def __init__(self, path: Path) -> None:
+        if not has_safetensors(path):
+            raise UnsupportedConfigError(
+                f"spec.model: no *.safetensors weights in {path} (the trainer reads Hugging "
+                "Face safetensors; convert .bin checkpoints with save_pretrained)"
+            )
+        self.where = str(path)
+        self.files: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is no dict
+                    self.files[name] = file
+                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self.shapes.get(name)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            with safe_open(str(self.files[name]), framework="pt") as f:
+                out[name] = f.get_tensor(name)
+        return out
 
 
-def _check_shapes(names: dict[str, nn.Parameter], index: dict[str, Path], path: Path) -> None:
+def _open_weights(weights: Path | Location) -> _LocalSafetensors | RemoteSafetensors:
+    """A directory's safetensors, or an object-store prefix's (headers read by ranges)."""
+    if isinstance(weights, Location) and weights.is_local:
+        weights = weights.local_path
+    if isinstance(weights, Location):
+        return RemoteSafetensors(weights)
+    return _LocalSafetensors(weights)
+
+
+def _where(source: _LocalSafetensors | RemoteSafetensors) -> str:
+    return source.location.url if isinstance(source, RemoteSafetensors) else source.where
+
+
+def _check_shapes(
+    names: dict[str, nn.Parameter], source: _LocalSafetensors | RemoteSafetensors
+) -> None:
     # Checked on every rank from the headers, so a bad checkpoint fails every rank alike
     # (no rank left waiting in a gather).
+    where = _where(source)
     for name, param in names.items():
-        if name not in index:
+        shape = source.shape(name)
+        if shape is None:
             raise UnsupportedConfigError(
-                f"spec.model: the weights in {path} have no tensor {name!r} of the model "
+                f"spec.model: the weights in {where} have no tensor {name!r} of the model "
                 "built from its config"
             )
-        with safe_open(str(index[name]), framework="pt") as f:
-            shape = tuple(f.get_slice(name).get_shape())
         want = tuple(getattr(param, "ds_shape", param.shape))
         if shape != want:
             raise UnsupportedConfigError(
-                f"spec.model: tensor {name!r} in {path} has shape {shape}, the model "
+                f"spec.model: tensor {name!r} in {where} has shape {shape}, the model "
                 f"built from its config {want}"
             )
 
 
-def load_safetensors_zero3(model: nn.Module, path: Path) -> set[int]:
+def load_safetensors_zero3(model: nn.Module, weights: Path | Location) -> set[int]:
     """Read the base parameters of a ZeRO-3 partitioned `model` from the safetensors in
-    `path`, one module at a time (rank 0 reads each tensor, DeepSpeed broadcasts it, each
-    rank keeps its partition); returns the ids of the parameters filled."""
+    `weights` (a directory, or an object-store prefix), one module at a time: rank 0 reads
+    the module's tensors (from a prefix: its byte ranges, requested together), DeepSpeed
+    broadcasts them, each rank keeps its partition. So the ranks together read each tensor
+    once (and every rank the headers); returns the ids of the parameters filled."""
     names = checkpoint_keys(model)
-    index = _safetensors_index(path)
-    _check_shapes(names, index, path)
+    source = _open_weights(weights)
+    _check_shapes(names, source)
     by_id = {id(p): name for name, p in names.items()}
     done: set[int] = set()
     for module in hf_model(model).modules():
@@ -163,12 +204,20 @@ def load_safetensors_zero3(model: nn.Module, path: Path) -> set[int]:
         if not params:
             continue
         with gather_for_init(params) as kept:
-            for p in params:
-                done.add(id(p))
-                if kept:
-                    name = by_id[id(p)]
-                    with safe_open(str(index[name]), framework="pt") as f:
-                        p.copy_(f.get_tensor(name))
+            done.update(id(p) for p in params)
+            if kept:
+                tensors = source.read([by_id[id(p)] for p in params])
+                for p in params:
+                    p.copy_(tensors.pop(by_id[id(p)]))
+    if isinstance(source, RemoteSafetensors):
+        log.info(
+            "pretrained weights (ZeRO-3, rank %d): read %d of %d bytes from %s",
+            dist.get_rank(),
+            source.bytes_read,
+            source.bytes_total,
+            source.location.url,
+            extra={"bytes_read": source.bytes_read, "bytes_total": source.bytes_total},
+        )
     return done
 
 
@@ -189,12 +238,13 @@ def load_zero3_model(
         activation_checkpointing=job.plan.activation_checkpointing,
         precision=spec.training.precision,
         construct_in=partitioned_construction(config),
+        object_store=spec.storage.object_store,
     )
     # The build's tie was skipped with the init (no_init_weights); the head's own partition
     # is dropped with it.
     hf_model(model).tie_weights()  # type: ignore[operator]
     _fp32_buffers(model)
-    weights = weights_dir(spec.model)
+    weights = weights_source(spec.model, spec.storage.object_store)
     devices = [device] if device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         done = load_safetensors_zero3(model, weights) if weights is not None else set()

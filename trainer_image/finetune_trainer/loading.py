@@ -7,7 +7,8 @@ at its shards plus one module (DESIGN.md §6, loading at scale).
 3. DDP: materialise first (a full replica per rank is what DDP is), then wrap;
 4. DeepSpeed ZeRO-3: built partitioned under `deepspeed.zero.Init` and filled one module at a
    time (finetune_trainer.deepspeed_loading); ZeRO-1/2 keep a full replica, like DDP, built
-   directly in the engine's parameter dtype.
+   directly in the engine's parameter dtype (from s3://, read in one stripe per rank and
+   all-gathered: finetune_trainer.replica_loading).
 QLoRA's base is quantised while loading and arrives materialised."""
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from finetune_operator.api.deepspeed_config import uses_deepspeed
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.strategies import STRATEGIES
-from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.materialize import materialize
-from finetune_trainer.model import build_meta_model, is_meta, weights_dir, weights_source
+from finetune_trainer.model import build_meta_model, is_meta, weights_source
 from finetune_trainer.parallelize import Parallel, parallelize
-from finetune_trainer.remote_model import remote_weights, weights_field
+from finetune_trainer.replica_loading import load_replica
 
 
 def shards_parameters(plan: Plan) -> bool:
@@ -96,7 +96,8 @@ def _deepspeed_model(
 ) -> Parallel:
     """ZeRO-3: built partitioned under zero.Init and filled module by module
     (deepspeed_loading); ZeRO-1/2 hold a full replica on every rank by definition:
-    materialised whole, like DDP. The engine is created at attach_optimizer."""
+    materialised whole, like DDP (from an object-store prefix, read in stripes and
+    all-gathered: replica_loading). The engine is created at attach_optimizer."""
     from finetune_operator.api.deepspeed_config import zero_stage
     from finetune_trainer.deepspeed_engine import (
         cast_whole_parameters,
@@ -106,12 +107,7 @@ def _deepspeed_model(
     )
 
     spec = job.spec
-    if remote_weights(spec.model, spec.storage.object_store) is not None:
-        # Refused at plan time too (api/capabilities.py): ZeRO reads weights from a volume.
-        raise UnsupportedConfigError(
-            f"{weights_field(spec.model)}: DeepSpeed reads pretrained weights from a volume, "
-            "not s3:// yet; use an FSDP or DDP strategy"
-        )
+    store = spec.storage.object_store
     if zero_stage(job.plan.strategy) == 3:
         from finetune_trainer.deepspeed_loading import load_zero3_model
 
@@ -124,6 +120,7 @@ def _deepspeed_model(
         architecture=spec.model.architecture or job.plan.architecture,
         activation_checkpointing=job.plan.activation_checkpointing,
         precision=spec.training.precision,
+        object_store=store,
     )
     # The replica is allocated in the dtype the engine would cast it to at initialize (bf16
     # under mixed precision), not fp32 then cast: half the load peak (8B: 16 GB, not 32 GB,
@@ -133,5 +130,13 @@ def _deepspeed_model(
     config, _ = job_deepspeed_config(job)
     cast_whole_parameters(model, param_dtype(config))
     if is_meta(model):
-        materialize(model, device, seed=spec.training.seed, weights=weights_dir(spec.model))
+        # From s3://, each rank reads a stripe and the replica is all-gathered: the job
+        # reads the model once (replica_loading says why not once per rank or per node).
+        materialize(
+            model,
+            device,
+            seed=spec.training.seed,
+            weights=weights_source(spec.model, store),
+            load=load_replica,
+        )
     return deepspeed_parallel(model, job, device)

@@ -36,6 +36,9 @@ INIT_DTYPE = torch.float32
 # parameters need nothing (`_local`: every rank writes its own slice); ZeRO-3's partitioned
 # ones are gathered and re-partitioned around it (deepspeed_loading.gather_for_init).
 Gather = Callable[[list[nn.Parameter]], AbstractContextManager[bool]]
+# How the pretrained weights are read into the allocated parameters; returns the ids filled.
+# DeepSpeed ZeRO-1/2 replicas read an object-store prefix in stripes (replica_loading).
+Load = Callable[[nn.Module, Path | Location], set[int]]
 
 
 @contextmanager
@@ -164,7 +167,12 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 def materialize(
-    model: nn.Module, device: torch.device, *, seed: int, weights: Path | Location | None = None
+    model: nn.Module,
+    device: torch.device,
+    *,
+    seed: int,
+    weights: Path | Location | None = None,
+    load: Load = load_safetensors,
 ) -> None:
     """Allocate `model`'s meta (possibly sharded) tensors on `device`, read the pretrained
     `weights` (a Hugging Face safetensors directory or object-store prefix) into them when
@@ -176,5 +184,5 @@ def materialize(
     _retie(shared)
     devices = [device] if device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        done = load_safetensors(model, weights) if weights is not None else set()
+        done = load(model, weights) if weights is not None else set()
         initialize(model, device, seed=seed, done=done)

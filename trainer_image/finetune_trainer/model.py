@@ -30,6 +30,7 @@ from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.location import Location
 from finetune_trainer.materialize import materialize
 from finetune_trainer.remote_model import model_files, remote_weights, weights_field
+from finetune_trainer.remote_tensors import from_pretrained_remote
 
 log = logging.getLogger(__name__)
 
@@ -128,16 +129,26 @@ def model_config(
     )
 
 
-def _load_qlora_base(spec: ModelSpec, device: torch.device) -> nn.Module:
+def _load_qlora_base(
+    spec: ModelSpec, device: torch.device, object_store: ObjectStoreSpec | None = None
+) -> nn.Module:
     # bitsandbytes quantises while loading: the one path that still loads whole with
     # from_pretrained (QLoRA runs replicated, DDP only, so every rank holds the 4-bit base).
+    options: dict[str, Any] = {
+        "attn_implementation": _attention(spec, device),
+        "dtype": torch.bfloat16,
+        "quantization_config": _qlora_config(),
+        "device_map": {"": device},
+    }
+    remote = remote_weights(spec, object_store)
+    if remote is not None:
+        # From s3://: the config fetched, the safetensors read by ranges one tensor at a
+        # time as transformers quantises them (remote_tensors); every rank reads the model
+        # once (each quantises its own replica: bitsandbytes' 4-bit state is per device).
+        config = AutoConfig.from_pretrained(model_files(remote, weights_field(spec)))
+        return from_pretrained_remote(remote, config, **options)
     return AutoModelForCausalLM.from_pretrained(
-        spec.weights_location(),
-        revision=spec.revision,
-        attn_implementation=_attention(spec, device),
-        dtype=torch.bfloat16,
-        quantization_config=_qlora_config(),
-        device_map={"": device},
+        spec.weights_location(), revision=spec.revision, **options
     )
 
 
@@ -197,12 +208,8 @@ def build_meta_model(
             "method.type qlora needs a CUDA GPU (bitsandbytes 4-bit weights); "
             "use method.type lora on CPU"
         )
-    if method.type == "qlora" and remote_weights(spec, object_store) is not None:
-        raise UnsupportedConfigError(
-            f"{weights_field(spec)}: qlora quantises while loading from a volume, not s3://"
-        )
     if method.type == "qlora":
-        model = _load_qlora_base(spec, device)
+        model = _load_qlora_base(spec, device, object_store)
     else:
         config = model_config(spec, tokenizer, architecture, object_store, cache_dir)
         attn = _attention(spec, device)

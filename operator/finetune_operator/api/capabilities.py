@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
-from finetune_operator.api.storage import is_object_store_uri
 from finetune_operator.api.strategies import STRATEGIES, StrategyTable
 
 
@@ -61,19 +60,7 @@ def trainer_refusals(
     if spec.model.source == "inline" and spec.model.architecture is plan.architecture is None:
         # The planner resolves catalog names and config.json paths into plan.architecture.
         problems.append("spec.model.architecture: source inline builds the model from it")
-    # Object-store URIs themselves are checked at plan time by api/storage.py; here, what
-    # the trainer's loading paths do not read from one.
-    weights = spec.model.weights_location() if spec.model.source == "uri" else None
-    if weights is not None and is_object_store_uri(weights):
-        field = "spec.model.path" if spec.model.path else "spec.model.name"
-        if deepspeed:
-            problems.append(
-                f"{field}: DeepSpeed reads pretrained weights from a volume, not s3:// yet; "
-                "use an FSDP or DDP strategy, or a path on a volume of spec.storage"
-            )
-        elif spec.method.type == "qlora":
-            problems.append(
-                f"{field}: qlora quantises while loading from a volume, not s3://; use a path "
-                "on a volume of spec.storage"
-            )
+    # Object-store URIs themselves are checked at plan time by api/storage.py; every loading
+    # path reads pretrained weights from one (FSDP/DDP and DeepSpeed ZeRO-1/2/3 by ranges,
+    # QLoRA quantising as it reads), so the model's location refuses nothing here.
     return problems
