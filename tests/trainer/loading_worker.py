@@ -52,7 +52,8 @@ def local_bytes(model: torch.nn.Module) -> int:
 
 
 class Fetched(logging.Handler):
-    """What finetune_trainer.pretrained logs of a ranged (object-store) read."""
+    """What finetune_trainer.pretrained logs of a ranged (object-store) read, and
+    finetune_trainer.replica_loading of a striped one (bytes only)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,7 +62,7 @@ class Fetched(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if hasattr(record, "bytes_read"):
             keys = ("bytes_read", "bytes_total", "bytes_gaps", "bytes_index", "requests")
-            self.rows.append({k: getattr(record, k) for k in keys})
+            self.rows.append({k: getattr(record, k) for k in keys if hasattr(record, k)})
 
 
 def main() -> None:
@@ -74,8 +75,9 @@ def main() -> None:
     tok = build_tokenizer(spec.model, spec.storage.object_store)
     torch.manual_seed(spec.training.seed)
     fetched = Fetched()
-    logging.getLogger("finetune_trainer.pretrained").addHandler(fetched)
-    logging.getLogger("finetune_trainer.pretrained").setLevel(logging.INFO)
+    for source in ("finetune_trainer.pretrained", "finetune_trainer.replica_loading"):
+        logging.getLogger(source).addHandler(fetched)
+        logging.getLogger(source).setLevel(logging.INFO)
     base = rss_bytes()
     t0 = time.perf_counter()
     if old:  # the whole model on every rank, then sharded (the code before meta loading)
@@ -116,7 +118,8 @@ def main() -> None:
         state = get_model_state_dict(
             wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        base = wrapped.get_base_model() if hasattr(wrapped, "get_base_model") else wrapped
+        inner = getattr(wrapped, "module", wrapped)  # DDP wraps; FSDP2 does not
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         tied = base.get_output_embeddings().weight is base.get_input_embeddings().weight
         reads: list[object] = [None] * world
         dist.all_gather_object(reads, fetched.rows[0] if fetched.rows else None)

@@ -241,6 +241,20 @@ def test_two_ranks_read_their_shards_from_s3_not_the_model(
         assert row["bytes_index"] == index
         assert 0 < row["bytes_gaps"] < total - headers, row
 
+    # DDP holds a whole replica per rank, yet reads it from the store once per job: a stripe
+    # per rank, all-gathered (finetune_trainer.replica_loading).
+    ddp = write_job(tmp_path / "ddp.json", s3_job(server, uri, strategy="ddp"))
+    done = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node=2", str(WORKER), "model", str(out), str(ddp)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = torch.load(out, weights_only=False)
+    assert torch.equal(got["logits"], plain_logits(local))
+    fetched = [row["bytes_read"] for row in got["fetched"]]
+    assert sum(fetched) >= total - headers, (fetched, total)  # all the data, between them
+    assert all(f < 0.6 * total for f in fetched), (fetched, total)  # neither read it whole
+
 
 def test_a_tensor_in_two_files_of_the_prefix_is_refused_naming_both(tmp_path: Path) -> None:
     """A consolidated model.safetensors left beside the shards (or two models under one

@@ -222,10 +222,14 @@ def load_safetensors_zero3(model: nn.Module, weights: Path | Location) -> set[in
 
 
 def load_zero3_model(
-    job: JobConfig, tokenizer: PreTrainedTokenizerBase, device: torch.device
+    job: JobConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+    cache_dir: Path | None = None,
 ) -> nn.Module:
     """The job's model built partitioned under zero.Init and filled module by module (see
-    the module docstring), ready for `deepspeed.initialize`."""
+    the module docstring), ready for `deepspeed.initialize`; `cache_dir`: the pod's data
+    cache, where an s3:// model's config is fetched to."""
     check_supported(job)
     spec = job.spec
     config, _ = job_deepspeed_config(job)
@@ -239,6 +243,7 @@ def load_zero3_model(
         precision=spec.training.precision,
         construct_in=partitioned_construction(config),
         object_store=spec.storage.object_store,
+        cache_dir=cache_dir,
     )
     # The build's tie was skipped with the init (no_init_weights); the head's own partition
     # is dropped with it.

@@ -26,6 +26,7 @@ from finetune_operator.api.strategies import STRATEGIES
 from finetune_trainer.materialize import materialize
 from finetune_trainer.model import build_meta_model, is_meta, weights_source
 from finetune_trainer.parallelize import Parallel, parallelize
+from finetune_trainer.pretrained import load_safetensors
 from finetune_trainer.replica_loading import load_replica
 
 
@@ -49,7 +50,7 @@ def load_parallel_model(
     spec = job.spec
     store = spec.storage.object_store
     if uses_deepspeed(job.plan):
-        return _deepspeed_model(job, tokenizer, device)
+        return _deepspeed_model(job, tokenizer, device, data_cache_dir)
     model = build_meta_model(
         spec.model,
         spec.method,
@@ -70,11 +71,15 @@ def load_parallel_model(
     offloaded = spec.strategy.offload == "cpu" and device.type == "cuda"
     init_device = torch.device("cpu") if offloaded else device
 
+    sharded = shards_parameters(job.plan)
+
     def fill(m: nn.Module) -> None:
         if is_meta(m):
-            materialize(m, init_device, seed=seed, weights=weights)
+            # A DDP replica from s3:// is read in stripes and all-gathered, like ZeRO-1/2's
+            # (replica_loading): the job reads the model once, not once per rank.
+            load = load_safetensors if sharded else load_replica
+            materialize(m, init_device, seed=seed, weights=weights, load=load)
 
-    sharded = shards_parameters(job.plan)
     if not sharded:
         fill(model)
     parallel = parallelize(
@@ -92,7 +97,10 @@ def load_parallel_model(
 
 
 def _deepspeed_model(
-    job: JobConfig, tokenizer: PreTrainedTokenizerBase, device: torch.device
+    job: JobConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    device: torch.device,
+    data_cache_dir: Path | None = None,
 ) -> Parallel:
     """ZeRO-3: built partitioned under zero.Init and filled module by module
     (deepspeed_loading); ZeRO-1/2 hold a full replica on every rank by definition:
@@ -111,7 +119,8 @@ def _deepspeed_model(
     if zero_stage(job.plan.strategy) == 3:
         from finetune_trainer.deepspeed_loading import load_zero3_model
 
-        return deepspeed_parallel(load_zero3_model(job, tokenizer, device), job, device)
+        model = load_zero3_model(job, tokenizer, device, data_cache_dir)
+        return deepspeed_parallel(model, job, device)
     model = build_meta_model(
         spec.model,
         spec.method,
@@ -121,6 +130,7 @@ def _deepspeed_model(
         activation_checkpointing=job.plan.activation_checkpointing,
         precision=spec.training.precision,
         object_store=store,
+        cache_dir=data_cache_dir,
     )
     # The replica is allocated in the dtype the engine would cast it to at initialize (bf16
     # under mixed precision), not fp32 then cast: half the load peak (8B: 16 GB, not 32 GB,
