@@ -55,6 +55,7 @@ from finetune_operator.reconcile import (
 )
 from finetune_operator.reconcile.admission import QueueState, flavors_assigned, read_queue_state
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
+from finetune_operator.reconcile.gang import pod_group_to_read, read_gang, with_gang
 from finetune_operator.resources.workload import priority_ref, queue_name_of, workload_name
 from finetune_operator.scrape import scrape_all
 from finetune_operator.settings import OperatorSettings
@@ -217,6 +218,15 @@ async def _queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> Que
     return read_queue_state(job.queue_name, None, {}, priority=priority, priority_problem=problem)
 
 
+async def _with_gang(cluster: ClusterApi, job: JobRef, old: Any, out: Outcome, now: datetime) -> Outcome:  # fmt: skip
+    """The gang scheduler's word on the job's PodGroup (one GET), while its workers are placed."""
+    target = pod_group_to_read(out)
+    if target is None:
+        return out
+    group, unreadable = await cluster.read_pod_group(job.namespace, *target)
+    return with_gang(out, old, read_gang(group, target[1], unreadable), now)
+
+
 async def _reconcile(
     body: kopf.Body,
     memo: kopf.Memo,
@@ -250,6 +260,7 @@ async def _reconcile(
             if health is not None:
                 state.records = out.buffer
             result = await cluster.apply(job.namespace, out.actions)
+            out = await _with_gang(cluster, job, old, out, now)
             state.deleted_uids = {u for u in state.deleted_uids if u in {p.uid for p in pods}}
             state.deleted_uids |= {d.uid for d in result.deleted}
             if out.actions.ensure and not result.errors:

@@ -38,6 +38,8 @@ COND_FAILED: Final = "Failed"
 COND_STRAGGLER_DETECTED: Final = "StragglerDetected"
 COND_CHECKPOINT_FAILING: Final = "CheckpointFailing"
 COND_HANG_DETECTED: Final = "HangDetected"
+# Set only for gang-scheduled jobs, from the PodGroup's status (reconcile/gang.py).
+COND_GANG_SCHEDULED: Final = "GangScheduled"
 
 # Condition reasons: one CamelCase word each.
 REASON_PLAN_FITS: Final = "PlanFits"
@@ -72,6 +74,10 @@ REASON_NO_PROGRESS: Final = "NoProgress"  # no rank's step advanced
 REASON_HANG_DETECTED: Final = "HangDetected"  # the Event of a hang restart
 REASON_QUEUED: Final = "Queued"  # waiting for Kueue to admit the job's Workload
 REASON_EVICTED: Final = "Evicted"  # Kueue evicted the Workload: workers stopped, waits
+REASON_GANG_SCHEDULED: Final = "GangScheduled"  # the PodGroup's minMember placed together
+REASON_WAITING_FOR_GANG: Final = "WaitingForGang"  # the gang scheduler cannot place it yet
+REASON_GANG_TIMED_OUT: Final = "GangScheduleTimeout"  # Coscheduling's timeout; it retries
+REASON_GANG_STATUS_UNKNOWN: Final = "GangStatusUnknown"  # unreadable, or a phase not known
 
 # Phases, derived from conditions for `kubectl get` only.
 PHASE_PENDING: Final = "Pending"
