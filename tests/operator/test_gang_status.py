@@ -3,7 +3,6 @@ what a reconcile pass then says in GangScheduled, Succeeded's message and Events
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import timedelta
 from typing import Any
 
