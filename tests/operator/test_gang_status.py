@@ -3,10 +3,14 @@ what a reconcile pass then says in GangScheduled, Succeeded's message and Events
 
 from __future__ import annotations
 
+import asyncio
+import json
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
 
 from finetune_operator.api.constants import (
     COND_GANG_SCHEDULED,
@@ -20,6 +24,7 @@ from finetune_operator.api.constants import (
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile import Outcome, reconcile_job
 from finetune_operator.reconcile.admission import QueueState
+from finetune_operator.reconcile.apply import ClusterApi
 from finetune_operator.reconcile.conditions import find
 from finetune_operator.reconcile.gang import (
     GangReading,
@@ -187,3 +192,32 @@ def test_other_verdicts(reading: GangReading, expected: tuple[str, str], event: 
     assert cond(out.status, COND_GANG_SCHEDULED) == expected
     types = [e.type for e in out.events if e.message.startswith(f"{COND_GANG_SCHEDULED}=")]
     assert types == ([event] if event else [])
+
+
+@pytest.mark.parametrize(
+    ("err", "expected"),
+    [
+        # The group itself absent (the API server names it): not created yet, no error.
+        (ApiException(status=404, reason="Not Found"), None),
+        (ApiException(status=404, reason="Not Found"), "the API server does not serve"),
+        (ApiException(status=403, reason="Forbidden"), "the operator may not manage"),
+        (ApiException(status=500, reason="Internal Server Error"), "HTTP 500"),
+    ],
+    ids=["group-absent", "crd-missing", "forbidden", "server-error"],
+)
+def test_a_refused_read_is_reported_not_raised(err: ApiException, expected: str | None) -> None:
+    if expected is None:
+        err.body = json.dumps({"kind": "Status", "details": {"name": "qs", "kind": "podgroups"}})
+    cluster = ClusterApi(ApiClient())
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise err
+
+    cluster.custom.get_namespaced_custom_object = refuse  # type: ignore[method-assign]
+    found, why = asyncio.run(cluster.read_pod_group("ns", "scheduling.volcano.sh/v1beta1", "qs"))
+    assert found is None
+    if expected is None:
+        assert why == ""
+    else:
+        assert why.startswith("PodGroup qs (") and expected in why
+        assert read_gang(found, "qs", why).verdict is GangVerdict.UNKNOWN
