@@ -55,7 +55,12 @@ from finetune_operator.reconcile import (
 )
 from finetune_operator.reconcile.admission import QueueState, flavors_assigned, read_queue_state
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
-from finetune_operator.reconcile.gang import pod_group_to_read, read_gang, with_gang
+from finetune_operator.reconcile.gang import (
+    pod_group_to_read,
+    read_gang,
+    released_gang,
+    with_gang,
+)
 from finetune_operator.resources.workload import priority_ref, queue_name_of, workload_name
 from finetune_operator.scrape import scrape_all
 from finetune_operator.settings import OperatorSettings
@@ -222,7 +227,8 @@ async def _with_gang(cluster: ClusterApi, job: JobRef, old: Any, out: Outcome, n
     """The gang scheduler's word on the job's PodGroup (one GET), while its workers are placed."""
     target = pod_group_to_read(out)
     if target is None:
-        return out
+        released = released_gang(out)
+        return with_gang(out, old, released, now) if released is not None else out
     group, unreadable = await cluster.read_pod_group(job.namespace, *target)
     return with_gang(out, old, read_gang(group, target[1], unreadable), now)
 

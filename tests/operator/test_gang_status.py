@@ -31,6 +31,7 @@ from finetune_operator.reconcile.gang import (
     GangVerdict,
     pod_group_to_read,
     read_gang,
+    released_gang,
     with_gang,
 )
 from tests.operator.factories import make_plan, quickstart_raw
@@ -172,6 +173,22 @@ def test_a_waiting_gang_then_placed_as_the_job_reports_it() -> None:
     ]
     # Running with its gang placed: not read again.
     assert pod_group_to_read(done) is None
+    assert released_gang(done) is None
+    # Suspended: the group is given back, and the job no longer claims a placement.
+    suspended_spec = {**gang_spec(), "suspend": True}
+    t4 = t3 + timedelta(seconds=10)
+    held = step(done.status, [], t4, spec=suspended_spec)
+    assert pod_group_to_read(held) is None
+    released = released_gang(held)
+    assert released is not None
+    after = with_gang(held, done.status, released, t4)
+    assert cond(after.status, COND_GANG_SCHEDULED) == ("Unknown", REASON_WAITING_FOR_GANG)
+    gang_cond = find(after.status.conditions, COND_GANG_SCHEDULED)
+    assert (
+        gang_cond is not None
+        and gang_cond.message == "PodGroup qs: none while the job is suspended"
+    )
+    assert released_gang(after) is None  # said once
 
 
 @pytest.mark.parametrize(

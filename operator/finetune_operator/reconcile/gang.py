@@ -27,12 +27,15 @@ from typing import Any
 from finetune_operator.api.constants import (
     COND_GANG_SCHEDULED,
     COND_SUCCEEDED,
+    REASON_EVICTED,
     REASON_GANG_SCHEDULED,
     REASON_GANG_STATUS_UNKNOWN,
     REASON_GANG_TIMED_OUT,
     REASON_PENDING,
+    REASON_QUEUED,
     REASON_RESTARTING,
     REASON_RUNNING,
+    REASON_SUSPENDED,
     REASON_WAITING_FOR_GANG,
 )
 from finetune_operator.api.status import FineTuneJobStatus
@@ -217,6 +220,23 @@ def pod_group_to_read(out: Outcome) -> tuple[str, str] | None:
     if progress.reason == REASON_RUNNING and gang is not None and gang.status == "True":
         return None
     return found[1].api_version, pod_group_name(ev.job.owner)
+
+
+def released_gang(out: Outcome) -> GangReading | None:
+    """What to say of the gang, without reading it, while the job holds no PodGroup
+    (suspended, or queued or evicted by Kueue): a GangScheduled=True left from before would
+    claim a placement the job gave back. None when there is nothing to change."""
+    ev = out.evaluation
+    found = gang_of(ev.spec) if ev.ok and ev.spec is not None else None
+    progress = find(out.status.conditions, COND_SUCCEEDED)
+    gang = find(out.status.conditions, COND_GANG_SCHEDULED)
+    if found is None or progress is None or gang is None or gang.status == "Unknown":
+        return None
+    if progress.reason not in (REASON_SUSPENDED, REASON_QUEUED, REASON_EVICTED):
+        return None
+    name = pod_group_name(ev.job.owner)
+    why = f"none while the job is {progress.reason.lower()}"
+    return GangReading(GangVerdict.NOT_REPORTED, name, message=why)
 
 
 def with_gang(out: Outcome, old: FineTuneJobStatus, reading: GangReading, now: datetime) -> Outcome:
