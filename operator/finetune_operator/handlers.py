@@ -62,6 +62,12 @@ from finetune_operator.reconcile.admission import (
     read_queue_state,
 )
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
+from finetune_operator.reconcile.gang import (
+    pod_group_to_read,
+    read_gang,
+    released_gang,
+    with_gang,
+)
 from finetune_operator.resources.workload import (
     KUEUE_GROUP,
     KUEUE_VERSION,
@@ -307,6 +313,16 @@ async def _left_queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -
     return None if unreadable else read_left_queue_state(workload, job.uid)
 
 
+async def _with_gang(cluster: ClusterApi, job: JobRef, old: Any, out: Outcome, now: datetime) -> Outcome:  # fmt: skip
+    """The gang scheduler's word on the job's PodGroup (one GET), while its workers are placed."""
+    target = pod_group_to_read(out)
+    if target is None:
+        released = released_gang(out)
+        return with_gang(out, old, released, now) if released is not None else out
+    group, unreadable = await cluster.read_pod_group(job.namespace, *target)
+    return with_gang(out, old, read_gang(group, target[1], unreadable), now)
+
+
 async def _reconcile(
     body: kopf.Body,
     memo: kopf.Memo,
@@ -340,6 +356,7 @@ async def _reconcile(
             if health is not None:
                 state.records = out.buffer
             result = await cluster.apply(job.namespace, out.actions)
+            out = await _with_gang(cluster, job, old, out, now)
             state.deleted_uids = {u for u in state.deleted_uids if u in {p.uid for p in pods}}
             state.deleted_uids |= {d.uid for d in result.deleted}
             if out.actions.ensure and not result.errors:

@@ -14,8 +14,9 @@ from tests.chart.test_chart import _grants
 
 COSCHEDULING = ("scheduling.x-k8s.io", "podgroups")
 VOLCANO = ("scheduling.volcano.sh", "podgroups")
-# What reconcile/apply.py calls on a PodGroup: create (409: patch), delete on suspend/end.
-VERBS = {"create", "patch", "delete"}
+# What reconcile/apply.py calls on a PodGroup: create (409: patch), delete on suspend/end, and
+# get to read its status (reconcile/gang.py; the status subresource is only for writing it).
+VERBS = {"create", "get", "patch", "delete"}
 
 
 def _args(docs: list[dict]) -> list[str]:

@@ -74,6 +74,19 @@ def test_second_gang_waits_whole_until_the_first_gives_its_nodes_back(
             )
             return group
 
+        def play_scheduler(job: str, status: dict[str, Any]) -> None:
+            session.custom.patch_namespaced_custom_object_status(
+                "scheduling.x-k8s.io", "v1alpha1", "default", "podgroups", job, {"status": status}
+            )
+
+        def gang_is(status: str, reason: str) -> Callable[[dict[str, Any]], bool]:
+            def check(job: dict[str, Any]) -> bool:
+                conds = (job.get("status") or {}).get("conditions") or []
+                want = ("GangScheduled", status, reason)
+                return any((c["type"], c["status"], c["reason"]) == want for c in conds)
+
+            return check
+
         def suspend(job: str, value: bool) -> None:
             session.custom.patch_namespaced_custom_object(
                 GROUP, VERSION, "default", PLURAL, job, {"spec": {"suspend": value}}
@@ -92,9 +105,16 @@ def test_second_gang_waits_whole_until_the_first_gives_its_nodes_back(
             "gang-b", lambda j: "Unschedulable" in json.dumps(j.get("status", {})), timeout=30
         )
         assert phase_of(job_b) == "Pending"  # and `kubectl describe ftj gang-b` says why
+        # The local scheduler writes no PodGroup status: play Coscheduling's part, and the
+        # job reports the gang's wait (GangScheduled), then its placement.
+        play_scheduler("gang-b", {"phase": "Pending"})
+        job_b = session.wait_for("gang-b", gang_is("False", "WaitingForGang"), timeout=30)
+        assert "waiting for gang: 0/2 pods placed" in json.dumps(job_b["status"])
 
         suspend("gang-a", True)
         session.wait_for("gang-b", lambda j: phase_of(j) == "Running", timeout=120)
+        play_scheduler("gang-b", {"phase": "Running", "running": 2})
+        session.wait_for("gang-b", gang_is("True", "GangScheduled"), timeout=30)
         assert all(p.spec.node_name for p in workers("gang-b"))
         with pytest.raises(ApiException) as gone:
             pod_group("gang-a")  # given back while suspended

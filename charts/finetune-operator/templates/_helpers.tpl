@@ -147,7 +147,7 @@ app.kubernetes.io/part-of: finetune-operator
 {{- with include "finetune-operator.gangApiGroups" . | fromJsonArray }}
 - apiGroups: {{ toJson . }}
   resources: ["podgroups"]
-  verbs: ["create", "delete", "patch"]
+  verbs: ["create", "get", "patch", "delete"]
 {{- end }}
 {{- if .Values.kueue.enabled }}
 - apiGroups: ["kueue.x-k8s.io"]

@@ -38,6 +38,8 @@ COND_FAILED: Final = "Failed"
 COND_STRAGGLER_DETECTED: Final = "StragglerDetected"
 COND_CHECKPOINT_FAILING: Final = "CheckpointFailing"
 COND_HANG_DETECTED: Final = "HangDetected"
+# Set only for gang-scheduled jobs, from the PodGroup's status (reconcile/gang.py).
+COND_GANG_SCHEDULED: Final = "GangScheduled"
 
 # Condition reasons: one CamelCase word each.
 REASON_PLAN_FITS: Final = "PlanFits"
@@ -75,6 +77,10 @@ REASON_EVICTED: Final = "Evicted"  # Kueue evicted the Workload: workers stopped
 # The queue-name label was removed from a job Kueue knows: it leaves Kueue (workers stopped,
 # its Workload deleted once they are gone, so the quota goes back), then runs outside it.
 REASON_QUEUE_LABEL_REMOVED: Final = "QueueLabelRemoved"
+REASON_GANG_SCHEDULED: Final = "GangScheduled"  # the PodGroup's minMember placed together
+REASON_WAITING_FOR_GANG: Final = "WaitingForGang"  # the gang scheduler cannot place it yet
+REASON_GANG_TIMED_OUT: Final = "GangScheduleTimeout"  # Coscheduling's timeout; it retries
+REASON_GANG_STATUS_UNKNOWN: Final = "GangStatusUnknown"  # unreadable, or a phase not known
 
 # Phases, derived from conditions for `kubectl get` only.
 PHASE_PENDING: Final = "Pending"

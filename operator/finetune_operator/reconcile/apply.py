@@ -346,6 +346,22 @@ class ClusterApi:
                 return False
             raise
 
+    async def read_pod_group(self, namespace: str, api_version: str, name: str) -> tuple[dict[str, Any] | None, str]:  # fmt: skip
+        """The job's PodGroup (None when it does not exist yet), or why it cannot be read. Its
+        status only informs the job's conditions, so any refusal is reported, not raised."""
+        group, _, version = api_version.rpartition("/")
+        try:
+            found: dict[str, Any] = await self._call(
+                self.custom.get_namespaced_custom_object,
+                group, version, namespace, POD_GROUP_PLURAL, name,
+            )  # fmt: skip
+            return found, ""
+        except ApiException as err:
+            if workload_absent(err, name):
+                return None, ""
+            obj = {"apiVersion": api_version, "metadata": {"name": name}}
+            return None, describe_child_error(obj, err, POD_GROUP_ADVICE)
+
     async def create_pod(self, pod: dict[str, Any]) -> bool:
         """Create if absent; False when a pod of that name already exists (409)."""
         try:
