@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from finetune_trainer.data.build_claim import (
     WAIT_FLOOR_S,
     Election,
     create_exclusive,
+    holder_gone,
     is_stale,
     next_step,
     wait_bound,
@@ -48,6 +50,7 @@ OWNER = {"job": "quickstart", "namespace": "default", "uid": "uid-1"}
         ({"saw_claim": True}, "give up"),  # the builder left without publishing
         ({"claimed": True}, "wait"),
         ({"claimed": True, "last_change": 0.0, "now": STALE_AFTER_S + 1}, "take over"),
+        ({"claimed": True, "holder_gone": True}, "take over"),
         ({"claimed": True, "last_change": 500.0, "now": 501.0, "bound": 400.0}, "give up"),
     ],
 )
@@ -121,6 +124,23 @@ def test_a_claim_that_stops_changing_is_taken_over(tmp_path: Path) -> None:
     assert not e.claim_path.exists()
 
 
+def test_a_claim_of_a_dead_process_of_this_pod_is_taken_over_at_once(tmp_path: Path) -> None:
+    """A worker restarted by torchelastic mid-build finds its predecessor's claim."""
+    dead = multiprocessing.get_context("fork").Process(target=int)
+    dead.start()
+    dead.join()
+    t = FakeTime()
+    e = election(tmp_path, t)
+    holder = f"{socket.gethostname()}-{dead.pid}"
+    e.claim_path.write_atomic(json.dumps({"holder": holder, "beat": 3}).encode())
+    turn = e.run(lambda: False, lambda: None, bound=1000.0)
+    assert turn.claim is not None and t.now == 0.0
+    turn.claim.release()
+    alive = f"{socket.gethostname()}-{os.getppid()}"  # ours, alive: judged by its heartbeat
+    assert not holder_gone(json.dumps({"holder": alive}).encode())
+    assert not holder_gone(json.dumps({"holder": f"another-pod-{dead.pid}"}).encode())
+
+
 def test_a_claim_that_keeps_changing_is_waited_for_up_to_the_bound(tmp_path: Path) -> None:
     t = FakeTime()
     e = election(tmp_path, t)
@@ -189,7 +209,9 @@ def _pod(
 ) -> None:
     """One pod's data phase: its own cache directory, the shared checkpoint directory. The
     tokenizer is the real one; `stall` seconds are added to its first call (a slow corpus),
-    and `tokenizing` is set when it is called at all."""
+    and `tokenizing` is set when it is called at all. Each pod has a host name of its own,
+    as pods on different nodes do."""
+    socket.gethostname = lambda: Path(local).name
     tok = build_byte_tokenizer()
     tokenize = type(tok).__call__
     calls = {"n": 0}
@@ -250,7 +272,8 @@ def test_pods_starting_together_tokenize_once_and_a_dead_builder_is_taken_over(
     assert building.wait(60)
     (claim,) = [n for n in os.listdir(shared) if n.endswith(".building")]
     waiter, _ = _start(ctx, tmp_path, "node-3", 0.0, ctx.Barrier(1), out)
-    time.sleep(0.5)  # the waiter has found the live claim
+    time.sleep(1.0)  # the waiter has found the live claim
+    assert json.loads((shared / claim).read_bytes())["beat"] >= 1  # heartbeaten while building
     os.kill(builder.pid, signal.SIGKILL)
     builder.join(30)
     source, calls, blocks = out.get(timeout=120)

@@ -15,7 +15,8 @@ know, before anyone looked, which pods find the entry locally, in the shared cop
 all (a replacement pod beside running ones, a rank 0 whose emptyDir survived a restart), and
 every pod would have to agree on it through a collective whose startup timeout does not cover
 a tokenization. The claim is self-describing instead: a pod waits only while a live claim
-exists, and only the storage every pod already shares can hold it. No collective is issued
+exists, and only the storage every pod already shares can hold it. (Within a pod the local
+ranks already serialise on the entry's flock: one of them takes part in the election.) No collective is issued
 while waiting or building: the next one (loading the model) starts once every pod has its
 blocks, and the waiters arrive there one copy of the entry after the builder (seconds), not a
 build later; a waiter that gives up (below) arrives at most `wait_bound` plus a build later,
@@ -32,10 +33,12 @@ servers) lets two pods claim: both build and publish, as every pod did before, w
 counter. A waiter judges the claim by whether its content changed within `STALE_AFTER_S` of
 the waiter's own monotonic clock, never by comparing timestamps: pods' clocks, the NFS server's
 mtimes (attribute caching up to a minute) and S3's LastModified need not agree. A stale claim
-(the builder's pod died) is removed and claimed by a waiter, which builds. A waiter also gives
-up and builds itself once it has waited `wait_bound` (from the corpus's size: a builder that is
-alive but stuck), or when the claim goes away without an entry (the builder failed or could
-not publish): then each remaining pod builds for itself, as before, rather than in turn.
+(the builder's pod died) is removed and claimed by a waiter, which builds; a claim of this
+pod's own whose process is gone (a worker torchelastic restarted mid-build) is taken over at
+once. A waiter also gives up and builds itself once it has waited `wait_bound` (from the
+corpus's size: a builder alive but stuck), or when the claim goes away without an entry (the
+builder failed or could not publish): then each remaining pod builds for itself, as before,
+rather than in turn.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def next_step(
     skipped: bool,
     claimed: bool,
     saw_claim: bool,
+    holder_gone: bool = False,
     last_change: float,
     started: float,
     now: float,
@@ -96,14 +100,15 @@ def next_step(
 ) -> Step:
     """Pure: what a pod without the entry does next. `claimed`: a claim is there now (read
     before the entry, so a claim gone with no entry means the builder quit without
-    publishing: it publishes before releasing); `saw_claim`: one was there earlier."""
+    publishing: it publishes before releasing); `saw_claim`: one was there earlier;
+    `holder_gone`: the claim names a process of this pod that no longer runs."""
     if entry_whole:
         return "fetch"
     if skipped:
         return "skip"
     if not claimed:
         return "give up" if saw_claim else "claim"
-    if is_stale(last_change, now, stale_after):
+    if holder_gone or is_stale(last_change, now, stale_after):
         return "take over"
     if now - started > bound:
         return "give up"
@@ -140,6 +145,21 @@ def create_exclusive(target: Location, data: bytes) -> bool:
     except FileExistsError:  # s3fs's reading of 412 PreconditionFailed on a create
         return False
     return True
+
+
+def holder_gone(claim: bytes | None) -> bool:
+    """The claim was taken by a process of this pod that has died (a worker restarted by
+    torchelastic mid-build): no need to wait for its heartbeat to go stale."""
+    try:
+        host, _, pid = str(json.loads(claim or b"{}").get("holder", "")).rpartition("-")
+        if host != socket.gethostname() or int(pid) == os.getpid():
+            return False
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, OSError, AttributeError):
+        pass  # unreadable, not ours, or alive but not signallable: judged by its heartbeat
+    return False
 
 
 def read_or_none(target: Location) -> bytes | None:
@@ -243,6 +263,7 @@ class Election:
                 skipped=self.skip_path.exists(),
                 claimed=current is not None,
                 saw_claim=saw_claim,
+                holder_gone=holder_gone(current),
                 last_change=last_change,
                 started=started,
                 now=now,
