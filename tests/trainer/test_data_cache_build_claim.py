@@ -21,6 +21,7 @@ from finetune_trainer.data import CacheSettings, build_dataset
 from finetune_trainer.data.build_claim import (
     STALE_AFTER_S,
     WAIT_FLOOR_S,
+    BuildClaim,
     Election,
     create_exclusive,
     holder_gone,
@@ -164,7 +165,7 @@ def test_a_published_entry_is_fetched_and_a_skip_marker_not_waited_for(tmp_path:
     published = {"at": 5.0}
     turn = e.run(lambda: t.now >= published["at"], lambda: "the entry", bound=100.0)
     assert turn.found == "the entry" and 5.0 <= t.now < 7.0
-    e.mark_skipped("over the cacheSizeLimit")
+    BuildClaim(e.claim_path, e.skip_path, 3600).mark_skipped("over the cacheSizeLimit")
     t.now = 0.0
     assert e.run(lambda: False, lambda: None, bound=100.0).skip and t.now == 0.0
 
@@ -181,6 +182,26 @@ def test_a_builder_gone_without_publishing_leaves_each_pod_to_build(tmp_path: Pa
     e.sleep = builder_fails
     turn = e.run(lambda: False, lambda: None, bound=100.0)
     assert turn.claim is None and turn.found is None and not e.claim_path.exists()
+
+
+def test_blocks_too_big_to_cache_are_marked_and_not_waited_for(tmp_path: Path) -> None:
+    """The elected builder finds the blocks over the cache's limit: it leaves `.skip` in the
+    shared copy and releases its claim; the next pod tokenizes at once, claiming nothing."""
+    corpus = write_corpus(tmp_path / "data.jsonl", rows=300)
+    made = shared_cache_for(CheckpointSpec(uri=str(tmp_path / "ckpt")), None, OWNER)
+    assert made is not None
+    spec, tok = DatasetSpec(uri=str(corpus)), build_byte_tokenizer()
+    settings = CacheSettings(tmp_path / "node-a", 1024, made)
+    assert build_dataset(spec, tok, SEQ, settings).source == "tokenized"
+    names = os.listdir(tmp_path / "ckpt" / SHARED_DIR)
+    assert [n for n in names if n.endswith(".skip")] and not [
+        n for n in names if n.endswith(".building")
+    ]
+    data = build_dataset(spec, tok, SEQ, CacheSettings(tmp_path / "node-b", 1024, made))
+    assert data.source == "tokenized"
+    (skip,) = (tmp_path / "node-b").glob("*.skip")  # from the marker, not a build of its own
+    assert skip.read_text() == "too big (another pod found)"
+    assert sorted(os.listdir(tmp_path / "ckpt" / SHARED_DIR)) == sorted(names)
 
 
 def test_the_claim_is_exclusive_on_object_storage(s3_credentials: MotoServer) -> None:

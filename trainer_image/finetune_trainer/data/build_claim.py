@@ -172,8 +172,8 @@ def read_or_none(target: Location) -> bytes | None:
 class BuildClaim:
     """This pod's claim on building `key`, heartbeaten from a thread until released."""
 
-    def __init__(self, path: Location, heartbeat_s: float) -> None:
-        self.path, self.heartbeat_s = path, heartbeat_s
+    def __init__(self, path: Location, skip_path: Location, heartbeat_s: float) -> None:
+        self.path, self.skip_path, self.heartbeat_s = path, skip_path, heartbeat_s
         self.holder = _holder()
         self._beat = 0
         self._stop = threading.Event()
@@ -202,6 +202,14 @@ class BuildClaim:
             current = read_or_none(self.path)
             if current is not None and json.loads(current).get("holder") == self.holder:
                 self.path.remove()
+
+    def mark_skipped(self, reason: str) -> None:
+        """The blocks do not fit the cache: no pod waits for them again (logged if the
+        marker cannot be written: the waiters then each build, as without the election)."""
+        try:
+            self.skip_path.write_atomic(reason.encode(), tmp_tag=f"-{self.holder}")
+        except OSError as e:
+            log.warning("data cache: could not mark %s too big (%r)", self.skip_path, e)
 
     @contextlib.contextmanager
     def held(self) -> Iterator[BuildClaim]:
@@ -232,16 +240,12 @@ class Election:
         return self.root / f".{self.key}.skip"
 
     def try_claim(self) -> BuildClaim | None:
-        claim = BuildClaim(self.claim_path, self.heartbeat_s)
+        claim = BuildClaim(self.claim_path, self.skip_path, self.heartbeat_s)
         self.root.makedirs()
         if not create_exclusive(self.claim_path, claim.content()):
             return None
         claim.start()
         return claim
-
-    def mark_skipped(self, reason: str) -> None:
-        """The blocks do not fit the cache: no pod waits for them again."""
-        self.skip_path.write_atomic(reason.encode(), tmp_tag=f"-{_holder()}")
 
     def run(
         self,

@@ -24,7 +24,9 @@ corrupted entry is rebuilt, never read.
 
 A pod whose cache is empty (a replacement pod) first copies the entry from the job's shared
 copy on its checkpoint storage (`shared.py`), verified the same way, and only builds it if
-there is none; the pod that builds an entry publishes it there.
+there is none; the pod that builds an entry publishes it there. The pods of a fresh job,
+all empty at once, elect one builder there and the others wait for its entry
+(`build_claim.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import numpy as np
 import xxhash
 
 from finetune_operator.api.spec import DatasetSpec
-from finetune_trainer.data.build_claim import Turn, wait_bound
+from finetune_trainer.data.build_claim import wait_bound
 from finetune_trainer.data.records import dataset_files, resolve_uri
 from finetune_trainer.files import fsync_dir, remove, write_synced
 
@@ -327,12 +329,19 @@ def _find_or_build(
     election = None
     if settings.shared is not None:
         entry, damaged = _fetch(settings.shared, key, tmp, budget)
-        if entry is None and not damaged:
-            election = _elect(settings, key, tmp, budget, claim, source_bytes)
+        if entry is None and not damaged:  # nobody published it: wait for its builder?
+            shared = settings.shared
+            election = shared.await_build(
+                key,
+                lambda: _fetch(shared, key, tmp, budget)[0],
+                wait_bound(source_bytes, settings.wait_limit_s),
+            )
             entry = election.found if election is not None else None
             if election is not None and election.skip:
                 write_synced(directory / f"{key}.skip", b"too big (another pod found)")
                 return None, "skipped", False
+            if election is not None and election.claim is not None:
+                claim.enter_context(election.claim.held())
         if entry is not None:
             _install(tmp, final)
             return entry, "shared hit", False  # mapped before the rename: the same file
@@ -347,7 +356,7 @@ def _find_or_build(
         log.warning("data cache: the blocks do not fit (%s): not cached", e)
         write_synced(directory / f"{key}.skip", str(e).encode())
         if election is not None and election.claim is not None:
-            _mark_skipped(settings, key, str(e))
+            election.claim.mark_skipped(str(e))
         return None, "skipped", damaged
     except BaseException:
         writer.abort()
@@ -394,46 +403,6 @@ def _fetch(shared: SharedCache, key: str, tmp: Path, budget: int) -> tuple[Entry
     if entry is None:
         remove(tmp)
     return entry, False
-
-
-def _elect(
-    settings: CacheSettings,
-    key: str,
-    tmp: Path,
-    budget: int,
-    claim: contextlib.ExitStack,
-    source_bytes: int | None,
-) -> Turn[Entry] | None:
-    """No pod has published `key`: wait for the pod building it, or build it under this
-    pod's claim (entered into `claim`). None when the shared copy cannot be used."""
-    shared = settings.shared
-    assert shared is not None
-
-    def fetch() -> Entry | None:
-        entry, _ = _fetch(shared, key, tmp, budget)
-        return entry
-
-    try:
-        election = shared.election(key)
-        turn = election.run(
-            lambda: shared.is_whole(key), fetch, wait_bound(source_bytes, settings.wait_limit_s)
-        )
-    except _SHARED_ERRORS as e:
-        log.warning("data cache: cannot elect a builder in %s (%r): tokenizing", shared.root, e)
-        return None
-    if turn.claim is not None:
-        claim.enter_context(turn.claim.held())
-    return turn
-
-
-def _mark_skipped(settings: CacheSettings, key: str, reason: str) -> None:
-    assert settings.shared is not None
-    try:
-        settings.shared.election(key).mark_skipped(reason)
-    except _SHARED_ERRORS as e:
-        log.warning(
-            "data cache: could not mark %s too big in %s (%r)", key, settings.shared.root, e
-        )
 
 
 def _share(shared: SharedCache, key: str, entry: Path, *, publish: bool, replace: bool) -> None:

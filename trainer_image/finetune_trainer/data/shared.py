@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -71,6 +71,7 @@ from finetune_trainer.location import Location
 from finetune_trainer.ownership import claim_checkpoint_root
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SHARED_DIR = ".data-cache"
 # A publication in progress writes continuously; one not written to for this long is a pod
@@ -135,6 +136,18 @@ class SharedCache:
         return build_claim.Election(
             self.root, key, self.heartbeat_s, self.stale_after_s, self.poll_s
         )
+
+    def await_build(
+        self, key: str, fetch: Callable[[], T | None], bound: float
+    ) -> build_claim.Turn[T] | None:
+        """No pod has published `key`: wait for the pod building it and `fetch` its entry
+        (verified by the caller), or get the claim to build it; None (logged) when the
+        shared copy cannot be used for it (the pod builds, as without one)."""
+        try:
+            return self.election(key).run(lambda: self.is_whole(key), fetch, bound)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # as cache._SHARED_ERRORS
+            log.warning("data cache: cannot elect a builder in %s (%r): tokenizing", self.root, e)
+            return None
 
     def is_whole(self, key: str) -> bool:
         return self._state(key)[0] == "whole"
