@@ -62,6 +62,9 @@ HEARTBEAT_S = 15.0
 # Several heartbeats: a builder's pod under CPU pressure (it is tokenizing on every core) or a
 # slow NFS server may miss one or two.
 STALE_AFTER_S = 120.0
+# Polls start fast and back off to POLL_S: a small corpus's build is over in well under a
+# second, a large one's in minutes, where a poll every 2 s costs nothing.
+FIRST_POLL_S = 0.05
 POLL_S = 2.0
 # A builder is given what tokenizing the corpus takes at a slow node's rate (a byte-level BPE
 # on one core: ~1 MB/s), plus start-up; a build slower than that is a stuck builder.
@@ -256,7 +259,7 @@ class Election:
         """Fetch the entry once whole, or build (elected or not), or skip."""
         started = self.clock()
         seen: bytes | None = None
-        last_change, saw_claim, told = started, False, False
+        last_change, saw_claim, told, delay = started, False, False, FIRST_POLL_S
         while True:
             now = self.clock()
             current = read_or_none(self.claim_path)  # before the entry: see next_step
@@ -300,4 +303,5 @@ class Election:
             if not told:
                 log.info("data cache: another pod is building %s: waiting for it", self.key)
                 told = True
-            self.sleep(self.poll_s)
+            self.sleep(min(delay, self.poll_s))
+            delay *= 2
