@@ -125,6 +125,22 @@ def test_a_claim_that_stops_changing_is_taken_over(tmp_path: Path) -> None:
     assert not e.claim_path.exists()
 
 
+def test_the_heartbeat_renews_the_claim_and_leaves_a_takers_claim_alone(tmp_path: Path) -> None:
+    e = election(tmp_path, FakeTime())
+    e.heartbeat_s = 0.02
+    claim = e.try_claim()
+    assert claim is not None and e.try_claim() is None  # exclusive
+    deadline = time.monotonic() + 30
+    while json.loads(e.claim_path.read_bytes())["beat"] < 2:  # the thread rewrites it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    taker = json.dumps({"holder": "another-pod-1", "beat": 0}).encode()
+    e.claim_path.write_atomic(taker)  # a waiter took it over while this pod stalled
+    time.sleep(0.2)
+    claim.release()
+    assert e.claim_path.read_bytes() == taker  # neither renewed over nor removed
+
+
 def test_a_claim_of_a_dead_process_of_this_pod_is_taken_over_at_once(tmp_path: Path) -> None:
     """A worker restarted by torchelastic mid-build finds its predecessor's claim."""
     dead = multiprocessing.get_context("fork").Process(target=int)

@@ -192,18 +192,27 @@ class BuildClaim:
         while not self._stop.wait(self.heartbeat_s):
             self._beat += 1
             try:
+                if not self._still_mine():  # taken over while this pod stalled: let it be
+                    log.warning("data cache: the build claim %s was taken over", self.path)
+                    return
                 self.path.write_atomic(self.content(), tmp_tag=f"-{self.holder}")
             except OSError as e:  # a missed beat; too many and a waiter takes over (harmless)
                 log.warning("data cache: could not renew the build claim %s (%r)", self.path, e)
+
+    def _still_mine(self) -> bool:
+        try:
+            current = read_or_none(self.path)
+            return current is not None and json.loads(current).get("holder") == self.holder
+        except (ValueError, AttributeError):
+            return False
 
     def release(self) -> None:
         """Stop the heartbeat and remove the claim if it is still this pod's."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        with contextlib.suppress(OSError, ValueError):
-            current = read_or_none(self.path)
-            if current is not None and json.loads(current).get("holder") == self.holder:
+        with contextlib.suppress(OSError):
+            if self._still_mine():
                 self.path.remove()
 
     def mark_skipped(self, reason: str) -> None:
