@@ -1,6 +1,7 @@
 """The data phase of a rank's start, with and without the per-pod cache of packed blocks.
 
     python bench/data_cache.py [--mb 20] [--seq-len 512] [--ranks 1 2] [--tokenizer byte|bpe]
+                               [--pods 2]
 
 A jsonl corpus of `--mb` MB is generated into a temporary directory (words of the shipped
 quickstart corpus in random order: never committed) and read with the byte-level tokenizer
@@ -23,6 +24,17 @@ its peak RSS (`ru_maxrss`) and the RSS it had before the phase:
 - replacement, shared hit: a pod replacing another, with an empty cache of its own and the
   job's shared copy that the first start published (`finetune_trainer.data.shared`): one rank
   copies and verifies the entry, the others wait and map it; nothing is tokenized.
+
+A second table shows a fresh job's `--pods` pods starting together (one rank each, each with
+its own empty cache; `--pods 0` skips it):
+
+- fresh job, every pod tokenizes: what each pod of a fresh job did before the election (every
+  cache empty, nothing published yet), measured without the shared copy (so without the
+  publication the first pod also did then: the baseline is, if anything, flattered).
+- fresh job, one builds: the same start with the job's shared copy: one pod claims the key
+  (`finetune_trainer.data.build_claim`), tokenizes and publishes; the others wait for the
+  entry and copy it (verified), tokenizing nothing. Their CPU is the figure: on a cluster
+  each pod is a node, and the nodes' tokenizing CPU is what the election saves.
 
 The first start publishes its entry to the shared copy (its time includes that). The shared
 copy is a directory on this machine's disk, standing in for the job's checkpoint volume: on a
@@ -184,6 +196,43 @@ def run_case(
     return [json.loads(o.read_text()) for o in outs]
 
 
+FRESH_CASES = {"fresh job, every pod tokenizes": False, "fresh job, one builds": True}
+
+
+def run_pods(
+    case: str, pods: int, uri: str, seq_len: int, work: Path, tok: str
+) -> list[dict[str, Any]]:
+    """`pods` pods of a fresh job at once: an empty cache each, the job's shared copy or none."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:2]), "OMP_NUM_THREADS": "1"}
+    tag = case.replace(" ", "-").replace(",", "")
+    store = str(work / f"checkpoints-{tag}") if FRESH_CASES[case] else "-"
+    outs = [work / f"{tag}-{i}.json" for i in range(pods)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--child", case, uri, str(seq_len),
+                          str(work / f"cache-{tag}-{i}"), store, str(o), tok], env=env)
+        for i, o in enumerate(outs)
+    ]  # fmt: skip
+    for p in procs:
+        if p.wait() != 0:
+            raise RuntimeError(f"{case} with {pods} pods failed")
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def fresh_job(pods: int, uri: str, seq_len: int, work: Path, tok: str) -> None:
+    print()
+    print("| pods | case | data phase, slowest pod | pods' CPU, sum | source (per pod) |")
+    print("|---|---|---|---|---|")
+    results = {c: run_pods(c, pods, uri, seq_len, work, tok) for c in FRESH_CASES}
+    for case, rs in results.items():
+        print(f"| {pods} | {case} | {max(r['seconds'] for r in rs):.3f} s "
+              f"| {sum(r['cpu'] for r in rs):.2f} s "
+              f"| {', '.join(sorted(r['source'] for r in rs))} |")  # fmt: skip
+    assert len({r["digest"] for rs in results.values() for r in rs}) == 1
+    every, one = (sum(r["cpu"] for r in results[c]) for c in FRESH_CASES)
+    print(f"|   | CPU, one builds / every pod tokenizes: {one / every:.4f} "
+          f"({every / one:.1f}x less) ||||")  # fmt: skip
+
+
 def mib(n: float) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
@@ -194,6 +243,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
+    parser.add_argument("--pods", type=int, default=2)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="data-cache-bench-"))
     try:
@@ -243,6 +293,8 @@ def main() -> None:
                 p.stat().st_size for p in (work / f"checkpoints-{ranks}").rglob("*") if p.is_file()
             )
             print(f"|   | shared copy on the checkpoint volume: {mib(published)} |||||||")
+        if args.pods > 0:
+            fresh_job(args.pods, uri, args.seq_len, work, tok)
         print(f"load (uptime) after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

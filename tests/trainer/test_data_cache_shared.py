@@ -220,6 +220,10 @@ def test_the_trainer_shares_through_its_checkpoint_root(tmp_path: Path) -> None:
     disabled = data_cache(env, off)
     assert disabled is not None and disabled.shared is None  # no storage of its own to use
     assert data_cache(RuntimeEnv.from_environ({}), job) is None
+    # A pod waits for another's build at most half the startup collective timeout.
+    assert settings.wait_limit_s is None
+    waiting = data_cache(env, job, startup_timeout_s=600.0)
+    assert waiting is not None and waiting.wait_limit_s == 300.0
 
 
 def test_through_object_storage(

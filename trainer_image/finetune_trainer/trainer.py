@@ -66,13 +66,19 @@ def precision_context(
     return contextlib.nullcontext()
 
 
-def data_cache(env: RuntimeEnv, job: JobConfig) -> CacheSettings | None:
-    """The pod's data cache, backed by the job's shared copy on its checkpoint storage."""
+def data_cache(
+    env: RuntimeEnv, job: JobConfig, startup_timeout_s: float | None = None
+) -> CacheSettings | None:
+    """The pod's data cache, backed by the job's shared copy on its checkpoint storage. A pod
+    waits for another's build of the blocks (data.build_claim) at most half the startup
+    collective timeout: a waiter that gives up builds itself, and the builder's pod waits for
+    it in its next collective about that long."""
     if env.data_cache_dir is None:
         return None
     owner = {"job": job.name, "namespace": job.namespace, "uid": job.uid}
     shared = shared_cache_for(job.spec.checkpoint, job.spec.storage.object_store, owner)
-    return CacheSettings(env.data_cache_dir, env.data_cache_limit_bytes, shared)
+    wait = None if startup_timeout_s is None else startup_timeout_s / 2
+    return CacheSettings(env.data_cache_dir, env.data_cache_limit_bytes, shared, wait)
 
 
 class Trainer:
@@ -105,10 +111,12 @@ class Trainer:
             spec.dataset, store, env.data_cache_dir, env.data_cache_limit_bytes,
             agree=self.timeout.agreeing(self.dist.rank0s),
         )  # fmt: skip
+        # No collective runs until every pod has its blocks (one pod may wait for another's
+        # build of them: data.build_claim).
+        cache = data_cache(env, job, timeouts.startup)
         self.data = build_dataset(
-            spec.dataset, tokenizer, spec.training.sequence_length, cache=data_cache(env, job),
-            staged=staged,
-        )  # fmt: skip
+            spec.dataset, tokenizer, spec.training.sequence_length, cache=cache, staged=staged
+        )
         self.startup.mark("data", note=self.data.source)
         self.parallel = load_parallel_model(
             job,

@@ -24,7 +24,9 @@ corrupted entry is rebuilt, never read.
 
 A pod whose cache is empty (a replacement pod) first copies the entry from the job's shared
 copy on its checkpoint storage (`shared.py`), verified the same way, and only builds it if
-there is none; the pod that builds an entry publishes it there.
+there is none; the pod that builds an entry publishes it there. The pods of a fresh job,
+all empty at once, elect one builder there and the others wait for its entry
+(`build_claim.py`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import numpy as np
 import xxhash
 
 from finetune_operator.api.spec import DatasetSpec
+from finetune_trainer.data.build_claim import wait_bound
 from finetune_trainer.data.records import dataset_files, resolve_uri
 from finetune_trainer.files import fsync_dir, remove, write_synced
 
@@ -66,11 +69,13 @@ class CacheSettings:
     """Where entries live and how many bytes they may take in all (the volume's sizeLimit
     less a margin: a pod whose emptyDir outgrows its sizeLimit is evicted); `shared`: the
     job's copy on its checkpoint storage (`shared.py`), looked in before building and
-    published to after."""
+    published to after; `wait_limit_s`: the longest a pod waits for another pod's build of
+    the same entry (`build_claim.py`) before building itself."""
 
     directory: Path
     limit_bytes: int | None = None
     shared: SharedCache | None = None
+    wait_limit_s: float | None = None
 
 
 class CacheFullError(Exception):
@@ -273,28 +278,41 @@ def cached_entry(
     *,
     dtype: np.dtype[Any],
     seq_len: int,
+    source_bytes: int | None = None,
 ) -> tuple[Entry | None, str]:
     """The entry for `key`, built here if no intact one exists; and what happened: `hit`,
     `shared hit` (copied from the job's shared copy), `built`, or `skipped` (too big for the
     cache: the caller tokenizes in memory). Local ranks serialise on the key's lock, so one
     fetches or builds while the others wait, then find it. An error of the data itself (a
     field missing) propagates, leaving no entry. A built entry is published to the shared
-    copy after the lock is released (the other local ranks map it meanwhile)."""
+    copy after the lock is released (the other local ranks map it meanwhile), and the pod's
+    claim on building it (`build_claim.py`: the pods of a fresh job wait for one builder,
+    given `source_bytes`, the corpus's size, to bound the wait) is released after that."""
     directory = settings.directory
     directory.mkdir(parents=True, exist_ok=True)
-    with locked(directory / f"{key}.lock"):
-        entry, outcome, shared_damaged = _find_or_build(settings, key, build, dtype, seq_len)
-    if settings.shared is not None and outcome in ("built", "shared hit"):
-        _share(settings.shared, key, directory / key, publish=outcome == "built",
-               replace=shared_damaged)  # fmt: skip
+    with contextlib.ExitStack() as claim:
+        with locked(directory / f"{key}.lock"):
+            entry, outcome, shared_damaged = _find_or_build(
+                settings, key, build, dtype, seq_len, claim, source_bytes
+            )
+        if settings.shared is not None and outcome in ("built", "shared hit"):
+            _share(settings.shared, key, directory / key, publish=outcome == "built",
+                   replace=shared_damaged)  # fmt: skip
     return entry, outcome
 
 
 def _find_or_build(
-    settings: CacheSettings, key: str, build: Build, dtype: np.dtype[Any], seq_len: int
+    settings: CacheSettings,
+    key: str,
+    build: Build,
+    dtype: np.dtype[Any],
+    seq_len: int,
+    claim: contextlib.ExitStack,
+    source_bytes: int | None,
 ) -> tuple[Entry | None, str, bool]:
-    """Under the key's lock: the local entry, else the shared one, else a build; and whether
-    a shared entry was found damaged (so the build replaces it)."""
+    """Under the key's lock: the local entry, else the shared one (waiting for another pod's
+    build of it), else a build; and whether a shared entry was found damaged (so the build
+    replaces it). A build claim taken is entered into `claim`."""
     directory = settings.directory
     final = directory / key
     entry = open_entry(final, key)
@@ -308,8 +326,22 @@ def _find_or_build(
     budget = budget_for(settings.limit_bytes, _usage(directory), _free_bytes(directory))
     tmp = directory / f"{key}.tmp-{os.getpid()}"
     damaged = False
+    election = None
     if settings.shared is not None:
         entry, damaged = _fetch(settings.shared, key, tmp, budget)
+        if entry is None and not damaged:  # nobody published it: wait for its builder?
+            shared = settings.shared
+            election = shared.await_build(
+                key,
+                lambda: _fetch(shared, key, tmp, budget)[0],
+                wait_bound(source_bytes, settings.wait_limit_s),
+            )
+            entry = election.found if election is not None else None
+            if election is not None and election.skip:
+                write_synced(directory / f"{key}.skip", b"too big (another pod found)")
+                return None, "skipped", False
+            if election is not None and election.claim is not None:
+                claim.enter_context(election.claim.held())
         if entry is not None:
             _install(tmp, final)
             return entry, "shared hit", False  # mapped before the rename: the same file
@@ -323,6 +355,8 @@ def _find_or_build(
         remove(tmp)
         log.warning("data cache: the blocks do not fit (%s): not cached", e)
         write_synced(directory / f"{key}.skip", str(e).encode())
+        if election is not None and election.claim is not None:
+            election.claim.mark_skipped(str(e))
         return None, "skipped", damaged
     except BaseException:
         writer.abort()

@@ -111,7 +111,11 @@ def _cached(
             writer.write(blocks)
         return packer.samples
 
-    entry, outcome = cached_entry(cache, key, build, dtype=packer.dtype, seq_len=packer.seq_len)
+    # Every identity holds the file's size second: the corpus's size bounds a wait for
+    # another pod's build of the entry.
+    source_bytes = sum(int(f[1]) for f in files)
+    entry, outcome = cached_entry(cache, key, build, dtype=packer.dtype, seq_len=packer.seq_len,
+                                  source_bytes=source_bytes)  # fmt: skip
     if entry is None:
         return None, "tokenized"
     packer.samples = entry.samples

@@ -8,6 +8,7 @@ the entry:
 
     <checkpoint.uri>/.data-cache/<key>/blocks.bin, meta.json     (the entry, as in cache.py)
     <checkpoint.uri>/.data-cache/.<key>.publishing                 who is publishing it now
+    <checkpoint.uri>/.data-cache/.<key>.building, .<key>.skip      a fresh job's election
     <checkpoint.uri>/.data-cache/.<key>.tmp-<host>-<pid>/          a publication in progress
 
 The checkpoint code never sees it (it lists only `step-*` directories) and this module never
@@ -26,8 +27,10 @@ the shared volume. The price is local disk the size of the entry: the same as bu
 **Atomic publication.** On a filesystem an entry is written under a name of its own
 (`.<key>.tmp-<host>-<pid>`), its bytes hashed while copied and checked against the entry's
 checksum, fsynced, and renamed to `<key>` (atomic on POSIX and NFS): a reader sees a whole entry
-or none. The pods of a fresh job all build at once: the first to create `.<key>.publishing`
-(exclusively) publishes and the others skip, so the volume gets one copy, not one per pod. If
+or none. The pods of a fresh job elect one builder (`build_claim.py`: a `.<key>.building`
+claim, heartbeaten; the others wait for the entry and copy it); where more than one builds
+anyway (a dead builder's claim taken over, a waiter that gave up) the first to create
+`.<key>.publishing` (exclusively) publishes and the others skip, so the volume gets one copy. If
 two publish anyway (a stale claim taken over), each writes its own temporary directory; the
 rename of the second fails (the target exists and is not empty) and it removes its copy. On an object
 store (`s3://`, through the same `Location` as checkpoints) there is no rename: the blocks are
@@ -53,7 +56,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
@@ -61,12 +64,14 @@ import xxhash
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer.checkpoint_store import resolve_root
+from finetune_trainer.data import build_claim
 from finetune_trainer.data.cache import BLOCKS_FILE, META_FILE  # an entry is copied as is
 from finetune_trainer.files import fsync_dir, remove, write_synced
 from finetune_trainer.location import Location
 from finetune_trainer.ownership import claim_checkpoint_root
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SHARED_DIR = ".data-cache"
 # A publication in progress writes continuously; one not written to for this long is a pod
@@ -93,6 +98,10 @@ class SharedCache:
 
     root: Location
     claim: Callable[[], None] = lambda: None
+    # The fresh-job election's timing (build_claim.py); tests shorten them.
+    heartbeat_s: float = build_claim.HEARTBEAT_S
+    stale_after_s: float = build_claim.STALE_AFTER_S
+    poll_s: float = build_claim.POLL_S
     _claimed: bool = field(default=False, init=False)
 
     def _ensure_claimed(self) -> None:
@@ -120,6 +129,28 @@ class SharedCache:
             return ("whole", meta) if size == entry_bytes(meta) else ("damaged", None)
         except (KeyError, TypeError, ValueError):
             return "damaged", None
+
+    def election(self, key: str) -> build_claim.Election:
+        """Who builds `key` when no pod has it yet (build_claim.py)."""
+        self._ensure_claimed()
+        return build_claim.Election(
+            self.root, key, self.heartbeat_s, self.stale_after_s, self.poll_s
+        )
+
+    def await_build(
+        self, key: str, fetch: Callable[[], T | None], bound: float
+    ) -> build_claim.Turn[T] | None:
+        """No pod has published `key`: wait for the pod building it and `fetch` its entry
+        (verified by the caller), or get the claim to build it; None (logged) when the
+        shared copy cannot be used for it (the pod builds, as without one)."""
+        try:
+            return self.election(key).run(lambda: self.is_whole(key), fetch, bound)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # as cache._SHARED_ERRORS
+            log.warning("data cache: cannot elect a builder in %s (%r): tokenizing", self.root, e)
+            return None
+
+    def is_whole(self, key: str) -> bool:
+        return self._state(key)[0] == "whole"
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -181,7 +212,7 @@ class SharedCache:
         removed = []
         for child in self.root.children():
             name = child.name
-            if name == keep:
+            if name in (keep, f".{keep}.building", f".{keep}.skip"):
                 continue
             # A publication in progress (or a damaged entry moved aside): only if abandoned.
             if name.startswith(".") and not self._abandoned(name, now):
