@@ -269,3 +269,21 @@ def test_a_finished_job_whose_label_is_removed_still_drops_the_finalizer() -> No
     out = _pass(status, done, leaving, 5)
     assert out.status.phase == "Succeeded" and _drops_finalizer(out)
     assert out.actions.remove == () and created(out) == []
+
+
+def test_failed_to_start_advises_what_the_api_server_lets_the_user_do() -> None:
+    """The spec is immutable (the CRD's transition rule refuses a nodeSelector edit), so the
+    message must not ask for one: a new job (delete and apply again), or the flavor fixed and
+    the Workload deleted. The latter queues the job again, as Kueue recreates the Workload of
+    a job it refused to start."""
+    from finetune_operator.api.crd import IMMUTABLE_SPEC_MESSAGE, MUTABLE_SPEC_FIELDS
+
+    assert "resources" not in MUTABLE_SPEC_FIELDS and "immutable" in IMMUTABLE_SPEC_MESSAGE
+    out = kstep(FineTuneJobStatus(), [], _admitted_for(_on_demand()), spec=_on_demand())
+    message = _message(out, "Failed")
+    assert "Change the job's spec.resources.nodeSelector" not in message
+    assert "delete the job and apply it again" in message and "delete the Workload" in message
+    # The flavor fixed and the Workload deleted: queued again, a new Workload, no longer Failed.
+    requeued = kstep(out.status, [], None, 5, spec=_on_demand())
+    assert requeued.actions.workload is not None and created(requeued) == []
+    assert cond(requeued.status, "Failed")[0] != "True" and requeued.status.phase != "Failed"

@@ -109,8 +109,9 @@ class QueueState:
             f"Kueue's admission (LocalQueue {self.queue}) cannot be applied: "
             f"{self.failed_to_start}. No pod started with a contradicting selector (Kueue "
             "refuses it likewise); the Workload is marked Finished (FailedToStart) and its "
-            "quota given back. Change the job's spec.resources.nodeSelector (or the flavor), "
-            "then delete the Workload to queue the job again"
+            "quota given back. The spec is immutable: delete the job and apply it again with "
+            "another spec.resources.nodeSelector (it resumes from its checkpoints), or have "
+            "the flavor changed, then delete the Workload to queue the job again"
         )
 
     def describe_wait(self) -> str:
