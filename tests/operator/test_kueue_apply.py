@@ -216,5 +216,10 @@ def test_the_workload_handler_nudges_its_job_and_frees_an_orphan_s_finalizer(
     cluster.core.delete_namespaced_config_map("orphan-owner", "default")  # collected: held
     held = asyncio.run(cluster.read_workload("default", "orphan"))[0]
     assert held is not None and held["metadata"].get("deletionTimestamp")
+    memo["nudged"].clear()  # the job's timer took it
     asyncio.run(workload_changed(namespace="default", body=held, memo=memo, logger=log))
     assert asyncio.run(cluster.read_workload("default", "orphan")) == (None, "")
+    # A gone job is not nudged: no timer would ever take its key (one left per deleted job).
+    assert memo["nudged"] == set()
+    asyncio.run(workload_changed(namespace="default", body=live, memo=memo, logger=log, type="DELETED"))  # fmt: skip
+    assert memo["nudged"] == set()
