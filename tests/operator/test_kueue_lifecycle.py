@@ -94,6 +94,31 @@ def test_a_suspended_job_leaving_kueue_deletes_its_workload_too() -> None:
     assert out.actions.workload is None  # not deactivated: deleted
 
 
+def test_a_left_job_whose_workload_cannot_be_read_keeps_it_in_mind() -> None:
+    """The label removed, then the Workload unreadable for a while (no permission, Kueue
+    being upgraded): status.workload is kept so a later pass still gives the Workload (and
+    its quota) back, the running workers are kept, none is added, nothing is deleted blind.
+    Forgetting it would let the job run outside Kueue while its Workload holds quota."""
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    why = "Workload qs: the operator may not read workloads.kueue.x-k8s.io"
+    blind = read_left_queue_state(None, JOB.uid, unreadable=why)
+    assert blind is not None and blind.left and blind.unknown
+    held = _pass(live, running(*ALL), blind, 5)
+    assert held.status.workload == "qs"
+    assert deleted(held) == [] and created(held) == [] and held.actions.remove == ()
+    assert why in _message(held, "WorkersReady") and "running workers kept" in _message(
+        held, "WorkersReady"
+    )
+    # Nothing running: nothing started either, until the Workload can be read.
+    idle = _pass(live, [], blind, 10)
+    assert created(idle) == [] and idle.actions.remove == () and idle.status.workload == "qs"
+    assert why in _message(idle) and cond(idle.status, "Succeeded")[1] == "QueueLabelRemoved"
+    # Readable again: it leaves Kueue as usual.
+    leaving = read_left_queue_state(admitted(2), JOB.uid)
+    gone = _pass(idle.status, [], leaving, 15)
+    assert [(r.kind, r.name) for r in gone.actions.remove] == [("Workload", "qs")]
+
+
 # ---------------------------------------------------------------- a flavor contradicting the job
 
 

@@ -78,7 +78,7 @@ async def _left_queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -
     if not (body.get("status") or {}).get("workload"):
         return None
     workload, unreadable = await cluster.read_workload(job.namespace, workload_name(job.owner))
-    return None if unreadable else read_left_queue_state(workload, job.uid)
+    return read_left_queue_state(workload, job.uid, unreadable=unreadable)
 
 
 async def release_deleted_job_workload(
