@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+import kopf
 import pytest
 from kubernetes import config
 
@@ -52,6 +53,14 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
         # Not served: unreadable, with why (not "absent": that would stop running workers).
         found, why = asyncio.run(cluster.read_workload("default", "queued"))
         assert found is None and "install Kueue" in why
+        # A job whose label was removed once Kueue is gone: no Workload can exist, so it
+        # runs without Kueue (not held as an unknown admission for good).
+        from finetune_operator.handlers.workloads import queue_state
+        from finetune_operator.reconcile import JobRef
+
+        job = JobRef(name="queued", namespace="default", uid=UID, generation=1)
+        body = kopf.Body({"metadata": {"name": "queued"}, "status": {"workload": "queued"}})
+        assert asyncio.run(queue_state(cluster, job, body)) is None
         return
     assert result.errors == []
     assert asyncio.run(cluster.read_workload("default", "never-written")) == (

@@ -74,10 +74,13 @@ async def queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> Queu
 async def _left_queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> QueueState | None:
     """A job without the queue-name label that had a Workload (status.workload, written while
     it was queued): its Workload, if still there, is given back (admission.QueueState.left).
-    A job never queued costs no API call."""
+    A job never queued costs no API call. Kueue uninstalled (Workloads not served): no
+    Workload is left, the job runs without it; one that cannot be read otherwise is kept in
+    mind (read_left_queue_state)."""
     if not (body.get("status") or {}).get("workload"):
         return None
-    workload, unreadable = await cluster.read_workload(job.namespace, workload_name(job.owner))
+    name = workload_name(job.owner)
+    workload, unreadable = await cluster.read_workload(job.namespace, name, unserved_is_absent=True)
     return read_left_queue_state(workload, job.uid, unreadable=unreadable)
 
 
