@@ -211,7 +211,7 @@ def test_the_workload_handler_nudges_its_job_and_frees_an_orphan_s_finalizer(
     owner = Owner(name="orphan", namespace="default", uid=made.metadata.uid)
     spec = FineTuneJobSpec.model_validate(quickstart_raw())
     assert asyncio.run(cluster.apply("default", Actions(workload=build_workload(owner, spec, make_plan(2), "q")))).errors == []  # fmt: skip
-    memo: dict[str, Any] = {"cluster": cluster, "nudged": set()}
+    memo: dict[str, Any] = {"cluster": cluster, "nudged": {}}
     log = logging.getLogger("test")
     live = asyncio.run(cluster.read_workload("default", "orphan"))[0]
     assert live is not None and owner_job(live) is not None
@@ -220,7 +220,7 @@ def test_the_workload_handler_nudges_its_job_and_frees_an_orphan_s_finalizer(
         is None
     )
     asyncio.run(workload_changed(namespace="default", body=live, memo=memo, logger=log))
-    assert memo["nudged"] == {("default", "orphan")}
+    assert set(memo["nudged"]) == {("default", "orphan")}
     assert asyncio.run(cluster.read_workload("default", "orphan"))[0] is not None  # not deleting
     cluster.core.delete_namespaced_config_map("orphan-owner", "default")  # collected: held
     held = asyncio.run(cluster.read_workload("default", "orphan"))[0]
@@ -229,6 +229,6 @@ def test_the_workload_handler_nudges_its_job_and_frees_an_orphan_s_finalizer(
     asyncio.run(workload_changed(namespace="default", body=held, memo=memo, logger=log))
     assert asyncio.run(cluster.read_workload("default", "orphan")) == (None, "")
     # A gone job is not nudged: no timer would ever take its key (one left per deleted job).
-    assert memo["nudged"] == set()
+    assert memo["nudged"] == {}
     asyncio.run(workload_changed(namespace="default", body=live, memo=memo, logger=log, type="DELETED"))  # fmt: skip
-    assert memo["nudged"] == set()
+    assert memo["nudged"] == {}

@@ -60,8 +60,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     if memo.get("cluster") is None:
         memo["cluster"] = ClusterApi(load_api_client(memo.get("kubeconfig")))
     # Jobs whose pass is due at the next timer tick (a Workload event; handlers.workloads). In
-    # the root memo, which every object's memo copies shallowly: one set shared by all handlers.
-    memo.setdefault("nudged", set())
+    # the root memo, which every object's memo copies shallowly: one dict shared by all handlers.
+    memo.setdefault("nudged", {})
     if memo.get("planner") is None:
         memo["planner"] = default_planner()
     if ours.metrics_port:

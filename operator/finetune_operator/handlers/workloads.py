@@ -3,6 +3,7 @@ and the resource-in-use finalizer freed for a job that is gone."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import kopf
@@ -27,28 +28,38 @@ from finetune_operator.resources.workload import (
 )
 
 JobKey = tuple[str | None, str | None]  # (namespace, name)
+# A nudge not taken within this long belongs to a job that is gone (every job's timer ticks
+# each second): dropped, so the set never grows with deleted jobs. A Workload event can
+# reach the operator after its job's delete handler forgot the job (the finalizer it
+# removed, garbage collection), and nothing else would ever take it. A live job whose
+# nudge is dropped (a pass stuck that long) loses nothing: its interval still runs it.
+NUDGE_TTL_SECONDS = 60.0
 
 
-def _nudged(memo: kopf.Memo) -> set[JobKey]:
+def _nudged(memo: kopf.Memo) -> dict[JobKey, float]:
     # In the root memo (handlers.jobs.configure), which every object's memo copies shallowly:
-    # one set shared by all handlers. Every handler touching it runs in kopf's event loop
+    # one dict shared by all handlers. Every handler touching it runs in kopf's event loop
     # (async) and never awaits between reading and changing it: no lock needed.
-    nudged: set[JobKey] = memo.setdefault("nudged", set())
+    nudged: dict[JobKey, float] = memo.setdefault("nudged", {})
     return nudged
+
+
+def nudge(memo: kopf.Memo, key: JobKey, now: float) -> None:
+    """The job's pass is due at its next timer tick (`now`: monotonic seconds)."""
+    nudged = _nudged(memo)
+    for stale in [k for k, at in nudged.items() if now - at > NUDGE_TTL_SECONDS]:
+        del nudged[stale]
+    nudged[key] = now
 
 
 def take_nudge(memo: kopf.Memo, key: JobKey) -> bool:
     """Whether the job's pass is due now (its Workload changed); the nudge is consumed."""
-    nudged = _nudged(memo)
-    if key not in nudged:
-        return False
-    nudged.discard(key)
-    return True
+    return _nudged(memo).pop(key, None) is not None
 
 
 def forget_nudge(memo: kopf.Memo, key: JobKey) -> None:
     """The job is deleted: no timer of its will take its nudge."""
-    _nudged(memo).discard(key)
+    _nudged(memo).pop(key, None)
 
 
 async def queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> QueueState | None:
@@ -124,18 +135,20 @@ async def workload_changed(namespace: str | None, body: kopf.Body, memo: Any, lo
     key: JobKey = (namespace, owner.get("name"))
     meta = body.get("metadata", {})
     if not meta.get("deletionTimestamp") and not gone:
-        _nudged(memo).add(key)
+        nudge(memo, key, time.monotonic())
         return
     # Going (garbage collection after the job's deletion, most often): nudge only a job that
     # is still there, or its key would stay in the set for good (its timer is gone).
     cluster: ClusterApi = memo["cluster"]
     try:
         if await cluster.job_exists(namespace or "", owner.get("name", ""), owner.get("uid", "")):
-            _nudged(memo).add(key)
+            nudge(memo, key, time.monotonic())
         elif not gone and RESOURCE_IN_USE in (meta.get("finalizers") or []):
             await cluster.release_workload(
                 namespace or "", meta.get("name", ""), owner.get("uid", "")
             )
     except ApiException as err:
-        _nudged(memo).add(key)  # the job's own pass decides; a leaked key costs one early pass
+        nudge(
+            memo, key, time.monotonic()
+        )  # the job's own pass decides; a leaked key costs one early pass
         logger.warning("Workload %s keeps its finalizer: %s", meta.get("name"), err.reason)
