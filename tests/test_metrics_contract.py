@@ -5,7 +5,9 @@ with the declared types, and every declared series is set by a code path that ru
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
+import pkgutil
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -88,10 +90,13 @@ def test_every_operator_series_is_set_from_the_handlers() -> None:
     for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef)):
         names = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id in objects}
         setters[fn.name] = names
-    handler_tree = ast.parse(inspect.getsource(handlers))
+    modules = [importlib.import_module(f"{handlers.__name__}.{m.name}")
+               for m in pkgutil.iter_modules(handlers.__path__)]  # fmt: skip
+    trees = [ast.parse(inspect.getsource(m)) for m in modules]
     called = {
         n.func.attr
-        for n in ast.walk(handler_tree)
+        for tree in trees
+        for n in ast.walk(tree)
         if isinstance(n, ast.Call)
         and isinstance(n.func, ast.Attribute)
         and isinstance(n.func.value, ast.Name)

@@ -1,7 +1,7 @@
 """The chart's Kueue value: RBAC on exactly what the operator calls on Kueue's objects
 (reconcile/apply.py: Workloads created, read, patched and deleted (one written for an
 earlier spec of its job), their status patched; listed and watched by the operator's Workload
-event handler (handlers.py); the
+event handler (handlers/workloads.py); the
 ResourceFlavors an admission names and the priority class a Workload is created with, read), absent by default, in the ClusterRole or in each
 watched namespace's Role, and every rendered object valid."""
 

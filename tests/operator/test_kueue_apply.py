@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+import kopf
 import pytest
 from kubernetes import config
 
@@ -52,6 +53,14 @@ def test_workload_written_read_and_finished(server: LocalCluster) -> None:
         # Not served: unreadable, with why (not "absent": that would stop running workers).
         found, why = asyncio.run(cluster.read_workload("default", "queued"))
         assert found is None and "install Kueue" in why
+        # A job whose label was removed once Kueue is gone: no Workload can exist, so it
+        # runs without Kueue (not held as an unknown admission for good).
+        from finetune_operator.handlers.workloads import queue_state
+        from finetune_operator.reconcile import JobRef
+
+        job = JobRef(name="queued", namespace="default", uid=UID, generation=1)
+        body = kopf.Body({"metadata": {"name": "queued"}, "status": {"workload": "queued"}})
+        assert asyncio.run(queue_state(cluster, job, body)) is None
         return
     assert result.errors == []
     assert asyncio.run(cluster.read_workload("default", "never-written")) == (
@@ -202,7 +211,7 @@ def test_the_workload_handler_nudges_its_job_and_frees_an_orphan_s_finalizer(
     owner = Owner(name="orphan", namespace="default", uid=made.metadata.uid)
     spec = FineTuneJobSpec.model_validate(quickstart_raw())
     assert asyncio.run(cluster.apply("default", Actions(workload=build_workload(owner, spec, make_plan(2), "q")))).errors == []  # fmt: skip
-    memo: dict[str, Any] = {"cluster": cluster, "nudged": set()}
+    memo: dict[str, Any] = {"cluster": cluster, "nudged": {}}
     log = logging.getLogger("test")
     live = asyncio.run(cluster.read_workload("default", "orphan"))[0]
     assert live is not None and owner_job(live) is not None
@@ -211,10 +220,15 @@ def test_the_workload_handler_nudges_its_job_and_frees_an_orphan_s_finalizer(
         is None
     )
     asyncio.run(workload_changed(namespace="default", body=live, memo=memo, logger=log))
-    assert memo["nudged"] == {("default", "orphan")}
+    assert set(memo["nudged"]) == {("default", "orphan")}
     assert asyncio.run(cluster.read_workload("default", "orphan"))[0] is not None  # not deleting
     cluster.core.delete_namespaced_config_map("orphan-owner", "default")  # collected: held
     held = asyncio.run(cluster.read_workload("default", "orphan"))[0]
     assert held is not None and held["metadata"].get("deletionTimestamp")
+    memo["nudged"].clear()  # the job's timer took it
     asyncio.run(workload_changed(namespace="default", body=held, memo=memo, logger=log))
     assert asyncio.run(cluster.read_workload("default", "orphan")) == (None, "")
+    # A gone job is not nudged: no timer would ever take its key (one left per deleted job).
+    assert memo["nudged"] == {}
+    asyncio.run(workload_changed(namespace="default", body=live, memo=memo, logger=log, type="DELETED"))  # fmt: skip
+    assert memo["nudged"] == {}

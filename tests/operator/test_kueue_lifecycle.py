@@ -94,6 +94,31 @@ def test_a_suspended_job_leaving_kueue_deletes_its_workload_too() -> None:
     assert out.actions.workload is None  # not deactivated: deleted
 
 
+def test_a_left_job_whose_workload_cannot_be_read_keeps_it_in_mind() -> None:
+    """The label removed, then the Workload unreadable for a while (no permission, Kueue
+    being upgraded): status.workload is kept so a later pass still gives the Workload (and
+    its quota) back, the running workers are kept, none is added, nothing is deleted blind.
+    Forgetting it would let the job run outside Kueue while its Workload holds quota."""
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    why = "Workload qs: the operator may not read workloads.kueue.x-k8s.io"
+    blind = read_left_queue_state(None, JOB.uid, unreadable=why)
+    assert blind is not None and blind.left and blind.unknown
+    held = _pass(live, running(*ALL), blind, 5)
+    assert held.status.workload == "qs"
+    assert deleted(held) == [] and created(held) == [] and held.actions.remove == ()
+    assert why in _message(held, "WorkersReady") and "running workers kept" in _message(
+        held, "WorkersReady"
+    )
+    # Nothing running: nothing started either, until the Workload can be read.
+    idle = _pass(live, [], blind, 10)
+    assert created(idle) == [] and idle.actions.remove == () and idle.status.workload == "qs"
+    assert why in _message(idle) and cond(idle.status, "Succeeded")[1] == "QueueLabelRemoved"
+    # Readable again: it leaves Kueue as usual.
+    leaving = read_left_queue_state(admitted(2), JOB.uid)
+    gone = _pass(idle.status, [], leaving, 15)
+    assert [(r.kind, r.name) for r in gone.actions.remove] == [("Workload", "qs")]
+
+
 # ---------------------------------------------------------------- a flavor contradicting the job
 
 
@@ -269,3 +294,21 @@ def test_a_finished_job_whose_label_is_removed_still_drops_the_finalizer() -> No
     out = _pass(status, done, leaving, 5)
     assert out.status.phase == "Succeeded" and _drops_finalizer(out)
     assert out.actions.remove == () and created(out) == []
+
+
+def test_failed_to_start_advises_what_the_api_server_lets_the_user_do() -> None:
+    """The spec is immutable (the CRD's transition rule refuses a nodeSelector edit), so the
+    message must not ask for one: a new job (delete and apply again), or the flavor fixed and
+    the Workload deleted. The latter queues the job again, as Kueue recreates the Workload of
+    a job it refused to start."""
+    from finetune_operator.api.crd import IMMUTABLE_SPEC_MESSAGE, MUTABLE_SPEC_FIELDS
+
+    assert "resources" not in MUTABLE_SPEC_FIELDS and "immutable" in IMMUTABLE_SPEC_MESSAGE
+    out = kstep(FineTuneJobStatus(), [], _admitted_for(_on_demand()), spec=_on_demand())
+    message = _message(out, "Failed")
+    assert "Change the job's spec.resources.nodeSelector" not in message
+    assert "delete the job and apply it again" in message and "delete the Workload" in message
+    # The flavor fixed and the Workload deleted: queued again, a new Workload, no longer Failed.
+    requeued = kstep(out.status, [], None, 5, spec=_on_demand())
+    assert requeued.actions.workload is not None and created(requeued) == []
+    assert cond(requeued.status, "Failed")[0] != "True" and requeued.status.phase != "Failed"

@@ -403,7 +403,7 @@ def test_suspend_and_resume() -> None:
             lambda s: s.update(output={"uri": ""}),
             None,
             "InvalidSpec",
-            "spec.output.uri: Value error, output.uri is empty",
+            "spec.output.uri: output.uri is empty",
         ),
         (
             lambda s: None,

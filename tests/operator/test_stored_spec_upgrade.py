@@ -83,3 +83,15 @@ def test_a_job_the_refusing_release_failed_runs_again_after_a_suspend_toggle() -
     assert [e.reason for e in resumed.events if e.reason == REASON_DEPRECATED_SPEC] == [
         REASON_DEPRECATED_SPEC
     ]
+
+
+def test_the_refusal_of_a_new_job_names_the_field_as_ftjob_plan_does() -> None:
+    """On create, the operator's condition is the only refusal a kubectl user sees (the CRD's
+    transition rules skip creates): the field, not pydantic's 'spec.spec' or 'Value error'."""
+    raw = quickstart_raw()
+    raw["output"] = {"mergeLora": True}
+    out = reconcile_job(JOB, raw, FineTuneJobStatus(), [], T0, planner=lambda _: make_plan(2))
+    failed = find(out.status.conditions, "Failed")
+    assert failed is not None and failed.reason == "InvalidSpec"
+    assert failed.message.startswith("spec: output.mergeLora is true"), failed.message
+    assert "spec.spec" not in failed.message and "Value error" not in failed.message

@@ -231,7 +231,7 @@ def _workload_removal(ev: Evaluation, a: Assessment) -> tuple[ObjectRef, ...]:
     creates it anew, as Kueue's job reconciler does with a Workload no longer equivalent to
     its job), or the Workload of a job whose queue-name label was removed (it leaves Kueue)."""
     q = ev.queue
-    if q is None or q.deleting or a.terminating or a.live_pods:
+    if q is None or q.deleting or q.unknown or a.terminating or a.live_pods:
         return ()
     if not (q.left or (q.stale and q.quota_reserved)):
         return ()

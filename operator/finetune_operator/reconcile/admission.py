@@ -109,12 +109,18 @@ class QueueState:
             f"Kueue's admission (LocalQueue {self.queue}) cannot be applied: "
             f"{self.failed_to_start}. No pod started with a contradicting selector (Kueue "
             "refuses it likewise); the Workload is marked Finished (FailedToStart) and its "
-            "quota given back. Change the job's spec.resources.nodeSelector (or the flavor), "
-            "then delete the Workload to queue the job again"
+            "quota given back. The spec is immutable: delete the job and apply it again with "
+            "another spec.resources.nodeSelector (it resumes from its checkpoints), or have "
+            "the flavor changed, then delete the Workload to queue the job again"
         )
 
     def describe_wait(self) -> str:
         """Why the job waits, for its condition: the queue, and Kueue's message."""
+        if self.left and self.unreadable:
+            return (
+                f"the {QUEUE_LABEL} label was removed, but its Workload cannot be read "
+                f"({self.unreadable}): no pod started until it can be given back"
+            )
         if self.left:
             return (
                 f"the {QUEUE_LABEL} label was removed: leaving Kueue's LocalQueue {self.queue}; "
@@ -303,11 +309,17 @@ def read_queue_state(
     return replace(state, admitted_count=count, placement=placement, failed_to_start=conflict)
 
 
-def read_left_queue_state(workload: Mapping[str, Any] | None, owner_uid: str) -> QueueState | None:
+def read_left_queue_state(
+    workload: Mapping[str, Any] | None, owner_uid: str, *, unreadable: str = ""
+) -> QueueState | None:
     """A job without the queue-name label whose own Workload is still there (the label was
     removed): the state that makes it leave Kueue (QueueState.left). None otherwise: no
     Workload, another owner's, or a Finished one (its quota released) without the
-    resource-in-use finalizer left to remove."""
+    resource-in-use finalizer left to remove. `unreadable`: why it could not be read; it may
+    still hold quota, so it is not forgotten (status.workload kept) and nothing is decided
+    blind: running workers kept, no pod added, nothing deleted, until it can be read."""
+    if unreadable:
+        return QueueState("", unreadable=unreadable, left=True)
     if workload is None:
         return None
     meta = workload.get("metadata") or {}

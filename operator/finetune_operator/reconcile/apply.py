@@ -215,11 +215,14 @@ class ClusterApi:
             name, {"spec": {"active": False}}, _content_type=MERGE_PATCH,
         )  # fmt: skip
 
-    async def read_workload(self, namespace: str, name: str) -> tuple[dict[str, Any] | None, str]:
+    async def read_workload(
+        self, namespace: str, name: str, *, unserved_is_absent: bool = False
+    ) -> tuple[dict[str, Any] | None, str]:
         """The job's Workload (None when it does not exist), and why it cannot be read: its
         CRD not served (Kueue uninstalled) or no permission (the chart's kueue.enabled off).
         Only a Workload known absent may be created anew and gate the job as not admitted;
-        one that cannot be read says nothing about the admission its running workers have."""
+        one that cannot be read says nothing about the admission its running workers have.
+        `unserved_is_absent`: for a job leaving Kueue, no Workload exists where none is served."""
         try:
             found: dict[str, Any] = await self._call(
                 self.custom.get_namespaced_custom_object,
@@ -227,7 +230,7 @@ class ClusterApi:
             )  # fmt: skip
             return found, ""
         except ApiException as err:
-            if workload_absent(err, name):
+            if workload_absent(err, name) or (unserved_is_absent and err.status == 404):
                 return None, ""
             if err.status in (403, 404):
                 obj = {"apiVersion": KUEUE_API_VERSION, "metadata": {"name": name}}

@@ -163,7 +163,7 @@ def assess(
         # eviction stops them like a suspend: nothing after this point is counted.
         # A stale Workload's admission is for other pods: they stop until it is replaced.
         q = ev.queue
-        if q.left or q.deleting:
+        if (q.left and not q.unknown) or q.deleting:
             return replace(seen, mode=Mode.QUEUED)  # stopped, as on an eviction
         running = [i for i, p in workers.items() if p.active]
         if q.failed_to_start and not running:

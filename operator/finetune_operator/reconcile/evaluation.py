@@ -21,6 +21,7 @@ from finetune_operator.api.constants import (
     worker_name,
 )
 from finetune_operator.api.limits import MAX_JOB_NAME, MAX_NODES
+from finetune_operator.api.manifest import format_validation_error
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.policy import JobPolicy, policy_refusals, with_policy_defaults
 from finetune_operator.api.spec import FineTuneJobSpec
@@ -81,11 +82,10 @@ def default_planner() -> PlanFn:
 
 
 def describe_validation_error(err: ValidationError) -> str:
-    parts = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e.get("loc", ())) or "spec"
-        parts.append(f"spec.{where}: {e.get('msg', 'invalid')}")
-    return "; ".join(parts)
+    """The spec's errors as `ftjob plan` words them ('spec.output.uri: why'; a rule across
+    fields, whose message names them, at 'spec'): on create, the only refusal a kubectl user
+    sees (the CRD's transition rules skip creates)."""
+    return "; ".join(f"{where}: {why}" for where, why in format_validation_error(err))
 
 
 def _check_name(job: JobRef) -> str | None:

@@ -1,0 +1,188 @@
+"""One reconcile pass of a FineTuneJob, shared by all its kopf handlers: read what is
+observed, call the pure pass (reconcile.reconcile_job), apply its actions, patch status,
+post Events and set the operator's metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from finetune_operator import metrics
+from finetune_operator.api.constants import PHASE_FAILED, PHASE_SUCCEEDED
+from finetune_operator.handlers.workloads import queue_state
+from finetune_operator.reconcile import (
+    EventSpec,
+    HealthInput,
+    JobRef,
+    Outcome,
+    PodView,
+    RecordBuffer,
+    ScrapeTarget,
+    combine_progress,
+    merge_progress,
+    note_apply_errors,
+    note_checkpoint_health,
+    parse_rank_samples,
+    parse_termination_message,
+    parse_trainer_metrics,
+    progress_events,
+    read_status,
+    reconcile_job,
+    scrape_targets,
+    status_patch,
+)
+from finetune_operator.reconcile.apply import ClusterApi
+from finetune_operator.reconcile.gang import (
+    pod_group_to_read,
+    read_gang,
+    released_gang,
+    with_gang,
+)
+from finetune_operator.resources.workload import queue_name_of
+from finetune_operator.scrape import scrape_all
+from finetune_operator.settings import OperatorSettings
+
+
+@dataclass
+class JobState:
+    """Per-job runtime state (kopf memo). Losing it on restart is safe: it only avoids work."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    deleted_uids: set[str] = field(default_factory=set)  # deletions the watch may not show yet
+    ensured_generation: int | None = None  # ConfigMap/Services applied for this generation
+    last_pass: float = float("-inf")  # monotonic time of the last timer pass (scrape)
+    # The straggler detector's rolling input. Losing it is safe too: status.stragglers
+    # carries the streaks, and the records refill within a few windows.
+    records: RecordBuffer | None = None
+
+
+def job_state(memo: kopf.Memo) -> JobState:
+    if "job_state" not in memo:
+        memo["job_state"] = JobState()
+    state: JobState = memo["job_state"]
+    return state
+
+
+def settings_of(memo: kopf.Memo) -> OperatorSettings:
+    settings: OperatorSettings = memo.get("settings") or OperatorSettings()
+    return settings
+
+
+def job_ref(body: kopf.Body) -> JobRef:
+    meta = body.get("metadata", {})
+    return JobRef(
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", ""),
+        uid=meta.get("uid", ""),
+        generation=int(meta.get("generation") or 0),
+        queue_name=queue_name_of(meta.get("labels")),
+    )
+
+
+async def reconcile_pass(
+    body: kopf.Body,
+    memo: kopf.Memo,
+    patch: kopf.Patch,
+    index: kopf.Index[tuple[str, str], PodView],
+    logger: kopf.Logger,
+    *,
+    scrape: bool = False,
+) -> None:
+    """One level-based pass; serialised per job so two triggers never count a failure twice."""
+    job, state = job_ref(body), job_state(memo)
+    async with state.lock:
+        with metrics.timed_reconcile():
+            old = read_status(body.get("status"))
+            pods = list(index.get((job.namespace, job.name), []))
+            timeout = settings_of(memo).scrape_timeout_seconds
+            pages = await _scrape(old, pods, state.deleted_uids, timeout) if scrape else {}
+            health = _health_input(pages, state.records) if scrape else None
+            cluster: ClusterApi = memo["cluster"]
+            queue = await queue_state(cluster, job, body)
+            now = datetime.now(UTC)
+            out = reconcile_job(
+                job, body.get("spec", {}), old, pods, now,
+                planner=memo["planner"],
+                deleted_uids=state.deleted_uids,
+                ensured_generation=state.ensured_generation,
+                policy=memo.get("policy"),
+                health=health,
+                queue=queue,
+            )  # fmt: skip
+            if health is not None:
+                state.records = out.buffer
+            result = await cluster.apply(job.namespace, out.actions)
+            out = await _with_gang(cluster, job, old, out, now)
+            state.deleted_uids = {u for u in state.deleted_uids if u in {p.uid for p in pods}}
+            state.deleted_uids |= {d.uid for d in result.deleted}
+            if out.actions.ensure and not result.errors:
+                state.ensured_generation = job.generation
+            new = note_apply_errors(out.status, result.errors, now, job.generation)
+            if scrape and out.evaluation.ok and out.evaluation.spec and out.evaluation.plan:
+                new = _with_progress(new, out, pods, pages)
+            _publish(body, patch, job, old, new, out, progress_events(old, new), scraped=scrape)
+            if result.errors:
+                logger.warning("apply failed: %s", "; ".join(result.errors))
+                delay = settings_of(memo).reconcile_interval_seconds
+                raise kopf.TemporaryError("; ".join(result.errors), delay=delay)
+
+
+async def _with_gang(cluster: ClusterApi, job: JobRef, old: Any, out: Outcome, now: datetime) -> Outcome:  # fmt: skip
+    """The gang scheduler's word on the job's PodGroup (one GET), while its workers are placed."""
+    target = pod_group_to_read(out)
+    if target is None:
+        released = released_gang(out)
+        return with_gang(out, old, released, now) if released is not None else out
+    group, unreadable = await cluster.read_pod_group(job.namespace, *target)
+    return with_gang(out, old, read_gang(group, target[1], unreadable), now)
+
+
+async def _scrape(
+    status: Any, pods: list[PodView], deleted_uids: set[str], timeout: float
+) -> dict[ScrapeTarget, str]:
+    """Every running worker rank's metrics page (the plan in status says how many per pod)."""
+    if status.plan is None or status.phase in (PHASE_SUCCEEDED, PHASE_FAILED):
+        return {}
+    live = [p for p in pods if p.uid not in deleted_uids]
+    targets = scrape_targets(live, status.plan.gpus_per_node)
+    return await scrape_all(targets, timeout) if targets else {}
+
+
+def _health_input(pages: dict[ScrapeTarget, str], records: RecordBuffer | None) -> HealthInput:
+    samples = [s for t, text in pages.items() for s in parse_rank_samples(text, t.pod, t.node)]
+    return HealthInput(samples=tuple(samples), buffer=records)
+
+
+def _with_progress(status: Any, out: Outcome, pods: list[PodView], pages: dict[ScrapeTarget, str]) -> Any:  # fmt: skip
+    """Merge what the trainers report: live metrics of running workers, and the final
+    report (termination message) of workers that have exited."""
+    assert out.evaluation.spec is not None
+    finals = [parse_termination_message(p.termination_message) for p in pods if p.is_worker]
+    progress = combine_progress([*(parse_trainer_metrics(p) for p in pages.values()), *finals])
+    merged = merge_progress(status, progress, out.evaluation.spec.checkpoint.uri)
+    return note_checkpoint_health(
+        merged, progress, datetime.now(UTC), out.evaluation.job.generation
+    )
+
+
+def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any, out: Outcome,
+             extra_events: list[EventSpec], *, scraped: bool) -> None:  # fmt: skip
+    """Status (only what changed, to the status subresource), Events, operator metrics."""
+    for key, value in status_patch(body.get("status"), new).items():
+        patch.status[key] = value
+    for event in (*out.events, *extra_events):
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    ns, name = job.namespace, job.name
+    metrics.set_job_phase(f"{ns}/{name}", new.phase)
+    metrics.record_restarts(ns, name, new.restarts - old.restarts)
+    metrics.record_preemptions(ns, name, new.preemptions - old.preemptions)
+    metrics.record_evictions(ns, name, len(new.evictions) - len(old.evictions))
+    metrics.record_hangs(ns, name, new.hangs - old.hangs)
+    if scraped:
+        metrics.set_straggler_ratios(ns, name, out.ratios)
+    if new.phase in (PHASE_SUCCEEDED, PHASE_FAILED) and old.phase != new.phase:
+        metrics.forget_job_series(ns, name)
