@@ -68,3 +68,36 @@ def test_a_rank_stopped_for_a_peer_exits_for_a_restart(
     monkeypatch.setattr(finish, "PEER_SIGNAL_WAIT_SECONDS", 0.2)
     end = finish_run(NoOpCheckpointer(), stop_signal, step=4, stopped=True, grace_seconds=30)
     assert end == RunEnd(finish.EXIT_PEER_STOPPED)
+
+
+def test_a_failing_close_still_tears_the_group_down_and_fails_the_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The entry point after a completed run: a close that raises (the step trace's file on
+    a full disk) must not escape `main`, which would skip `destroy_distributed` and the
+    `exit_process` that follows (the interpreter's finalisation then aborts on the group's
+    threads): the rank fails with its error recorded, the group torn down."""
+    import finetune_trainer.__main__ as entry
+    import finetune_trainer.trainer as trainer_module
+
+    class ClosingFails:
+        hard_exit = False
+
+        def __init__(self, job: object, env: object) -> None:
+            pass
+
+        def train(self) -> int:
+            return 0
+
+        def close(self) -> None:
+            raise OSError(28, "No space left on device")
+
+    torn_down: list[bool] = []
+    recorded: list[BaseException] = []
+    monkeypatch.setattr(trainer_module, "Trainer", ClosingFails)
+    monkeypatch.setattr(entry, "load_job_config", lambda path: None)
+    monkeypatch.setattr(entry, "destroy_distributed", lambda: torn_down.append(True))
+    monkeypatch.setattr(entry, "record_exception", recorded.append)
+    assert entry.main(["--config", "job.json"]) == 1
+    assert torn_down == [True]
+    assert [type(e) for e in recorded] == [OSError]

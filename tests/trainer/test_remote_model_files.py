@@ -16,7 +16,7 @@ import fsspec
 import pytest
 
 from finetune_operator.api.spec import DatasetSpec
-from finetune_trainer.data.remote import RemoteObject, local_data_dir, stage_dataset
+from finetune_trainer.data.remote import RemoteObject, local_data_dir, stage_dataset, used_bytes
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.location import Location, locate
 from finetune_trainer.remote_model import MODELS_DIR, STAGING, cache_name, cache_root, model_files
@@ -161,3 +161,42 @@ def test_model_files_count_in_the_datasets_budget(
     with pytest.raises(UnsupportedConfigError, match=r"raise dataset\.cacheSizeLimit"):
         stage_dataset(DatasetSpec(uri=uri), s3_credentials.spec(), data_dir, size + held - 1)
     assert stage_dataset(DatasetSpec(uri=uri), s3_credentials.spec(), data_dir, size + held)
+
+
+def test_a_peers_copy_being_staged_is_not_counted_twice(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two local ranks, a budget for exactly both copies: the peer is part way through its
+    # fetch (its staging directory is one of the two copies the check allows for).
+    tokenizer = b"t" * 5000
+    location = remote({"config.json": CONFIG, "tokenizer.json": tokenizer})
+    (cache_dir.parent / "objects").mkdir(parents=True)
+    (cache_dir.parent / "objects" / "corpus.jsonl").write_bytes(b"c" * 1000)
+    files = len(CONFIG) + len(tokenizer)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("FT_DATA_CACHE_LIMIT_BYTES", str(1000 + 2 * files))
+    peer = cache_dir / f"{STAGING}{os.getpid()}-peer0000"  # a live rank's
+    peer.mkdir(parents=True)
+    (peer / "tokenizer.json").write_bytes(tokenizer)
+    assert (fetch(location, cache_dir) / "tokenizer.json").read_bytes() == tokenizer
+
+
+def test_the_data_areas_use_skips_what_vanishes_while_it_is_walked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "objects").mkdir()
+    (tmp_path / "objects" / "corpus.jsonl").write_bytes(b"c" * 1000)
+    staging = tmp_path / MODELS_DIR / f"{STAGING}1-renamed0"
+    staging.mkdir(parents=True)
+    (staging / "config.json").write_bytes(CONFIG)
+    real = os.scandir
+
+    def renamed_meanwhile(path: object = ".") -> object:
+        # A peer renames its staging directory into place between the listing of its
+        # parent and the walk into it.
+        if Path(os.fsdecode(path)) == staging:  # type: ignore[arg-type]
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "scandir", renamed_meanwhile)
+    assert used_bytes(tmp_path) == 1000

@@ -76,7 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         hard = failed or (trainer is not None and trainer.hard_exit)
         if trainer is not None and not hard:
-            trainer.close()
+            try:
+                trainer.close()
+            except Exception as e:
+                # Still tear the group down and leave through exit_process: escaping here,
+                # the error would skip both and the process would abort in finalisation.
+                log.exception("closing the trainer failed")
+                record_exception(e)
+                code = 1
         destroy_distributed()
     if hard:
         # A save thread may still be blocked on a vanished peer: do not wait for it.

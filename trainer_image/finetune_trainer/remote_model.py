@@ -113,6 +113,14 @@ def _remove_stale(root: Path, name: str) -> None:
             remove(path)
 
 
+def _counted_copies(root: Path, directory: Path) -> int:
+    """The bytes of the other local ranks' copies of these files already on disk (their
+    staging directories, or the copy one of them renamed into place since): `need` counts
+    every local rank's copy, so the data area's use must not count them again (a budget
+    that fits them all was refused while a peer was part way through its fetch)."""
+    return sum(used_bytes(p) for p in root.glob(f"{STAGING}*")) + used_bytes(directory)
+
+
 def _listing(location: Location, field: str) -> dict[str, RemoteObject]:
     fs = location.fs
     try:
@@ -169,7 +177,11 @@ def model_files(
     # cache would otherwise overrun the emptyDir's sizeLimit, and the kubelet evicts the pod.
     # Every local rank may be staging its own copy at once (one survives the renames).
     copies = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    budget = None if limit is None else limit - used_bytes(root.parent)
+    budget = (
+        None
+        if limit is None
+        else limit - used_bytes(root.parent) + _counted_copies(root, directory)
+    )
     need = copies * sum(o.size for o in objects)
     if budget is not None and need > budget:
         raise UnsupportedConfigError(

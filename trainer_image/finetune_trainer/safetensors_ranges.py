@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -305,6 +306,9 @@ class RangedSafetensorsReader(StorageReader):
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         items = list(plan.items)
         spans = [self._range(item) for item in items]
+        if self.location.is_local:
+            self._read_mapped(items, spans, planner)
+            return
         ranges = [(span.file, start, end) for span, start, end in spans]
         requests = coalesce(ranges, self.gap_bytes, self.part_bytes)
         self.bytes_read += sum(end - start for _, start, end in ranges)
@@ -343,6 +347,33 @@ class RangedSafetensorsReader(StorageReader):
                             piece = memoryview(bytearray(piece))  # aligned for its dtype
                         self._copy(items[i], span, piece, planner)
 
+    def _read_mapped(
+        self, items: list[ReadItem], spans: list[tuple[Span, int, int]], planner: LoadPlanner
+    ) -> None:
+        """A local directory's files mapped, each slice's rows copied from the page cache (as
+        safetensors' own `safe_open` does): no request latency to coalesce away, no raw buffer
+        of up to `batch_bytes` beside the shards, and the ranks of a node share the pages.
+        Read through fsspec ranges instead, a 413 MiB file loaded 5-8x slower."""
+        maps: dict[str, memoryview] = {}
+        for item, (span, start, end) in zip(items, spans, strict=True):
+            view = maps.get(span.file)
+            if view is None:
+                with open(span.file, "rb") as f:
+                    # ACCESS_COPY: a private mapping torch.frombuffer takes as writable
+                    # (nothing writes it; the pages stay the page cache's).
+                    view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+                maps[span.file] = view
+            piece = view[start:end]
+            if len(piece) != end - start:
+                raise WeightsReadError(
+                    f"{span.file}: {len(piece)} bytes of {end - start} at {start} (the file "
+                    "was truncated or replaced since it was listed)"
+                )
+            if start % span.dtype.itemsize:
+                piece = memoryview(bytearray(piece))  # aligned for its dtype
+            self.bytes_read += end - start
+            self._copy(item, span, piece, planner)
+
     def _range(self, item: ReadItem) -> tuple[Span, int, int]:
         span = self.storage_data[item.storage_index]
         start, end = row_range(span, item.storage_offsets, item.lengths)
@@ -355,7 +386,8 @@ class RangedSafetensorsReader(StorageReader):
         else:  # frombuffer refuses an empty buffer
             rows = torch.empty(0, dtype=span.dtype)
         if span.shape:
-            rows = rows.view(-1, *span.shape[1:])
+            # The slice's row count, not -1: a (N, 0) tensor's rows hold no bytes to count.
+            rows = rows.view(item.lengths[0], *span.shape[1:])
             rest = tuple(
                 slice(o, o + n)
                 for o, n in zip(item.storage_offsets[1:], item.lengths[1:], strict=True)

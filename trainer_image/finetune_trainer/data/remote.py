@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import posixpath
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -195,7 +196,16 @@ def used_bytes(path: Path) -> int:
     alike, so that each budget check counts the others'."""
     if not path.is_dir():
         return 0
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    # The other local ranks write, rename and remove in this area while it is walked (a
+    # staging directory renamed into place): what vanished meanwhile is not counted, where
+    # `rglob` raised FileNotFoundError and failed the rank's start.
+    total = 0
+    for root, _, files in os.walk(path):  # errors (a directory gone) are skipped
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(os.path.join(root, name))
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def _evict_others(objects_dir: Path, keep: str) -> None:
