@@ -239,6 +239,9 @@ class Trainer:
             if "first step" not in self.startup.marks:
                 self.startup.mark("first step")
                 log.info("%s", self.startup.summary(cpu_seconds=time.process_time()))
+        # A resume with no step left never entered the loop: its export must not run at the
+        # timeout widened for the corpus download (TrainingTimeout.allow_download).
+        self.timeout.relax()
         end = finish_run(
             self.checkpointer,
             self.stop_signal,
