@@ -7,7 +7,6 @@ The kubernetes client is synchronous; each call runs in a worker thread so kopf'
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,13 @@ from kubernetes.client.exceptions import ApiException
 
 from finetune_operator.api.constants import GROUP, LABEL_ROLE, PLURAL, ROLE_WORKER, VERSION
 from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion
+from finetune_operator.reconcile.child_errors import (
+    POD_GROUP_ADVICE,
+    WORKLOAD_ADVICE,
+    describe_api_error,
+    describe_child_error,
+    workload_absent,
+)
 from finetune_operator.reconcile.workload_patches import finalizer_release_patch
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
 from finetune_operator.resources.workload import (
@@ -25,7 +31,6 @@ from finetune_operator.resources.workload import (
     KUEUE_API_VERSION,
     KUEUE_GROUP,
     KUEUE_VERSION,
-    QUEUE_LABEL,
     WORKLOAD_PLURAL,
     PriorityRef,
 )
@@ -55,76 +60,6 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
         config_file=kubeconfig, client_configuration=cfg
     )
     return k8s.ApiClient(cfg)
-
-
-def _describe(err: ApiException) -> str:
-    return f"HTTP {err.status} {err.reason}"
-
-
-@dataclass(frozen=True)
-class ChildErrorAdvice:
-    """What differs between the children whose write can fail for want of a CRD (404) or of
-    RBAC (403): the remedies, and who waits (`{resource}` in a remedy: e.g. podgroups.<group>)."""
-
-    kind: str
-    plural: str
-    not_served: str
-    forbidden: str
-    waiting: str
-    done: str
-
-
-POD_GROUP_ADVICE = ChildErrorAdvice(
-    kind="PodGroup",
-    plural=POD_GROUP_PLURAL,
-    not_served="install the gang scheduler that defines the CRD {resource}, or unset "
-    "spec.resources.gangScheduling",
-    forbidden="add its scheduler to the chart value gangScheduling.schedulers",
-    waiting="worker pods wait",
-    done="created",
-)
-WORKLOAD_ADVICE = ChildErrorAdvice(
-    kind="Workload",
-    plural=WORKLOAD_PLURAL,
-    not_served=f"install Kueue (v0.15 or later), or remove the job's {QUEUE_LABEL} label",
-    forbidden="set the chart value kueue.enabled=true",
-    waiting="the job waits",
-    done="written",
-)
-
-
-def describe_child_error(obj: dict[str, Any], err: ApiException, advice: ChildErrorAdvice) -> str:
-    """What a user or admin must do when a PodGroup or Workload cannot be written (or read):
-    the usual causes are a scheduler or Kueue that is not installed (the API server has no
-    such resource: 404) and an operator not allowed to manage the resource (403)."""
-    group, _, version = obj["apiVersion"].rpartition("/")
-    resource = f"{advice.plural}.{group}"
-    head = f"{advice.kind} {obj['metadata']['name']} ({_describe(err)})"
-    if err.status == 404:
-        remedy = advice.not_served.format(resource=resource)
-        return (
-            f"{head}: the API server does not serve {resource}/{version}: {remedy}; "
-            f"{advice.waiting} until it exists"
-        )
-    if err.status == 403:
-        return (
-            f"{head}: the operator may not manage {resource}: {advice.forbidden}; "
-            f"{advice.waiting} until it may"
-        )
-    return f"{head}; {advice.waiting} until it is {advice.done}"
-
-
-def workload_absent(err: ApiException, name: str) -> bool:
-    """A 404 for the object itself (the API server names it in the Status details), not for
-    its resource: an unserved resource's 404 names no object ("the server could not find
-    the requested resource")."""
-    if err.status != 404:
-        return False
-    try:
-        details = (json.loads(err.body or "{}") or {}).get("details") or {}
-    except (ValueError, AttributeError):
-        return False
-    return isinstance(details, dict) and details.get("name") == name
 
 
 class ClusterApi:
@@ -270,7 +205,7 @@ class ClusterApi:
                     self.custom.get_cluster_custom_object, ref.group, "v1", ref.plural, ref.name
                 )
         except ApiException as err:
-            what = f"{ref.kind} {ref.name} ({_describe(err)})"
+            what = f"{ref.kind} {ref.name} ({describe_api_error(err)})"
             if err.status == 404:
                 return None, f"{what} does not exist"
             if err.status == 403:
@@ -398,7 +333,9 @@ class ClusterApi:
             try:
                 await self.ensure(obj)
             except ApiException as err:
-                result.errors.append(f"{obj['kind']} {obj['metadata']['name']}: {_describe(err)}")
+                result.errors.append(
+                    f"{obj['kind']} {obj['metadata']['name']}: {describe_api_error(err)}"
+                )
         if actions.workload is not None:
             try:
                 await self.ensure_workload(actions.workload, actions.workload_rewrite)
@@ -410,7 +347,7 @@ class ClusterApi:
             except ApiException as err:
                 if err.status != 404:  # gone: nothing holds quota
                     result.errors.append(
-                        f"Workload {actions.workload_name} (active false): {_describe(err)}"
+                        f"Workload {actions.workload_name} (active false): {describe_api_error(err)}"
                     )
         if actions.workload_status is not None:
             try:
@@ -422,7 +359,7 @@ class ClusterApi:
                 # decides anew (as controllers requeue on a conflict), nothing to report.
                 if err.status != 409:
                     result.errors.append(
-                        f"Workload {actions.workload_name} status: {_describe(err)}"
+                        f"Workload {actions.workload_name} status: {describe_api_error(err)}"
                     )
         if actions.workload_finalizer is not None:
             try:
@@ -433,7 +370,7 @@ class ClusterApi:
                 # 404: gone already; 409: written since it was read, decided anew next pass.
                 if err.status not in (404, 409):
                     result.errors.append(
-                        f"Workload {actions.workload_name} (finalizer): {_describe(err)}"
+                        f"Workload {actions.workload_name} (finalizer): {describe_api_error(err)}"
                     )
         group_ok = True
         if actions.pod_group is not None:
@@ -446,13 +383,13 @@ class ClusterApi:
             try:
                 await self.remove(namespace, ref)
             except ApiException as err:
-                result.errors.append(f"deleting {ref.kind} {ref.name}: {_describe(err)}")
+                result.errors.append(f"deleting {ref.kind} {ref.name}: {describe_api_error(err)}")
         for victim in actions.delete:
             try:
                 if await self.delete_pod(namespace, victim):
                     result.deleted.append(victim)
             except ApiException as err:
-                result.errors.append(f"deleting pod {victim.name}: {_describe(err)}")
+                result.errors.append(f"deleting pod {victim.name}: {describe_api_error(err)}")
         for pod in actions.create:
             name = pod["metadata"]["name"]
             if not group_ok and pod["metadata"]["labels"].get(LABEL_ROLE) == ROLE_WORKER:
@@ -461,5 +398,5 @@ class ClusterApi:
                 if await self.create_pod(pod):
                     result.created.append(name)
             except ApiException as err:
-                result.errors.append(f"creating pod {name}: {_describe(err)}")
+                result.errors.append(f"creating pod {name}: {describe_api_error(err)}")
         return result
