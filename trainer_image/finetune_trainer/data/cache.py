@@ -11,16 +11,16 @@ Layout under the cache directory (`FT_DATA_CACHE_DIR`, the worker pod's `data-ca
 emptyDir, which survives torchelastic's worker restarts and goes with the pod):
 
     <key>.lock          flock: one builder at a time; never deleted (see `_evict_others`)
-    <key>/blocks.bin    the blocks, row-major, `meta.dtype`, shape (rows, seq_len)
-    <key>/meta.json     written last: key, shape, dtype, pad id, xxh3-128 of blocks.bin
+    <key>/blocks.bin    the entry (`cache_entry.py`): the blocks, row-major, shape (rows, seq_len)
+    <key>/meta.json     written last: key, shape, dtype, xxh3-128 of blocks.bin
     <key>.tmp-<pid>/    an entry being built; renamed to <key>/ once complete
     <key>.skip          the blocks do not fit the cache's limit: every rank tokenizes itself
 
 The key hashes everything that determines the blocks (`cache_key`), so a changed file, a
 different tokenizer, sequence length, packing, field or format version is a different entry.
-An entry is used only if its meta matches the key and its bytes match the checksum: a crash
-mid-build leaves only a `.tmp-*` directory (removed by the next builder), and a truncated or
-corrupted entry is rebuilt, never read.
+An entry is used only if its meta matches the key and its bytes match the checksum
+(`cache_entry.open_entry`): a crash mid-build leaves only a `.tmp-*` directory (removed by
+the next builder), and a truncated or corrupted entry is rebuilt, never read.
 
 A pod whose cache is empty (a replacement pod) first copies the entry from the job's shared
 copy on its checkpoint storage (`shared.py`), verified the same way, and only builds it if
@@ -44,10 +44,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xxhash
 
 from finetune_operator.api.spec import DatasetSpec
 from finetune_trainer.data.build_claim import wait_bound
+from finetune_trainer.data.cache_entry import (
+    CACHE_FORMAT_VERSION,
+    CacheFullError,
+    Entry,
+    EntryWriter,
+    open_entry,
+)
 from finetune_trainer.data.records import dataset_files, resolve_uri
 from finetune_trainer.files import fsync_dir, remove, write_synced
 
@@ -57,11 +63,6 @@ if TYPE_CHECKING:
     from finetune_trainer.data.shared import SharedCache
 
 log = logging.getLogger(__name__)
-
-# Bump whenever the blocks a given input yields change (tokenizing, packing, file layout).
-CACHE_FORMAT_VERSION = 1
-BLOCKS_FILE, META_FILE = "blocks.bin", "meta.json"
-_HASH_CHUNK = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,6 @@ class CacheSettings:
     limit_bytes: int | None = None
     shared: SharedCache | None = None
     wait_limit_s: float | None = None
-
-
-class CacheFullError(Exception):
-    """The blocks would not fit the cache's limit or the volume's free space."""
 
 
 def files_identity(spec: DatasetSpec) -> list[list[Any]] | None:
@@ -141,83 +138,6 @@ def cache_key(
         "dtype": dtype,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class Entry:
-    blocks: np.memmap[Any, np.dtype[Any]]
-    samples: int
-
-
-def _checksum(blocks: np.ndarray[Any, np.dtype[Any]]) -> str:
-    h = xxhash.xxh3_128()
-    flat = blocks.reshape(-1)
-    step = max(1, _HASH_CHUNK // max(1, flat.itemsize))
-    for start in range(0, flat.size, step):
-        h.update(np.ascontiguousarray(flat[start : start + step]).data)
-    return h.hexdigest()
-
-
-def open_entry(path: Path, key: str) -> Entry | None:
-    """The entry's blocks, mapped read-only, or None (logged) unless it is complete and
-    intact: its meta names this key, the file has exactly the size the shape says, and its
-    bytes hash to the checksum written when it was built."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-        if meta.get("version") != CACHE_FORMAT_VERSION or meta.get("key") != key:
-            raise ValueError("built for other inputs")
-        dtype, rows, seq_len = np.dtype(meta["dtype"]), int(meta["rows"]), int(meta["seq_len"])
-        size = (path / BLOCKS_FILE).stat().st_size
-        if size != rows * seq_len * dtype.itemsize or rows < 1:
-            raise ValueError(f"{size} bytes where {rows} x {seq_len} {dtype} blocks were written")
-        blocks: np.memmap[Any, np.dtype[Any]] = np.memmap(
-            path / BLOCKS_FILE, dtype=dtype, mode="r", shape=(rows, seq_len)
-        )
-        if _checksum(blocks) != meta["xxh3_128"]:
-            raise ValueError("checksum mismatch")
-        return Entry(blocks=blocks, samples=int(meta["samples"]))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("data cache entry %s unusable (%s): rebuilding it", path, e)
-        return None
-
-
-class EntryWriter:
-    """Appends blocks to a new entry's file, within a byte budget, hashing as it goes."""
-
-    def __init__(self, directory: Path, budget: int | None) -> None:
-        self.directory, self.budget = directory, budget
-        self.file = open(directory / BLOCKS_FILE, "wb")  # noqa: SIM115 - closed in finish()
-        self.hash = xxhash.xxh3_128()
-        self.rows = self.bytes = 0
-
-    def write(self, blocks: np.ndarray[Any, np.dtype[Any]]) -> None:
-        data = np.ascontiguousarray(blocks)
-        if self.budget is not None and self.bytes + data.nbytes > self.budget:
-            raise CacheFullError(f"over {self.budget} bytes")
-        self.file.write(data.data)
-        self.hash.update(data.data)
-        self.rows += len(data)
-        self.bytes += data.nbytes
-
-    def finish(self, *, key: str, dtype: np.dtype[Any], seq_len: int, samples: int) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        meta = {
-            "version": CACHE_FORMAT_VERSION,
-            "key": key,
-            "dtype": dtype.str,
-            "rows": self.rows,
-            "seq_len": seq_len,
-            "samples": samples,
-            "xxh3_128": self.hash.hexdigest(),
-        }
-        write_synced(self.directory / META_FILE, json.dumps(meta).encode())
-
-    def abort(self) -> None:
-        self.file.close()
 
 
 @contextlib.contextmanager
