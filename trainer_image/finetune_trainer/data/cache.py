@@ -16,7 +16,7 @@ emptyDir, which survives torchelastic's worker restarts and goes with the pod):
     <key>.tmp-<pid>/    an entry being built; renamed to <key>/ once complete
     <key>.skip          the blocks do not fit the cache's limit: every rank tokenizes itself
 
-The key hashes everything that determines the blocks (`cache_key`), so a changed file, a
+The key hashes everything that determines the blocks (`cache_key.py`), so a changed file, a
 different tokenizer, sequence length, packing, field or format version is a different entry.
 An entry is used only if its meta matches the key and its bytes match the checksum
 (`cache_entry.open_entry`): a crash mid-build leaves only a `.tmp-*` directory (removed by
@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import json
 import logging
 import os
 import time
@@ -45,21 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from finetune_operator.api.spec import DatasetSpec
 from finetune_trainer.data.build_claim import wait_bound
-from finetune_trainer.data.cache_entry import (
-    CACHE_FORMAT_VERSION,
-    CacheFullError,
-    Entry,
-    EntryWriter,
-    open_entry,
-)
-from finetune_trainer.data.records import dataset_files, resolve_uri
+from finetune_trainer.data.cache_entry import CacheFullError, Entry, EntryWriter, open_entry
 from finetune_trainer.files import fsync_dir, remove, write_synced
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from finetune_trainer.data.shared import SharedCache
 
 log = logging.getLogger(__name__)
@@ -77,67 +65,6 @@ class CacheSettings:
     limit_bytes: int | None = None
     shared: SharedCache | None = None
     wait_limit_s: float | None = None
-
-
-def files_identity(spec: DatasetSpec) -> list[list[Any]] | None:
-    """(path, size, mtime ns) of every input file; None for a Hugging Face hub id, whose
-    content cannot be checked without the network: such datasets are not cached. Content is
-    not hashed (reading GBs at every start is what the cache avoids); a file rewritten in
-    place keeping its size and mtime to the nanosecond would go unnoticed."""
-    if spec.format in ("jsonl", "parquet"):
-        paths = [Path(p) for p in dataset_files(spec)]
-    else:
-        root = Path(resolve_uri(spec.uri))
-        if not root.is_dir():
-            return None
-        paths = sorted(p for p in root.rglob("*") if p.is_file())
-    out: list[list[Any]] = []
-    for path in paths:
-        st = path.stat()
-        out.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
-    return out
-
-
-def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
-    """A hash of what decides the ids: the full tokenizer definition (fast tokenizers'
-    serialized pipeline, else the vocabulary), special tokens and chat template."""
-    import tokenizers
-    import transformers
-
-    h = hashlib.sha256()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        h.update(backend.to_str().encode())
-    else:
-        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    extra = [
-        type(tokenizer).__name__,
-        len(tokenizer),
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        tokenizer.chat_template,
-        transformers.__version__,
-        tokenizers.__version__,
-    ]
-    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
-    return h.hexdigest()
-
-
-def cache_key(
-    spec: DatasetSpec, files: list[list[Any]], tokenizer_id: str, seq_len: int, dtype: str
-) -> str:
-    """Pure: the entry name for these inputs. Every DatasetSpec field but the cache's own size
-    is in it, so a field added later cannot be forgotten here."""
-    payload = {
-        "version": CACHE_FORMAT_VERSION,
-        "dataset": spec.model_dump(mode="json", exclude={"cache_size_limit"}),
-        "files": files,
-        "tokenizer": tokenizer_id,
-        "sequence_length": seq_len,
-        "dtype": dtype,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
 @contextlib.contextmanager
