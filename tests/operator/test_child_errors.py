@@ -1,12 +1,12 @@
 """The message for a PodGroup or Workload the operator cannot write: what to do, by status
-(one function, reconcile/apply.describe_child_error, with each child's advice)."""
+(one function, reconcile/child_errors.describe_child_error, with each child's advice)."""
 
 from __future__ import annotations
 
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from finetune_operator.reconcile.apply import (
+from finetune_operator.reconcile.child_errors import (
     POD_GROUP_ADVICE,
     WORKLOAD_ADVICE,
     ChildErrorAdvice,

@@ -19,7 +19,9 @@ import torch
 from finetune_operator.api.spec import DatasetSpec
 from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.data import CacheSettings, TokenBlocks, build_dataset, records
-from finetune_trainer.data.cache import BLOCKS_FILE, META_FILE, budget_for, cache_key
+from finetune_trainer.data.cache import budget_for
+from finetune_trainer.data.cache_entry import BLOCKS_FILE, META_FILE
+from finetune_trainer.data.cache_key import cache_key
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.startup import StartupClock

@@ -29,7 +29,7 @@ from finetune_trainer.data.build_claim import (
     next_step,
     wait_bound,
 )
-from finetune_trainer.data.cache import open_entry
+from finetune_trainer.data.cache_entry import open_entry
 from finetune_trainer.data.shared import SHARED_DIR, SharedCache, shared_cache_for
 from finetune_trainer.location import Location
 from finetune_trainer.tokenizer import build_byte_tokenizer

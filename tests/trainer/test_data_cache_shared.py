@@ -20,7 +20,8 @@ from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import CheckpointSpec, DatasetSpec
 from finetune_trainer.config import RuntimeEnv
 from finetune_trainer.data import CacheSettings, TokenBlocks, build_dataset, records
-from finetune_trainer.data.cache import BLOCKS_FILE, META_FILE, EntryWriter, cache_key, open_entry
+from finetune_trainer.data.cache_entry import BLOCKS_FILE, META_FILE, EntryWriter, open_entry
+from finetune_trainer.data.cache_key import cache_key
 from finetune_trainer.data.shared import (
     ABANDONED_SECONDS,
     SHARED_DIR,

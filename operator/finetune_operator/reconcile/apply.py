@@ -1,13 +1,14 @@
-"""The only reconcile module that talks to the API server: applies Actions, nothing more.
+"""Applies a pass's Actions to the API server, nothing more: with `workload_api.py` and
+`api_calls.py`, the only reconcile modules that talk to it.
 
-The kubernetes client is synchronous; each call runs in a worker thread so kopf's event loop
-(watches, timers, other jobs) never blocks on the network.
+`ClusterApi` creates, patches and deletes the pods, Services, ConfigMaps, NetworkPolicies and
+PodGroups; it inherits the Kueue Workload I/O from `workload_api.py` and the call machinery
+(worker thread, timeout) from `api_calls.py`; the texts of refused children come from
+`child_errors.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,21 +19,16 @@ from kubernetes.client.exceptions import ApiException
 
 from finetune_operator.api.constants import GROUP, LABEL_ROLE, PLURAL, ROLE_WORKER, VERSION
 from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion
-from finetune_operator.reconcile.workload_patches import finalizer_release_patch
-from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
-from finetune_operator.resources.workload import (
-    FLAVOR_PLURAL,
-    KUEUE_API_VERSION,
-    KUEUE_GROUP,
-    KUEUE_VERSION,
-    QUEUE_LABEL,
-    WORKLOAD_PLURAL,
-    PriorityRef,
+from finetune_operator.reconcile.api_calls import MERGE_PATCH
+from finetune_operator.reconcile.child_errors import (
+    POD_GROUP_ADVICE,
+    WORKLOAD_ADVICE,
+    describe_api_error,
+    describe_child_error,
+    workload_absent,
 )
-
-MERGE_PATCH = "application/merge-patch+json"
-# Seconds for one API call: a hung connection must not stall the job's reconcile forever.
-REQUEST_TIMEOUT = 10.0
+from finetune_operator.reconcile.workload_api import WorkloadApi
+from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
 
 
 @dataclass
@@ -57,87 +53,8 @@ def load_api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     return k8s.ApiClient(cfg)
 
 
-def _describe(err: ApiException) -> str:
-    return f"HTTP {err.status} {err.reason}"
-
-
-@dataclass(frozen=True)
-class ChildErrorAdvice:
-    """What differs between the children whose write can fail for want of a CRD (404) or of
-    RBAC (403): the remedies, and who waits (`{resource}` in a remedy: e.g. podgroups.<group>)."""
-
-    kind: str
-    plural: str
-    not_served: str
-    forbidden: str
-    waiting: str
-    done: str
-
-
-POD_GROUP_ADVICE = ChildErrorAdvice(
-    kind="PodGroup",
-    plural=POD_GROUP_PLURAL,
-    not_served="install the gang scheduler that defines the CRD {resource}, or unset "
-    "spec.resources.gangScheduling",
-    forbidden="add its scheduler to the chart value gangScheduling.schedulers",
-    waiting="worker pods wait",
-    done="created",
-)
-WORKLOAD_ADVICE = ChildErrorAdvice(
-    kind="Workload",
-    plural=WORKLOAD_PLURAL,
-    not_served=f"install Kueue (v0.15 or later), or remove the job's {QUEUE_LABEL} label",
-    forbidden="set the chart value kueue.enabled=true",
-    waiting="the job waits",
-    done="written",
-)
-
-
-def describe_child_error(obj: dict[str, Any], err: ApiException, advice: ChildErrorAdvice) -> str:
-    """What a user or admin must do when a PodGroup or Workload cannot be written (or read):
-    the usual causes are a scheduler or Kueue that is not installed (the API server has no
-    such resource: 404) and an operator not allowed to manage the resource (403)."""
-    group, _, version = obj["apiVersion"].rpartition("/")
-    resource = f"{advice.plural}.{group}"
-    head = f"{advice.kind} {obj['metadata']['name']} ({_describe(err)})"
-    if err.status == 404:
-        remedy = advice.not_served.format(resource=resource)
-        return (
-            f"{head}: the API server does not serve {resource}/{version}: {remedy}; "
-            f"{advice.waiting} until it exists"
-        )
-    if err.status == 403:
-        return (
-            f"{head}: the operator may not manage {resource}: {advice.forbidden}; "
-            f"{advice.waiting} until it may"
-        )
-    return f"{head}; {advice.waiting} until it is {advice.done}"
-
-
-def workload_absent(err: ApiException, name: str) -> bool:
-    """A 404 for the object itself (the API server names it in the Status details), not for
-    its resource: an unserved resource's 404 names no object ("the server could not find
-    the requested resource")."""
-    if err.status != 404:
-        return False
-    try:
-        details = (json.loads(err.body or "{}") or {}).get("details") or {}
-    except (ValueError, AttributeError):
-        return False
-    return isinstance(details, dict) and details.get("name") == name
-
-
-class ClusterApi:
+class ClusterApi(WorkloadApi):
     """Create-if-absent, update-if-present and delete for a job's child objects."""
-
-    def __init__(self, api_client: k8s.ApiClient) -> None:
-        self.core = k8s.CoreV1Api(api_client)
-        self.networking = k8s.NetworkingV1Api(api_client)
-        self.custom = k8s.CustomObjectsApi(api_client)
-
-    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
-        return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def ensure(self, obj: dict[str, Any]) -> bool:
         """Create `obj`, or merge-patch it to the desired content; True if it was created."""
@@ -163,20 +80,6 @@ class ClusterApi:
         await self._call(patch, name, ns, obj, _content_type=MERGE_PATCH)
         return False
 
-    async def _create_custom(self, obj: dict[str, Any], plural: str) -> bool:
-        """Create the custom object; False if it exists already (409)."""
-        group, _, version = obj["apiVersion"].rpartition("/")
-        ns = obj["metadata"]["namespace"]
-        try:
-            await self._call(
-                self.custom.create_namespaced_custom_object, group, version, ns, plural, obj
-            )
-        except ApiException as err:
-            if err.status != 409:
-                raise
-            return False
-        return True
-
     async def ensure_custom(self, obj: dict[str, Any], plural: str) -> bool:
         """Create the custom object, or merge-patch its spec; True if it was created."""
         if await self._create_custom(obj, plural):
@@ -189,135 +92,6 @@ class ClusterApi:
             _content_type=MERGE_PATCH,
         )  # fmt: skip
         return False
-
-    async def ensure_workload(self, obj: dict[str, Any], rewrite: bool = False) -> bool:
-        """Create the job's Workload, or set its `active` (the rest of its spec is Kueue's
-        to keep), and its podSets and queueName when `rewrite` (Kueue allows it only while
-        it holds no quota); True if it was created."""
-        if await self._create_custom(obj, WORKLOAD_PLURAL):
-            return True
-        group, _, version = obj["apiVersion"].rpartition("/")
-        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        patch: dict[str, Any] = {"spec": {"active": obj["spec"]["active"]}}
-        if rewrite:
-            patch["spec"].update(podSets=obj["spec"]["podSets"], queueName=obj["spec"]["queueName"])
-        await self._call(
-            self.custom.patch_namespaced_custom_object, group, version, ns, WORKLOAD_PLURAL, name, patch,
-            _content_type=MERGE_PATCH,
-        )  # fmt: skip
-        return False
-
-    async def deactivate_workload(self, namespace: str, name: str) -> None:
-        """Set the Workload's `active` false: Kueue evicts it (Deactivated) and its quota is
-        given back once the pods are gone."""
-        await self._call(
-            self.custom.patch_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL,
-            name, {"spec": {"active": False}}, _content_type=MERGE_PATCH,
-        )  # fmt: skip
-
-    async def read_workload(
-        self, namespace: str, name: str, *, unserved_is_absent: bool = False
-    ) -> tuple[dict[str, Any] | None, str]:
-        """The job's Workload (None when it does not exist), and why it cannot be read: its
-        CRD not served (Kueue uninstalled) or no permission (the chart's kueue.enabled off).
-        Only a Workload known absent may be created anew and gate the job as not admitted;
-        one that cannot be read says nothing about the admission its running workers have.
-        `unserved_is_absent`: for a job leaving Kueue, no Workload exists where none is served."""
-        try:
-            found: dict[str, Any] = await self._call(
-                self.custom.get_namespaced_custom_object,
-                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL, name,
-            )  # fmt: skip
-            return found, ""
-        except ApiException as err:
-            if workload_absent(err, name) or (unserved_is_absent and err.status == 404):
-                return None, ""
-            if err.status in (403, 404):
-                obj = {"apiVersion": KUEUE_API_VERSION, "metadata": {"name": name}}
-                return None, describe_child_error(obj, err, WORKLOAD_ADVICE)
-            raise
-
-    async def read_flavors(self, names: list[str]) -> dict[str, dict[str, Any]]:
-        """The named ResourceFlavors (cluster-scoped); one that cannot be read is left out."""
-        out: dict[str, dict[str, Any]] = {}
-        for name in names:
-            try:
-                out[name] = await self._call(
-                    self.custom.get_cluster_custom_object,
-                    KUEUE_GROUP,
-                    KUEUE_VERSION,
-                    FLAVOR_PLURAL,
-                    name,
-                )
-            except ApiException as err:
-                if err.status not in (403, 404):
-                    raise
-        return out
-
-    async def read_priority(self, ref: PriorityRef) -> tuple[int | None, str]:
-        """The value of the Workload's priority class, or why it cannot be read."""
-        try:
-            if ref.group == KUEUE_GROUP:
-                found = await self._call(
-                    self.custom.get_cluster_custom_object,
-                    KUEUE_GROUP,
-                    KUEUE_VERSION,
-                    ref.plural,
-                    ref.name,
-                )
-            else:
-                found = await self._call(
-                    self.custom.get_cluster_custom_object, ref.group, "v1", ref.plural, ref.name
-                )
-        except ApiException as err:
-            what = f"{ref.kind} {ref.name} ({_describe(err)})"
-            if err.status == 404:
-                return None, f"{what} does not exist"
-            if err.status == 403:
-                return (
-                    None,
-                    f"{what}: the operator may not read {ref.plural}.{ref.group} (chart value kueue.enabled)",
-                )
-            return None, what
-        value = found.get("value")
-        if not isinstance(value, int):
-            return None, f"{ref.kind} {ref.name} has no integer value"
-        return value, ""
-
-    async def patch_workload_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        await self._call(
-            self.custom.patch_namespaced_custom_object_status,
-            KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL, name, patch,
-            _content_type=MERGE_PATCH,
-        )  # fmt: skip
-
-    async def patch_workload(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        """A merge patch of the Workload itself (its metadata: the finalizer)."""
-        await self._call(
-            self.custom.patch_namespaced_custom_object,
-            KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL, name, patch,
-            _content_type=MERGE_PATCH,
-        )  # fmt: skip
-
-    async def release_workload(self, namespace: str, name: str, owner_uid: str) -> None:
-        """Remove the resource-in-use finalizer from the Workload of a deleted job (Kueue's job
-        reconciler does so once the job is gone): garbage collection can then delete it.
-        Nothing to do when it is absent, not this job's, or Kueue is not served."""
-        workload, unreadable = await self.read_workload(namespace, name)
-        owners = {
-            o.get("uid")
-            for o in ((workload or {}).get("metadata") or {}).get("ownerReferences") or []
-        }
-        if unreadable or workload is None or owner_uid not in owners:
-            return
-        patch = finalizer_release_patch(workload)
-        if patch is None:
-            return
-        try:
-            await self.patch_workload(namespace, name, patch)
-        except ApiException as err:
-            if err.status not in (404, 409):
-                raise
 
     async def job_exists(self, namespace: str, name: str, uid: str) -> bool:
         """Whether the FineTuneJob of that name and uid is still there."""
@@ -398,7 +172,9 @@ class ClusterApi:
             try:
                 await self.ensure(obj)
             except ApiException as err:
-                result.errors.append(f"{obj['kind']} {obj['metadata']['name']}: {_describe(err)}")
+                result.errors.append(
+                    f"{obj['kind']} {obj['metadata']['name']}: {describe_api_error(err)}"
+                )
         if actions.workload is not None:
             try:
                 await self.ensure_workload(actions.workload, actions.workload_rewrite)
@@ -410,7 +186,7 @@ class ClusterApi:
             except ApiException as err:
                 if err.status != 404:  # gone: nothing holds quota
                     result.errors.append(
-                        f"Workload {actions.workload_name} (active false): {_describe(err)}"
+                        f"Workload {actions.workload_name} (active false): {describe_api_error(err)}"
                     )
         if actions.workload_status is not None:
             try:
@@ -422,7 +198,7 @@ class ClusterApi:
                 # decides anew (as controllers requeue on a conflict), nothing to report.
                 if err.status != 409:
                     result.errors.append(
-                        f"Workload {actions.workload_name} status: {_describe(err)}"
+                        f"Workload {actions.workload_name} status: {describe_api_error(err)}"
                     )
         if actions.workload_finalizer is not None:
             try:
@@ -433,7 +209,7 @@ class ClusterApi:
                 # 404: gone already; 409: written since it was read, decided anew next pass.
                 if err.status not in (404, 409):
                     result.errors.append(
-                        f"Workload {actions.workload_name} (finalizer): {_describe(err)}"
+                        f"Workload {actions.workload_name} (finalizer): {describe_api_error(err)}"
                     )
         group_ok = True
         if actions.pod_group is not None:
@@ -446,13 +222,13 @@ class ClusterApi:
             try:
                 await self.remove(namespace, ref)
             except ApiException as err:
-                result.errors.append(f"deleting {ref.kind} {ref.name}: {_describe(err)}")
+                result.errors.append(f"deleting {ref.kind} {ref.name}: {describe_api_error(err)}")
         for victim in actions.delete:
             try:
                 if await self.delete_pod(namespace, victim):
                     result.deleted.append(victim)
             except ApiException as err:
-                result.errors.append(f"deleting pod {victim.name}: {_describe(err)}")
+                result.errors.append(f"deleting pod {victim.name}: {describe_api_error(err)}")
         for pod in actions.create:
             name = pod["metadata"]["name"]
             if not group_ok and pod["metadata"]["labels"].get(LABEL_ROLE) == ROLE_WORKER:
@@ -461,5 +237,5 @@ class ClusterApi:
                 if await self.create_pod(pod):
                     result.created.append(name)
             except ApiException as err:
-                result.errors.append(f"creating pod {name}: {_describe(err)}")
+                result.errors.append(f"creating pod {name}: {describe_api_error(err)}")
         return result

@@ -11,16 +11,16 @@ Layout under the cache directory (`FT_DATA_CACHE_DIR`, the worker pod's `data-ca
 emptyDir, which survives torchelastic's worker restarts and goes with the pod):
 
     <key>.lock          flock: one builder at a time; never deleted (see `_evict_others`)
-    <key>/blocks.bin    the blocks, row-major, `meta.dtype`, shape (rows, seq_len)
-    <key>/meta.json     written last: key, shape, dtype, pad id, xxh3-128 of blocks.bin
+    <key>/blocks.bin    the entry (`cache_entry.py`): the blocks, row-major, shape (rows, seq_len)
+    <key>/meta.json     written last: key, shape, dtype, xxh3-128 of blocks.bin
     <key>.tmp-<pid>/    an entry being built; renamed to <key>/ once complete
     <key>.skip          the blocks do not fit the cache's limit: every rank tokenizes itself
 
-The key hashes everything that determines the blocks (`cache_key`), so a changed file, a
+The key hashes everything that determines the blocks (`cache_key.py`), so a changed file, a
 different tokenizer, sequence length, packing, field or format version is a different entry.
-An entry is used only if its meta matches the key and its bytes match the checksum: a crash
-mid-build leaves only a `.tmp-*` directory (removed by the next builder), and a truncated or
-corrupted entry is rebuilt, never read.
+An entry is used only if its meta matches the key and its bytes match the checksum
+(`cache_entry.open_entry`): a crash mid-build leaves only a `.tmp-*` directory (removed by
+the next builder), and a truncated or corrupted entry is rebuilt, never read.
 
 A pod whose cache is empty (a replacement pod) first copies the entry from the job's shared
 copy on its checkpoint storage (`shared.py`), verified the same way, and only builds it if
@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import json
 import logging
 import os
 import time
@@ -44,24 +42,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xxhash
 
-from finetune_operator.api.spec import DatasetSpec
 from finetune_trainer.data.build_claim import wait_bound
-from finetune_trainer.data.records import dataset_files, resolve_uri
+from finetune_trainer.data.cache_entry import CacheFullError, Entry, EntryWriter, open_entry
 from finetune_trainer.files import fsync_dir, remove, write_synced
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from finetune_trainer.data.shared import SharedCache
 
 log = logging.getLogger(__name__)
-
-# Bump whenever the blocks a given input yields change (tokenizing, packing, file layout).
-CACHE_FORMAT_VERSION = 1
-BLOCKS_FILE, META_FILE = "blocks.bin", "meta.json"
-_HASH_CHUNK = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -76,148 +65,6 @@ class CacheSettings:
     limit_bytes: int | None = None
     shared: SharedCache | None = None
     wait_limit_s: float | None = None
-
-
-class CacheFullError(Exception):
-    """The blocks would not fit the cache's limit or the volume's free space."""
-
-
-def files_identity(spec: DatasetSpec) -> list[list[Any]] | None:
-    """(path, size, mtime ns) of every input file; None for a Hugging Face hub id, whose
-    content cannot be checked without the network: such datasets are not cached. Content is
-    not hashed (reading GBs at every start is what the cache avoids); a file rewritten in
-    place keeping its size and mtime to the nanosecond would go unnoticed."""
-    if spec.format in ("jsonl", "parquet"):
-        paths = [Path(p) for p in dataset_files(spec)]
-    else:
-        root = Path(resolve_uri(spec.uri))
-        if not root.is_dir():
-            return None
-        paths = sorted(p for p in root.rglob("*") if p.is_file())
-    out: list[list[Any]] = []
-    for path in paths:
-        st = path.stat()
-        out.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
-    return out
-
-
-def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
-    """A hash of what decides the ids: the full tokenizer definition (fast tokenizers'
-    serialized pipeline, else the vocabulary), special tokens and chat template."""
-    import tokenizers
-    import transformers
-
-    h = hashlib.sha256()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        h.update(backend.to_str().encode())
-    else:
-        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    extra = [
-        type(tokenizer).__name__,
-        len(tokenizer),
-        tokenizer.bos_token_id,
-        tokenizer.eos_token_id,
-        tokenizer.pad_token_id,
-        tokenizer.chat_template,
-        transformers.__version__,
-        tokenizers.__version__,
-    ]
-    h.update(json.dumps(extra, sort_keys=True, default=str).encode())
-    return h.hexdigest()
-
-
-def cache_key(
-    spec: DatasetSpec, files: list[list[Any]], tokenizer_id: str, seq_len: int, dtype: str
-) -> str:
-    """Pure: the entry name for these inputs. Every DatasetSpec field but the cache's own size
-    is in it, so a field added later cannot be forgotten here."""
-    payload = {
-        "version": CACHE_FORMAT_VERSION,
-        "dataset": spec.model_dump(mode="json", exclude={"cache_size_limit"}),
-        "files": files,
-        "tokenizer": tokenizer_id,
-        "sequence_length": seq_len,
-        "dtype": dtype,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class Entry:
-    blocks: np.memmap[Any, np.dtype[Any]]
-    samples: int
-
-
-def _checksum(blocks: np.ndarray[Any, np.dtype[Any]]) -> str:
-    h = xxhash.xxh3_128()
-    flat = blocks.reshape(-1)
-    step = max(1, _HASH_CHUNK // max(1, flat.itemsize))
-    for start in range(0, flat.size, step):
-        h.update(np.ascontiguousarray(flat[start : start + step]).data)
-    return h.hexdigest()
-
-
-def open_entry(path: Path, key: str) -> Entry | None:
-    """The entry's blocks, mapped read-only, or None (logged) unless it is complete and
-    intact: its meta names this key, the file has exactly the size the shape says, and its
-    bytes hash to the checksum written when it was built."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-        if meta.get("version") != CACHE_FORMAT_VERSION or meta.get("key") != key:
-            raise ValueError("built for other inputs")
-        dtype, rows, seq_len = np.dtype(meta["dtype"]), int(meta["rows"]), int(meta["seq_len"])
-        size = (path / BLOCKS_FILE).stat().st_size
-        if size != rows * seq_len * dtype.itemsize or rows < 1:
-            raise ValueError(f"{size} bytes where {rows} x {seq_len} {dtype} blocks were written")
-        blocks: np.memmap[Any, np.dtype[Any]] = np.memmap(
-            path / BLOCKS_FILE, dtype=dtype, mode="r", shape=(rows, seq_len)
-        )
-        if _checksum(blocks) != meta["xxh3_128"]:
-            raise ValueError("checksum mismatch")
-        return Entry(blocks=blocks, samples=int(meta["samples"]))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("data cache entry %s unusable (%s): rebuilding it", path, e)
-        return None
-
-
-class EntryWriter:
-    """Appends blocks to a new entry's file, within a byte budget, hashing as it goes."""
-
-    def __init__(self, directory: Path, budget: int | None) -> None:
-        self.directory, self.budget = directory, budget
-        self.file = open(directory / BLOCKS_FILE, "wb")  # noqa: SIM115 - closed in finish()
-        self.hash = xxhash.xxh3_128()
-        self.rows = self.bytes = 0
-
-    def write(self, blocks: np.ndarray[Any, np.dtype[Any]]) -> None:
-        data = np.ascontiguousarray(blocks)
-        if self.budget is not None and self.bytes + data.nbytes > self.budget:
-            raise CacheFullError(f"over {self.budget} bytes")
-        self.file.write(data.data)
-        self.hash.update(data.data)
-        self.rows += len(data)
-        self.bytes += data.nbytes
-
-    def finish(self, *, key: str, dtype: np.dtype[Any], seq_len: int, samples: int) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        meta = {
-            "version": CACHE_FORMAT_VERSION,
-            "key": key,
-            "dtype": dtype.str,
-            "rows": self.rows,
-            "seq_len": seq_len,
-            "samples": samples,
-            "xxh3_128": self.hash.hexdigest(),
-        }
-        write_synced(self.directory / META_FILE, json.dumps(meta).encode())
-
-    def abort(self) -> None:
-        self.file.close()
 
 
 @contextlib.contextmanager

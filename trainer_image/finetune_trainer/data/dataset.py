@@ -12,14 +12,9 @@ import torch
 
 from finetune_operator.api.spec import DatasetSpec
 from finetune_trainer.data.blocks import BlockPacker, pad_id_for, stream_blocks, token_dtype
-from finetune_trainer.data.cache import (
-    CacheSettings,
-    EntryWriter,
-    cache_key,
-    cached_entry,
-    files_identity,
-    tokenizer_identity,
-)
+from finetune_trainer.data.cache import CacheSettings, cached_entry
+from finetune_trainer.data.cache_entry import EntryWriter
+from finetune_trainer.data.cache_key import cache_key, files_identity, tokenizer_identity
 from finetune_trainer.data.remote import StagedDataset
 from finetune_trainer.errors import UnsupportedConfigError
 

@@ -67,7 +67,7 @@ class RemoteObject:
 @dataclass(frozen=True)
 class StagedDataset:
     """A remote dataset's local copy: `spec` reads it (its uri is the copy's glob), `files`
-    is the remote identity the tokenized cache keys on (cache.cache_key)."""
+    is the remote identity the tokenized cache keys on (cache_key.cache_key)."""
 
     spec: DatasetSpec
     files: list[list[Any]]

@@ -6,7 +6,7 @@ job already mounts the job's checkpoint storage, so the first pod to build an en
 it there, and a new pod looks in its own cache, then there, and tokenizes only if neither has
 the entry:
 
-    <checkpoint.uri>/.data-cache/<key>/blocks.bin, meta.json     (the entry, as in cache.py)
+    <checkpoint.uri>/.data-cache/<key>/blocks.bin, meta.json     (the entry, as in cache_entry.py)
     <checkpoint.uri>/.data-cache/.<key>.publishing                 who is publishing it now
     <checkpoint.uri>/.data-cache/.<key>.building, .<key>.skip      a fresh job's election
     <checkpoint.uri>/.data-cache/.<key>.tmp-<host>-<pid>/          a publication in progress
@@ -65,7 +65,7 @@ from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer.checkpoint_store import resolve_root
 from finetune_trainer.data import build_claim
-from finetune_trainer.data.cache import BLOCKS_FILE, META_FILE  # an entry is copied as is
+from finetune_trainer.data.cache_entry import BLOCKS_FILE, META_FILE  # an entry is copied as is
 from finetune_trainer.files import fsync_dir, remove, write_synced
 from finetune_trainer.location import Location
 from finetune_trainer.ownership import claim_checkpoint_root
