@@ -25,6 +25,7 @@ from finetune_trainer.data.build_claim import (
     Election,
     create_exclusive,
     holder_gone,
+    incarnation,
     is_stale,
     next_step,
     wait_bound,
@@ -156,6 +157,28 @@ def test_a_claim_of_a_dead_process_of_this_pod_is_taken_over_at_once(tmp_path: P
     alive = f"{socket.gethostname()}-{os.getppid()}"  # ours, alive: judged by its heartbeat
     assert not holder_gone(json.dumps({"holder": alive}).encode())
     assert not holder_gone(json.dumps({"holder": f"another-pod-{dead.pid}"}).encode())
+
+
+def test_a_replaced_pods_claim_is_taken_over_at_once_though_its_pid_is_reused(
+    tmp_path: Path,
+) -> None:
+    """The operator's pods keep their names: a pod evicted mid-build comes back with the
+    same host name, and its worker (a fresh PID namespace) often with the dead one's pid, or
+    that pid now another live process's. Neither is the builder: no 120 s wait."""
+    t = FakeTime()
+    e = election(tmp_path, t)
+    mine = f"{socket.gethostname()}-{os.getpid()}"
+    e.claim_path.write_atomic(json.dumps({"holder": mine, "beat": 7}).encode())
+    turn = e.run(lambda: False, lambda: None, bound=1000.0)
+    assert turn.claim is not None and t.now == 0.0
+    turn.claim.release()
+    parent = os.getppid()  # alive: judged by which process holds that pid now
+    holder = f"{socket.gethostname()}-{parent}"
+    now_there = incarnation(parent)
+    assert now_there is not None
+    assert holder_gone(json.dumps({"holder": holder, "incarnation": "old-boot:1"}).encode())
+    assert not holder_gone(json.dumps({"holder": holder, "incarnation": now_there}).encode())
+    assert BuildClaim(e.claim_path, e.skip_path, 3600).incarnation == incarnation(os.getpid())
 
 
 def test_a_claim_that_keeps_changing_is_waited_for_up_to_the_bound(tmp_path: Path) -> None:

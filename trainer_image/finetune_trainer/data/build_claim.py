@@ -34,8 +34,9 @@ counter. A waiter judges the claim by whether its content changed within `STALE_
 the waiter's own monotonic clock, never by comparing timestamps: pods' clocks, the NFS server's
 mtimes (attribute caching up to a minute) and S3's LastModified need not agree. A stale claim
 (the builder's pod died) is removed and claimed by a waiter, which builds; a claim of this
-pod's own whose process is gone (a worker torchelastic restarted mid-build) is taken over at
-once. A waiter also gives up and builds itself once it has waited `wait_bound` (from the
+pod's own whose process is gone (a worker torchelastic restarted mid-build, or the pod
+replaced under its name: the claim names the holder's boot and start, as its pid may be reused)
+is taken over at once. A waiter also gives up and builds itself once it has waited `wait_bound` (from the
 corpus's size: a builder alive but stuck), or when the claim goes away without an entry (the
 builder failed or could not publish): then each remaining pod builds for itself, as before,
 rather than in turn.
@@ -52,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, Literal, TypeVar
 
 from finetune_trainer.location import Location
@@ -133,6 +135,20 @@ def _holder() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def incarnation(pid: int) -> str | None:
+    """Which process `pid` is, beyond its number: the node's boot and the process's start
+    (in ticks since boot); None where /proc does not say (not running, not Linux). A worker
+    pod replaced under the same name (the operator's pods keep theirs) has the same host
+    name, and its workers, in a fresh PID namespace, often the same pids as the dead ones."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
+
+
 def create_exclusive(target: Location, data: bytes) -> bool:
     """Create `target` holding `data` unless it exists: True if this call created it."""
     if target.is_local:
@@ -151,13 +167,22 @@ def create_exclusive(target: Location, data: bytes) -> bool:
 
 
 def holder_gone(claim: bytes | None) -> bool:
-    """The claim was taken by a process of this pod that has died (a worker restarted by
-    torchelastic mid-build): no need to wait for its heartbeat to go stale."""
+    """The claim was taken by a process of this pod (its host name) that has died: a worker
+    restarted by torchelastic mid-build, or the pod itself replaced under the same name (its
+    pid now another process's, or this one's: a process electing holds no claim). No need to
+    wait for its heartbeat to go stale."""
     try:
-        host, _, pid = str(json.loads(claim or b"{}").get("holder", "")).rpartition("-")
-        if host != socket.gethostname() or int(pid) == os.getpid():
+        found = json.loads(claim or b"{}")
+        host, _, pid_text = str(found.get("holder", "")).rpartition("-")
+        if host != socket.gethostname():
             return False
-        os.kill(int(pid), 0)
+        pid = int(pid_text)
+        if pid == os.getpid():
+            return True
+        theirs = found.get("incarnation")
+        if theirs is not None and incarnation(os.getpid()) is not None:
+            return bool(theirs != incarnation(pid))  # None: no process has that pid now
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except (ValueError, OSError, AttributeError):
@@ -178,12 +203,14 @@ class BuildClaim:
     def __init__(self, path: Location, skip_path: Location, heartbeat_s: float) -> None:
         self.path, self.skip_path, self.heartbeat_s = path, skip_path, heartbeat_s
         self.holder = _holder()
+        self.incarnation = incarnation(os.getpid())
         self._beat = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="data-cache-claim", daemon=True)
 
     def content(self) -> bytes:
-        return json.dumps({"holder": self.holder, "beat": self._beat}).encode()
+        mine = {"holder": self.holder, "incarnation": self.incarnation, "beat": self._beat}
+        return json.dumps(mine).encode()
 
     def start(self) -> None:
         self._thread.start()
