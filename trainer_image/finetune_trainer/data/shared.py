@@ -40,8 +40,8 @@ entry is never installed; the pod tokenizes and publishes over it.
 
 **Bounded.** After a pod fetches or publishes key K, entries of other keys (the job's data,
 tokenizer or sequence length changed since) are removed, and so are temporary directories
-and claims of publishers gone for `ABANDONED_SECONDS`: the shared copy holds one entry per
-job.
+and claims of publishers gone for `ABANDONED_SECONDS` (on an object store: other keys' build
+claims and skip markers unchanged that long): the shared copy holds one entry per job.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -222,10 +223,16 @@ class SharedCache:
         return removed
 
     def _abandoned(self, name: str, now: float) -> bool:
-        # An object store has no temporary directories (entries are put in place).
-        return self.root.is_local and is_abandoned(
-            _last_write(self.root.local_path / name, now), now
-        )
+        if self.root.is_local:
+            return is_abandoned(_last_write(self.root.local_path / name, now), now)
+        # An object store has no temporary directories (entries are put in place): its dot
+        # names are other keys' build claims and skip markers, left for good otherwise (a
+        # builder that died, data changed since). A live claim is rewritten every heartbeat.
+        try:
+            modified = self.root.fs.info((self.root / name).path).get("LastModified")
+        except FileNotFoundError:
+            return False
+        return isinstance(modified, datetime) and is_abandoned(modified.timestamp(), now)
 
 
 def _publish_local(
