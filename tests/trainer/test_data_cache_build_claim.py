@@ -28,6 +28,7 @@ from finetune_trainer.data.build_claim import (
     incarnation,
     is_stale,
     next_step,
+    skips,
     wait_bound,
 )
 from finetune_trainer.data.cache import open_entry
@@ -209,6 +210,23 @@ def test_a_published_entry_is_fetched_and_a_skip_marker_not_waited_for(tmp_path:
     assert e.run(lambda: False, lambda: None, bound=100.0).skip and t.now == 0.0
 
 
+def test_a_skip_marker_binds_only_pods_with_no_more_room(tmp_path: Path) -> None:
+    """The builder's budget was its own (its node's free space, its other entries): a pod
+    with more room builds the entry rather than going without a cache for the job's life."""
+    assert not skips(None, 10)
+    assert skips(b"over 10 bytes", 10**9)  # a marker that does not say: skip
+    marker = json.dumps({"reason": "over 1000 bytes", "over_bytes": 1000}).encode()
+    assert skips(marker, 1000) and skips(marker, 10) and skips(marker, None)
+    assert not skips(marker, 5000)
+    t = FakeTime()
+    e = election(tmp_path, t)
+    BuildClaim(e.claim_path, e.skip_path, 3600).mark_skipped("over 1000 bytes", 1000)
+    assert e.run(lambda: False, lambda: None, bound=100.0, budget=800).skip
+    roomier = e.run(lambda: False, lambda: None, bound=100.0, budget=5000)
+    assert not roomier.skip and roomier.claim is not None  # elected: it builds
+    roomier.claim.release()
+
+
 def test_a_builder_gone_without_publishing_leaves_each_pod_to_build(tmp_path: Path) -> None:
     t = FakeTime()
     e = election(tmp_path, t)
@@ -241,6 +259,10 @@ def test_blocks_too_big_to_cache_are_marked_and_not_waited_for(tmp_path: Path) -
     (skip,) = (tmp_path / "node-b").glob("*.skip")  # from the marker, not a build of its own
     assert skip.read_text() == "too big (another pod found)"
     assert sorted(os.listdir(tmp_path / "ckpt" / SHARED_DIR)) == sorted(names)
+    # A node with room for them (no limit) builds and caches them: the marker was node-a's.
+    roomy = build_dataset(spec, tok, SEQ, CacheSettings(tmp_path / "node-c", None, made))
+    assert roomy.source == "cache built"
+    assert not list((tmp_path / "node-c").glob("*.skip"))
 
 
 def test_the_claim_is_exclusive_on_object_storage(s3_credentials: MotoServer) -> None:

@@ -7,7 +7,7 @@ claim the key builds and publishes while the others poll the shared copy and cop
 (verified against its checksum, as a replacement pod does) once it is there:
 
     <checkpoint.uri>/.data-cache/.<key>.building    the builder's claim: holder and heartbeat
-    <checkpoint.uri>/.data-cache/.<key>.skip        the blocks do not fit `dataset.cacheSizeLimit`
+    <checkpoint.uri>/.data-cache/.<key>.skip        the blocks do not fit the builder's budget
 
 **Elected through the shared storage, not over the process group.** The cache is consulted
 after the process group exists, but a group election ("rank 0's pod builds") would have to
@@ -190,6 +190,20 @@ def holder_gone(claim: bytes | None) -> bool:
     return False
 
 
+def skips(marker: bytes | None, budget: int | None) -> bool:
+    """Pure: whether a pod with `budget` bytes for the entry goes without it, given the skip
+    `marker` a builder left (None: none). The builder's budget was its own (its cache limit
+    less its other entries, its node's free space): a pod with more room builds instead of
+    giving up caching for the job's whole life."""
+    if marker is None:
+        return False
+    try:
+        over = json.loads(marker).get("over_bytes")
+    except (ValueError, AttributeError):
+        return True  # a marker without the builder's budget
+    return budget is None or not isinstance(over, int) or budget <= over
+
+
 def read_or_none(target: Location) -> bytes | None:
     try:
         return target.read_bytes()
@@ -242,11 +256,13 @@ class BuildClaim:
             if self._still_mine():
                 self.path.remove()
 
-    def mark_skipped(self, reason: str) -> None:
-        """The blocks do not fit the cache: no pod waits for them again (logged if the
-        marker cannot be written: the waiters then each build, as without the election)."""
+    def mark_skipped(self, reason: str, budget: int | None = None) -> None:
+        """The blocks do not fit this pod's `budget`: no pod with no more room waits for them
+        again (logged if the marker cannot be written: the waiters then each build, as
+        without the election)."""
+        marker = json.dumps({"reason": reason, "over_bytes": budget}).encode()
         try:
-            self.skip_path.write_atomic(reason.encode(), tmp_tag=f"-{self.holder}")
+            self.skip_path.write_atomic(marker, tmp_tag=f"-{self.holder}")
         except OSError as e:
             log.warning("data cache: could not mark %s too big (%r)", self.skip_path, e)
 
@@ -291,8 +307,10 @@ class Election:
         entry_whole: Callable[[], bool],
         fetch: Callable[[], T | None],
         bound: float,
+        budget: int | None = None,
     ) -> Turn[T]:
-        """Fetch the entry once whole, or build (elected or not), or skip."""
+        """Fetch the entry once whole, or build (elected or not), or skip (a builder with no
+        more than `budget` bytes found the blocks too big)."""
         started = self.clock()
         seen: bytes | None = None
         last_change, saw_claim, told, delay = started, False, False, FIRST_POLL_S
@@ -303,7 +321,7 @@ class Election:
                 seen, last_change = current, now
             step = next_step(
                 entry_whole=entry_whole(),
-                skipped=self.skip_path.exists(),
+                skipped=skips(read_or_none(self.skip_path), budget),
                 claimed=current is not None,
                 saw_claim=saw_claim,
                 holder_gone=holder_gone(current),

@@ -139,13 +139,14 @@ class SharedCache:
         )
 
     def await_build(
-        self, key: str, fetch: Callable[[], T | None], bound: float
+        self, key: str, fetch: Callable[[], T | None], bound: float, budget: int | None = None
     ) -> build_claim.Turn[T] | None:
         """No pod has published `key`: wait for the pod building it and `fetch` its entry
         (verified by the caller), or get the claim to build it; None (logged) when the
-        shared copy cannot be used for it (the pod builds, as without one)."""
+        shared copy cannot be used for it (the pod builds, as without one). `budget`: the
+        bytes this pod has for the entry (a skip marker of a pod with less is not its own)."""
         try:
-            return self.election(key).run(lambda: self.is_whole(key), fetch, bound)
+            return self.election(key).run(lambda: self.is_whole(key), fetch, bound, budget)
         except (OSError, ValueError, KeyError, TypeError) as e:  # as cache._SHARED_ERRORS
             log.warning("data cache: cannot elect a builder in %s (%r): tokenizing", self.root, e)
             return None
