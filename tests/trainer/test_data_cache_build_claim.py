@@ -4,6 +4,7 @@ taken over; a wait is bounded; a corpus too big to cache is not waited for."""
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -225,6 +226,28 @@ def test_a_skip_marker_binds_only_pods_with_no_more_room(tmp_path: Path) -> None
     roomier = e.run(lambda: False, lambda: None, bound=100.0, budget=5000)
     assert not roomier.skip and roomier.claim is not None  # elected: it builds
     roomier.claim.release()
+
+
+def test_a_claim_replaced_while_read_over_nfs_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS answers ESTALE when the builder's heartbeat renamed a new claim over the file this
+    pod had opened: the poll reads it again rather than abandoning the election."""
+    t = FakeTime()
+    e = election(tmp_path, t)
+    e.claim_path.write_atomic(b'{"holder": "builder"}')
+    read = Location.read_bytes
+    stale = {"left": 2}
+
+    def replaced_meanwhile(self: Location) -> bytes:
+        if self == e.claim_path and stale["left"]:
+            stale["left"] -= 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return read(self)
+
+    monkeypatch.setattr(Location, "read_bytes", replaced_meanwhile)
+    turn = e.run(lambda: t.now >= 3.0, lambda: "the entry", bound=100.0)
+    assert turn.found == "the entry" and stale["left"] == 0
 
 
 def test_a_builder_gone_without_publishing_leaves_each_pod_to_build(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ rather than in turn.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -204,11 +205,19 @@ def skips(marker: bytes | None, budget: int | None) -> bool:
     return budget is None or not isinstance(over, int) or budget <= over
 
 
-def read_or_none(target: Location) -> bytes | None:
-    try:
-        return target.read_bytes()
-    except FileNotFoundError:
-        return None
+def read_or_none(target: Location, attempts: int = 3) -> bytes | None:
+    """The file's bytes, None if absent. Each call opens it anew (NFS revalidates on open:
+    close-to-open). ESTALE is retried: on NFS a heartbeat renamed over the file between this
+    pod's open and read, and the error would otherwise end the election (this pod building)."""
+    for attempt in range(attempts):
+        try:
+            return target.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno != errno.ESTALE or attempt == attempts - 1:
+                raise
+    return None
 
 
 class BuildClaim:
