@@ -4,6 +4,7 @@ what a reconcile pass then says in GangScheduled, Succeeded's message and Events
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from datetime import timedelta
 from typing import Any
@@ -15,6 +16,7 @@ from kubernetes.client.exceptions import ApiException
 from finetune_operator.api.constants import (
     COND_GANG_SCHEDULED,
     COND_SUCCEEDED,
+    REASON_BACKOFF_LIMIT_EXCEEDED,
     REASON_GANG_SCHEDULED,
     REASON_GANG_STATUS_UNKNOWN,
     REASON_GANG_TIMED_OUT,
@@ -25,7 +27,7 @@ from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile import Outcome, reconcile_job
 from finetune_operator.reconcile.admission import QueueState
 from finetune_operator.reconcile.apply import ClusterApi
-from finetune_operator.reconcile.conditions import find
+from finetune_operator.reconcile.conditions import Want, find, set_condition
 from finetune_operator.reconcile.gang import (
     READ_WHILE_RUNNING,
     GangReading,
@@ -270,3 +272,22 @@ def test_a_failed_read_keeps_the_verdict_read_before() -> None:
     # With no verdict yet, the failure is what there is to say.
     first = with_gang(pending_pass(old, t1), old, hiccup, t1)
     assert cond(first.status, COND_GANG_SCHEDULED) == ("Unknown", REASON_GANG_STATUS_UNKNOWN)
+
+
+def test_a_job_finished_while_its_gang_waited_no_longer_says_it_waits() -> None:
+    old = pending_pass(FineTuneJobStatus(), T0).status
+    waiting = read_gang(group({"phase": "Inqueue", "conditions": [UNSCHEDULABLE]}), "qs")
+    out = with_gang(pending_pass(old, T0), old, waiting, T0)
+    t1 = T0 + timedelta(seconds=10)
+    failed = Want("False", REASON_BACKOFF_LIMIT_EXCEEDED, "gave up")
+    conds = set_condition(out.status.conditions, COND_SUCCEEDED, failed, t1, 1)
+    done = dataclasses.replace(out, status=out.status.model_copy(update={"conditions": conds}))
+    assert pod_group_to_read(done, t1) is None
+    released = released_gang(done)
+    assert released is not None
+    after = with_gang(done, done.status, released, t1)
+    assert cond(after.status, COND_GANG_SCHEDULED) == ("Unknown", REASON_WAITING_FOR_GANG)
+    assert released_gang(after) is None  # said once
+    # A gang seen placed keeps saying so once the job is over: that is what happened.
+    placed = with_gang(done, done.status, read_gang(group({"phase": "Running"}), "qs"), t1)
+    assert released_gang(placed) is None

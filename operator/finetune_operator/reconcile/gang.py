@@ -244,16 +244,23 @@ def pod_group_to_read(out: Outcome, now: datetime) -> tuple[str, str] | None:
 def released_gang(out: Outcome) -> GangReading | None:
     """What to say of the gang, without reading it, while the job holds no PodGroup
     (suspended, or queued or evicted by Kueue): a GangScheduled=True left from before would
-    claim a placement the job gave back. None when there is nothing to change."""
+    claim a placement the job gave back; or once the job finished while its gang waited.
+    None when there is nothing to change."""
     ev = out.evaluation
     found = gang_of(ev.spec) if ev.ok and ev.spec is not None else None
     progress = find(out.status.conditions, COND_SUCCEEDED)
     gang = find(out.status.conditions, COND_GANG_SCHEDULED)
     if found is None or progress is None or gang is None or gang.status == "Unknown":
         return None
+    name = pod_group_name(ev.job.owner)
+    if progress.status != "Unknown":
+        # Finished while its gang waited: a "waiting for gang" left on a finished job reads
+        # as if it still waited. A gang seen placed stays so: that is its history.
+        if gang.status != "False":
+            return None
+        return GangReading(GangVerdict.NOT_REPORTED, name, message="none: the job has finished")
     if progress.reason not in (REASON_SUSPENDED, REASON_QUEUED, REASON_EVICTED):
         return None
-    name = pod_group_name(ev.job.owner)
     why = f"none while the job is {progress.reason.lower()}"
     return GangReading(GangVerdict.NOT_REPORTED, name, message=why)
 
