@@ -24,6 +24,7 @@ from finetune_trainer.data.build_claim import (
     WAIT_FLOOR_S,
     BuildClaim,
     Election,
+    built_bytes,
     create_exclusive,
     holder_gone,
     incarnation,
@@ -197,6 +198,33 @@ def test_a_claim_that_keeps_changing_is_waited_for_up_to_the_bound(tmp_path: Pat
     assert turn.claim is None and turn.found is None and not turn.skip  # builds, unelected
     assert 100.0 < t.now < 103.0
     assert json.loads(e.claim_path.read_bytes())["holder"] == "alive"  # not taken from it
+
+
+def test_a_build_that_advances_is_waited_for_past_the_bound(tmp_path: Path) -> None:
+    """Giving up on a builder that advances costs a whole build and arrives later at the
+    first collective than waiting would: the bound runs from the build's last progress."""
+    t = FakeTime()
+    e = election(tmp_path, t)
+    built = {"bytes": 0, "stops_at": 250.0}
+
+    def building(seconds: float) -> None:  # the heartbeat reports the bytes written so far
+        t.sleep(seconds)
+        if t.now < built["stops_at"]:
+            built["bytes"] += 1
+        beat = {"holder": "alive", "beat": t.now, "built_bytes": built["bytes"]}
+        e.claim_path.write_atomic(json.dumps(beat).encode())
+
+    e.sleep = building
+    building(0)
+    published = e.run(lambda: t.now >= 200.0, lambda: "the entry", bound=100.0)
+    assert published.found == "the entry" and 200.0 <= t.now < 203.0  # not given up at 100
+    # The builder stops advancing at 250 s (its heartbeat goes on): given up 100 s later.
+    turn = e.run(lambda: False, lambda: None, bound=100.0)
+    assert turn.claim is None and turn.found is None and 350.0 < t.now < 353.0
+    assert BuildClaim(e.claim_path, e.skip_path, 3600).content().find(b"built_bytes") == -1
+    claim = BuildClaim(e.claim_path, e.skip_path, 3600)
+    claim.progress = lambda: 42
+    assert built_bytes(claim.content()) == 42
 
 
 def test_a_published_entry_is_fetched_and_a_skip_marker_not_waited_for(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ exists, and only the storage every pod already shares can hold it. (Within a pod
 ranks already serialise on the entry's flock: one of them takes part in the election.) No collective is issued
 while waiting or building: the next one (loading the model) starts once every pod has its
 blocks, and the waiters arrive there one copy of the entry after the builder (seconds), not a
-build later; a waiter that gives up (below) arrives at most `wait_bound` plus a build later,
+build later; a waiter that gives up (below: the build stopped advancing) arrives at most
+`wait_bound` plus a build after the builder's last progress,
 which is why the bound is capped by the trainer at a fraction of the startup collective
 timeout (`CacheSettings.wait_limit_s`).
 
@@ -36,10 +37,11 @@ mtimes (attribute caching up to a minute) and S3's LastModified need not agree. 
 (the builder's pod died) is removed and claimed by a waiter, which builds; a claim of this
 pod's own whose process is gone (a worker torchelastic restarted mid-build, or the pod
 replaced under its name: the claim names the holder's boot and start, as its pid may be reused)
-is taken over at once. A waiter also gives up and builds itself once it has waited `wait_bound` (from the
-corpus's size: a builder alive but stuck), or when the claim goes away without an entry (the
-builder failed or could not publish): then each remaining pod builds for itself, as before,
-rather than in turn.
+is taken over at once. A waiter also gives up and builds itself once the build has not
+advanced for `wait_bound` (from the corpus's size: a builder alive but stuck; the heartbeat
+carries the bytes built so far, so a slow build that advances is waited for), or when the
+claim goes away without an entry (the builder failed or could not publish): then each
+remaining pod builds for itself, as before, rather than in turn.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def next_step(
     """Pure: what a pod without the entry does next. `claimed`: a claim is there now (read
     before the entry, so a claim gone with no entry means the builder quit without
     publishing: it publishes before releasing); `saw_claim`: one was there earlier;
-    `holder_gone`: the claim names a process of this pod that no longer runs."""
+    `holder_gone`: the claim names a process of this pod that no longer runs; `started`:
+    when the wait began, or the build last advanced."""
     if entry_whole:
         return "fetch"
     if skipped:
@@ -205,6 +208,15 @@ def skips(marker: bytes | None, budget: int | None) -> bool:
     return budget is None or not isinstance(over, int) or budget <= over
 
 
+def built_bytes(claim: bytes | None) -> int | None:
+    """Pure: the build's progress a claim reports (None: not reported, or no claim)."""
+    try:
+        value = json.loads(claim or b"{}").get("built_bytes")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
 def read_or_none(target: Location, attempts: int = 3) -> bytes | None:
     """The file's bytes, None if absent. Each call opens it anew (NFS revalidates on open:
     close-to-open). ESTALE is retried: on NFS a heartbeat renamed over the file between this
@@ -227,12 +239,17 @@ class BuildClaim:
         self.path, self.skip_path, self.heartbeat_s = path, skip_path, heartbeat_s
         self.holder = _holder()
         self.incarnation = incarnation(os.getpid())
+        # The bytes built so far (set once the build writes): a waiter waits for a builder
+        # that advances, however long it takes, and gives up only on one that does not.
+        self.progress: Callable[[], int] | None = None
         self._beat = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="data-cache-claim", daemon=True)
 
     def content(self) -> bytes:
         mine = {"holder": self.holder, "incarnation": self.incarnation, "beat": self._beat}
+        if self.progress is not None:
+            mine["built_bytes"] = self.progress()
         return json.dumps(mine).encode()
 
     def start(self) -> None:
@@ -323,11 +340,18 @@ class Election:
         started = self.clock()
         seen: bytes | None = None
         last_change, saw_claim, told, delay = started, False, False, FIRST_POLL_S
+        # The wait is bounded from the builder's last progress, not from the start: waiting
+        # for a builder that advances costs the collective nothing (this pod arrives one copy
+        # after it), giving up on it costs a build (and the CPU the election saves).
+        progress, progressed = None, started
         while True:
             now = self.clock()
             current = read_or_none(self.claim_path)  # before the entry: see next_step
             if current != seen:
                 seen, last_change = current, now
+                reported = built_bytes(current)
+                if reported is not None and reported != progress:
+                    progress, progressed = reported, now
             step = next_step(
                 entry_whole=entry_whole(),
                 skipped=skips(read_or_none(self.skip_path), budget),
@@ -335,7 +359,7 @@ class Election:
                 saw_claim=saw_claim,
                 holder_gone=holder_gone(current),
                 last_change=last_change,
-                started=started,
+                started=progressed,
                 now=now,
                 bound=bound,
                 stale_after=self.stale_after_s,

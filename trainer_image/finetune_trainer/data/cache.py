@@ -348,6 +348,8 @@ def _find_or_build(
             return entry, "shared hit", False  # mapped before the rename: the same file
     tmp.mkdir()
     writer = EntryWriter(tmp, budget)
+    if election is not None and election.claim is not None:
+        election.claim.progress = lambda: writer.bytes  # in its heartbeat, for the waiters
     try:
         samples = build(writer)
         writer.finish(key=key, dtype=dtype, seq_len=seq_len, samples=samples)
