@@ -4,6 +4,7 @@ what a reconcile pass then says in GangScheduled, Succeeded's message and Events
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from datetime import timedelta
 from typing import Any
@@ -15,6 +16,7 @@ from kubernetes.client.exceptions import ApiException
 from finetune_operator.api.constants import (
     COND_GANG_SCHEDULED,
     COND_SUCCEEDED,
+    REASON_BACKOFF_LIMIT_EXCEEDED,
     REASON_GANG_SCHEDULED,
     REASON_GANG_STATUS_UNKNOWN,
     REASON_GANG_TIMED_OUT,
@@ -25,8 +27,9 @@ from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile import Outcome, reconcile_job
 from finetune_operator.reconcile.admission import QueueState
 from finetune_operator.reconcile.apply import ClusterApi
-from finetune_operator.reconcile.conditions import find
+from finetune_operator.reconcile.conditions import Want, find, set_condition
 from finetune_operator.reconcile.gang import (
+    READ_WHILE_RUNNING,
     GangReading,
     GangVerdict,
     pod_group_to_read,
@@ -124,17 +127,17 @@ def pending_pass(
 
 def test_which_jobs_read_their_pod_group() -> None:
     out = pending_pass(FineTuneJobStatus(), T0)
-    assert pod_group_to_read(out) == ("scheduling.volcano.sh/v1beta1", "qs")
+    assert pod_group_to_read(out, T0) == ("scheduling.volcano.sh/v1beta1", "qs")
     cosched = pending_pass(FineTuneJobStatus(), T0, gang_spec("coscheduling"))
-    assert pod_group_to_read(cosched) == ("scheduling.x-k8s.io/v1alpha1", "qs")
+    assert pod_group_to_read(cosched, T0) == ("scheduling.x-k8s.io/v1alpha1", "qs")
     # No gang, or the gang switched off: nothing to read.
-    assert pod_group_to_read(pending_pass(FineTuneJobStatus(), T0, quickstart_raw())) is None
-    assert pod_group_to_read(pending_pass(FineTuneJobStatus(), T0, gang_spec("none"))) is None
+    assert pod_group_to_read(pending_pass(FineTuneJobStatus(), T0, quickstart_raw()), T0) is None
+    assert pod_group_to_read(pending_pass(FineTuneJobStatus(), T0, gang_spec("none")), T0) is None
     # Queued by Kueue (not admitted): no worker to place, no PodGroup yet.
     queued = reconcile_job(JOB, gang_spec(), FineTuneJobStatus(), [], T0,
                            planner=lambda _: make_plan(2), queue=QueueState("q"))  # fmt: skip
     assert cond(queued.status, COND_SUCCEEDED) == ("Unknown", REASON_QUEUED)
-    assert pod_group_to_read(queued) is None
+    assert pod_group_to_read(queued, T0) is None
 
 
 def test_a_waiting_gang_then_placed_as_the_job_reports_it() -> None:
@@ -172,13 +175,13 @@ def test_a_waiting_gang_then_placed_as_the_job_reports_it() -> None:
         REASON_GANG_SCHEDULED
     ]
     # Running with its gang placed: not read again.
-    assert pod_group_to_read(done) is None
+    assert pod_group_to_read(done, t3) is None
     assert released_gang(done) is None
     # Suspended: the group is given back, and the job no longer claims a placement.
     suspended_spec = {**gang_spec(), "suspend": True}
     t4 = t3 + timedelta(seconds=10)
     held = step(done.status, [], t4, spec=suspended_spec)
-    assert pod_group_to_read(held) is None
+    assert pod_group_to_read(held, t4) is None
     released = released_gang(held)
     assert released is not None
     after = with_gang(held, done.status, released, t4)
@@ -238,3 +241,53 @@ def test_a_refused_read_is_reported_not_raised(err: ApiException, expected: str 
     else:
         assert why.startswith("PodGroup qs (") and expected in why
         assert read_gang(found, "qs", why).verdict is GangVerdict.UNKNOWN
+
+
+def test_a_running_job_stops_reading_a_gang_never_seen_placed() -> None:
+    """A scheduler that writes no status (or a group the operator may not read) would cost a
+    GET every pass for the whole run: a running job reads it READ_WHILE_RUNNING at most."""
+    old = pending_pass(FineTuneJobStatus(), T0).status
+    live = step(old, running(*ALL), T0, spec=gang_spec())
+    silent = with_gang(live, old, read_gang(group(None), "qs"), T0)  # no status written
+    assert cond(silent.status, COND_GANG_SCHEDULED) == ("Unknown", REASON_WAITING_FOR_GANG)
+    assert silent.status.phase == "Running"
+    assert pod_group_to_read(silent, T0 + timedelta(seconds=30)) is not None
+    late = T0 + READ_WHILE_RUNNING + timedelta(seconds=1)
+    assert (
+        pod_group_to_read(step(silent.status, running(*ALL), late, spec=gang_spec()), late) is None
+    )
+
+
+def test_a_failed_read_keeps_the_verdict_read_before() -> None:
+    """An API server hiccup between two readings of a waiting gang: no flap to Unknown and
+    back, and no Event for either."""
+    old = pending_pass(FineTuneJobStatus(), T0).status
+    waiting = read_gang(group({"phase": "Inqueue", "conditions": [UNSCHEDULABLE]}), "qs")
+    out = with_gang(pending_pass(old, T0), old, waiting, T0)
+    t1 = T0 + timedelta(seconds=10)
+    hiccup = read_gang(None, "qs", unreadable="PodGroup qs (HTTP 500 Internal Server Error)")
+    kept = with_gang(pending_pass(out.status, t1), out.status, hiccup, t1)
+    assert cond(kept.status, COND_GANG_SCHEDULED) == ("False", REASON_WAITING_FOR_GANG)
+    assert not [e for e in kept.events if e.message.startswith(f"{COND_GANG_SCHEDULED}=")]
+    # With no verdict yet, the failure is what there is to say.
+    first = with_gang(pending_pass(old, t1), old, hiccup, t1)
+    assert cond(first.status, COND_GANG_SCHEDULED) == ("Unknown", REASON_GANG_STATUS_UNKNOWN)
+
+
+def test_a_job_finished_while_its_gang_waited_no_longer_says_it_waits() -> None:
+    old = pending_pass(FineTuneJobStatus(), T0).status
+    waiting = read_gang(group({"phase": "Inqueue", "conditions": [UNSCHEDULABLE]}), "qs")
+    out = with_gang(pending_pass(old, T0), old, waiting, T0)
+    t1 = T0 + timedelta(seconds=10)
+    failed = Want("False", REASON_BACKOFF_LIMIT_EXCEEDED, "gave up")
+    conds = set_condition(out.status.conditions, COND_SUCCEEDED, failed, t1, 1)
+    done = dataclasses.replace(out, status=out.status.model_copy(update={"conditions": conds}))
+    assert pod_group_to_read(done, t1) is None
+    released = released_gang(done)
+    assert released is not None
+    after = with_gang(done, done.status, released, t1)
+    assert cond(after.status, COND_GANG_SCHEDULED) == ("Unknown", REASON_WAITING_FOR_GANG)
+    assert released_gang(after) is None  # said once
+    # A gang seen placed keeps saying so once the job is over: that is what happened.
+    placed = with_gang(done, done.status, read_gang(group({"phase": "Running"}), "qs"), t1)
+    assert released_gang(placed) is None

@@ -4,6 +4,7 @@ taken over; a wait is bounded; a corpus too big to cache is not waited for."""
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -23,10 +24,13 @@ from finetune_trainer.data.build_claim import (
     WAIT_FLOOR_S,
     BuildClaim,
     Election,
+    built_bytes,
     create_exclusive,
     holder_gone,
+    incarnation,
     is_stale,
     next_step,
+    skips,
     wait_bound,
 )
 from finetune_trainer.data.cache_entry import open_entry
@@ -158,6 +162,28 @@ def test_a_claim_of_a_dead_process_of_this_pod_is_taken_over_at_once(tmp_path: P
     assert not holder_gone(json.dumps({"holder": f"another-pod-{dead.pid}"}).encode())
 
 
+def test_a_replaced_pods_claim_is_taken_over_at_once_though_its_pid_is_reused(
+    tmp_path: Path,
+) -> None:
+    """The operator's pods keep their names: a pod evicted mid-build comes back with the
+    same host name, and its worker (a fresh PID namespace) often with the dead one's pid, or
+    that pid now another live process's. Neither is the builder: no 120 s wait."""
+    t = FakeTime()
+    e = election(tmp_path, t)
+    mine = f"{socket.gethostname()}-{os.getpid()}"
+    e.claim_path.write_atomic(json.dumps({"holder": mine, "beat": 7}).encode())
+    turn = e.run(lambda: False, lambda: None, bound=1000.0)
+    assert turn.claim is not None and t.now == 0.0
+    turn.claim.release()
+    parent = os.getppid()  # alive: judged by which process holds that pid now
+    holder = f"{socket.gethostname()}-{parent}"
+    now_there = incarnation(parent)
+    assert now_there is not None
+    assert holder_gone(json.dumps({"holder": holder, "incarnation": "old-boot:1"}).encode())
+    assert not holder_gone(json.dumps({"holder": holder, "incarnation": now_there}).encode())
+    assert BuildClaim(e.claim_path, e.skip_path, 3600).incarnation == incarnation(os.getpid())
+
+
 def test_a_claim_that_keeps_changing_is_waited_for_up_to_the_bound(tmp_path: Path) -> None:
     t = FakeTime()
     e = election(tmp_path, t)
@@ -174,6 +200,33 @@ def test_a_claim_that_keeps_changing_is_waited_for_up_to_the_bound(tmp_path: Pat
     assert json.loads(e.claim_path.read_bytes())["holder"] == "alive"  # not taken from it
 
 
+def test_a_build_that_advances_is_waited_for_past_the_bound(tmp_path: Path) -> None:
+    """Giving up on a builder that advances costs a whole build and arrives later at the
+    first collective than waiting would: the bound runs from the build's last progress."""
+    t = FakeTime()
+    e = election(tmp_path, t)
+    built = {"bytes": 0, "stops_at": 250.0}
+
+    def building(seconds: float) -> None:  # the heartbeat reports the bytes written so far
+        t.sleep(seconds)
+        if t.now < built["stops_at"]:
+            built["bytes"] += 1
+        beat = {"holder": "alive", "beat": t.now, "built_bytes": built["bytes"]}
+        e.claim_path.write_atomic(json.dumps(beat).encode())
+
+    e.sleep = building
+    building(0)
+    published = e.run(lambda: t.now >= 200.0, lambda: "the entry", bound=100.0)
+    assert published.found == "the entry" and 200.0 <= t.now < 203.0  # not given up at 100
+    # The builder stops advancing at 250 s (its heartbeat goes on): given up 100 s later.
+    turn = e.run(lambda: False, lambda: None, bound=100.0)
+    assert turn.claim is None and turn.found is None and 350.0 < t.now < 353.0
+    assert BuildClaim(e.claim_path, e.skip_path, 3600).content().find(b"built_bytes") == -1
+    claim = BuildClaim(e.claim_path, e.skip_path, 3600)
+    claim.progress = lambda: 42
+    assert built_bytes(claim.content()) == 42
+
+
 def test_a_published_entry_is_fetched_and_a_skip_marker_not_waited_for(tmp_path: Path) -> None:
     t = FakeTime()
     e = election(tmp_path, t)
@@ -184,6 +237,45 @@ def test_a_published_entry_is_fetched_and_a_skip_marker_not_waited_for(tmp_path:
     BuildClaim(e.claim_path, e.skip_path, 3600).mark_skipped("over the cacheSizeLimit")
     t.now = 0.0
     assert e.run(lambda: False, lambda: None, bound=100.0).skip and t.now == 0.0
+
+
+def test_a_skip_marker_binds_only_pods_with_no_more_room(tmp_path: Path) -> None:
+    """The builder's budget was its own (its node's free space, its other entries): a pod
+    with more room builds the entry rather than going without a cache for the job's life."""
+    assert not skips(None, 10)
+    assert skips(b"over 10 bytes", 10**9)  # a marker that does not say: skip
+    marker = json.dumps({"reason": "over 1000 bytes", "over_bytes": 1000}).encode()
+    assert skips(marker, 1000) and skips(marker, 10) and skips(marker, None)
+    assert not skips(marker, 5000)
+    t = FakeTime()
+    e = election(tmp_path, t)
+    BuildClaim(e.claim_path, e.skip_path, 3600).mark_skipped("over 1000 bytes", 1000)
+    assert e.run(lambda: False, lambda: None, bound=100.0, budget=800).skip
+    roomier = e.run(lambda: False, lambda: None, bound=100.0, budget=5000)
+    assert not roomier.skip and roomier.claim is not None  # elected: it builds
+    roomier.claim.release()
+
+
+def test_a_claim_replaced_while_read_over_nfs_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS answers ESTALE when the builder's heartbeat renamed a new claim over the file this
+    pod had opened: the poll reads it again rather than abandoning the election."""
+    t = FakeTime()
+    e = election(tmp_path, t)
+    e.claim_path.write_atomic(b'{"holder": "builder"}')
+    read = Location.read_bytes
+    stale = {"left": 2}
+
+    def replaced_meanwhile(self: Location) -> bytes:
+        if self == e.claim_path and stale["left"]:
+            stale["left"] -= 1
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return read(self)
+
+    monkeypatch.setattr(Location, "read_bytes", replaced_meanwhile)
+    turn = e.run(lambda: t.now >= 3.0, lambda: "the entry", bound=100.0)
+    assert turn.found == "the entry" and stale["left"] == 0
 
 
 def test_a_builder_gone_without_publishing_leaves_each_pod_to_build(tmp_path: Path) -> None:
@@ -218,6 +310,10 @@ def test_blocks_too_big_to_cache_are_marked_and_not_waited_for(tmp_path: Path) -
     (skip,) = (tmp_path / "node-b").glob("*.skip")  # from the marker, not a build of its own
     assert skip.read_text() == "too big (another pod found)"
     assert sorted(os.listdir(tmp_path / "ckpt" / SHARED_DIR)) == sorted(names)
+    # A node with room for them (no limit) builds and caches them: the marker was node-a's.
+    roomy = build_dataset(spec, tok, SEQ, CacheSettings(tmp_path / "node-c", None, made))
+    assert roomy.source == "cache built"
+    assert not list((tmp_path / "node-c").glob("*.skip"))
 
 
 def test_the_claim_is_exclusive_on_object_storage(s3_credentials: MotoServer) -> None:

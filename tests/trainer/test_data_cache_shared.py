@@ -259,6 +259,24 @@ def test_through_object_storage(
     assert [e.name for e in root.children()] == [key]
 
 
+def test_other_keys_claims_on_object_storage_are_removed_once_abandoned(
+    s3_credentials: MotoServer,
+) -> None:
+    """An object store has no temporary directories, but it has other keys' build claims and
+    skip markers (a builder that died, then the data changed): not kept for good."""
+    uri = f"s3://{s3_credentials.new_bucket()}/ckpt/job"
+    made = shared_cache_for(CheckpointSpec(uri=uri), s3_credentials.spec(), OWNER)
+    assert made is not None
+    key, old = "k" * 32, "0" * 32
+    names = [f".{old}.building", f".{old}.skip", f".{key}.building"]
+    for name in names:
+        (made.root / name).write_atomic(b"{}")
+    assert made.prune(keep=key, now=time.time()) == []  # a live claim is rewritten often
+    later = time.time() + ABANDONED_SECONDS + 60
+    assert sorted(made.prune(keep=key, now=later)) == sorted(names[:2])
+    assert [e.name for e in made.root.children()] == [f".{key}.building"]
+
+
 def test_one_publisher_at_a_time_and_a_dead_ones_claim_is_taken_over(tmp_path: Path) -> None:
     key = "k" * 32
     entry = _local_entry(tmp_path / "local" / key, key)

@@ -70,9 +70,10 @@ def data_cache(
     env: RuntimeEnv, job: JobConfig, startup_timeout_s: float | None = None
 ) -> CacheSettings | None:
     """The pod's data cache, backed by the job's shared copy on its checkpoint storage. A pod
-    waits for another's build of the blocks (data.build_claim) at most half the startup
-    collective timeout: a waiter that gives up builds itself, and the builder's pod waits for
-    it in its next collective about that long."""
+    waits for another's build of the blocks (data.build_claim) while it advances, and gives
+    up after at most half the startup collective timeout without progress: a waiter that
+    gives up builds itself, and the builder's pod waits for it in its next collective about
+    that long."""
     if env.data_cache_dir is None:
         return None
     owner = {"job": job.name, "namespace": job.namespace, "uid": job.uid}

@@ -133,7 +133,7 @@ async def reconcile_pass(
 
 async def _with_gang(cluster: ClusterApi, job: JobRef, old: Any, out: Outcome, now: datetime) -> Outcome:  # fmt: skip
     """The gang scheduler's word on the job's PodGroup (one GET), while its workers are placed."""
-    target = pod_group_to_read(out)
+    target = pod_group_to_read(out, now)
     if target is None:
         released = released_gang(out)
         return with_gang(out, old, released, now) if released is not None else out

@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any
 
 from finetune_operator.api.constants import (
     COND_GANG_SCHEDULED,
     COND_SUCCEEDED,
+    COND_WORKERS_READY,
     REASON_EVICTED,
     REASON_GANG_SCHEDULED,
     REASON_GANG_STATUS_UNKNOWN,
@@ -48,9 +49,15 @@ from finetune_operator.reconcile.conditions import (
 )
 from finetune_operator.reconcile.core import Outcome
 from finetune_operator.reconcile.crash import shorten
+from finetune_operator.reconcile.observed import parse_time
 from finetune_operator.resources.podgroup import gang_of, pod_group_name
 
 MAX_MESSAGE_CHARS = 1000
+# A running job's gang is read until seen placed, but no longer than this after its workers
+# became ready: a scheduler that writes no status (or a PodGroup the operator may not read)
+# would otherwise cost a GET every pass for the whole run, to say what the running workers
+# already show.
+READ_WHILE_RUNNING = timedelta(minutes=5)
 
 
 class GangVerdict(Enum):
@@ -79,6 +86,7 @@ class GangReading:
     placed: int = 0  # pods bound (`scheduled` where reported) or running/finished
     reason: str = ""  # the scheduler's own reason (Volcano's Unschedulable condition)
     message: str = ""  # the scheduler's message, or why the status could not be read
+    failed_read: bool = False  # the GET failed (`message` says why)
 
     def describe(self) -> str:
         """The sentence `kubectl describe ftj` shows for this gang."""
@@ -122,7 +130,7 @@ def read_gang(group: Mapping[str, Any] | None, name: str, unreadable: str = "") 
     """What the PodGroup `group` (None: it does not exist) says of the gang; `unreadable`:
     why the GET failed (its CRD not served, no permission)."""
     if unreadable:
-        return GangReading(GangVerdict.UNKNOWN, name, message=unreadable)
+        return GangReading(GangVerdict.UNKNOWN, name, message=unreadable, failed_read=True)
     if group is None:
         return GangReading(GangVerdict.NOT_REPORTED, name, message="not created yet")
     spec, status = group.get("spec") or {}, group.get("status") or {}
@@ -205,10 +213,11 @@ def gang_events(old: FineTuneJobStatus, new: FineTuneJobStatus) -> list[EventSpe
     return [EventSpec("Warning" if bad else "Normal", after.reason, text)]
 
 
-def pod_group_to_read(out: Outcome) -> tuple[str, str] | None:
+def pod_group_to_read(out: Outcome, now: datetime) -> tuple[str, str] | None:
     """(apiVersion, name) of the PodGroup whose status this pass reads, or None: only for a
     gang-scheduled job whose workers are being placed (or re-placed); a running job's gang,
-    once seen placed, is not read again until it restarts."""
+    once seen placed or READ_WHILE_RUNNING after its workers became ready, is not read again
+    until it restarts."""
     ev = out.evaluation
     found = gang_of(ev.spec) if ev.ok and ev.spec is not None else None
     progress = find(out.status.conditions, COND_SUCCEEDED)
@@ -217,29 +226,52 @@ def pod_group_to_read(out: Outcome) -> tuple[str, str] | None:
     if progress.reason not in (REASON_PENDING, REASON_RESTARTING, REASON_RUNNING):
         return None  # queued by Kueue, suspended, finished: no group to place
     gang = find(out.status.conditions, COND_GANG_SCHEDULED)
-    if progress.reason == REASON_RUNNING and gang is not None and gang.status == "True":
-        return None
+    if progress.reason == REASON_RUNNING:
+        if gang is not None and gang.status == "True":
+            return None
+        ready = find(out.status.conditions, COND_WORKERS_READY)
+        since = parse_time(ready.last_transition_time) if ready is not None else None
+        if (
+            ready is not None
+            and ready.status == "True"
+            and since is not None
+            and (now - since > READ_WHILE_RUNNING)
+        ):
+            return None
     return found[1].api_version, pod_group_name(ev.job.owner)
 
 
 def released_gang(out: Outcome) -> GangReading | None:
     """What to say of the gang, without reading it, while the job holds no PodGroup
     (suspended, or queued or evicted by Kueue): a GangScheduled=True left from before would
-    claim a placement the job gave back. None when there is nothing to change."""
+    claim a placement the job gave back; or once the job finished while its gang waited.
+    None when there is nothing to change."""
     ev = out.evaluation
     found = gang_of(ev.spec) if ev.ok and ev.spec is not None else None
     progress = find(out.status.conditions, COND_SUCCEEDED)
     gang = find(out.status.conditions, COND_GANG_SCHEDULED)
     if found is None or progress is None or gang is None or gang.status == "Unknown":
         return None
+    name = pod_group_name(ev.job.owner)
+    if progress.status != "Unknown":
+        # Finished while its gang waited: a "waiting for gang" left on a finished job reads
+        # as if it still waited. A gang seen placed stays so: that is its history.
+        if gang.status != "False":
+            return None
+        return GangReading(GangVerdict.NOT_REPORTED, name, message="none: the job has finished")
     if progress.reason not in (REASON_SUSPENDED, REASON_QUEUED, REASON_EVICTED):
         return None
-    name = pod_group_name(ev.job.owner)
     why = f"none while the job is {progress.reason.lower()}"
     return GangReading(GangVerdict.NOT_REPORTED, name, message=why)
 
 
 def with_gang(out: Outcome, old: FineTuneJobStatus, reading: GangReading, now: datetime) -> Outcome:
-    """`out` with the gang's reading in its status, and an Event if GangScheduled moved."""
+    """`out` with the gang's reading in its status, and an Event if GangScheduled moved. A
+    GET that failed (`unreadable`: an API server hiccup, mostly) does not replace a verdict
+    the scheduler gave before: the condition would flap to Unknown and back, with a Warning
+    and an Event for each flip; the verdict read last is still the best known."""
+    gang = find(out.status.conditions, COND_GANG_SCHEDULED)
+    if reading.failed_read and gang is not None and gang.status in ("True", "False"):
+        return out
     status = note_gang(out.status, reading, now, out.evaluation.job.generation)
     return dataclasses.replace(out, status=status, events=(*out.events, *gang_events(old, status)))

@@ -7,7 +7,7 @@ claim the key builds and publishes while the others poll the shared copy and cop
 (verified against its checksum, as a replacement pod does) once it is there:
 
     <checkpoint.uri>/.data-cache/.<key>.building    the builder's claim: holder and heartbeat
-    <checkpoint.uri>/.data-cache/.<key>.skip        the blocks do not fit `dataset.cacheSizeLimit`
+    <checkpoint.uri>/.data-cache/.<key>.skip        the blocks do not fit the builder's budget
 
 **Elected through the shared storage, not over the process group.** The cache is consulted
 after the process group exists, but a group election ("rank 0's pod builds") would have to
@@ -19,7 +19,8 @@ exists, and only the storage every pod already shares can hold it. (Within a pod
 ranks already serialise on the entry's flock: one of them takes part in the election.) No collective is issued
 while waiting or building: the next one (loading the model) starts once every pod has its
 blocks, and the waiters arrive there one copy of the entry after the builder (seconds), not a
-build later; a waiter that gives up (below) arrives at most `wait_bound` plus a build later,
+build later; a waiter that gives up (below: the build stopped advancing) arrives at most
+`wait_bound` plus a build after the builder's last progress,
 which is why the bound is capped by the trainer at a fraction of the startup collective
 timeout (`CacheSettings.wait_limit_s`).
 
@@ -34,16 +35,19 @@ counter. A waiter judges the claim by whether its content changed within `STALE_
 the waiter's own monotonic clock, never by comparing timestamps: pods' clocks, the NFS server's
 mtimes (attribute caching up to a minute) and S3's LastModified need not agree. A stale claim
 (the builder's pod died) is removed and claimed by a waiter, which builds; a claim of this
-pod's own whose process is gone (a worker torchelastic restarted mid-build) is taken over at
-once. A waiter also gives up and builds itself once it has waited `wait_bound` (from the
-corpus's size: a builder alive but stuck), or when the claim goes away without an entry (the
-builder failed or could not publish): then each remaining pod builds for itself, as before,
-rather than in turn.
+pod's own whose process is gone (a worker torchelastic restarted mid-build, or the pod
+replaced under its name: the claim names the holder's boot and start, as its pid may be reused)
+is taken over at once. A waiter also gives up and builds itself once the build has not
+advanced for `wait_bound` (from the corpus's size: a builder alive but stuck; the heartbeat
+carries the bytes built so far, so a slow build that advances is waited for), or when the
+claim goes away without an entry (the builder failed or could not publish): then each
+remaining pod builds for itself, as before, rather than in turn.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -52,6 +56,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, Literal, TypeVar
 
 from finetune_trainer.location import Location
@@ -104,7 +109,8 @@ def next_step(
     """Pure: what a pod without the entry does next. `claimed`: a claim is there now (read
     before the entry, so a claim gone with no entry means the builder quit without
     publishing: it publishes before releasing); `saw_claim`: one was there earlier;
-    `holder_gone`: the claim names a process of this pod that no longer runs."""
+    `holder_gone`: the claim names a process of this pod that no longer runs; `started`:
+    when the wait began, or the build last advanced."""
     if entry_whole:
         return "fetch"
     if skipped:
@@ -133,6 +139,20 @@ def _holder() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
+def incarnation(pid: int) -> str | None:
+    """Which process `pid` is, beyond its number: the node's boot and the process's start
+    (in ticks since boot); None where /proc does not say (not running, not Linux). A worker
+    pod replaced under the same name (the operator's pods keep theirs) has the same host
+    name, and its workers, in a fresh PID namespace, often the same pids as the dead ones."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
+
+
 def create_exclusive(target: Location, data: bytes) -> bool:
     """Create `target` holding `data` unless it exists: True if this call created it."""
     if target.is_local:
@@ -151,13 +171,22 @@ def create_exclusive(target: Location, data: bytes) -> bool:
 
 
 def holder_gone(claim: bytes | None) -> bool:
-    """The claim was taken by a process of this pod that has died (a worker restarted by
-    torchelastic mid-build): no need to wait for its heartbeat to go stale."""
+    """The claim was taken by a process of this pod (its host name) that has died: a worker
+    restarted by torchelastic mid-build, or the pod itself replaced under the same name (its
+    pid now another process's, or this one's: a process electing holds no claim). No need to
+    wait for its heartbeat to go stale."""
     try:
-        host, _, pid = str(json.loads(claim or b"{}").get("holder", "")).rpartition("-")
-        if host != socket.gethostname() or int(pid) == os.getpid():
+        found = json.loads(claim or b"{}")
+        host, _, pid_text = str(found.get("holder", "")).rpartition("-")
+        if host != socket.gethostname():
             return False
-        os.kill(int(pid), 0)
+        pid = int(pid_text)
+        if pid == os.getpid():
+            return True
+        theirs = found.get("incarnation")
+        if theirs is not None and incarnation(os.getpid()) is not None:
+            return bool(theirs != incarnation(pid))  # None: no process has that pid now
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except (ValueError, OSError, AttributeError):
@@ -165,11 +194,42 @@ def holder_gone(claim: bytes | None) -> bool:
     return False
 
 
-def read_or_none(target: Location) -> bytes | None:
+def skips(marker: bytes | None, budget: int | None) -> bool:
+    """Pure: whether a pod with `budget` bytes for the entry goes without it, given the skip
+    `marker` a builder left (None: none). The builder's budget was its own (its cache limit
+    less its other entries, its node's free space): a pod with more room builds instead of
+    giving up caching for the job's whole life."""
+    if marker is None:
+        return False
     try:
-        return target.read_bytes()
-    except FileNotFoundError:
+        over = json.loads(marker).get("over_bytes")
+    except (ValueError, AttributeError):
+        return True  # a marker without the builder's budget
+    return budget is None or not isinstance(over, int) or budget <= over
+
+
+def built_bytes(claim: bytes | None) -> int | None:
+    """Pure: the build's progress a claim reports (None: not reported, or no claim)."""
+    try:
+        value = json.loads(claim or b"{}").get("built_bytes")
+    except (ValueError, AttributeError):
         return None
+    return value if isinstance(value, int) else None
+
+
+def read_or_none(target: Location, attempts: int = 3) -> bytes | None:
+    """The file's bytes, None if absent. Each call opens it anew (NFS revalidates on open:
+    close-to-open). ESTALE is retried: on NFS a heartbeat renamed over the file between this
+    pod's open and read, and the error would otherwise end the election (this pod building)."""
+    for attempt in range(attempts):
+        try:
+            return target.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno != errno.ESTALE or attempt == attempts - 1:
+                raise
+    return None
 
 
 class BuildClaim:
@@ -178,12 +238,19 @@ class BuildClaim:
     def __init__(self, path: Location, skip_path: Location, heartbeat_s: float) -> None:
         self.path, self.skip_path, self.heartbeat_s = path, skip_path, heartbeat_s
         self.holder = _holder()
+        self.incarnation = incarnation(os.getpid())
+        # The bytes built so far (set once the build writes): a waiter waits for a builder
+        # that advances, however long it takes, and gives up only on one that does not.
+        self.progress: Callable[[], int] | None = None
         self._beat = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="data-cache-claim", daemon=True)
 
     def content(self) -> bytes:
-        return json.dumps({"holder": self.holder, "beat": self._beat}).encode()
+        mine = {"holder": self.holder, "incarnation": self.incarnation, "beat": self._beat}
+        if self.progress is not None:
+            mine["built_bytes"] = self.progress()
+        return json.dumps(mine).encode()
 
     def start(self) -> None:
         self._thread.start()
@@ -215,11 +282,13 @@ class BuildClaim:
             if self._still_mine():
                 self.path.remove()
 
-    def mark_skipped(self, reason: str) -> None:
-        """The blocks do not fit the cache: no pod waits for them again (logged if the
-        marker cannot be written: the waiters then each build, as without the election)."""
+    def mark_skipped(self, reason: str, budget: int | None = None) -> None:
+        """The blocks do not fit this pod's `budget`: no pod with no more room waits for them
+        again (logged if the marker cannot be written: the waiters then each build, as
+        without the election)."""
+        marker = json.dumps({"reason": reason, "over_bytes": budget}).encode()
         try:
-            self.skip_path.write_atomic(reason.encode(), tmp_tag=f"-{self.holder}")
+            self.skip_path.write_atomic(marker, tmp_tag=f"-{self.holder}")
         except OSError as e:
             log.warning("data cache: could not mark %s too big (%r)", self.skip_path, e)
 
@@ -264,24 +333,33 @@ class Election:
         entry_whole: Callable[[], bool],
         fetch: Callable[[], T | None],
         bound: float,
+        budget: int | None = None,
     ) -> Turn[T]:
-        """Fetch the entry once whole, or build (elected or not), or skip."""
+        """Fetch the entry once whole, or build (elected or not), or skip (a builder with no
+        more than `budget` bytes found the blocks too big)."""
         started = self.clock()
         seen: bytes | None = None
         last_change, saw_claim, told, delay = started, False, False, FIRST_POLL_S
+        # The wait is bounded from the builder's last progress, not from the start: waiting
+        # for a builder that advances costs the collective nothing (this pod arrives one copy
+        # after it), giving up on it costs a build (and the CPU the election saves).
+        progress, progressed = None, started
         while True:
             now = self.clock()
             current = read_or_none(self.claim_path)  # before the entry: see next_step
             if current != seen:
                 seen, last_change = current, now
+                reported = built_bytes(current)
+                if reported is not None and reported != progress:
+                    progress, progressed = reported, now
             step = next_step(
                 entry_whole=entry_whole(),
-                skipped=self.skip_path.exists(),
+                skipped=skips(read_or_none(self.skip_path), budget),
                 claimed=current is not None,
                 saw_claim=saw_claim,
                 holder_gone=holder_gone(current),
                 last_change=last_change,
-                started=started,
+                started=progressed,
                 now=now,
                 bound=bound,
                 stale_after=self.stale_after_s,

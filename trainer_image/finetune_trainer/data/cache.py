@@ -182,6 +182,7 @@ def _find_or_build(
                 key,
                 lambda: _fetch(shared, key, tmp, budget)[0],
                 wait_bound(source_bytes, settings.wait_limit_s),
+                budget,
             )
             entry = election.found if election is not None else None
             if election is not None and election.skip:
@@ -194,6 +195,8 @@ def _find_or_build(
             return entry, "shared hit", False  # mapped before the rename: the same file
     tmp.mkdir()
     writer = EntryWriter(tmp, budget)
+    if election is not None and election.claim is not None:
+        election.claim.progress = lambda: writer.bytes  # in its heartbeat, for the waiters
     try:
         samples = build(writer)
         writer.finish(key=key, dtype=dtype, seq_len=seq_len, samples=samples)
@@ -203,7 +206,7 @@ def _find_or_build(
         log.warning("data cache: the blocks do not fit (%s): not cached", e)
         write_synced(directory / f"{key}.skip", str(e).encode())
         if election is not None and election.claim is not None:
-            election.claim.mark_skipped(str(e))
+            election.claim.mark_skipped(str(e), budget)
         return None, "skipped", damaged
     except BaseException:
         writer.abort()

@@ -40,8 +40,8 @@ entry is never installed; the pod tokenizes and publishes over it.
 
 **Bounded.** After a pod fetches or publishes key K, entries of other keys (the job's data,
 tokenizer or sequence length changed since) are removed, and so are temporary directories
-and claims of publishers gone for `ABANDONED_SECONDS`: the shared copy holds one entry per
-job.
+and claims of publishers gone for `ABANDONED_SECONDS` (on an object store: other keys' build
+claims and skip markers unchanged that long): the shared copy holds one entry per job.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -138,13 +139,14 @@ class SharedCache:
         )
 
     def await_build(
-        self, key: str, fetch: Callable[[], T | None], bound: float
+        self, key: str, fetch: Callable[[], T | None], bound: float, budget: int | None = None
     ) -> build_claim.Turn[T] | None:
         """No pod has published `key`: wait for the pod building it and `fetch` its entry
         (verified by the caller), or get the claim to build it; None (logged) when the
-        shared copy cannot be used for it (the pod builds, as without one)."""
+        shared copy cannot be used for it (the pod builds, as without one). `budget`: the
+        bytes this pod has for the entry (a skip marker of a pod with less is not its own)."""
         try:
-            return self.election(key).run(lambda: self.is_whole(key), fetch, bound)
+            return self.election(key).run(lambda: self.is_whole(key), fetch, bound, budget)
         except (OSError, ValueError, KeyError, TypeError) as e:  # as cache._SHARED_ERRORS
             log.warning("data cache: cannot elect a builder in %s (%r): tokenizing", self.root, e)
             return None
@@ -222,10 +224,16 @@ class SharedCache:
         return removed
 
     def _abandoned(self, name: str, now: float) -> bool:
-        # An object store has no temporary directories (entries are put in place).
-        return self.root.is_local and is_abandoned(
-            _last_write(self.root.local_path / name, now), now
-        )
+        if self.root.is_local:
+            return is_abandoned(_last_write(self.root.local_path / name, now), now)
+        # An object store has no temporary directories (entries are put in place): its dot
+        # names are other keys' build claims and skip markers, left for good otherwise (a
+        # builder that died, data changed since). A live claim is rewritten every heartbeat.
+        try:
+            modified = self.root.fs.info((self.root / name).path).get("LastModified")
+        except FileNotFoundError:
+            return False
+        return isinstance(modified, datetime) and is_abandoned(modified.timestamp(), now)
 
 
 def _publish_local(
