@@ -40,6 +40,7 @@ promtool:
 
 lint: setup
 	$(BIN)/ruff check operator trainer_image local_cluster tests bench
+	$(BIN)/ruff format --check operator trainer_image local_cluster tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/hadolint Dockerfile trainer_image/Dockerfile
