@@ -79,6 +79,20 @@ def _underlying(exc: BaseException) -> BaseException:
     return exc
 
 
+def weights_error(weights: Location, cause: BaseException, into: str = "") -> Exception:
+    """A failed read of pretrained weights as the trainer reports it (every loader: this
+    module's, remote_tensors', replica_loading's): a refusal naming the URI for what a restart
+    cannot change (no such bucket, denied, not safetensors, truncated), else a RuntimeError (a
+    short read, the network, throttling, each range already retried, or expired credentials:
+    a restart may pass)."""
+    if is_transient(cause) or (isinstance(cause, OSError) and access_problem(cause) is None):
+        return RuntimeError(f"reading the weights under {weights.url}: {cause}")
+    problem = access_problem(cause) or str(cause)
+    return UnsupportedConfigError(
+        f"spec.model: cannot read the weights under {weights.url}{into}: {problem}"
+    )
+
+
 def _load_ranged(model: nn.Module, weights: Location) -> set[int]:
     try:
         found = any(e.name.endswith(".safetensors") for e in weights.children())
@@ -102,15 +116,7 @@ def _load_ranged(model: nn.Module, weights: Location) -> set[int]:
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as exc:
         cause = reader.failure or _underlying(exc)
-        # A short read, the network, throttling (each range already retried) or expired
-        # credentials: may pass on a restart, so not a refusal.
-        if is_transient(cause) or (isinstance(cause, OSError) and access_problem(cause) is None):
-            raise RuntimeError(f"reading the weights under {weights.url}: {cause}") from exc
-        problem = access_problem(cause) or str(cause)
-        raise UnsupportedConfigError(
-            f"spec.model: cannot read the weights under {weights.url} into the model built "
-            f"from its config: {problem}"
-        ) from exc
+        raise weights_error(weights, cause, " into the model built from its config") from exc
     log.info(
         "pretrained weights: read %d of %d bytes from %s (in %d requests; %d bytes of gaps "
         "between coalesced ranges and %d of index fetched besides)",

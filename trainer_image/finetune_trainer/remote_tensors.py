@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from finetune_trainer.errors import UnsupportedConfigError
-from finetune_trainer.location import Location, access_problem
+from finetune_trainer.location import Location
+from finetune_trainer.pretrained import weights_error
 from finetune_trainer.ranged_reads import (
     PART_BYTES,
     RetryPolicy,
     cat_ranges_retrying,
-    is_transient,
     split_range,
 )
 from finetune_trainer.safetensors_ranges import DTYPES, RangedSafetensorsReader, Span
@@ -39,19 +39,6 @@ log = logging.getLogger(__name__)
 
 # safetensors' own dtype names, as a lazy tensor reports them (transformers asks `get_dtype`).
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-
-
-def weights_error(weights: Location, cause: BaseException) -> Exception:
-    """A failed read as the trainer reports it: a refusal naming the URI for what a restart
-    cannot change (no such bucket, denied, not safetensors, truncated), else a RuntimeError
-    (the network, throttling, a short read, expired credentials: a restart may pass)."""
-    # The rule of finetune_trainer.pretrained's ranged load, which reads the same objects.
-    if is_transient(cause) or (isinstance(cause, OSError) and access_problem(cause) is None):
-        return RuntimeError(f"reading the weights under {weights.url}: {cause}")
-    problem = access_problem(cause) or str(cause)
-    return UnsupportedConfigError(
-        f"spec.model: cannot read the weights under {weights.url}: {problem}"
-    )
 
 
 class RemoteSafetensors:

@@ -33,8 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from finetune_trainer.location import Entry, Location
-from finetune_trainer.pretrained import checkpoint_keys, load_safetensors
-from finetune_trainer.remote_tensors import weights_error
+from finetune_trainer.pretrained import checkpoint_keys, load_safetensors, weights_error
 from finetune_trainer.safetensors_ranges import RangedSafetensorsReader, batches
 
 log = logging.getLogger(__name__)
