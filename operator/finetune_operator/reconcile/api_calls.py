@@ -12,6 +12,8 @@ from typing import Any
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from finetune_operator.reconcile.child_errors import object_absent
+
 MERGE_PATCH = "application/merge-patch+json"
 # Seconds for one API call: a hung connection must not stall the job's reconcile forever.
 REQUEST_TIMEOUT = 10.0
@@ -42,3 +44,19 @@ class ApiCalls:
                 raise
             return False
         return True
+
+    async def _read_custom(
+        self, api_version: str, namespace: str, plural: str, name: str
+    ) -> dict[str, Any] | None:
+        """The custom object, or None when the object itself is absent (a 404 naming it: see
+        child_errors.object_absent); any other refusal is raised for the caller to judge."""
+        group, _, version = api_version.rpartition("/")
+        try:
+            found: dict[str, Any] = await self._call(
+                self.custom.get_namespaced_custom_object, group, version, namespace, plural, name
+            )
+        except ApiException as err:
+            if object_absent(err, name):
+                return None
+            raise
+        return found

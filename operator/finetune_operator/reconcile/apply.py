@@ -25,7 +25,6 @@ from finetune_operator.reconcile.child_errors import (
     WORKLOAD_ADVICE,
     describe_api_error,
     describe_child_error,
-    workload_absent,
 )
 from finetune_operator.reconcile.workload_api import WorkloadApi
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
@@ -126,16 +125,9 @@ class ClusterApi(WorkloadApi):
     async def read_pod_group(self, namespace: str, api_version: str, name: str) -> tuple[dict[str, Any] | None, str]:  # fmt: skip
         """The job's PodGroup (None when it does not exist yet), or why it cannot be read. Its
         status only informs the job's conditions, so any refusal is reported, not raised."""
-        group, _, version = api_version.rpartition("/")
         try:
-            found: dict[str, Any] = await self._call(
-                self.custom.get_namespaced_custom_object,
-                group, version, namespace, POD_GROUP_PLURAL, name,
-            )  # fmt: skip
-            return found, ""
+            return await self._read_custom(api_version, namespace, POD_GROUP_PLURAL, name), ""
         except ApiException as err:
-            if workload_absent(err, name):
-                return None, ""
             obj = {"apiVersion": api_version, "metadata": {"name": name}}
             return None, describe_child_error(obj, err, POD_GROUP_ADVICE)
 

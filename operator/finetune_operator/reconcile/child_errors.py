@@ -71,7 +71,7 @@ def describe_child_error(obj: dict[str, Any], err: ApiException, advice: ChildEr
     return f"{head}; {advice.waiting} until it is {advice.done}"
 
 
-def workload_absent(err: ApiException, name: str) -> bool:
+def object_absent(err: ApiException, name: str) -> bool:
     """A 404 for the object itself (the API server names it in the Status details), not for
     its resource: an unserved resource's 404 names no object ("the server could not find
     the requested resource")."""

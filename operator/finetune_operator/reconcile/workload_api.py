@@ -15,7 +15,6 @@ from finetune_operator.reconcile.child_errors import (
     WORKLOAD_ADVICE,
     describe_api_error,
     describe_child_error,
-    workload_absent,
 )
 from finetune_operator.reconcile.workload_patches import finalizer_release_patch
 from finetune_operator.resources.workload import (
@@ -65,13 +64,9 @@ class WorkloadApi(ApiCalls):
         one that cannot be read says nothing about the admission its running workers have.
         `unserved_is_absent`: for a job leaving Kueue, no Workload exists where none is served."""
         try:
-            found: dict[str, Any] = await self._call(
-                self.custom.get_namespaced_custom_object,
-                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOAD_PLURAL, name,
-            )  # fmt: skip
-            return found, ""
+            return await self._read_custom(KUEUE_API_VERSION, namespace, WORKLOAD_PLURAL, name), ""
         except ApiException as err:
-            if workload_absent(err, name) or (unserved_is_absent and err.status == 404):
+            if unserved_is_absent and err.status == 404:
                 return None, ""
             if err.status in (403, 404):
                 obj = {"apiVersion": KUEUE_API_VERSION, "metadata": {"name": name}}
