@@ -5,8 +5,6 @@ the admission, and stopped within seconds of the label's removal, not at the nex
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +14,8 @@ import pytest
 
 from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
 from tests.conftest import wait_until
-from tests.operator.factories import make_plan, quickstart_raw
+from tests.operator.factories import quickstart_raw
+from tests.operator.inprocess import running_operator
 
 pytestmark = pytest.mark.slow
 
@@ -29,29 +28,6 @@ INTERVAL = 60
 def cluster(tmp_path: Path) -> Iterator[Any]:
     with local.LocalCluster(tmp_path / "cluster", kubelet=False, kueue=True) as c:
         yield c
-
-
-def _run_operator(kubeconfig: str, stop: threading.Event, ready: threading.Event) -> None:
-    from finetune_operator.handlers import operate
-    from finetune_operator.settings import parse_operator_args
-
-    settings = parse_operator_args(
-        [
-            "--namespace=default",
-            "--standalone",
-            f"--reconcile-interval={INTERVAL}",
-            "--metrics-port=0",
-        ]
-    )
-    asyncio.run(
-        operate(
-            settings,
-            kubeconfig=kubeconfig,
-            planner=lambda _: make_plan(2, 1),
-            ready_flag=ready,
-            stop_flag=stop,
-        )
-    )
 
 
 def _admitted(count: int) -> dict[str, Any]:
@@ -70,19 +46,7 @@ def _succeeded_reason(custom: Any) -> str | None:
 
 
 def test_an_admission_reaches_the_job_before_its_next_pass(cluster: Any) -> None:
-    from kubernetes import client
-
-    from finetune_operator.reconcile.apply import load_api_client
-
-    stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(
-        target=_run_operator, args=(str(cluster.kubeconfig_path), stop, ready), daemon=True
-    )
-    thread.start()
-    try:
-        assert ready.wait(30), "operator did not start"
-        api = load_api_client(str(cluster.kubeconfig_path))
-        custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+    with running_operator(cluster.kubeconfig_path, INTERVAL) as (custom, core):
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "FineTuneJob",
                 "metadata": {"name": "queued", "labels": {"kueue.x-k8s.io/queue-name": "q"}},
                 "spec": quickstart_raw()}  # fmt: skip
@@ -117,6 +81,3 @@ def test_an_admission_reaches_the_job_before_its_next_pass(cluster: Any) -> None
         wait_until(lambda: workers() == [], "the workers stopped", INTERVAL / 2, interval=0.2)
         reason = wait_until(lambda: _succeeded_reason(custom), "the job's reason", 10, interval=0.2)
         assert reason == "QueueLabelRemoved"
-    finally:
-        stop.set()
-        thread.join(30)

@@ -7,10 +7,8 @@ to join before worker-0 finishes. Shows create → pods → failed pod replaced 
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,8 @@ import pytest
 
 from finetune_operator.api.constants import GROUP, PLURAL, VERSION
 from tests.conftest import wait_until
-from tests.operator.factories import make_plan, quickstart_raw
+from tests.operator.factories import quickstart_raw
+from tests.operator.inprocess import running_operator
 
 pytestmark = pytest.mark.slow
 
@@ -49,47 +48,15 @@ def _fake_commands(monkeypatch: pytest.MonkeyPatch, marker: Path) -> None:
     monkeypatch.setattr(rendezvous, "rendezvous_command", lambda: ["sleep", "300"])
 
 
-def _run_operator(kubeconfig: str, stop: threading.Event, ready: threading.Event) -> None:
-    from finetune_operator.handlers import operate
-    from finetune_operator.settings import parse_operator_args
-
-    # The chart's flags, with a 1 s pass so the replacement happens within the test's budget,
-    # and no metrics server: its fixed default port (9090) may be taken on a shared machine.
-    settings = parse_operator_args(
-        ["--namespace=default", "--standalone", "--reconcile-interval=1", "--metrics-port=0"]
-    )
-    asyncio.run(
-        operate(
-            settings,
-            kubeconfig=kubeconfig,
-            planner=lambda _: make_plan(2, 1),
-            ready_flag=ready,
-            stop_flag=stop,
-        )
-    )
-
-
 def _wait(what: str, fn: Any, timeout: float = 60) -> Any:
     return wait_until(fn, what, timeout, interval=0.5)
 
 
 def test_create_fail_replace_succeed(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kubernetes import client
-
-    from finetune_operator.reconcile.apply import load_api_client
-
     _fake_commands(monkeypatch, Path(cluster.data_dir) / "failed-once")
     spec = quickstart_raw()
     spec["faultTolerance"] = {"maxRestarts": 2, "backoffSeconds": 1}
-    stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(
-        target=_run_operator, args=(str(cluster.kubeconfig_path), stop, ready), daemon=True
-    )
-    thread.start()
-    try:
-        assert ready.wait(30), "operator did not start"
-        api = load_api_client(str(cluster.kubeconfig_path))
-        custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+    with running_operator(cluster.kubeconfig_path, interval=1) as (custom, core):
         body = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "FineTuneJob",
@@ -126,6 +93,3 @@ def test_create_fail_replace_succeed(cluster: Any, monkeypatch: pytest.MonkeyPat
         )
         events = core.list_namespaced_event("default").items
         assert any(e.reason == "Restarting" for e in events)
-    finally:
-        stop.set()
-        thread.join(30)
