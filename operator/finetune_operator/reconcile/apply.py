@@ -22,7 +22,6 @@ from finetune_operator.reconcile.actions import Actions, ObjectRef, PodDeletion
 from finetune_operator.reconcile.api_calls import MERGE_PATCH
 from finetune_operator.reconcile.child_errors import (
     POD_GROUP_ADVICE,
-    WORKLOAD_ADVICE,
     describe_api_error,
     describe_child_error,
 )
@@ -167,42 +166,7 @@ class ClusterApi(WorkloadApi):
                 result.errors.append(
                     f"{obj['kind']} {obj['metadata']['name']}: {describe_api_error(err)}"
                 )
-        if actions.workload is not None:
-            try:
-                await self.ensure_workload(actions.workload, actions.workload_rewrite)
-            except ApiException as err:
-                result.errors.append(describe_child_error(actions.workload, err, WORKLOAD_ADVICE))
-        if actions.workload_deactivate:
-            try:
-                await self.deactivate_workload(namespace, actions.workload_name)
-            except ApiException as err:
-                if err.status != 404:  # gone: nothing holds quota
-                    result.errors.append(
-                        f"Workload {actions.workload_name} (active false): {describe_api_error(err)}"
-                    )
-        if actions.workload_status is not None:
-            try:
-                await self.patch_workload_status(
-                    namespace, actions.workload_name, actions.workload_status
-                )
-            except ApiException as err:
-                # 409: Kueue wrote it since it was read; the next pass reads it again and
-                # decides anew (as controllers requeue on a conflict), nothing to report.
-                if err.status != 409:
-                    result.errors.append(
-                        f"Workload {actions.workload_name} status: {describe_api_error(err)}"
-                    )
-        if actions.workload_finalizer is not None:
-            try:
-                await self.patch_workload(
-                    namespace, actions.workload_name, actions.workload_finalizer
-                )
-            except ApiException as err:
-                # 404: gone already; 409: written since it was read, decided anew next pass.
-                if err.status not in (404, 409):
-                    result.errors.append(
-                        f"Workload {actions.workload_name} (finalizer): {describe_api_error(err)}"
-                    )
+        result.errors += await self.apply_workload(namespace, actions)
         group_ok = True
         if actions.pod_group is not None:
             try:

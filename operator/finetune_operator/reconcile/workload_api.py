@@ -6,10 +6,12 @@ absence. Decisions stay in `actions.py` and `workload_patches.py`."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from finetune_operator.reconcile.actions import Actions
 from finetune_operator.reconcile.api_calls import MERGE_PATCH, ApiCalls
 from finetune_operator.reconcile.child_errors import (
     WORKLOAD_ADVICE,
@@ -154,3 +156,32 @@ class WorkloadApi(ApiCalls):
         except ApiException as err:
             if err.status not in (404, 409):
                 raise
+
+    async def apply_workload(self, namespace: str, actions: Actions) -> list[str]:
+        """The Workload's part of a pass (ensure, deactivate, patch its status, its
+        finalizer), every step tried; the errors worth reporting."""
+        errors: list[str] = []
+        if actions.workload is not None:
+            try:
+                await self.ensure_workload(actions.workload, actions.workload_rewrite)
+            except ApiException as err:
+                errors.append(describe_child_error(actions.workload, err, WORKLOAD_ADVICE))
+        name = actions.workload_name
+        status, finalizer = actions.workload_status, actions.workload_finalizer
+        # Each patch, what the error says it was, and the statuses that are no error: 404,
+        # gone already (nothing holds quota); 409, Kueue wrote it since it was read: the next
+        # pass reads it again and decides anew (as controllers requeue on a conflict).
+        steps: list[tuple[Callable[[], Awaitable[Any]], str, tuple[int, ...]]] = []
+        if actions.workload_deactivate:
+            steps.append((lambda: self.deactivate_workload(namespace, name), " (active false)", (404,)))  # fmt: skip
+        if status is not None:
+            steps.append((lambda: self.patch_workload_status(namespace, name, status), " status", (409,)))  # fmt: skip
+        if finalizer is not None:
+            steps.append((lambda: self.patch_workload(namespace, name, finalizer), " (finalizer)", (404, 409)))  # fmt: skip
+        for call, what, fine in steps:
+            try:
+                await call()
+            except ApiException as err:
+                if err.status not in fine:
+                    errors.append(f"Workload {name}{what}: {describe_api_error(err)}")
+        return errors
