@@ -46,6 +46,18 @@ from finetune_local.patches import (
 )
 
 
+def _check_resource_version(rtype: ResourceType, current: dict[str, Any], body: Any) -> None:
+    """An update or merge patch that names a resourceVersion applies to that version only."""
+    wanted = body.get("metadata", {}).get("resourceVersion")
+    if wanted and wanted != current["metadata"]["resourceVersion"]:
+        raise conflict(
+            rtype,
+            current["metadata"]["name"],
+            "the object has been modified; please apply your changes "
+            "to the latest version and try again",
+        )
+
+
 class ObjectService:
     """Create, read, update, patch and delete, as the API server does them on its store."""
 
@@ -153,14 +165,7 @@ class ObjectService:
         current = self.get(rtype, namespace, name)
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
-        wanted = body.get("metadata", {}).get("resourceVersion")
-        if wanted and wanted != current["metadata"]["resourceVersion"]:
-            raise conflict(
-                rtype,
-                name,
-                "the object has been modified; please apply your changes "
-                "to the latest version and try again",
-            )
+        _check_resource_version(rtype, current, body)
         return self._update(rtype, current, copy.deepcopy(body), subresource)
 
     def patch(
@@ -189,14 +194,7 @@ class ObjectService:
             elif not isinstance(patch, dict):
                 raise PatchError(f"a {content_type} patch must be a JSON object", status=400)
             else:  # merge-patch, and apply-patch approximated as a merge
-                wanted = patch.get("metadata", {}).get("resourceVersion")
-                if wanted and wanted != current["metadata"]["resourceVersion"]:
-                    raise conflict(
-                        rtype,
-                        name,
-                        "the object has been modified; please apply your "
-                        "changes to the latest version and try again",
-                    )
+                _check_resource_version(rtype, current, patch)
                 new = (
                     merge_patch(current, patch)
                     if "apply-patch" not in content_type
