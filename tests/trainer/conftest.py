@@ -219,6 +219,18 @@ def launch_standalone(
     return p
 
 
+def start_rendezvous_store(cwd: Path, procs: list[Proc]) -> int:
+    """The standalone rendezvous store (what the operator's rendezvous pod runs) on a free
+    port of 127.0.0.1, logging to `cwd`/store.log, added to `procs`; returns once it is READY,
+    with its port."""
+    port = free_port()
+    store = Proc([sys.executable, "-m", "finetune_trainer.rendezvous", "--port", str(port),
+                  "--host", "127.0.0.1"], cwd=cwd, log=cwd / "store.log", env={})  # fmt: skip
+    procs.append(store)
+    wait_until(lambda: "READY" in store.log.read_text(), 30, "store", store.log)
+    return port
+
+
 # Rendezvous timing knobs on top of the operator's `is_host=false`: a dead node's keep-alive
 # expires after 2 s x 3 and a round closes 5 s after min nodes joined (defaults: 5 x 3 and
 # 30 s), so a re-form takes ~10 s instead of ~45 s.
