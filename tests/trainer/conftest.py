@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
@@ -21,6 +21,9 @@ from finetune_operator.api.plan import MemoryBreakdown, Plan
 from finetune_operator.api.spec import FineTuneJobSpec
 from tests.conftest import json_lines
 from tests.conftest import wait_until as shared_wait_until
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -96,6 +99,14 @@ def world_one() -> Iterator[None]:
     )
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ckpt_group(world_one: None) -> Iterator[ProcessGroup]:
+    """The one-rank world plus a gloo group of the checkpointer's own (async saves need one)."""
+    import torch.distributed as dist
+
+    yield dist.new_group(backend="gloo")
 
 
 def step_lines(log: Path) -> list[dict[str, Any]]:
