@@ -124,6 +124,11 @@ MATRIX = [
 ]
 
 
+# One LoRA setting for both sides of the comparison: the trainer's job and the HF baseline.
+LORA_RANK, LORA_ALPHA, LORA_DROPOUT = 16, 32, 0.0
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 # ---- the job the operator would run ---------------------------------------------------------
 
 
@@ -139,18 +144,10 @@ def job_spec(case: Case, data: Path, ckpt: Path, steps: int, *, sync: bool) -> A
     method: dict[str, Any] = {"type": case.method}
     if case.method == "lora":
         method["lora"] = {
-            "rank": 16,
-            "alpha": 32,
-            "dropout": 0.0,
-            "targetModules": [
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ],
+            "rank": LORA_RANK,
+            "alpha": LORA_ALPHA,
+            "dropout": LORA_DROPOUT,
+            "targetModules": list(LORA_TARGETS),
         }
     return FineTuneJobSpec.model_validate(
         {
@@ -316,19 +313,11 @@ def hf_worker(path: Path) -> None:
 
         model = model.to(torch.bfloat16)
         lora = LoraConfig(
-            r=16,
-            lora_alpha=32,
-            lora_dropout=0.0,
+            r=LORA_RANK,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=LORA_DROPOUT,
             task_type="CAUSAL_LM",
-            target_modules=[
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ],
+            target_modules=list(LORA_TARGETS),
         )
         model = get_peft_model(model, lora, autocast_adapter_dtype=True)
     torch.cuda.empty_cache()

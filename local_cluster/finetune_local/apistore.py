@@ -30,34 +30,28 @@ class ApiError(KubernetesError):
     """An error answered with a Kubernetes ``Status`` body."""
 
 
-def not_found(rtype: ResourceType, name: str) -> ApiError:
-    resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
+def _resource(rtype: ResourceType) -> str:
+    return f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
+
+
+def _object_error(code: int, reason: str, message: str, rtype: ResourceType, name: str) -> ApiError:
     return ApiError(
-        404,
-        "NotFound",
-        f'{resource} "{name}" not found',
-        {"name": name, "group": rtype.group, "kind": rtype.plural},
+        code, reason, message, {"name": name, "group": rtype.group, "kind": rtype.plural}
     )
+
+
+def not_found(rtype: ResourceType, name: str) -> ApiError:
+    return _object_error(404, "NotFound", f'{_resource(rtype)} "{name}" not found', rtype, name)
 
 
 def already_exists(rtype: ResourceType, name: str) -> ApiError:
-    resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
-    return ApiError(
-        409,
-        "AlreadyExists",
-        f'{resource} "{name}" already exists',
-        {"name": name, "group": rtype.group, "kind": rtype.plural},
-    )
+    message = f'{_resource(rtype)} "{name}" already exists'
+    return _object_error(409, "AlreadyExists", message, rtype, name)
 
 
 def conflict(rtype: ResourceType, name: str, why: str) -> ApiError:
-    resource = f"{rtype.plural}.{rtype.group}" if rtype.group else rtype.plural
-    return ApiError(
-        409,
-        "Conflict",
-        f'Operation cannot be fulfilled on {resource} "{name}": {why}',
-        {"name": name, "group": rtype.group, "kind": rtype.plural},
-    )
+    message = f'Operation cannot be fulfilled on {_resource(rtype)} "{name}": {why}'
+    return _object_error(409, "Conflict", message, rtype, name)
 
 
 def invalid(rtype: ResourceType, name: str, causes: list[tuple[str, str]]) -> ApiError:

@@ -9,7 +9,7 @@ Its parts: :mod:`.informer` (list + watch caches), :mod:`.nodes` (Node registrat
 :mod:`.podsources` (ConfigMaps, Secrets and claims a pod uses), :mod:`.imageenv` (what stands
 for the image's environment), :mod:`.podspec` (environment, hosts file), :mod:`.podrunner`
 (volumes, the process), :mod:`.emptydir` (emptyDir lifetime, sizeLimit eviction),
-:mod:`.podstatus` (status bodies).
+:mod:`.podlaunch` (what a container starts with), :mod:`.podstatus` (status bodies).
 
 Deviations from a real kubelet: only the first container runs (init and sidecar containers are
 ignored); images are ignored (the command runs with this Python environment); there is no
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import pathlib
 import signal
@@ -34,23 +33,14 @@ from typing import Any
 from finetune_local import emptydir, podrunner
 from finetune_local.addresses import AddressPool
 from finetune_local.binding import schedule_pod
-from finetune_local.imageenv import image_env
 from finetune_local.informer import Cache, ObjectKey, list_and_watch, remember
 from finetune_local.nodes import register_node
 from finetune_local.podgroups import GangScheduler
-from finetune_local.podsources import bind_claim, fetch_config, referenced_configs
-from finetune_local.podspec import (
-    ConfigMissingError,
-    ContainerConfigError,
-    container_env,
-    expand,
-    render_hosts,
-    secret_data,
-)
-from finetune_local.podstatus import conditions as pod_conditions
-from finetune_local.podstatus import container_base, now, running_status, waiting
+from finetune_local.podlaunch import PodRun, launch_spec, prepare_container
+from finetune_local.podspec import ConfigMissingError, ContainerConfigError, render_hosts
+from finetune_local.podstatus import now, running_status, terminated_status, waiting
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
-from finetune_local.termination import begin_instance, read_message, termination_mount
+from finetune_local.termination import begin_instance, read_message
 
 logger = logging.getLogger(__name__)
 PodKey = ObjectKey
@@ -72,41 +62,6 @@ class KubeletConfig:
     address_scope: str = ""  # claims of this scope only (addresses.py); clusters use the default
     # Gang schedulers running beside the default one (binding.py), e.g. Coscheduling.
     gang_schedulers: list[GangScheduler] = field(default_factory=list)
-
-
-@dataclass
-class PodRun:
-    """A started pod: its process, address and files."""
-
-    uid: str
-    ip: str
-    directory: pathlib.Path
-    container: str
-    hosts_file: pathlib.Path
-    process: asyncio.subprocess.Process | None = None
-    started_at: str = ""
-    restart_count: int = 0
-    log_start: int = 0  # where the current container instance's output begins in the log
-    terminating: bool = False
-    finished: bool = False
-    hosts_text: str = ""
-    launch: dict[str, Any] = field(default_factory=dict)  # podinit spec, reused on restarts
-    env: dict[str, str] = field(default_factory=dict)
-    size_limits: list[emptydir.SizeLimit] = field(default_factory=list)
-    usage_checked_at: float = 0.0
-    evicted: str = ""  # the eviction message, once evicted
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid if self.process else 0
-
-    @property
-    def log_path(self) -> pathlib.Path:
-        return self.directory / f"{self.container}.log"
-
-    @property
-    def termination_file(self) -> pathlib.Path:
-        return self.directory / f"{self.container}.termination-log"
 
 
 class Kubelet:
@@ -290,36 +245,9 @@ class Kubelet:
             hosts_file=directory / "etc-hosts",
         )
         try:
-            volumes = await podrunner.materialise_volumes(
-                pod,
-                directory,
-                self.config.data_dir,
-                functools.partial(fetch_config, self.client),
-                functools.partial(bind_claim, self.client, self.config.data_dir),
+            env, mounts = await prepare_container(
+                self.client, self.config, pod, container, run, self.mountpoints, self._hosts_for
             )
-            lookups: dict[tuple[str, str], dict[str, str] | None] = {}
-            for kind, name in referenced_configs(container):
-                obj = await fetch_config(self.client, kind, key[0], name)
-                lookups[(kind, name)] = (
-                    None
-                    if obj is None
-                    else (secret_data(obj) if kind == "secret" else dict(obj.get("data") or {}))
-                )
-            pod_view = {
-                **pod,
-                "status": {**pod.get("status", {}), "podIP": run.ip, "hostIP": "127.0.0.1"},
-            }
-            env = container_env(
-                pod_view, container, lambda k, n: lookups.get((k, n)), image_env(pod, self.config)
-            )
-            directory.mkdir(parents=True, exist_ok=True)
-            run.hosts_text = self._hosts_for(pod_view, run.ip)
-            run.hosts_file.write_text(run.hosts_text)
-            mounts = podrunner.container_mounts(
-                container, volumes, run.hosts_file, self.mountpoints
-            )
-            mounts.append(termination_mount(container, run.termination_file))
-            self.mountpoints.ensure(pathlib.Path(mounts[-1]["target"]), is_file=True)
         except ConfigMissingError as exc:
             # Env that names a missing Secret/ConfigMap or key: CreateContainerConfigError;
             # a volume that cannot be set up yet: still ContainerCreating (as a real kubelet).
@@ -333,24 +261,12 @@ class Kubelet:
             )
             await asyncio.sleep(1.0)  # retried by the next reconcile, as a real kubelet does
             return
-        argv = [
-            expand(str(a), env)
-            for a in [*(container.get("command") or []), *(container.get("args") or [])]
-        ]
         if not container.get("command"):
             await self._finish(
                 key, run, 127, "the local kubelet ignores images: the container needs a command"
             )
             return
-        workdir = pathlib.Path(container.get("workingDir") or self.config.data_dir / "shared")
-        workdir.mkdir(parents=True, exist_ok=True)
-        run.launch = {
-            "hostname": env["HOSTNAME"],
-            "mounts": mounts,
-            "workingDir": str(workdir),
-            "argv": argv,
-            "keepVisible": podrunner.image_paths(self.config.data_dir),
-        }
+        run.launch = launch_spec(container, env, mounts, self.config.data_dir)
         run.env = env
         run.size_limits = emptydir.size_limits(pod, directory)
         self.runs[key] = run
@@ -402,33 +318,16 @@ class Kubelet:
         self.runs.setdefault(key, run)
         pod = self.pods.get(key, {})
         container = (pod.get("spec", {}).get("containers") or [{}])[0]
-        terminated = {
-            "exitCode": code,
-            "reason": "Completed" if code == 0 else "Error",
-            "startedAt": run.started_at or now(),
-            "finishedAt": now(),
-            "containerID": f"local://{run.pid}",
-        }
-        if message:
-            terminated["message"] = message
-        phase = "Succeeded" if code == 0 and not run.evicted else "Failed"
-        status = {
-            "phase": phase,
-            "podIP": run.ip,
-            "podIPs": [{"ip": run.ip}],
-            "hostIP": "127.0.0.1",
-            "conditions": pod_conditions(False, "PodCompleted" if code == 0 else "PodFailed"),
-            "containerStatuses": [
-                {
-                    **container_base(container, run.pid, run.restart_count),
-                    "ready": False,
-                    "started": False,
-                    "state": {"terminated": terminated},
-                }
-            ],
-        }
-        if run.evicted:
-            status.update(reason=emptydir.EVICTED, message=run.evicted)
+        status = terminated_status(
+            container,
+            ip=run.ip,
+            pid=run.pid,
+            restart_count=run.restart_count,
+            started_at=run.started_at,
+            code=code,
+            message=message,
+            evicted=run.evicted,
+        )
         await self._patch_status(key, status)
         if run.terminating:
             await self._final_delete(key)

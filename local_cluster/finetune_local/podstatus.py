@@ -6,6 +6,8 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
+from finetune_local.emptydir import EVICTED
+
 
 def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -72,3 +74,46 @@ def running_status(
             }
         ],
     }
+
+
+def terminated_status(
+    container: Mapping[str, Any],
+    *,
+    ip: str,
+    pid: int,
+    restart_count: int,
+    started_at: str,
+    code: int,
+    message: str,
+    evicted: str,
+) -> dict[str, Any]:
+    """A pod whose container exited with `code` for good: Succeeded on 0, else Failed; an
+    evicted pod (`evicted`, the eviction message) is Failed whatever its code."""
+    terminated = {
+        "exitCode": code,
+        "reason": "Completed" if code == 0 else "Error",
+        "startedAt": started_at or now(),
+        "finishedAt": now(),
+        "containerID": f"local://{pid}",
+    }
+    if message:
+        terminated["message"] = message
+    phase = "Succeeded" if code == 0 and not evicted else "Failed"
+    status = {
+        "phase": phase,
+        "podIP": ip,
+        "podIPs": [{"ip": ip}],
+        "hostIP": "127.0.0.1",
+        "conditions": conditions(False, "PodCompleted" if code == 0 else "PodFailed"),
+        "containerStatuses": [
+            {
+                **container_base(container, pid, restart_count),
+                "ready": False,
+                "started": False,
+                "state": {"terminated": terminated},
+            }
+        ],
+    }
+    if evicted:
+        status.update(reason=EVICTED, message=evicted)
+    return status

@@ -11,13 +11,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from finetune_operator.api.crd import (
-    CEL_RULES,
-    INT_OR_AUTO_RULE,
-    SPEC_CEL_RULES,
-    build_crd,
-    render_crd_yaml,
-)
+from finetune_operator.api.crd import build_crd, render_crd_yaml
+from finetune_operator.api.crd_rules import CEL_RULES, INT_OR_AUTO_RULE, SPEC_CEL_RULES
 from tests.conftest import CRD_PATH
 
 
@@ -135,7 +130,7 @@ VALID = {"method": {"type": "full"}, "output": {}}
     ids=["gains-it", "lora", "false", "valid", "stored-with-it", "stored-with-it-suspended"],
 )
 def test_spec_transition_rules(old: dict[str, Any], new: dict[str, Any], ok: bool) -> None:
-    """Transition rules (crd.kept_when_stored): refused where an update brings the form in."""
+    """Transition rules (crd_rules.kept_when_stored): refused where an update brings the form in."""
     env = celpy.Environment()
     for rule in SPEC_CEL_RULES:
         activation = {"self": celpy.json_to_cel(new), "oldSelf": celpy.json_to_cel(old)}

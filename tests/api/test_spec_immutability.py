@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from finetune_operator.api.crd import IMMUTABLE_SPEC_MESSAGE, MUTABLE_SPEC_FIELDS, build_crd
+from finetune_operator.api.crd import build_crd
+from finetune_operator.api.crd_rules import IMMUTABLE_SPEC_MESSAGE, MUTABLE_SPEC_FIELDS
 from finetune_operator.api.schema_validation import CustomResourceSchema
 from finetune_operator.api.spec import FineTuneJobSpec
 

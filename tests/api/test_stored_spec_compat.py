@@ -1,6 +1,6 @@
 """A job stored before a release began refusing a spec form stays writable and keeps its old
 meaning; a new job with that form is still refused, and an edit cannot introduce it
-(api/spec_compat.py, crd.kept_when_stored)."""
+(api/spec_compat.py, crd_rules.kept_when_stored)."""
 
 from __future__ import annotations
 

@@ -77,19 +77,25 @@ def check_crd_object(obj: dict[str, Any]) -> None:
         assert kind in {"KopfPeering", "ClusterKopfPeering"} and not spec
 
 
-@pytest.mark.parametrize("sets", CONFIGURATIONS.values(), ids=CONFIGURATIONS.keys())
-def test_every_object_validates(render: Render, sets: tuple[str, ...]) -> None:
-    docs = render(*sets, include_crds=True)
-    assert docs
+def check_objects(docs: list[dict[str, Any]], version: str) -> None:
+    """Every rendered object: a custom resource by check_crd_object, the rest against the
+    official schemas of Kubernetes `version` (strict: no unknown fields)."""
     for obj in docs:
-        where = f"{obj['kind']}/{obj['metadata']['name']}"
         if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
             check_crd_object(obj)
             continue
         try:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as err:
-            pytest.fail(f"{where}: {err.message} at {list(err.path)}")
+            where = f"{obj['kind']}/{obj['metadata']['name']}"
+            pytest.fail(f"{version} {where}: {err.message} at {list(err.path)}")
+
+
+@pytest.mark.parametrize("sets", CONFIGURATIONS.values(), ids=CONFIGURATIONS.keys())
+def test_every_object_validates(render: Render, sets: tuple[str, ...]) -> None:
+    docs = render(*sets, include_crds=True)
+    assert docs
+    check_objects(docs, K8S_VERSION)
 
 
 def test_helm_lint(helm: Path) -> None:

@@ -19,7 +19,7 @@ from kubernetes_validate.utils import latest_version
 
 from finetune_operator.settings import parse_operator_args
 from tests.chart.conftest import ALL_OPTIONAL, CHART, Render, only, template
-from tests.chart.test_chart import CRD_KINDS, _grants, check_crd_object
+from tests.chart.test_chart import _grants, check_objects
 
 FLOOR = (1, 28)  # CEL rules with fieldPath/reason: see test_the_floor_is_what_the_crd_needs
 
@@ -54,14 +54,7 @@ def test_renders_and_validates_on_every_claimed_version(helm: Path, version: str
     proc = template(helm, sets, extra=["--include-crds", "--kube-version", f"{version}.0"])
     assert proc.returncode == 0, proc.stderr
     docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
-    for obj in docs:
-        if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
-            check_crd_object(obj)
-            continue
-        try:
-            kubernetes_validate.validate(obj, version, strict=True)
-        except kubernetes_validate.ValidationError as err:
-            pytest.fail(f"{version} {obj['kind']}/{obj['metadata']['name']}: {err.message}")
+    check_objects(docs, version)
 
 
 def _trainer_accounts(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from kubernetes import client
 
 from finetune_local.cluster import LocalCluster
 from finetune_operator.api.constants import GROUP, PLURAL, VERSION
-from finetune_operator.api.crd import IMMUTABLE_SPEC_MESSAGE
+from finetune_operator.api.crd_rules import IMMUTABLE_SPEC_MESSAGE
 from tests.conftest import CRD_PATH, EXAMPLES
 
 

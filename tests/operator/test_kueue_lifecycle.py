@@ -301,7 +301,7 @@ def test_failed_to_start_advises_what_the_api_server_lets_the_user_do() -> None:
     message must not ask for one: a new job (delete and apply again), or the flavor fixed and
     the Workload deleted. The latter queues the job again, as Kueue recreates the Workload of
     a job it refused to start."""
-    from finetune_operator.api.crd import IMMUTABLE_SPEC_MESSAGE, MUTABLE_SPEC_FIELDS
+    from finetune_operator.api.crd_rules import IMMUTABLE_SPEC_MESSAGE, MUTABLE_SPEC_FIELDS
 
     assert "resources" not in MUTABLE_SPEC_FIELDS and "immutable" in IMMUTABLE_SPEC_MESSAGE
     out = kstep(FineTuneJobStatus(), [], _admitted_for(_on_demand()), spec=_on_demand())

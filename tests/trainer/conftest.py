@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
@@ -21,6 +21,9 @@ from finetune_operator.api.plan import MemoryBreakdown, Plan
 from finetune_operator.api.spec import FineTuneJobSpec
 from tests.conftest import json_lines
 from tests.conftest import wait_until as shared_wait_until
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -96,6 +99,14 @@ def world_one() -> Iterator[None]:
     )
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ckpt_group(world_one: None) -> Iterator[ProcessGroup]:
+    """The one-rank world plus a gloo group of the checkpointer's own (async saves need one)."""
+    import torch.distributed as dist
+
+    yield dist.new_group(backend="gloo")
 
 
 def step_lines(log: Path) -> list[dict[str, Any]]:
@@ -217,6 +228,18 @@ def launch_standalone(
     if procs is not None:
         procs.append(p)
     return p
+
+
+def start_rendezvous_store(cwd: Path, procs: list[Proc]) -> int:
+    """The standalone rendezvous store (what the operator's rendezvous pod runs) on a free
+    port of 127.0.0.1, logging to `cwd`/store.log, added to `procs`; returns once it is READY,
+    with its port."""
+    port = free_port()
+    store = Proc([sys.executable, "-m", "finetune_trainer.rendezvous", "--port", str(port),
+                  "--host", "127.0.0.1"], cwd=cwd, log=cwd / "store.log", env={})  # fmt: skip
+    procs.append(store)
+    wait_until(lambda: "READY" in store.log.read_text(), 30, "store", store.log)
+    return port
 
 
 # Rendezvous timing knobs on top of the operator's `is_host=false`: a dead node's keep-alive

@@ -10,7 +10,6 @@ import contextlib
 import os
 import re
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,12 +21,11 @@ from tests.conftest import wait_until as shared_wait_until
 from tests.trainer.conftest import (
     Proc,
     elastic_args,
-    free_port,
     make_job,
+    start_rendezvous_store,
     step_lines,
     tail,
     trainer_env,
-    wait_until,
     write_job,
 )
 
@@ -77,11 +75,7 @@ def start_and_freeze(
     committed checkpoint, mid-interval (not in a save's relaxed window)."""
     config = write_job(tmp / "job.json", job)
     ckpt = tmp / "checkpoints" / job.name
-    port = free_port()
-    store = Proc([sys.executable, "-m", "finetune_trainer.rendezvous", "--port", str(port),
-                  "--host", "127.0.0.1"], cwd=tmp, log=tmp / "store.log", env={})  # fmt: skip
-    procs.append(store)
-    wait_until(lambda: "READY" in store.log.read_text(), 30, "store", store.log)
+    port = start_rendezvous_store(tmp, procs)
 
     def agent(name: str, ip: str) -> Proc:
         args = elastic_args(config=config, endpoint=f"127.0.0.1:{port}", pod_ip=ip, min_nodes=1,

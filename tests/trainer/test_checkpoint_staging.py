@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,18 +25,7 @@ from finetune_trainer.parallelize import _no_buffer_sync_in_forward
 from finetune_trainer.staging import HostStaging
 from finetune_trainer.state import TrainState
 from finetune_trainer.torch_floor import check_torch
-from tests.trainer.conftest import free_port
 from tests.trainer.test_checkpointer import checkpointer, new_state, train_steps
-
-
-@pytest.fixture(scope="module")
-def ckpt_group() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    group = dist.new_group(backend="gloo")
-    yield group
-    dist.destroy_process_group()
 
 
 def failures(ckpt: object) -> float:

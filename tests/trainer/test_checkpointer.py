@@ -4,7 +4,7 @@ corrupt checkpoints skipped, retention, the no-op stand-in."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,17 +24,7 @@ from finetune_trainer.optim import build_scheduler
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from tests.objectstore import MotoServer
-from tests.trainer.conftest import free_port, make_job
-
-
-@pytest.fixture(scope="module")
-def ckpt_group() -> Iterator[dist.ProcessGroup]:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    group = dist.new_group(backend="gloo")
-    yield group
-    dist.destroy_process_group()
+from tests.trainer.conftest import make_job
 
 
 def new_state() -> TrainState:

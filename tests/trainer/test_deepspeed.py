@@ -113,14 +113,6 @@ def ddp_losses(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[float]
     yield losses
 
 
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.close()
-
-
 def assert_matches(losses: dict[int, float], reference: list[float]) -> None:
     for step, loss in losses.items():
         assert abs(loss - reference[step - 1]) < LOSS_TOLERANCE, (step, loss, reference)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,8 @@ from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
 from tests.trainer.conftest import (
     Proc,
     elastic_args,
-    free_port,
     make_job,
+    start_rendezvous_store,
     step_lines,
     tail,
     trainer_env,
@@ -40,23 +39,7 @@ def test_lose_a_node_then_gain_one(tmp_path: Path, procs: list[Proc]) -> None:
     job = make_job(training={"maxSteps": 50}, checkpoint={"intervalSteps": 5})
     config = write_job(tmp_path / "job.json", job)
     ckpt = tmp_path / "checkpoints" / "quickstart"
-    port = free_port()
-    store = Proc(
-        [
-            sys.executable,
-            "-m",
-            "finetune_trainer.rendezvous",
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-        ],
-        cwd=tmp_path,
-        log=tmp_path / "store.log",
-        env={},
-    )
-    procs.append(store)
-    wait_until(lambda: "READY" in (tmp_path / "store.log").read_text(), 30, "store", store.log)
+    port = start_rendezvous_store(tmp_path, procs)
 
     def agent(name: str, ip: str) -> Proc:
         args = elastic_args(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -20,11 +19,10 @@ from tests.conftest import EXAMPLES
 from tests.trainer.conftest import (
     Proc,
     elastic_args,
-    free_port,
     make_job,
+    start_rendezvous_store,
     tail,
     trainer_env,
-    wait_until,
     write_job,
 )
 
@@ -80,23 +78,7 @@ def test_two_pods_one_slowed_replay_names_it(
         tmp_path / "job.json",
         make_job(training={"maxSteps": steps}, checkpoint={"intervalSteps": 20}),
     )
-    port = free_port()
-    store = Proc(
-        [
-            sys.executable,
-            "-m",
-            "finetune_trainer.rendezvous",
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-        ],
-        cwd=tmp_path,
-        log=tmp_path / "store.log",
-        env={},
-    )
-    procs.append(store)
-    wait_until(lambda: "READY" in (tmp_path / "store.log").read_text(), 30, "store", store.log)
+    port = start_rendezvous_store(tmp_path, procs)
     trace = tmp_path / "trace"
     agents = []
     for pod, ip, delay in (("pod-a", "127.0.0.2", "0"), ("pod-b", "127.0.0.3", "0.2")):

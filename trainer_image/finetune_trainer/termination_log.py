@@ -84,9 +84,6 @@ def write_final_report(
 ) -> bool:
     """Write the report if the termination log exists (it does in a pod); never raises.
     `output`: where the trained model was exported (only the rank that wrote it says so)."""
-    target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
-    if not target.exists():
-        return False
     report: dict[str, float | int | str | list[int]] = {"step": step, "rank": rank}
     if loss is not None:
         report["loss"] = loss
@@ -102,21 +99,21 @@ def write_final_report(
         report["skippedCheckpoints"] = skipped[:32]
     if stop_reason:
         report["stopReason"] = stop_reason
-    try:
-        target.write_text(fit_json(report))
-    except OSError as e:
-        log.warning("could not write the termination report to %s: %s", target, e)
-        return False
-    return True
+    return _write_report(report, path)
 
 
 def write_error_report(message: str, *, rank: int, path: str | None = None) -> bool:
     """Leave a configuration error where the operator reads it; never raises."""
+    # Shorten the message, not the JSON: the operator must still be able to parse it.
+    return _write_report({"rank": rank, "error": message}, path)
+
+
+def _write_report(report: dict[str, Any], path: str | None) -> bool:
+    """Write `report` (fitted to the size limit) if the termination log exists (it does in a
+    pod); never raises."""
     target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
     if not target.exists():
         return False
-    # Shorten the message, not the JSON: the operator must still be able to parse it.
-    report = {"rank": rank, "error": message}
     try:
         target.write_text(fit_json(report))
     except OSError as e:

@@ -7,7 +7,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from finetune_operator.api.crd import INT_OR_AUTO_RULE, build_crd
+from finetune_operator.api.crd import build_crd
+from finetune_operator.api.crd_rules import INT_OR_AUTO_RULE
 
 
 def _type_of(node: dict[str, Any]) -> str:

@@ -201,7 +201,7 @@ class OutputSpec(SpecModel):
         None,
         # No min_length (in the CRD it would wedge jobs stored with ""): _uri_not_empty
         # refuses it for new jobs, and a CEL transition rule an edit to it
-        # (crd.kept_when_stored).
+        # (crd_rules.kept_when_stored).
         max_length=lim.MAX_URI_LENGTH,
         description="Where the final model is written (a directory or s3:// URI); omitted: "
         "no export, the model is only in the checkpoints.",

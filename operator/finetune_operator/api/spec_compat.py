@@ -4,7 +4,7 @@ A release that starts refusing a spec must not turn a job that already runs into
 InvalidSpec when the upgraded operator reconciles it (or when its trainer re-reads
 job.json on a restart): the job would die for a field it was accepted with. The API
 server keeps such a job writable: its CRD rules for them are transition rules
-(crd.kept_when_stored); here
+(crd_rules.kept_when_stored); here
 the operator and the trainer give it the meaning it had when it was accepted, and say
 what to change. A new job with the same spec is still refused, naming the field.
 """

@@ -35,5 +35,5 @@ def refuse_parent_segments(uri: str | None, field: str) -> str | None:
     return uri
 
 
-# The CRD's CEL twin of refuse_parent_segments (api/crd.py), so the API server refuses too.
+# The CRD's CEL twin of refuse_parent_segments (api/crd_rules.py), so the API server refuses too.
 NO_PARENT_SEGMENTS_RULE = "!self.matches('(^|/)[.][.](/|$)')"

@@ -78,9 +78,16 @@ def _max(a: Num | None, b: Num | None) -> Num | None:
     return b if a is None else a if b is None else max(a, b)
 
 
+# The gauges whose highest value over the ranks is the job's.
+_HIGHEST = frozenset(
+    {STEP, CKPT_STEP, CKPT_TIME, CKPT_FAILURES, CKPT_FAILED_STEP, RESUMED, SKIPPED}
+)
+
+
 def parse_trainer_metrics(text: str) -> TrainerProgress:
     """The progress one metrics page reports; an unparsable page reports nothing."""
-    step = ckpt_step = ckpt_time = loss = failures = failed_step = resumed = skipped = None
+    top: dict[str, float] = {}  # per gauge in _HIGHEST, its highest finite value
+    loss: float | None = None
     loss_rank: int | None = None
     try:
         samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
@@ -89,22 +96,13 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
     for s in samples:
         if not math.isfinite(s.value) and s.name != LOSS:
             continue
-        if s.name == STEP:
-            step = _max(step, s.value)
-        elif s.name == CKPT_STEP:
-            ckpt_step = _max(ckpt_step, s.value)
-        elif s.name == CKPT_TIME:
-            ckpt_time = _max(ckpt_time, s.value)
-        elif s.name == CKPT_FAILURES:
-            failures = _max(failures, s.value)
-        elif s.name == CKPT_FAILED_STEP:
-            failed_step = _max(failed_step, s.value)
-        elif s.name == RESUMED:
-            resumed = _max(resumed, s.value)
-        elif s.name == SKIPPED:
-            skipped = _max(skipped, s.value)
+        if s.name in _HIGHEST:
+            top[s.name] = max(top[s.name], s.value) if s.name in top else s.value
         elif s.name == LOSS and (loss_rank is None or _rank(s.labels) < loss_rank):
             loss, loss_rank = s.value, _rank(s.labels)
+    step, ckpt_step, ckpt_time = top.get(STEP), top.get(CKPT_STEP), top.get(CKPT_TIME)
+    failures, failed_step = top.get(CKPT_FAILURES), top.get(CKPT_FAILED_STEP)
+    resumed, skipped = top.get(RESUMED), top.get(SKIPPED)
     return TrainerProgress(
         step=int(step) if step is not None else None,
         loss=loss,
