@@ -1,0 +1,138 @@
+"""Kueue's queue-name label put on, or changed on, a job that is already running (pure
+reconcile passes): Kueue's webhooks refuse both on a running job; the operator, which has no
+webhook, keeps the job running and says when the label takes effect."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from finetune_operator.api.status import FineTuneJobStatus
+from finetune_operator.reconcile import Outcome, PodView, reconcile_job
+from finetune_operator.reconcile.admission import QueueState, read_queue_state
+from finetune_operator.reconcile.conditions import find
+from tests.operator.factories import make_plan, quickstart_raw
+from tests.operator.test_kueue import QUEUE, SPOT, _cond, admitted, workload
+from tests.operator.test_reconcile import ALL, JOB, T0, cond, created, deleted, pod, running
+
+APPLIED = "QueueLabelApplied"
+SUSPENDED = quickstart_raw() | {"suspend": True}
+
+
+def _pass(status: FineTuneJobStatus, pods: list[PodView], queue: QueueState | None,
+          seconds: float = 0, spec: dict[str, Any] | None = None) -> Outcome:  # fmt: skip
+    return reconcile_job(JOB, spec or quickstart_raw(), status, pods, T0 + timedelta(seconds=seconds),
+                         planner=lambda _: make_plan(2), ensured_generation=1, queue=queue)  # fmt: skip
+
+
+def _not_created_yet(queue: str = QUEUE) -> QueueState:
+    """The label is there, the Workload is not (Kueue served, the Workload known absent)."""
+    return read_queue_state(queue, None, {})
+
+
+def _running_outside_kueue() -> FineTuneJobStatus:
+    """A job without the label, its workers up."""
+    return _pass(FineTuneJobStatus(), running(*ALL), None).status
+
+
+def test_the_label_added_to_a_running_job_leaves_it_running_outside_kueue() -> None:
+    live = _running_outside_kueue()
+    assert live.phase == "Running" and find(live.conditions, APPLIED) is None
+    out = _pass(live, running(*ALL), _not_created_yet(), 5)
+    assert deleted(out) == [] and created(out) == []
+    assert out.actions.workload is None and out.status.workload is None  # not handed to Kueue
+    assert out.status.phase == "Running"
+    assert cond(out.status, APPLIED) == ("False", "AddedWhileRunning")
+    message = next(c for c in out.status.conditions if c.type == APPLIED).message
+    assert "kueue.x-k8s.io/queue-name" in message and QUEUE in message
+    assert "spec.suspend" in message  # what hands it over
+    (warning,) = [e for e in out.events if e.reason == "AddedWhileRunning"]
+    assert warning.type == "Warning" and QUEUE in warning.message
+    # The next pass says nothing new (no second Event).
+    again = _pass(out.status, running(*ALL), _not_created_yet(), 10)
+    assert again.actions.empty and not [e for e in again.events if e.reason == "AddedWhileRunning"]
+
+
+def test_a_job_running_outside_kueue_stays_so_through_a_pass_without_workers() -> None:
+    """A worker group replaced whole (a restart) is not the job stopping: it is recreated
+    outside Kueue rather than queued."""
+    live = _running_outside_kueue()
+    outside = _pass(live, running(*ALL), _not_created_yet(), 5).status
+    failed = [pod("qs-rdzv", "Running", ready=True),
+              pod("qs-worker-0", "Failed", exit_code=1, finished=T0),
+              pod("qs-worker-1", "Failed", exit_code=1, finished=T0)]  # fmt: skip
+    out = _pass(outside, failed, _not_created_yet(), 600)
+    assert sorted(deleted(out)) == ["qs-worker-0", "qs-worker-1"]  # replaced: deleted, then
+    assert out.actions.workload is None and cond(out.status, APPLIED)[1] == "AddedWhileRunning"
+    gone = _pass(out.status, running("qs-rdzv"), _not_created_yet(), 605)
+    assert created(gone) == ["qs-worker-0", "qs-worker-1"] and gone.actions.workload is None
+    assert gone.status.workload is None and cond(gone.status, APPLIED)[1] == "AddedWhileRunning"
+
+
+def test_a_job_running_outside_kueue_is_handed_to_it_once_suspended() -> None:
+    outside = _pass(_running_outside_kueue(), running(*ALL), _not_created_yet(), 5).status
+    stop = _pass(outside, running(*ALL), _not_created_yet(), 10, spec=SUSPENDED)
+    assert sorted(deleted(stop)) == sorted(ALL)
+    assert stop.actions.workload is not None and stop.actions.workload["spec"]["active"] is False
+    assert stop.actions.workload["spec"]["queueName"] == QUEUE and stop.status.workload == "qs"
+    assert cond(stop.status, APPLIED) == ("True", "Applied")
+    assert [e.type for e in stop.events if e.reason == "Applied"] == ["Normal"]
+    # Resumed: it waits for Kueue's admission like any labelled job.
+    inactive = workload(_cond("QuotaReserved", "False", "Pending"))
+    inactive["spec"]["active"] = False
+    resumed = _pass(stop.status, [], read_queue_state(QUEUE, inactive, {}), 15)
+    assert created(resumed) == [] and resumed.status.phase == "Pending"
+    assert resumed.actions.workload is not None and resumed.actions.workload["spec"]["active"]
+    assert cond(resumed.status, "Succeeded") == ("Unknown", "Queued")
+
+
+def test_a_job_running_outside_kueue_that_finishes_is_never_queued() -> None:
+    outside = _pass(_running_outside_kueue(), running(*ALL), _not_created_yet(), 5).status
+    done = [pod("qs-rdzv", "Running", ready=True),
+            pod("qs-worker-0", "Succeeded", exit_code=0), pod("qs-worker-1", "Succeeded", exit_code=0)]  # fmt: skip
+    out = _pass(outside, done, _not_created_yet(), 10)
+    assert out.status.phase == "Succeeded" and out.actions.workload is None
+    after = _pass(out.status, done[1:], _not_created_yet(), 15)
+    assert after.actions.workload is None and created(after) == []
+
+
+def test_the_label_added_to_a_suspended_job_hands_it_to_kueue_at_once() -> None:
+    """As Kueue does: the change is allowed on a suspended job, and its Workload is created
+    (inactive here until the job is resumed, spec.suspend being the user's alone)."""
+    paused = _pass(FineTuneJobStatus(), [], None, spec=SUSPENDED).status
+    assert paused.phase == "Suspended"
+    out = _pass(paused, [], _not_created_yet(), 5, spec=SUSPENDED)
+    assert out.actions.workload is not None and out.actions.workload["spec"]["active"] is False
+    assert find(out.status.conditions, APPLIED) is None and out.status.workload == "qs"
+
+
+def test_the_label_on_a_job_with_no_worker_up_queues_it() -> None:
+    """Nothing runs yet (the operator has not created the pods, or they are all gone): it
+    waits for Kueue's admission, as a job created with the label does."""
+    out = _pass(FineTuneJobStatus(), [], _not_created_yet())
+    assert created(out) == [] and out.actions.workload is not None
+    assert find(out.status.conditions, APPLIED) is None
+
+
+def test_the_label_removed_from_a_job_running_outside_kueue_drops_the_condition() -> None:
+    outside = _pass(_running_outside_kueue(), running(*ALL), _not_created_yet(), 5).status
+    out = _pass(outside, running(*ALL), None, 10)
+    assert find(out.status.conditions, APPLIED) is None
+    assert deleted(out) == [] and out.actions.workload is None
+
+
+def test_the_label_changed_on_an_admitted_running_job_runs_on_in_its_queue() -> None:
+    live = _pass(FineTuneJobStatus(), running(*ALL), read_queue_state(QUEUE, admitted(2), {"spot": SPOT})).status  # fmt: skip
+    moved = read_queue_state("team-b", admitted(2), {"spot": SPOT})
+    out = _pass(live, running(*ALL), moved, 5)
+    assert deleted(out) == [] and out.actions.workload is None  # not moved while admitted
+    assert cond(out.status, APPLIED) == ("False", "ChangedWhileRunning")
+    message = next(c for c in out.status.conditions if c.type == APPLIED).message
+    assert "team-b" in message and QUEUE in message
+    assert [e.type for e in out.events if e.reason == "ChangedWhileRunning"] == ["Warning"]
+    # Evicted, its pods gone and the quota given back: the Workload moves to team-b.
+    released = workload(_cond("QuotaReserved", "False", "Pending"), _cond("Evicted", "True", "Preempted"))  # fmt: skip
+    after = _pass(out.status, [], read_queue_state("team-b", released, {}), 10)
+    assert after.actions.workload is not None and after.actions.workload_rewrite
+    assert after.actions.workload["spec"]["queueName"] == "team-b"
+    assert cond(after.status, APPLIED) == ("True", "Applied")
