@@ -25,6 +25,7 @@ from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView
 from finetune_operator.reconcile.workload_patches import (
     WAIT_FOR_START,
+    finalizer_adopt_patch,
     finalizer_release_patch,
     finish_patch,
     pods_ready_patch,
@@ -92,7 +93,8 @@ class Actions:
     workload_status: dict[str, Any] | None = None
     workload_name: str = ""
     # A merge patch of the Workload's metadata that removes the resource-in-use finalizer
-    # (the Workload Finished or being deleted, and no pod of the job running any more).
+    # (the Workload Finished or being deleted, and no pod of the job running any more), or
+    # adds it (a Workload holding quota without it, written before the operator set it).
     workload_finalizer: dict[str, Any] | None = None
     # Set the existing Workload's `active` false (the job's spec became invalid: no Workload
     # can be built, and the one admitted must give its quota back).
@@ -203,6 +205,7 @@ def _active(
         workload=_workload(ev) if not a.hold else None,
         workload_status=_pods_ready(ev, a, now),
         workload_name=workload_name(ev.job.owner),
+        workload_finalizer=_finalizer(ev, a),
     )
 
 
@@ -271,13 +274,19 @@ def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | N
     return release_patch(q.raw, q.evicted_message or q.evicted, now)
 
 
-def _finalizer_release(ev: Evaluation, a: Assessment) -> dict[str, Any] | None:
+def _finalizer(ev: Evaluation, a: Assessment) -> dict[str, Any] | None:
     """The resource-in-use finalizer comes off once the quota may go: the Workload Finished
     (as read: the pass that marks it waits for the next) or being deleted, and no pod of the
-    job still running or going away (finished workers kept for their logs hold nothing)."""
+    job still running or going away (finished workers kept for their logs hold nothing).
+    A Workload that holds quota without it (written before the operator set it at creation)
+    gets it, so that its deletion waits for the pods like any other's; not once the job is
+    over (Finished is being written: the quota goes anyway)."""
     q = ev.queue
-    if q is None or q.raw is None or q.foreign or not (q.finished or q.deleting):
+    if q is None or q.raw is None or q.foreign:
         return None
+    if not (q.finished or q.deleting):
+        adopt = q.quota_reserved and not q.left and a.mode not in (Mode.SUCCEEDED, Mode.FAILED)
+        return finalizer_adopt_patch(q.raw) if adopt else None
     if a.terminating or any(p.active for p in a.live_pods):
         return None
     return finalizer_release_patch(q.raw)
@@ -330,7 +339,7 @@ def decide_actions(
             remove=_pod_group_removal(ev, a),
             workload_status=_finish(ev, a, now),
             workload_name=workload_name(ev.job.owner),
-            workload_finalizer=_finalizer_release(ev, a),
+            workload_finalizer=_finalizer(ev, a),
         )
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
@@ -359,5 +368,5 @@ def decide_actions(
         workload_status=status_patch,
         workload_name=workload_name(ev.job.owner),
         workload_deactivate=deactivate,
-        workload_finalizer=_finalizer_release(ev, a),
+        workload_finalizer=_finalizer(ev, a),
     )
