@@ -136,3 +136,49 @@ def test_the_label_changed_on_an_admitted_running_job_runs_on_in_its_queue() -> 
     assert after.actions.workload is not None and after.actions.workload_rewrite
     assert after.actions.workload["spec"]["queueName"] == "team-b"
     assert cond(after.status, APPLIED) == ("True", "Applied")
+
+
+def test_a_job_leaving_kueue_awaits_its_pods_so_their_deletion_nudges_it() -> None:
+    """The label removed: the Workload is deleted once the workers are gone. The pass that
+    stops them asks to be nudged by their deletion; the one that finds them gone does not."""
+    from finetune_operator.reconcile.admission import read_left_queue_state
+
+    live = _pass(FineTuneJobStatus(), running(*ALL), read_queue_state(QUEUE, admitted(2), {"spot": SPOT})).status  # fmt: skip
+    assert not _pass(live, running(*ALL), read_queue_state(QUEUE, admitted(2), {"spot": SPOT}), 1).actions.await_pods_gone  # fmt: skip
+    leaving = read_left_queue_state(admitted(2), JOB.uid)
+    stop = _pass(live, running(*ALL), leaving, 5)
+    assert deleted(stop) and stop.actions.await_pods_gone
+    going = [pod(n, "Running", deleting=True) for n in ALL]
+    assert _pass(stop.status, going, leaving, 6).actions.await_pods_gone
+    gone = _pass(stop.status, [], leaving, 7)
+    assert gone.actions.remove and not gone.actions.await_pods_gone
+    # Finished workers kept for their logs are not awaited.
+    done = [pod("qs-worker-0", "Succeeded", exit_code=0), pod("qs-worker-1", "Succeeded", exit_code=0)]  # fmt: skip
+    over = _pass(live, done, read_queue_state(QUEUE, admitted(2), {"spot": SPOT}), 9)
+    assert over.status.phase == "Succeeded" and not over.actions.await_pods_gone
+
+
+def test_the_deletion_of_an_awaited_pod_nudges_its_job_and_no_other() -> None:
+    import asyncio
+
+    from finetune_operator.api.constants import LABEL_JOB
+    from finetune_operator.handlers.workloads import await_pods_gone, forget_nudge, job_pod_deleted
+
+    memo: dict[str, Any] = {"nudged": {}, "awaiting_pods": set()}
+
+    def deleted_pod(job: str, event: str = "DELETED") -> dict[Any, float]:
+        body = {"metadata": {"name": f"{job}-worker-0", "labels": {LABEL_JOB: job}}}
+        asyncio.run(job_pod_deleted(namespace="ns", body=body, memo=memo, type=event))
+        nudged: dict[Any, float] = memo["nudged"]
+        return nudged
+
+    await_pods_gone(memo, ("ns", "qs"), True)
+    assert deleted_pod("qs", "MODIFIED") == {}  # a deletionTimestamp is not gone yet
+    assert deleted_pod("other") == {}
+    assert set(deleted_pod("qs")) == {("ns", "qs")}
+    memo["nudged"].clear()
+    await_pods_gone(memo, ("ns", "qs"), False)
+    assert deleted_pod("qs") == {}
+    await_pods_gone(memo, ("ns", "qs"), True)
+    forget_nudge(memo, ("ns", "qs"))  # the job deleted
+    assert memo["awaiting_pods"] == set() and deleted_pod("qs") == {}

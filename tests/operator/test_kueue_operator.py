@@ -1,7 +1,8 @@
 """The real kopf operator, in-process, against the embedded local cluster serving Kueue's
 CRDs (slow): a Workload event, or a change of the queue-name label, reaches its job at once.
 With a 60 s reconcile interval, the workers of an admitted job are created within seconds of
-the admission, and stopped within seconds of the label's removal, not at the next pass."""
+the admission, and stopped within seconds of the label's removal, not at the next pass; and
+once they are gone, it leaves Kueue and runs without it within seconds too."""
 
 from __future__ import annotations
 
@@ -81,3 +82,7 @@ def test_an_admission_reaches_the_job_before_its_next_pass(cluster: Any) -> None
         wait_until(lambda: workers() == [], "the workers stopped", INTERVAL / 2, interval=0.2)
         reason = wait_until(lambda: _succeeded_reason(custom), "the job's reason", 10, interval=0.2)
         assert reason == "QueueLabelRemoved"
+        # Their deletion nudges the job: its Workload is deleted (the quota given back) and it
+        # runs without Kueue within seconds, not at the next pass.
+        wait_until(lambda: workload() is None, "the Workload deleted", INTERVAL / 4, interval=0.2)
+        wait_until(lambda: len(workers()) == 2, "the workers outside Kueue", INTERVAL / 4, interval=0.2)  # fmt: skip

@@ -99,6 +99,10 @@ class Actions:
     # Set the existing Workload's `active` false (the job's spec became invalid: no Workload
     # can be built, and the one admitted must give its quota back).
     workload_deactivate: bool = False
+    # Not an action: Kueue's side of the job waits for its pods to be gone (the quota given
+    # back, the Workload deleted or its finalizer removed), so the handler runs the next pass
+    # when one is deleted, not a reconcile interval later (handlers.workloads).
+    await_pods_gone: bool = False
 
     @property
     def empty(self) -> bool:
@@ -292,6 +296,18 @@ def _finalizer(ev: Evaluation, a: Assessment) -> dict[str, Any] | None:
     return finalizer_release_patch(q.raw)
 
 
+def _awaits_pods_gone(ev: Evaluation, a: Assessment) -> bool:
+    """Whether a step on the job's Workload waits for pods this pass leaves going away (not
+    finished workers kept for their logs): the quota given back after an eviction or a
+    suspend, the Workload deleted (its label removed, or stale), its finalizer removed."""
+    q = ev.queue
+    if q is None or q.raw is None or q.foreign:
+        return False
+    done = a.mode is Mode.SUCCEEDED
+    going = [p for p in a.live_pods if not done or p.is_rendezvous or p.active]
+    return bool(a.terminating or going)
+
+
 def _finish(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
     q = ev.queue
     if q is None or q.raw is None or q.finished:
@@ -340,6 +356,7 @@ def decide_actions(
             workload_status=_finish(ev, a, now),
             workload_name=workload_name(ev.job.owner),
             workload_finalizer=_finalizer(ev, a),
+            await_pods_gone=_awaits_pods_gone(ev, a),
         )
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
@@ -359,6 +376,7 @@ def decide_actions(
         and not q.finished and (q.raw.get("spec") or {}).get("active", True) is not False
     )  # fmt: skip
     return Actions(
+        await_pods_gone=_awaits_pods_gone(ev, a),
         delete=_deletions(a.live_pods, reason),
         remove=_pod_group_removal(ev, a) + _workload_removal(ev, a),
         workload=workload,
