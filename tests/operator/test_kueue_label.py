@@ -182,3 +182,42 @@ def test_the_deletion_of_an_awaited_pod_nudges_its_job_and_no_other() -> None:
     await_pods_gone(memo, ("ns", "qs"), True)
     forget_nudge(memo, ("ns", "qs"))  # the job deleted
     assert memo["awaiting_pods"] == set() and deleted_pod("qs") == {}
+
+
+FORBIDDEN = (
+    "Workload qs (HTTP 403 Forbidden): the operator may not read workloads.kueue.x-k8s.io: "
+    "set the chart value kueue.enabled=true; the job waits"
+)
+
+
+def _message(out: Outcome) -> str:
+    found = find(out.status.conditions, APPLIED)
+    assert found is not None
+    return found.message
+
+
+def test_a_labelled_job_kueue_cannot_be_read_for_waits_and_says_so() -> None:
+    """The chart's kueue.enabled off while Kueue runs: the job is not run outside the quota,
+    and it is not left looking queued either: a Warning names the chart value."""
+    blind = read_queue_state(QUEUE, None, {}, unreadable=FORBIDDEN)
+    out = _pass(FineTuneJobStatus(), [], blind)
+    assert created(out) == [] and out.actions.workload is None
+    assert out.status.phase == "Pending" and cond(out.status, APPLIED) == ("False", "KueueUnreadable")  # fmt: skip
+    assert "kueue.enabled" in _message(out) and "no pod starts" in _message(out)
+    assert [e.type for e in out.events if e.reason == "KueueUnreadable"] == ["Warning"]
+    again = _pass(out.status, [], blind, 5)
+    assert not [e for e in again.events if e.reason == "KueueUnreadable"] and created(again) == []
+
+
+def test_admitted_workers_kueue_can_no_longer_be_read_for_are_kept_and_said_so() -> None:
+    live = _pass(FineTuneJobStatus(), running(*ALL), read_queue_state(QUEUE, admitted(2), {"spot": SPOT})).status  # fmt: skip
+    blind = read_queue_state(QUEUE, None, {}, unreadable=FORBIDDEN)
+    out = _pass(live, running(*ALL), blind, 5)
+    assert deleted(out) == [] and out.status.phase == "Running"
+    assert cond(out.status, APPLIED) == ("False", "KueueUnreadable")
+    assert "running workers kept" in _message(out) and "kueue.enabled" in _message(out)
+    assert [e.type for e in out.events if e.reason == "KueueUnreadable"] == ["Warning"]
+    # Readable again (the chart value set): the label is in effect, said once.
+    back = _pass(out.status, running(*ALL), read_queue_state(QUEUE, admitted(2), {"spot": SPOT}), 10)  # fmt: skip
+    assert cond(back.status, APPLIED) == ("True", "Applied") and deleted(back) == []
+    assert [e.type for e in back.events if e.reason == "Applied"] == ["Normal"]

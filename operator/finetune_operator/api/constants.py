@@ -41,7 +41,7 @@ COND_HANG_DETECTED: Final = "HangDetected"
 # Set only for gang-scheduled jobs, from the PodGroup's status (reconcile/gang.py).
 COND_GANG_SCHEDULED: Final = "GangScheduled"
 # Set only for jobs with Kueue's queue-name label once the label is not (or no longer) simply
-# in effect: added or changed while the job ran (reconcile/queue_label.py).
+# in effect: added or changed while the job ran, or Kueue unreadable (reconcile/queue_label.py).
 COND_QUEUE_LABEL_APPLIED: Final = "QueueLabelApplied"
 
 # Condition reasons: one CamelCase word each.
@@ -83,6 +83,7 @@ REASON_QUEUE_LABEL_REMOVED: Final = "QueueLabelRemoved"
 # QueueLabelApplied's reasons (reconcile/queue_label.py).
 REASON_ADDED_WHILE_RUNNING: Final = "AddedWhileRunning"  # runs on outside Kueue until it stops
 REASON_CHANGED_WHILE_RUNNING: Final = "ChangedWhileRunning"  # runs on in the queue that admitted it
+REASON_KUEUE_UNREADABLE: Final = "KueueUnreadable"  # its Workload cannot be read (kueue.enabled)
 REASON_LABEL_APPLIED: Final = "Applied"
 REASON_GANG_SCHEDULED: Final = "GangScheduled"  # the PodGroup's minMember placed together
 REASON_WAITING_FOR_GANG: Final = "WaitingForGang"  # the gang scheduler cannot place it yet

@@ -219,6 +219,8 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     q = ev.queue
     if q is None or ev.spec is None or ev.plan is None or q.foreign or q.left or q.deleting:
         return None
+    if q.unreadable:
+        return None  # only one known absent is created: the write would be refused alike
     if q.raw is None and q.priority_problem:
         return None  # created once its priority can be read: Kueue cannot change it later
     wanted = build_workload(ev.job.owner, ev.spec, ev.plan, q.queue, q.priority)

@@ -14,6 +14,11 @@ harmless instead of stopping a running job the user did not ask to stop:
   workers (a restart), read back from the condition itself.
 - changed while Kueue's admission runs it: it runs on in the LocalQueue that admitted it;
   its Workload moves once it holds no quota (admission.QueueState.moved).
+- Kueue unreadable (the chart's kueue.enabled off while Kueue runs, or its CRD not served):
+  the job neither starts nor adds a pod, and workers it runs under an admission read before
+  are kept (admission.QueueState.unknown); the condition says so, with a Warning Event, so
+  that a job kept running, or waiting, is not taken for one Kueue is managing: nothing the
+  operator owes Kueue (PodsReady, Finished, the quota given back) can be written meanwhile.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from finetune_operator.api.constants import (
     PHASE_SUCCEEDED,
     REASON_ADDED_WHILE_RUNNING,
     REASON_CHANGED_WHILE_RUNNING,
+    REASON_KUEUE_UNREADABLE,
     REASON_LABEL_APPLIED,
 )
 from finetune_operator.api.status import FineTuneJobStatus
@@ -79,6 +85,13 @@ def judge_queue_label(
     if status.workload is None and not queue.exists and not suspended and (running or deferred):
         want = Want("False", REASON_ADDED_WHILE_RUNNING, _added_while_running(queue.queue))
         return LabelVerdict(want, outside_kueue=True)
+    if queue.unreadable:
+        now = "running workers kept as admitted, no pod added" if running else "no pod starts"
+        text = (
+            f"the {QUEUE_LABEL} label names LocalQueue {queue.queue}, but Kueue cannot be read "
+            f"({queue.unreadable}): {now}, and nothing written to its Workload, until it can"
+        )
+        return LabelVerdict(Want("False", REASON_KUEUE_UNREADABLE, text))
     held = str(((queue.raw or {}).get("spec") or {}).get("queueName") or "")
     if queue.moved and queue.quota_reserved and running:
         text = (
