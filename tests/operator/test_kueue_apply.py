@@ -232,3 +232,27 @@ def test_the_workload_handler_nudges_its_job_and_frees_an_orphan_s_finalizer(
     assert memo["nudged"] == {}
     asyncio.run(workload_changed(namespace="default", body=live, memo=memo, logger=log, type="DELETED"))  # fmt: skip
     assert memo["nudged"] == {}
+
+
+def test_a_workload_written_without_the_finalizer_is_given_it(with_kueue: LocalCluster) -> None:
+    """The adoption patch, as the API server takes it: added beside another finalizer; one
+    from an old read (the list changed since) is refused, and the next pass redoes it."""
+    from finetune_operator.reconcile.workload_patches import finalizer_adopt_patch
+
+    cluster = ClusterApi(config.new_client_from_config(config_file=str(with_kueue.kubeconfig_path)))
+    old = build_workload(Owner(name="old", namespace="default", uid=UID),
+                         FineTuneJobSpec.model_validate(quickstart_raw()), make_plan(2), "q")  # fmt: skip
+    old["metadata"]["finalizers"] = ["example.com/keep"]
+    assert asyncio.run(cluster.apply("default", Actions(workload=old))).errors == []
+    patch = finalizer_adopt_patch(asyncio.run(cluster.read_workload("default", "old"))[0] or {})
+    assert patch is not None
+    asyncio.run(cluster.patch_workload("default", "old", {"metadata": {"labels": {"x": "y"}}}))
+    stale = asyncio.run(cluster.apply("default", Actions(workload_name="old", workload_finalizer=patch)))  # fmt: skip
+    assert stale.errors == []  # 409: not an error, decided anew next pass
+    assert asyncio.run(cluster.read_workload("default", "old"))[0]["metadata"]["finalizers"] == ["example.com/keep"]  # type: ignore[index]  # fmt: skip
+    fresh = finalizer_adopt_patch(asyncio.run(cluster.read_workload("default", "old"))[0] or {})
+    assert fresh is not None
+    done = asyncio.run(cluster.apply("default", Actions(workload_name="old", workload_finalizer=fresh)))  # fmt: skip
+    assert done.errors == []
+    now = asyncio.run(cluster.read_workload("default", "old"))[0] or {}
+    assert now["metadata"]["finalizers"] == ["example.com/keep", "kueue.x-k8s.io/resource-in-use"]

@@ -312,3 +312,43 @@ def test_failed_to_start_advises_what_the_api_server_lets_the_user_do() -> None:
     requeued = kstep(out.status, [], None, 5, spec=_on_demand())
     assert requeued.actions.workload is not None and created(requeued) == []
     assert cond(requeued.status, "Failed")[0] != "True" and requeued.status.phase != "Failed"
+
+
+def _without_finalizer(wl: dict[str, Any], *others: str) -> dict[str, Any]:
+    """As the operator wrote its Workloads before it set Kueue's finalizer at creation."""
+    wl["metadata"]["finalizers"] = list(others)
+    return wl
+
+
+def test_a_workload_holding_quota_without_the_finalizer_gets_it() -> None:
+    live = kstep(FineTuneJobStatus(), running(*ALL), admitted(2)).status
+    out = kstep(live, running(*ALL), _without_finalizer(admitted(2), "example.com/keep"), 5)
+    patch = out.actions.workload_finalizer
+    assert patch is not None and patch["metadata"]["resourceVersion"] == "7"
+    assert patch["metadata"]["finalizers"] == ["example.com/keep", IN_USE]  # others kept
+    assert deleted(out) == [] and out.status.phase == "Running"
+    # Evicted, its workers stopping: still holding quota, still adopted.
+    evicted = admitted(2)
+    evicted["status"]["conditions"].append(_cond("Evicted", "True", "Preempted", "preempted"))
+    stopping = kstep(live, running(*ALL), _without_finalizer(evicted), 10)
+    assert stopping.actions.workload_finalizer is not None
+
+
+@pytest.mark.parametrize("case", ["waiting", "finished", "deleting", "job-over"])
+def test_a_workload_not_holding_quota_or_going_is_not_given_the_finalizer(case: str) -> None:
+    from tests.operator.test_reconcile import pod
+
+    pods = running(*ALL)
+    wl = _without_finalizer(admitted(2))
+    if case == "waiting":
+        wl = _without_finalizer(workload(_cond("QuotaReserved", "False", "Pending")))
+        pods = []
+    elif case == "finished":
+        wl = _finished(wl)
+        pods = []
+    elif case == "deleting":
+        wl = _deleting(wl)
+    else:  # Finished is being written this pass: the quota goes with it
+        pods = [pod("qs-worker-0", "Succeeded", exit_code=0), pod("qs-worker-1", "Succeeded", exit_code=0)]  # fmt: skip
+    out = kstep(FineTuneJobStatus(), pods, wl)
+    assert out.actions.workload_finalizer is None

@@ -40,6 +40,9 @@ COND_CHECKPOINT_FAILING: Final = "CheckpointFailing"
 COND_HANG_DETECTED: Final = "HangDetected"
 # Set only for gang-scheduled jobs, from the PodGroup's status (reconcile/gang.py).
 COND_GANG_SCHEDULED: Final = "GangScheduled"
+# Set only for jobs with Kueue's queue-name label once the label is not (or no longer) simply
+# in effect: added or changed while the job ran, or Kueue unreadable (reconcile/queue_label.py).
+COND_QUEUE_LABEL_APPLIED: Final = "QueueLabelApplied"
 
 # Condition reasons: one CamelCase word each.
 REASON_PLAN_FITS: Final = "PlanFits"
@@ -77,6 +80,11 @@ REASON_EVICTED: Final = "Evicted"  # Kueue evicted the Workload: workers stopped
 # The queue-name label was removed from a job Kueue knows: it leaves Kueue (workers stopped,
 # its Workload deleted once they are gone, so the quota goes back), then runs outside it.
 REASON_QUEUE_LABEL_REMOVED: Final = "QueueLabelRemoved"
+# QueueLabelApplied's reasons (reconcile/queue_label.py).
+REASON_ADDED_WHILE_RUNNING: Final = "AddedWhileRunning"  # runs on outside Kueue until it stops
+REASON_CHANGED_WHILE_RUNNING: Final = "ChangedWhileRunning"  # runs on in the queue that admitted it
+REASON_KUEUE_UNREADABLE: Final = "KueueUnreadable"  # its Workload cannot be read (kueue.enabled)
+REASON_LABEL_APPLIED: Final = "Applied"
 REASON_GANG_SCHEDULED: Final = "GangScheduled"  # the PodGroup's minMember placed together
 REASON_WAITING_FOR_GANG: Final = "WaitingForGang"  # the gang scheduler cannot place it yet
 REASON_GANG_TIMED_OUT: Final = "GangScheduleTimeout"  # Coscheduling's timeout; it retries

@@ -62,6 +62,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     # Jobs whose pass is due at the next timer tick (a Workload event; handlers.workloads). In
     # the root memo, which every object's memo copies shallowly: one dict shared by all handlers.
     memo.setdefault("nudged", {})
+    memo.setdefault("awaiting_pods", set())  # jobs a pod's deletion nudges (handlers.workloads)
     if memo.get("planner") is None:
         memo["planner"] = default_planner()
     if ours.metrics_port:

@@ -13,7 +13,7 @@ import kopf
 
 from finetune_operator import metrics
 from finetune_operator.api.constants import PHASE_FAILED, PHASE_SUCCEEDED
-from finetune_operator.handlers.workloads import queue_state
+from finetune_operator.handlers.workloads import await_pods_gone, queue_state
 from finetune_operator.reconcile import (
     EventSpec,
     HealthInput,
@@ -115,6 +115,8 @@ async def reconcile_pass(
             )  # fmt: skip
             if health is not None:
                 state.records = out.buffer
+            # Before the deletions it may ask for: the last pod's event must find it set.
+            await_pods_gone(memo, (job.namespace, job.name), out.actions.await_pods_gone)
             result = await cluster.apply(job.namespace, out.actions)
             out = await _with_gang(cluster, job, old, out, now)
             state.deleted_uids = {u for u in state.deleted_uids if u in {p.uid for p in pods}}

@@ -1,5 +1,6 @@
-"""Kueue glue: the job's Workload read for a pass, Workload events nudging the job's timer,
-and the resource-in-use finalizer freed for a job that is gone."""
+"""Kueue glue: the job's Workload read for a pass, Workload events (and the deletion of the
+pods a Workload step waits on) nudging the job's timer, and the resource-in-use finalizer
+freed for a job that is gone."""
 
 from __future__ import annotations
 
@@ -58,8 +59,37 @@ def take_nudge(memo: kopf.Memo, key: JobKey) -> bool:
 
 
 def forget_nudge(memo: kopf.Memo, key: JobKey) -> None:
-    """The job is deleted: no timer of its will take its nudge."""
+    """The job is deleted: no timer of its will take its nudge, no pod of its is awaited."""
     _nudged(memo).pop(key, None)
+    _awaiting(memo).discard(key)
+
+
+def _awaiting(memo: kopf.Memo) -> set[JobKey]:
+    # Shared like "nudged" (handlers.jobs.configure creates both in the root memo).
+    awaiting: set[JobKey] = memo.setdefault("awaiting_pods", set())
+    return awaiting
+
+
+def await_pods_gone(memo: kopf.Memo, key: JobKey, waiting: bool) -> None:
+    """Whether a pass of the job waits for its pods to be gone (Actions.await_pods_gone): the
+    deletion of one then nudges its pass (job_pod_deleted)."""
+    if waiting:
+        _awaiting(memo).add(key)
+    else:
+        _awaiting(memo).discard(key)
+
+
+@kopf.on.event("v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
+async def job_pod_deleted(namespace: str | None, body: kopf.Body, memo: Any, **kw: Any) -> None:
+    """A job's pod is gone: if a step on its Workload waits for that (the quota given back,
+    the Workload deleted after its queue-name label was removed, its finalizer removed), the
+    job's pass runs at the next timer tick rather than a reconcile interval later. Other
+    pod events change nothing here: the pods index carries them to the next pass."""
+    if kw.get("type") != "DELETED":
+        return
+    key: JobKey = (namespace, (body.get("metadata", {}).get("labels") or {}).get(LABEL_JOB))
+    if key in _awaiting(memo):
+        nudge(memo, key, time.monotonic())
 
 
 async def queue_state(cluster: ClusterApi, job: JobRef, body: kopf.Body) -> QueueState | None:

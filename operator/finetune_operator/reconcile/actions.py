@@ -25,6 +25,7 @@ from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView
 from finetune_operator.reconcile.workload_patches import (
     WAIT_FOR_START,
+    finalizer_adopt_patch,
     finalizer_release_patch,
     finish_patch,
     pods_ready_patch,
@@ -92,11 +93,16 @@ class Actions:
     workload_status: dict[str, Any] | None = None
     workload_name: str = ""
     # A merge patch of the Workload's metadata that removes the resource-in-use finalizer
-    # (the Workload Finished or being deleted, and no pod of the job running any more).
+    # (the Workload Finished or being deleted, and no pod of the job running any more), or
+    # adds it (a Workload holding quota without it, written before the operator set it).
     workload_finalizer: dict[str, Any] | None = None
     # Set the existing Workload's `active` false (the job's spec became invalid: no Workload
     # can be built, and the one admitted must give its quota back).
     workload_deactivate: bool = False
+    # Not an action: Kueue's side of the job waits for its pods to be gone (the quota given
+    # back, the Workload deleted or its finalizer removed), so the handler runs the next pass
+    # when one is deleted, not a reconcile interval later (handlers.workloads).
+    await_pods_gone: bool = False
 
     @property
     def empty(self) -> bool:
@@ -203,6 +209,7 @@ def _active(
         workload=_workload(ev) if not a.hold else None,
         workload_status=_pods_ready(ev, a, now),
         workload_name=workload_name(ev.job.owner),
+        workload_finalizer=_finalizer(ev, a),
     )
 
 
@@ -212,6 +219,8 @@ def _workload(ev: Evaluation) -> dict[str, Any] | None:
     q = ev.queue
     if q is None or ev.spec is None or ev.plan is None or q.foreign or q.left or q.deleting:
         return None
+    if q.unreadable:
+        return None  # only one known absent is created: the write would be refused alike
     if q.raw is None and q.priority_problem:
         return None  # created once its priority can be read: Kueue cannot change it later
     wanted = build_workload(ev.job.owner, ev.spec, ev.plan, q.queue, q.priority)
@@ -271,16 +280,34 @@ def _release(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | N
     return release_patch(q.raw, q.evicted_message or q.evicted, now)
 
 
-def _finalizer_release(ev: Evaluation, a: Assessment) -> dict[str, Any] | None:
+def _finalizer(ev: Evaluation, a: Assessment) -> dict[str, Any] | None:
     """The resource-in-use finalizer comes off once the quota may go: the Workload Finished
     (as read: the pass that marks it waits for the next) or being deleted, and no pod of the
-    job still running or going away (finished workers kept for their logs hold nothing)."""
+    job still running or going away (finished workers kept for their logs hold nothing).
+    A Workload that holds quota without it (written before the operator set it at creation)
+    gets it, so that its deletion waits for the pods like any other's; not once the job is
+    over (Finished is being written: the quota goes anyway)."""
     q = ev.queue
-    if q is None or q.raw is None or q.foreign or not (q.finished or q.deleting):
+    if q is None or q.raw is None or q.foreign:
         return None
+    if not (q.finished or q.deleting):
+        adopt = q.quota_reserved and not q.left and a.mode not in (Mode.SUCCEEDED, Mode.FAILED)
+        return finalizer_adopt_patch(q.raw) if adopt else None
     if a.terminating or any(p.active for p in a.live_pods):
         return None
     return finalizer_release_patch(q.raw)
+
+
+def _awaits_pods_gone(ev: Evaluation, a: Assessment) -> bool:
+    """Whether a step on the job's Workload waits for pods this pass leaves going away (not
+    finished workers kept for their logs): the quota given back after an eviction or a
+    suspend, the Workload deleted (its label removed, or stale), its finalizer removed."""
+    q = ev.queue
+    if q is None or q.raw is None or q.foreign:
+        return False
+    done = a.mode is Mode.SUCCEEDED
+    going = [p for p in a.live_pods if not done or p.is_rendezvous or p.active]
+    return bool(a.terminating or going)
 
 
 def _finish(ev: Evaluation, a: Assessment, now: datetime) -> dict[str, Any] | None:
@@ -330,7 +357,8 @@ def decide_actions(
             remove=_pod_group_removal(ev, a),
             workload_status=_finish(ev, a, now),
             workload_name=workload_name(ev.job.owner),
-            workload_finalizer=_finalizer_release(ev, a),
+            workload_finalizer=_finalizer(ev, a),
+            await_pods_gone=_awaits_pods_gone(ev, a),
         )
     reason = {
         Mode.SUSPENDED: REASON_SUSPENDED,
@@ -350,6 +378,7 @@ def decide_actions(
         and not q.finished and (q.raw.get("spec") or {}).get("active", True) is not False
     )  # fmt: skip
     return Actions(
+        await_pods_gone=_awaits_pods_gone(ev, a),
         delete=_deletions(a.live_pods, reason),
         remove=_pod_group_removal(ev, a) + _workload_removal(ev, a),
         workload=workload,
@@ -359,5 +388,5 @@ def decide_actions(
         workload_status=status_patch,
         workload_name=workload_name(ev.job.owner),
         workload_deactivate=deactivate,
-        workload_finalizer=_finalizer_release(ev, a),
+        workload_finalizer=_finalizer(ev, a),
     )

@@ -19,6 +19,7 @@ from finetune_operator.reconcile.conditions import EventSpec, condition_events, 
 from finetune_operator.reconcile.evaluation import Evaluation, JobRef, PlanFn, evaluate_job
 from finetune_operator.reconcile.health import HealthInput, assess_health
 from finetune_operator.reconcile.observed import PodView, mark_terminating
+from finetune_operator.reconcile.queue_label import judge_queue_label, note_queue_label
 from finetune_operator.reconcile.samples import RecordBuffer
 from finetune_operator.reconcile.status import compute_status
 from finetune_operator.resources.worker import build_worker_pod
@@ -94,10 +95,15 @@ def reconcile_job(
     Workload as read, reconcile/admission.py) gates its pods on Kueue's admission."""
     seen = mark_terminating(pods, deleted_uids)
     ev = evaluate_job(job, raw_spec, status, planner, policy)
+    suspended = ev.spec is not None and ev.spec.suspend
+    label = judge_queue_label(queue, status, seen, suspended=suspended, valid=ev.ok)
+    if label is not None and label.outside_kueue:
+        queue = None  # the label was added while it ran: it runs on as a job without it
     if queue is not None:
         # Also for an invalid spec: its Workload is deactivated, giving the quota back.
         ev = replace(ev, queue=_with_sync(ev, queue) if ev.ok else queue)
     new_status = compute_status(ev, status, seen, now)
+    new_status = note_queue_label(new_status, label, now, job.generation)
     actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation)
     extra: tuple[EventSpec, ...] = ()
     buffer, ratios = None, {}

@@ -1,6 +1,7 @@
 """The writes a job controller owes Kueue's Workload (pure, `now` passed in), as its
 jobframework reconciler makes them: the quota given back after an eviction once the pods are
-gone, PodsReady for waitForPodsReady, Finished, and the resource-in-use finalizer removed."""
+gone, PodsReady for waitForPodsReady, Finished, and the resource-in-use finalizer removed (or
+added to a Workload written before the operator set it)."""
 
 from __future__ import annotations
 
@@ -169,6 +170,21 @@ def finalizer_release_patch(workload: Mapping[str, Any]) -> dict[str, Any] | Non
     if RESOURCE_IN_USE not in finalizers:
         return None
     patch: dict[str, Any] = {"finalizers": [f for f in finalizers if f != RESOURCE_IN_USE]}
+    if meta.get("resourceVersion"):
+        patch["resourceVersion"] = meta["resourceVersion"]
+    return {"metadata": patch}
+
+
+def finalizer_adopt_patch(workload: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The metadata merge patch that adds the resource-in-use finalizer to a Workload that
+    lacks it (None when it has it): one written before the operator created its Workloads
+    with it, as Kueue's job reconciler creates its own. Guarded by the resourceVersion read,
+    as finalizer_release_patch: another finalizer added in between is not dropped."""
+    meta = workload.get("metadata") or {}
+    finalizers = list(meta.get("finalizers") or [])
+    if RESOURCE_IN_USE in finalizers:
+        return None
+    patch: dict[str, Any] = {"finalizers": [*finalizers, RESOURCE_IN_USE]}
     if meta.get("resourceVersion"):
         patch["resourceVersion"] = meta["resourceVersion"]
     return {"metadata": patch}
