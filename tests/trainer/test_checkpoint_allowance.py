@@ -20,9 +20,7 @@ from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from tests.trainer.conftest import make_job
 from tests.trainer.test_checkpoint_compat import blocks_state
-from tests.trainer.test_checkpointer import checkpointer, ckpt_group, train_steps
-
-__all__ = ["ckpt_group"]  # the module's process group fixture, shared
+from tests.trainer.test_checkpointer import checkpointer, train_steps
 
 UNROUTED = "expert_3"  # its router bias keeps every token away from it
 

@@ -28,9 +28,7 @@ from finetune_trainer.optim import build_scheduler
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from tests.trainer.conftest import make_job
-from tests.trainer.test_checkpointer import L, checkpointer, ckpt_group
-
-__all__ = ["ckpt_group"]  # the module's process group fixture, shared
+from tests.trainer.test_checkpointer import L, checkpointer
 
 # What a small LoRA job saves and expects (names as get_state_dict gives them).
 Q_A = "model.base_model.model.layers.0.q_proj.lora_A.default.weight"

@@ -26,9 +26,7 @@ from finetune_trainer.optim import build_scheduler
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.state import TrainState
 from tests.trainer.conftest import make_job
-from tests.trainer.test_checkpointer import checkpointer, ckpt_group
-
-__all__ = ["ckpt_group"]  # the module's process group fixture, shared
+from tests.trainer.test_checkpointer import checkpointer
 
 
 class ChunkedMLP(TrainState):
