@@ -22,7 +22,8 @@ from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.location import Location, locate
 from finetune_trainer.ranged_reads import RetryPolicy
-from finetune_trainer.safetensors_ranges import Span, batches, parse_header, row_range
+from finetune_trainer.safetensors_header import Span, parse_header, row_range
+from finetune_trainer.safetensors_ranges import batches
 from finetune_trainer.tokenizer import build_tokenizer
 from tests.objectstore import MotoServer
 from tests.trainer.conftest import REPO, TORCHRUN, make_job, write_job
@@ -71,8 +72,15 @@ def header(entries: dict[str, object]) -> bytes:
     [(b"\xff not json", "header is not JSON"),
      (header({"w": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}), "dtype 'F8_E4M3'"),
      (header({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 8]}}), "spans 8 bytes"),
-     (header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}), "truncated")],
-    ids=["not-json", "unknown-dtype", "span-shape-mismatch", "past-the-object"],
+     (header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}), "truncated"),
+     (b"[1, 2]", "not a JSON object"),
+     (header({"w": {"dtype": "F32", "data_offsets": [0, 4]}}), "not lists of non-negative"),
+     (header({"w": {"dtype": "F32", "shape": [], "data_offsets": [4, 0]}}), "reversed"),
+     (header({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}),
+      "tensors a and b overlap")],
+    ids=["not-json", "unknown-dtype", "span-shape-mismatch", "past-the-object", "not-an-object",
+         "no-shape", "reversed-offsets", "overlapping"],
 )  # fmt: skip
 def test_bad_headers_are_refused_naming_the_file(raw: bytes, message: str) -> None:
     # The object as listed: its data ends 1 byte short of the last tensor's.
@@ -173,7 +181,7 @@ def test_a_truncated_weights_object_is_refused_naming_it(
     tokenizer = build_tokenizer(job.spec.model, job.spec.storage.object_store)
     with pytest.raises(UnsupportedConfigError) as err:
         load_parallel_model(job, tokenizer, CPU, 1)
-    assert f"{uri}/{name}" in str(err.value) and "truncated: upload it again" in str(err.value)
+    assert f"{uri}/{name}" in str(err.value) and "truncated, 16 bytes short" in str(err.value)
 
 
 def test_a_short_read_of_a_whole_object_is_an_error_naming_it_not_a_refusal(
