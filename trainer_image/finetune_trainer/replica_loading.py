@@ -32,16 +32,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
+from finetune_operator.api.weights_reads import STRIPE_BYTES
 from finetune_trainer.location import Entry, Location
 from finetune_trainer.pretrained import checkpoint_keys, load_safetensors, weights_error
 from finetune_trainer.safetensors_ranges import RangedSafetensorsReader, batches
 
 log = logging.getLogger(__name__)
 
-# A rank's stripes of one DCP load at most (a larger tensor's stripe alone): what the striped
-# read holds beside the replica, besides the one tensor being gathered. Each load reads the
-# headers again (kilobytes per file).
-STRIPE_BYTES = 256 << 20
+# STRIPE_BYTES: a rank's stripes of one DCP load at most (a larger tensor's stripe alone):
+# what the striped read holds beside the replica, besides the one tensor being gathered (the
+# planner counts both: planner.loading.striped_read_bytes). Each load reads the headers again
+# (kilobytes per file).
 
 
 def load_replica(model: nn.Module, weights: Path | Location) -> set[int]:

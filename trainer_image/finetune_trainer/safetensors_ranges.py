@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from finetune_operator.api.weights_reads import READ_BATCH_BYTES
 from finetune_trainer.location import Location
 from finetune_trainer.ranged_reads import (
     DEFAULT_RETRY,
@@ -70,7 +71,7 @@ from finetune_trainer.safetensors_index import (
 
 log = logging.getLogger(__name__)
 
-BATCH_BYTES = 256 << 20
+BATCH_BYTES = READ_BATCH_BYTES  # counted by the planner (planner.loading)
 
 
 # Bytes that did not arrive as the header promised (a short read): may pass on a restart.
