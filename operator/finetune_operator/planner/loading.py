@@ -23,7 +23,9 @@ a stripe of every tensor (1/N of its rows) in DCP loads of at most STRIPE_BYTES 
 then all-gathers each tensor whole into the replica. Beside the replica it holds one load's
 stripes, plus, during the load, the raw bytes of the ranged GETs in flight (at most
 READ_BATCH_BYTES, and at most those stripes' bytes as stored: fp32 files assumed, the widest
-the trainer reads into a float replica) or, during the gathers, one tensor whole. At 256 MiB
+the trainer reads into a float replica) or, during the gathers, one tensor whole (the padded
+gather buffer of a tensor whose rows do not split evenly; evenly split rows are gathered
+straight into the parameter, so this bounds it from above). At 256 MiB
 each that is up to ~1 GiB on top of the replica of a large model; the figure counted before
 (the replica plus one module's fp32 init) left it out.
 
