@@ -17,7 +17,7 @@
    - Pretrained (safetensors): rank 0 reads the module's tensors (just those tensors'
      bytes: mapped from a local directory, by byte ranges requested together from an
      object-store prefix; finetune_trainer.remote_tensors); never a whole state dict. Every
-     rank reads and checks the headers (a sharded checkpoint's index followed, a truncated
+     rank checks the headers (rank 0 reads them for all) (a sharded checkpoint's index followed, a truncated
      file refused); the ranks together read the model once.
    Why modifier_rank=0 rather than every rank computing the same values: DeepSpeed keeps a
    change made under GatheredParameters only through a broadcast from the modifier rank
@@ -129,7 +129,8 @@ def _open_weights(weights: Path | Location) -> SafetensorsSource:
                 "Face safetensors; convert .bin checkpoints with save_pretrained)"
             )
         weights = locate(str(weights.resolve()), "spec.model")
-    return SafetensorsSource(weights)
+    # Every rank opens them (the fill is a sequence of collectives): rank 0 reads the headers.
+    return SafetensorsSource(weights, shared=True)
 
 
 def _check_shapes(names: dict[str, nn.Parameter], source: SafetensorsSource) -> None:

@@ -56,10 +56,14 @@ class SafetensorsSource:
         *,
         part_bytes: int = PART_BYTES,
         retry: RetryPolicy | None = None,
+        shared: bool = False,
     ) -> None:
         self.location = location
         self.part_bytes = part_bytes
-        self._reader = RangedSafetensorsReader(location, part_bytes=part_bytes, retry=retry)
+        # shared: rank 0 reads the headers for every rank (a caller every rank reaches alike).
+        self._reader = RangedSafetensorsReader(
+            location, part_bytes=part_bytes, retry=retry, shared=shared
+        )
         try:
             found = any(e.name.endswith(".safetensors") for e in location.children())
             metadata = self._reader.read_metadata() if found else None

@@ -10,10 +10,10 @@ tensor (the DCP load plan of a dim-0 sharded DTensor, served by byte ranges:
 finetune_trainer.safetensors_ranges, the path FSDP shards take), so the job reads the model
 once, spread over every node's network, and the all-gather that makes each tensor whole runs
 over the collective fabric (NVLink/InfiniBand), an order of magnitude faster than the store.
-Each rank fetches 1/W of the data plus the headers.
+Each rank fetches 1/W of the data; rank 0 the headers besides, for every rank.
 
 Memory: beside the replica, the stripes of one group of tensors (at most STRIPE_BYTES per
-rank, in the replica's dtype; a DCP load per group), plus the raw reads in flight during a
+rank, in the replica's dtype; a DCP load per group; the headers read once, by rank 0), plus the raw reads in flight during a
 load, or one tensor's padded gather buffer when its rows do not split evenly over the ranks
 (evenly split rows are gathered straight into the parameter). A directory on a volume is read whole by every rank as
 before (finetune_trainer.pretrained: a node's page cache serves its ranks, and there is no
@@ -61,7 +61,14 @@ def load_replica(model: nn.Module, weights: Path | Location) -> set[int]:
     world = dist.get_world_size()
     device = next(iter(params.values())).device
     mesh = init_device_mesh(device.type, (world,))
-    reader = RangedSafetensorsReader(weights)
+    # One reader for every group's DCP load: the headers read once, by rank 0 for all.
+    reader = RangedSafetensorsReader(weights, shared=True)
+    # Read (and broadcast) before any stripe is allocated: its buffers are not held beside
+    # them, and a bad header is refused before the first load.
+    try:
+        reader.read_metadata()
+    except (OSError, ValueError) as e:
+        raise weights_error(weights, e) from e
     names = list(params)
     stripe_bytes = [params[n].numel() * params[n].element_size() // world for n in names]
     groups = batches(stripe_bytes, STRIPE_BYTES)

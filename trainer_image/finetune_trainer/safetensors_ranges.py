@@ -52,6 +52,7 @@ from finetune_trainer.ranged_reads import (
     dropped_bytes,
     split_range,
 )
+from finetune_trainer.rank_zero_read import read_on_rank0
 from finetune_trainer.safetensors_header import (
     HEADER_LEN_BYTES,
     Span,
@@ -135,8 +136,13 @@ class RangedSafetensorsReader(StorageReader):
         part_bytes: int = PART_BYTES,
         gap_bytes: int = GAP_BYTES,
         retry: RetryPolicy | None = None,
+        shared: bool = False,
     ) -> None:
         super().__init__()
+        # Rank 0 reads the listing, index and headers for every rank (rank_zero_read): only
+        # for a reader every rank of the default group uses alike.
+        self.shared = shared
+        self._metadata: tuple[Metadata, int] | None = None
         self.location = location
         self.batch_bytes = batch_bytes
         self.part_bytes = part_bytes
@@ -187,13 +193,19 @@ class RangedSafetensorsReader(StorageReader):
         return parse_header(url, raw, HEADER_LEN_BYTES + length, size)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The tensors of every file, read once per reader (a striped load's DCP loads reuse
+        them) and, `shared`, once per job (rank 0's, broadcast)."""
         try:
-            return self._read_metadata()
+            if self._metadata is None:
+                read = self._read_metadata
+                self._metadata = read_on_rank0(read) if self.shared else read()
+            metadata, self.bytes_total = self._metadata
+            return metadata
         except Exception as e:
             self.failure = self.failure or e
             raise
 
-    def _read_metadata(self) -> Metadata:
+    def _read_metadata(self) -> tuple[Metadata, int]:
         listed = {e.name: e.size for e in self.location.children() if not e.is_dir}
         index = self.location / INDEX_NAME
         weight_map = None
@@ -240,7 +252,7 @@ class RangedSafetensorsReader(StorageReader):
                     f"{index.url} maps {len(lost)} tensors to files that do not hold them: "
                     f"{shown} (an index from another save: upload the model again)"
                 )
-        return Metadata(state_dict_metadata=dict(tensors), storage_data=storage)
+        return Metadata(state_dict_metadata=dict(tensors), storage_data=storage), self.bytes_total
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
