@@ -98,7 +98,8 @@ class MappedFiles:
     """Local files mapped once each, their byte ranges served from the page cache. The
     sizes were checked against the headers when the files were listed
     (safetensors_header.parse_header), so a range past a file's end means the file was
-    replaced by a shorter one since: a short read, never a SIGBUS."""
+    replaced by a shorter one since: a short read. (A file cut short after it is mapped, while
+    its pages are read, is still a SIGBUS: a mapping has no way to refuse.)"""
 
     def __init__(self) -> None:
         self._views: dict[str, memoryview] = {}
