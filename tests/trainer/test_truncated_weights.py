@@ -41,7 +41,9 @@ def truncate_largest(directory: Path) -> tuple[Path, int, int]:
     return path, len(data), len(data) - CUT
 
 
-def assert_names_the_cut(err: pytest.ExceptionInfo[Exception], file: str, want: int, has: int) -> None:  # fmt: skip
+def assert_names_the_cut(
+    err: pytest.ExceptionInfo[Exception], file: str, want: int, has: int
+) -> None:
     message = str(err.value)
     assert isinstance(err.value, UnsupportedConfigError), message
     assert file in message, message

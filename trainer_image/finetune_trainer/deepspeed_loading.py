@@ -17,8 +17,8 @@
    - Pretrained (safetensors): rank 0 reads the module's tensors (just those tensors'
      bytes: mapped from a local directory, by byte ranges requested together from an
      object-store prefix; finetune_trainer.remote_tensors); never a whole state dict. Every
-     rank checks the headers (rank 0 reads them for all) (a sharded checkpoint's index followed, a truncated
-     file refused); the ranks together read the model once.
+     rank checks the headers, which rank 0 reads for all (a sharded checkpoint's index
+     followed, a truncated file refused); the ranks together read the model once.
    Why modifier_rank=0 rather than every rank computing the same values: DeepSpeed keeps a
    change made under GatheredParameters only through a broadcast from the modifier rank
    (modifier_rank=None discards it), so the broadcast happens either way; with one modifier,

@@ -13,9 +13,10 @@ over the collective fabric (NVLink/InfiniBand), an order of magnitude faster tha
 Each rank fetches 1/W of the data; rank 0 the headers besides, for every rank.
 
 Memory: beside the replica, the stripes of one group of tensors (at most STRIPE_BYTES per
-rank, in the replica's dtype; a DCP load per group; the headers read once, by rank 0), plus the raw reads in flight during a
-load, or one tensor's padded gather buffer when its rows do not split evenly over the ranks
-(evenly split rows are gathered straight into the parameter). A directory on a volume is read whole by every rank as
+rank, in the replica's dtype; a DCP load per group; the headers read once, by rank 0), plus
+the raw reads in flight during a load, or one tensor's padded gather buffer when its rows do
+not split evenly over the ranks (evenly split rows are gathered straight into the
+parameter). A directory on a volume is read whole by every rank as
 before (finetune_trainer.pretrained: a node's page cache serves its ranks, and there is no
 egress); so is a one-rank job."""
 
