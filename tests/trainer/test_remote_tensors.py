@@ -21,7 +21,7 @@ from finetune_trainer import model as model_module
 from finetune_trainer.deepspeed_loading import load_safetensors_zero3
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.location import Location, locate
-from finetune_trainer.remote_tensors import RemoteSafetensors, from_pretrained_remote
+from finetune_trainer.remote_tensors import SafetensorsSource, from_pretrained_lazy
 from tests.objectstore import MotoServer
 from tests.trainer.test_loading import INPUT, plain_logits, save_pretrained
 from tests.trainer.test_remote_weights import Fetched, upload_dir
@@ -58,7 +58,7 @@ def test_tensors_read_by_ranges_equal_the_files_and_count_their_bytes(
     want = files_of(local)
     total, headers = sizes(local)
     # Small parts: a tensor over several parts is put back together in order.
-    source = RemoteSafetensors(location, part_bytes=1000)
+    source = SafetensorsSource(location, part_bytes=1000)
     assert source.bytes_read == headers and source.bytes_total == total
     names = sorted(want)
     got = source.read(names[:3])
@@ -101,7 +101,7 @@ def test_zero3_module_fill_reads_each_tensor_once_from_s3(
         assert torch.equal(p, want[name]), name
     assert from_s3.lm_head.weight is from_s3.model.embed_tokens.weight
     total, _ = sizes(local)
-    assert fetched.rows == [(total, total)]  # the local read logs nothing
+    assert fetched.rows == [(total, total)] * 2  # the s3 read, then the local one
     with torch.no_grad():
         assert torch.equal(from_s3(input_ids=INPUT).logits, from_dir(input_ids=INPUT).logits)
 
@@ -125,7 +125,7 @@ def test_no_safetensors_under_the_prefix_is_refused_naming_it(
     location = locate(uri, "test", object_store=s3_credentials.spec())
     (location / "config.json").write_atomic(b"{}")
     with pytest.raises(UnsupportedConfigError, match=r"no \*\.safetensors objects under s3://"):
-        RemoteSafetensors(location)
+        SafetensorsSource(location)
 
 
 def test_qlora_read_path_loads_from_s3_like_from_pretrained_of_the_directory(
@@ -141,7 +141,7 @@ def test_qlora_read_path_loads_from_s3_like_from_pretrained_of_the_directory(
     logger.setLevel(logging.INFO)
     try:
         # The options of model._load_qlora_base but the quantisation (and fp32, to compare).
-        model = from_pretrained_remote(
+        model = from_pretrained_lazy(
             location,
             AutoConfig.from_pretrained(local),
             dtype=torch.float32,

@@ -14,11 +14,11 @@
      fp32, seeded by job seed and module name), so a ZeRO-3 job starts from the same weights
      as a DDP/FSDP job of the same seed (in fp32; bf16/fp16 round them, as DeepSpeed's
      masters are made from the half-precision partitions).
-   - Pretrained (safetensors): rank 0 reads the module's tensors (safetensors' lazy
-     `safe_open`: just those tensors' bytes); never a whole state dict. From an object-store
-     prefix (`s3://`) the same, by byte ranges (finetune_trainer.remote_tensors: the module's
-     ranges requested together): the ranks together read the model once, every rank only
-     the headers besides.
+   - Pretrained (safetensors): rank 0 reads the module's tensors (just those tensors'
+     bytes: mapped from a local directory, by byte ranges requested together from an
+     object-store prefix; finetune_trainer.remote_tensors); never a whole state dict. Every
+     rank checks the headers, which rank 0 reads for all (a sharded checkpoint's index
+     followed, a truncated file refused); the ranks together read the model once.
    Why modifier_rank=0 rather than every rank computing the same values: DeepSpeed keeps a
    change made under GatheredParameters only through a broadcast from the modifier rank
    (modifier_rank=None discards it), so the broadcast happens either way; with one modifier,
@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -54,11 +53,11 @@ from finetune_trainer.deepspeed_engine import (
     param_dtype,
 )
 from finetune_trainer.errors import UnsupportedConfigError
-from finetune_trainer.location import Location
+from finetune_trainer.location import Location, locate
 from finetune_trainer.materialize import initialize
 from finetune_trainer.model import build_meta_model, weights_source
 from finetune_trainer.pretrained import checkpoint_keys, has_safetensors, hf_model
-from finetune_trainer.remote_tensors import RemoteSafetensors
+from finetune_trainer.remote_tensors import SafetensorsSource
 
 log = logging.getLogger(__name__)
 
@@ -120,55 +119,24 @@ def _fp32_buffers(model: nn.Module) -> None:
                 )
 
 
-class _LocalSafetensors:
-    """The safetensors of a directory: names and shapes from the headers (no tensor data
-    read), tensors read one at a time (safetensors' lazy `safe_open`)."""
-
-    def __init__(self, path: Path) -> None:
-        if not has_safetensors(path):
+def _open_weights(weights: Path | Location) -> SafetensorsSource:
+    """The safetensors of a directory or an object-store prefix, headers read and checked
+    (one reader for both: the index followed, a truncated file refused naming it)."""
+    if isinstance(weights, Path):
+        if not has_safetensors(weights):
             raise UnsupportedConfigError(
-                f"spec.model: no *.safetensors weights in {path} (the trainer reads Hugging "
+                f"spec.model: no *.safetensors weights in {weights} (the trainer reads Hugging "
                 "Face safetensors; convert .bin checkpoints with save_pretrained)"
             )
-        self.where = str(path)
-        self.files: dict[str, Path] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is no dict
-                    self.files[name] = file
-                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
-
-    def shape(self, name: str) -> tuple[int, ...] | None:
-        return self.shapes.get(name)
-
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name in names:
-            with safe_open(str(self.files[name]), framework="pt") as f:
-                out[name] = f.get_tensor(name)
-        return out
+        weights = locate(str(weights.resolve()), "spec.model")
+    # Every rank opens them (the fill is a sequence of collectives): rank 0 reads the headers.
+    return SafetensorsSource(weights, shared=True)
 
 
-def _open_weights(weights: Path | Location) -> _LocalSafetensors | RemoteSafetensors:
-    """A directory's safetensors, or an object-store prefix's (headers read by ranges)."""
-    if isinstance(weights, Location) and weights.is_local:
-        weights = weights.local_path
-    if isinstance(weights, Location):
-        return RemoteSafetensors(weights)
-    return _LocalSafetensors(weights)
-
-
-def _where(source: _LocalSafetensors | RemoteSafetensors) -> str:
-    return source.location.url if isinstance(source, RemoteSafetensors) else source.where
-
-
-def _check_shapes(
-    names: dict[str, nn.Parameter], source: _LocalSafetensors | RemoteSafetensors
-) -> None:
+def _check_shapes(names: dict[str, nn.Parameter], source: SafetensorsSource) -> None:
     # Checked on every rank from the headers, so a bad checkpoint fails every rank alike
     # (no rank left waiting in a gather).
-    where = _where(source)
+    where = source.location.url
     for name, param in names.items():
         shape = source.shape(name)
         if shape is None:
@@ -209,15 +177,14 @@ def load_safetensors_zero3(model: nn.Module, weights: Path | Location) -> set[in
                 tensors = source.read([by_id[id(p)] for p in params])
                 for p in params:
                     p.copy_(tensors.pop(by_id[id(p)]))
-    if isinstance(source, RemoteSafetensors):
-        log.info(
-            "pretrained weights (ZeRO-3, rank %d): read %d of %d bytes from %s",
-            dist.get_rank(),
-            source.bytes_read,
-            source.bytes_total,
-            source.location.url,
-            extra={"bytes_read": source.bytes_read, "bytes_total": source.bytes_total},
-        )
+    log.info(
+        "pretrained weights (ZeRO-3, rank %d): read %d of %d bytes from %s",
+        dist.get_rank(),
+        source.bytes_read,
+        source.bytes_total,
+        source.location.url,
+        extra={"bytes_read": source.bytes_read, "bytes_total": source.bytes_total},
+    )
     return done
 
 

@@ -27,10 +27,10 @@ from transformers import (
 from finetune_operator.api.spec import MethodSpec, ModelArchitecture, ModelSpec, Precision
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer.errors import UnsupportedConfigError
-from finetune_trainer.location import Location
+from finetune_trainer.location import Location, locate
 from finetune_trainer.materialize import materialize
 from finetune_trainer.remote_model import model_files, remote_weights, weights_field
-from finetune_trainer.remote_tensors import from_pretrained_remote
+from finetune_trainer.remote_tensors import from_pretrained_lazy
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,9 @@ def model_config(
 def _load_qlora_base(
     spec: ModelSpec, device: torch.device, object_store: ObjectStoreSpec | None = None
 ) -> nn.Module:
-    # bitsandbytes quantises while loading: the one path that still loads whole with
-    # from_pretrained (QLoRA runs replicated, DDP only, so every rank holds the 4-bit base).
+    # bitsandbytes quantises while loading: the one path that still loads with transformers'
+    # from_pretrained, from lazy tensors (QLoRA runs replicated, DDP only, so every rank
+    # holds the 4-bit base).
     options: dict[str, Any] = {
         "attn_implementation": _attention(spec, device),
         "dtype": torch.bfloat16,
@@ -146,10 +147,16 @@ def _load_qlora_base(
         # time as transformers quantises them (remote_tensors); every rank reads the model
         # once (each quantises its own replica: bitsandbytes' 4-bit state is per device).
         config = AutoConfig.from_pretrained(model_files(remote, weights_field(spec)))
-        return from_pretrained_remote(remote, config, **options)
-    return AutoModelForCausalLM.from_pretrained(
-        spec.weights_location(), revision=spec.revision, **options
-    )
+        return from_pretrained_lazy(remote, config, **options)
+    local = weights_dir(spec)
+    if local is None:
+        raise UnsupportedConfigError(
+            "method.type qlora quantises pretrained weights: model.source inline has none"
+        )
+    # A directory (or the hub's snapshot) through the same reader, mapped: its headers
+    # checked first (a truncated file refused naming it) and its index followed.
+    weights = locate(str(local.resolve()), weights_field(spec))
+    return from_pretrained_lazy(weights, AutoConfig.from_pretrained(local), **options)
 
 
 def _qlora_config() -> Any:

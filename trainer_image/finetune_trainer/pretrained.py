@@ -111,7 +111,8 @@ def _load_ranged(model: nn.Module, weights: Location) -> set[int]:
     # The coalescing gap: FT_RANGE_GAP_BYTES=-1 asks for one request per range (the bench's
     # baseline; a store that bills by the byte rather than by the request).
     gap = int(os.environ.get("FT_RANGE_GAP_BYTES", GAP_BYTES))
-    reader = RangedSafetensorsReader(weights, gap_bytes=gap)
+    # Inside dcp.load on the default group every rank reads the metadata: rank 0 for all.
+    reader = RangedSafetensorsReader(weights, gap_bytes=gap, shared=True)
     try:
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as exc:

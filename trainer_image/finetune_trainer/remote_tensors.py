@@ -1,5 +1,5 @@
-"""Whole safetensors tensors read by byte ranges from an object-store prefix, for the loaders
-that do not fill their parameters through DCP's load plan:
+"""Whole safetensors tensors read from an object-store prefix (by byte ranges) or a local
+directory (mapped), for the loaders that do not fill their parameters through DCP's load plan:
 
 - DeepSpeed ZeRO-3 (finetune_trainer.deepspeed_loading): rank 0 reads one module's tensors at
   a time, DeepSpeed broadcasts them;
@@ -9,7 +9,10 @@ that do not fill their parameters through DCP's load plan:
 The headers come from the DCP reader's own metadata read (RangedSafetensorsReader: the same
 validation, the same refusals), the bytes through the same retried, split ranged GETs
 (finetune_trainer.ranged_reads): one client, one retry policy for every s3:// weights read.
-`bytes_read` counts what this process fetched, headers included."""
+A local directory's files are mapped (safetensors_ranges.MappedFiles) after the same header
+checks, so a truncated file is refused naming it, and a sharded checkpoint's index decides
+which file each tensor comes from, on a volume as on a bucket. `bytes_read` counts what this
+process fetched, headers included."""
 
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from finetune_trainer.ranged_reads import (
     cat_ranges_retrying,
     split_range,
 )
-from finetune_trainer.safetensors_ranges import DTYPES, RangedSafetensorsReader, Span
+from finetune_trainer.safetensors_header import DTYPES, Span
+from finetune_trainer.safetensors_ranges import MappedFiles, RangedSafetensorsReader
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -41,9 +45,10 @@ log = logging.getLogger(__name__)
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-class RemoteSafetensors:
-    """The safetensors under `location`: their headers read at construction (every tensor's
-    name, dtype, shape and byte span), tensors read whole on demand."""
+class SafetensorsSource:
+    """The safetensors under `location` (a prefix or a local directory): their headers read
+    at construction (every tensor's name, dtype, shape and byte span), tensors read whole on
+    demand."""
 
     def __init__(
         self,
@@ -51,18 +56,23 @@ class RemoteSafetensors:
         *,
         part_bytes: int = PART_BYTES,
         retry: RetryPolicy | None = None,
+        shared: bool = False,
     ) -> None:
         self.location = location
         self.part_bytes = part_bytes
-        self._reader = RangedSafetensorsReader(location, part_bytes=part_bytes, retry=retry)
+        # shared: rank 0 reads the headers for every rank (a caller every rank reaches alike).
+        self._reader = RangedSafetensorsReader(
+            location, part_bytes=part_bytes, retry=retry, shared=shared
+        )
         try:
             found = any(e.name.endswith(".safetensors") for e in location.children())
             metadata = self._reader.read_metadata() if found else None
         except (OSError, ValueError) as e:
             raise weights_error(location, e) from e
         if metadata is None:
+            where = "files in" if location.is_local else "objects under"
             raise UnsupportedConfigError(
-                f"spec.model: no *.safetensors objects under {location.url} (the trainer "
+                f"spec.model: no *.safetensors {where} {location.url} (the trainer "
                 "reads Hugging Face safetensors; convert .bin checkpoints with save_pretrained)"
             )
         self.spans: dict[str, Span] = {
@@ -71,6 +81,7 @@ class RemoteSafetensors:
         self.bytes_total = self._reader.bytes_total
         self._data_bytes = 0
         self._lock = threading.Lock()  # transformers may materialise from worker threads
+        self._mapped = MappedFiles() if location.is_local else None
 
     @property
     def bytes_read(self) -> int:
@@ -85,6 +96,8 @@ class RemoteSafetensors:
         `part_bytes`) requested concurrently, each part retried on its own."""
         names = list(names)
         spans = [self.spans[n] for n in names]
+        if self._mapped is not None:
+            return self._read_mapped(names, spans, self._mapped)
         parts = [
             (i, s, e)
             for i, sp in enumerate(spans)
@@ -108,20 +121,39 @@ class RemoteSafetensors:
             buffers[i][at : at + len(data)] = data
         with self._lock:
             self._data_bytes += sum(len(b) for b in got)
-        return {
-            name: torch.frombuffer(buf, dtype=sp.dtype).view(sp.shape)
-            if buf
-            else torch.empty(sp.shape, dtype=sp.dtype)
-            for name, sp, buf in zip(names, spans, buffers, strict=True)
-        }
+        return _tensors(names, spans, buffers)
+
+    def _read_mapped(
+        self, names: list[str], spans: list[Span], mapped: MappedFiles
+    ) -> dict[str, torch.Tensor]:
+        # Copied out of the mapping (as safe_open's get_tensor does): the caller keeps or
+        # quantises the tensor after the mapping is gone.
+        with self._lock:
+            try:
+                buffers = [bytearray(mapped.range(sp.file, sp.begin, sp.end)) for sp in spans]
+            except (OSError, ValueError) as e:
+                raise weights_error(self.location, e) from e
+            self._data_bytes += sum(len(b) for b in buffers)
+        return _tensors(names, spans, buffers)
+
+
+def _tensors(
+    names: list[str], spans: list[Span], buffers: list[bytearray]
+) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.frombuffer(buf, dtype=sp.dtype).view(sp.shape)
+        if buf
+        else torch.empty(sp.shape, dtype=sp.dtype)  # frombuffer refuses an empty buffer
+        for name, sp, buf in zip(names, spans, buffers, strict=True)
+    }
 
 
 class LazyTensor:
-    """One tensor of a RemoteSafetensors, read when indexed (`t[...]`): the interface of
+    """One tensor of a SafetensorsSource, read when indexed (`t[...]`): the interface of
     safetensors' `safe_open(...).get_slice(name)` that transformers' loader uses on a
     state dict's values, so that it materialises (and quantises) one tensor at a time."""
 
-    def __init__(self, source: RemoteSafetensors, name: str) -> None:
+    def __init__(self, source: SafetensorsSource, name: str) -> None:
         self.source = source
         self.name = name
         self._span = source.spans[name]
@@ -144,23 +176,21 @@ class LazyTensor:
         return self.source.read([self.name])[self.name][index]  # type: ignore[index]
 
 
-def lazy_state_dict(source: RemoteSafetensors) -> dict[str, LazyTensor]:
+def lazy_state_dict(source: SafetensorsSource) -> dict[str, LazyTensor]:
     """Every tensor of `source`, unread, by checkpoint name."""
     return {name: LazyTensor(source, name) for name in source.spans}
 
 
-def from_pretrained_remote(
-    location: Location, config: PretrainedConfig, **kwargs: Any
-) -> nn.Module:
+def from_pretrained_lazy(location: Location, config: PretrainedConfig, **kwargs: Any) -> nn.Module:
     """`AutoModelForCausalLM.from_pretrained` of the model whose safetensors are under
-    `location` (its `config` fetched beforehand: remote_model.model_files), with the
-    loader's own options (`quantization_config`, `device_map`, `dtype`...). transformers
-    reads a state dict's values as it reads a local file's lazy slices: one at a time when it
-    quantises, each by byte ranges here, so the model is read once and never held whole in
-    the load's dtype."""
+    `location` (a prefix, its `config` fetched beforehand: remote_model.model_files; or a
+    local directory), with the loader's own options (`quantization_config`, `device_map`,
+    `dtype`...). transformers reads a state dict's values as it reads a local file's lazy
+    slices: one at a time when it quantises, each by byte ranges (or from the mapped file)
+    here, so the model is read once and never held whole in the load's dtype."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    source = RemoteSafetensors(location)
+    source = SafetensorsSource(location)
     # The concrete class: the Auto class wants a name or path to resolve, and a state dict
     # comes with neither.
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]

@@ -10,11 +10,13 @@ tensor (the DCP load plan of a dim-0 sharded DTensor, served by byte ranges:
 finetune_trainer.safetensors_ranges, the path FSDP shards take), so the job reads the model
 once, spread over every node's network, and the all-gather that makes each tensor whole runs
 over the collective fabric (NVLink/InfiniBand), an order of magnitude faster than the store.
-Each rank fetches 1/W of the data plus the headers.
+Each rank fetches 1/W of the data; rank 0 the headers besides, for every rank.
 
 Memory: beside the replica, the stripes of one group of tensors (at most STRIPE_BYTES per
-rank, in the replica's dtype; a DCP load per group), plus one tensor gathered whole at a
-time. A directory on a volume is read whole by every rank as
+rank, in the replica's dtype; a DCP load per group; the headers read once, by rank 0), plus
+the raw reads in flight during a load, or one tensor's padded gather buffer when its rows do
+not split evenly over the ranks (evenly split rows are gathered straight into the
+parameter). A directory on a volume is read whole by every rank as
 before (finetune_trainer.pretrained: a node's page cache serves its ranks, and there is no
 egress); so is a one-rank job."""
 
@@ -32,16 +34,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
+from finetune_operator.api.weights_reads import STRIPE_BYTES
 from finetune_trainer.location import Entry, Location
 from finetune_trainer.pretrained import checkpoint_keys, load_safetensors, weights_error
 from finetune_trainer.safetensors_ranges import RangedSafetensorsReader, batches
 
 log = logging.getLogger(__name__)
 
-# A rank's stripes of one DCP load at most (a larger tensor's stripe alone): what the striped
-# read holds beside the replica, besides the one tensor being gathered. Each load reads the
-# headers again (kilobytes per file).
-STRIPE_BYTES = 256 << 20
+# STRIPE_BYTES: a rank's stripes of one DCP load at most (a larger tensor's stripe alone):
+# what the striped read holds beside the replica, besides the one tensor being gathered (the
+# planner counts both: planner.loading.striped_read_bytes). Each load reads the headers again
+# (kilobytes per file).
 
 
 def load_replica(model: nn.Module, weights: Path | Location) -> set[int]:
@@ -59,7 +62,14 @@ def load_replica(model: nn.Module, weights: Path | Location) -> set[int]:
     world = dist.get_world_size()
     device = next(iter(params.values())).device
     mesh = init_device_mesh(device.type, (world,))
-    reader = RangedSafetensorsReader(weights)
+    # One reader for every group's DCP load: the headers read once, by rank 0 for all.
+    reader = RangedSafetensorsReader(weights, shared=True)
+    # Read (and broadcast) before any stripe is allocated: its buffers are not held beside
+    # them, and a bad header is refused before the first load.
+    try:
+        reader.read_metadata()
+    except (OSError, ValueError) as e:
+        raise weights_error(weights, e) from e
     names = list(params)
     stripe_bytes = [params[n].numel() * params[n].element_size() // world for n in names]
     groups = batches(stripe_bytes, STRIPE_BYTES)
@@ -104,8 +114,33 @@ def _load_group(
     except (Exception, CheckpointException) as exc:
         raise weights_error(weights, reader.failure or exc) from exc
     for name, p in params.items():
-        stripe = stripes.pop(name)
-        p.copy_(stripe.full_tensor() if isinstance(stripe, DTensor) else stripe)
+        if isinstance(stripes[name], DTensor):
+            gather_rows(p, stripes.pop(name))  # the stripe freed as it is gathered
+        else:
+            p.copy_(stripes.pop(name))
+
+
+def gather_rows(param: torch.Tensor, stripe: DTensor) -> None:
+    """All-gather every rank's rows of `stripe` (its Shard(0) chunk of `param`, torch.chunk's
+    split: ceil(n/W) rows each, the last ranks fewer) into `param`. When the rows split
+    evenly they are gathered straight into the parameter: no tensor beside it. Otherwise into
+    one padded buffer, then copied. (DTensor.full_tensor held the padded gather, its unpadded
+    copy and, on gloo, a concatenation besides: 3-4x the tensor, measured on the test model.)
+    The caller passes its only reference to `stripe`, so a padded copy replaces it."""
+    world = dist.get_world_size()
+    rows = stripe.to_local()
+    del stripe
+    chunk = -(-param.shape[0] // world)
+    if rows.shape[0] != chunk:  # a short last chunk (or none): padded to the others' rows
+        padded = torch.zeros((chunk, *param.shape[1:]), dtype=rows.dtype, device=rows.device)
+        padded[: rows.shape[0]] = rows
+        rows = padded
+    if param.shape[0] == chunk * world and param.is_contiguous():
+        dist.all_gather_into_tensor(param, rows.contiguous())
+        return
+    whole = torch.empty((chunk * world, *param.shape[1:]), dtype=rows.dtype, device=rows.device)
+    dist.all_gather_into_tensor(whole, rows.contiguous())
+    param.copy_(whole[: param.shape[0]])
 
 
 def _children(weights: Location) -> list[Entry]:

@@ -10,7 +10,9 @@ headers (kilobytes), and for each slice DCP's load plan asks of it, only the row
 the slice covers: with FSDP2's dim-0 shards that is exactly its shard's bytes. Ranges of one
 file at most `gap_bytes` apart (the rows of many small tensors, a DDP rank's whole tensors
 one after another) are coalesced into one request of at most `part_bytes`, the gap read and
-dropped. The requests of a batch go out concurrently (`cat_ranges`), a batch bounded in
+dropped. The headers are judged before any data is read or mapped
+(finetune_trainer.safetensors_header: a file shorter than its header says is refused, never
+mapped past its end). The requests of a batch go out concurrently (`cat_ranges`), a batch bounded in
 bytes so the raw buffers never exceed `batch_bytes` next to the shards (plus the tensor
 being assembled); a range larger than `part_bytes` goes out as parallel parts, and each part
 that fails transiently is asked again with backoff (finetune_trainer.ranged_reads). A
@@ -19,13 +21,10 @@ from (finetune_trainer.safetensors_index)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import mmap
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from finetune_operator.api.weights_reads import READ_BATCH_BYTES
 from finetune_trainer.location import Location
 from finetune_trainer.ranged_reads import (
     DEFAULT_RETRY,
@@ -51,6 +51,14 @@ from finetune_trainer.ranged_reads import (
     coalesce,
     dropped_bytes,
     split_range,
+)
+from finetune_trainer.rank_zero_read import read_on_rank0
+from finetune_trainer.safetensors_header import (
+    HEADER_LEN_BYTES,
+    Span,
+    check_header_length,
+    parse_header,
+    row_range,
 )
 from finetune_trainer.safetensors_index import (
     INDEX_NAME,
@@ -64,79 +72,11 @@ from finetune_trainer.safetensors_index import (
 
 log = logging.getLogger(__name__)
 
-HEADER_LEN_BYTES = 8
-# Bounds one header read: real headers are a few hundred KB at most.
-MAX_HEADER_BYTES = 100 << 20
-BATCH_BYTES = 256 << 20
-
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+BATCH_BYTES = READ_BATCH_BYTES  # counted by the planner (planner.loading)
 
 
 # Bytes that did not arrive as the header promised (a short read): may pass on a restart.
 WeightsReadError = ShortReadError
-
-
-@dataclass(frozen=True)
-class Span:
-    """Where one tensor's bytes lie in its file (absolute offsets)."""
-
-    file: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-def parse_header(
-    file: str, raw: bytes, data_start: int, size: int | None = None
-) -> dict[str, Span]:
-    """Pure: the tensors of a safetensors header (the JSON after the 8-byte length), by
-    name; `data_start` = 8 + header length. A dtype this reader does not know, a span that
-    does not match its shape, or one past the file's listed `size` (a truncated upload: no
-    restart reads bytes the object does not have) is an error naming the file and tensor."""
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file}: not a safetensors file (header is not JSON: {e})") from None
-    spans: dict[str, Span] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"{file}: tensor {name} has dtype {entry.get('dtype')!r}, not read")
-        shape = tuple(int(n) for n in entry["shape"])
-        begin, end = (int(x) for x in entry["data_offsets"])
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{file}: tensor {name} spans {end - begin} bytes, not {shape}")
-        if size is not None and data_start + end > size:
-            raise ValueError(
-                f"{file}: tensor {name} ends at byte {data_start + end}, but the object has "
-                f"{size} (truncated: upload it again)"
-            )
-        spans[name] = Span(file, dtype, shape, data_start + begin, data_start + end)
-    return spans
-
-
-def row_range(span: Span, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int]:
-    """Pure: the byte range [start, end) holding the rows of dim 0 that a slice (offsets,
-    lengths per dim) covers; the slice of the other dims is cut from them in memory."""
-    if not span.shape:
-        return span.begin, span.end
-    row_bytes = math.prod(span.shape[1:]) * span.dtype.itemsize
-    start = span.begin + offsets[0] * row_bytes
-    return start, start + lengths[0] * row_bytes
 
 
 def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
@@ -152,6 +92,33 @@ def batches(sizes: Sequence[int], limit: int) -> list[list[int]]:
             out.append([i])
             total = size
     return out
+
+
+class MappedFiles:
+    """Local files mapped once each, their byte ranges served from the page cache. The
+    sizes were checked against the headers when the files were listed
+    (safetensors_header.parse_header), so a range past a file's end means the file was
+    replaced by a shorter one since: a short read. (A file cut short after it is mapped, while
+    its pages are read, is still a SIGBUS: a mapping has no way to refuse.)"""
+
+    def __init__(self) -> None:
+        self._views: dict[str, memoryview] = {}
+
+    def range(self, file: str, start: int, end: int) -> memoryview:
+        view = self._views.get(file)
+        if view is None:
+            with open(file, "rb") as f:
+                # ACCESS_COPY: a private mapping torch.frombuffer takes as writable
+                # (nothing writes it; the pages stay the page cache's).
+                view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+            self._views[file] = view
+        piece = view[start:end]
+        if len(piece) != end - start:
+            raise WeightsReadError(
+                f"{file}: {len(piece)} bytes of {end - start} at {start} (the file was "
+                "truncated or replaced since it was listed)"
+            )
+        return piece
 
 
 class RangedSafetensorsReader(StorageReader):
@@ -170,8 +137,13 @@ class RangedSafetensorsReader(StorageReader):
         part_bytes: int = PART_BYTES,
         gap_bytes: int = GAP_BYTES,
         retry: RetryPolicy | None = None,
+        shared: bool = False,
     ) -> None:
         super().__init__()
+        # Rank 0 reads the listing, index and headers for every rank (rank_zero_read): only
+        # for a reader every rank of the default group uses alike.
+        self.shared = shared
+        self._metadata: tuple[Metadata, int] | None = None
         self.location = location
         self.batch_bytes = batch_bytes
         self.part_bytes = part_bytes
@@ -213,27 +185,28 @@ class RangedSafetensorsReader(StorageReader):
         # Against the listed size, what the object lacks is the object's fault (a refusal);
         # a read that returns less than the object has is the network's (WeightsReadError).
         url, path = file.url, file.path
-        if size < HEADER_LEN_BYTES:
-            raise ValueError(f"{url}: not a safetensors file ({size} bytes)")
+        check_header_length(url, 0, size)
         (length,) = struct.unpack("<Q", self._cat(path, 0, HEADER_LEN_BYTES))
         self.bytes_read += HEADER_LEN_BYTES
-        if length > min(MAX_HEADER_BYTES, size - HEADER_LEN_BYTES):
-            raise ValueError(
-                f"{url}: not a safetensors file, or truncated (header length {length}, "
-                f"{size} bytes)"
-            )
+        check_header_length(url, length, size)
         raw = self._cat(path, HEADER_LEN_BYTES, HEADER_LEN_BYTES + length)
         self.bytes_read += len(raw)
         return parse_header(url, raw, HEADER_LEN_BYTES + length, size)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The tensors of every file, read once per reader (a striped load's DCP loads reuse
+        them) and, `shared`, once per job (rank 0's, broadcast)."""
         try:
-            return self._read_metadata()
+            if self._metadata is None:
+                read = self._read_metadata
+                self._metadata = read_on_rank0(read) if self.shared else read()
+            metadata, self.bytes_total = self._metadata
+            return metadata
         except Exception as e:
             self.failure = self.failure or e
             raise
 
-    def _read_metadata(self) -> Metadata:
+    def _read_metadata(self) -> tuple[Metadata, int]:
         listed = {e.name: e.size for e in self.location.children() if not e.is_dir}
         index = self.location / INDEX_NAME
         weight_map = None
@@ -280,7 +253,7 @@ class RangedSafetensorsReader(StorageReader):
                     f"{index.url} maps {len(lost)} tensors to files that do not hold them: "
                     f"{shown} (an index from another save: upload the model again)"
                 )
-        return Metadata(state_dict_metadata=dict(tensors), storage_data=storage)
+        return Metadata(state_dict_metadata=dict(tensors), storage_data=storage), self.bytes_total
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -354,21 +327,9 @@ class RangedSafetensorsReader(StorageReader):
         safetensors' own `safe_open` does): no request latency to coalesce away, no raw buffer
         of up to `batch_bytes` beside the shards, and the ranks of a node share the pages.
         Read through fsspec ranges instead, a 413 MiB file loaded 5-8x slower."""
-        maps: dict[str, memoryview] = {}
+        mapped = MappedFiles()
         for item, (span, start, end) in zip(items, spans, strict=True):
-            view = maps.get(span.file)
-            if view is None:
-                with open(span.file, "rb") as f:
-                    # ACCESS_COPY: a private mapping torch.frombuffer takes as writable
-                    # (nothing writes it; the pages stay the page cache's).
-                    view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
-                maps[span.file] = view
-            piece = view[start:end]
-            if len(piece) != end - start:
-                raise WeightsReadError(
-                    f"{span.file}: {len(piece)} bytes of {end - start} at {start} (the file "
-                    "was truncated or replaced since it was listed)"
-                )
+            piece = mapped.range(span.file, start, end)
             if start % span.dtype.itemsize:
                 piece = memoryview(bytearray(piece))  # aligned for its dtype
             self.bytes_read += end - start

@@ -82,7 +82,9 @@ class Plan(ApiModel):
             "Device bytes per GPU while loading: the rank's parameter shards plus the largest "
             "module in fp32 (the model is built on meta, sharded, then materialised; "
             "DeepSpeed ZeRO-3: partitions under zero.Init plus that module gathered; "
-            "ZeRO-1/2: the whole replica, in the training dtype, plus that module)."
+            "ZeRO-1/2: the whole replica, in the training dtype, plus that module; DDP and "
+            "ZeRO-1/2 reading object-store weights in stripes: the replica plus the larger of "
+            "that module and one load's stripes with its reads in flight or a tensor gathered)."
         ),
     )
     checkpoint_bytes: int = Field(

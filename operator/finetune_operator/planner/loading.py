@@ -17,6 +17,18 @@ DeepSpeed (finetune_trainer.deepspeed_loading, `zero_load_peak_bytes`):
 - ZeRO-1/2 keep a full replica, built directly in the engine's parameter dtype (the
   breakdown's `parameters`), plus one module's fp32 init: the same rule as DDP's.
 
+Pretrained weights on an object store, read by a replicated rank (DDP, ZeRO-1/2) of a job of
+more than one rank (finetune_trainer.replica_loading, `striped_read_bytes`): each rank reads
+a stripe of every tensor (1/N of its rows) in DCP loads of at most STRIPE_BYTES of stripes,
+then all-gathers each tensor whole into the replica. Beside the replica it holds one load's
+stripes, plus, during the load, the raw bytes of the ranged GETs in flight (at most
+READ_BATCH_BYTES, and at most those stripes' bytes as stored: fp32 files assumed, the widest
+the trainer reads into a float replica) or, during the gathers, one tensor whole (the padded
+gather buffer of a tensor whose rows do not split evenly; evenly split rows are gathered
+straight into the parameter, so this bounds it from above). At 256 MiB
+each that is up to ~1 GiB on top of the replica of a large model; the figure counted before
+(the replica plus one module's fp32 init) left it out.
+
 A DeepSpeed resume (finetune_trainer.deepspeed_resume, `zero_resume_host_bytes`) reads the
 checkpoint's fp32 tensors into host memory one group at a time: at most
 `resume_chunk_budget` (1 GiB, or the largest trainable tensor), never more than the whole
@@ -27,7 +39,10 @@ tensor at once before: 12 bytes per trainable parameter on every rank.)
 
 from __future__ import annotations
 
+import math
+
 from finetune_operator.api.deepspeed_config import resume_chunk_budget
+from finetune_operator.api.weights_reads import READ_BATCH_BYTES, STRIPE_BYTES
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.configuration import TrainingShape
 from finetune_operator.planner.lora import adapter_parameters
@@ -54,14 +69,57 @@ def zero_load_peak_bytes(
     resident_parameter_bytes: int,
     *,
     partition_dtype_bytes: int,
+    striped_world: int = 1,
 ) -> int:
     """Load peak of a DeepSpeed ZeRO `stage` rank (see the module docstring);
     `resident_parameter_bytes`: the breakdown's `parameters`; `partition_dtype_bytes`: the
-    bytes per element of the training precision (the partitions' dtype)."""
+    bytes per element of the training precision (the partitions' dtype); `striped_world`:
+    the ranks reading the weights in stripes (1: not striped)."""
     if stage == 3:
         module = largest_module_parameters(m)
         return resident_parameter_bytes + module * (partition_dtype_bytes + FP32)
-    return load_peak_bytes(m, resident_parameter_bytes)
+    return replicated_load_peak_bytes(
+        m,
+        resident_parameter_bytes,
+        element_bytes=partition_dtype_bytes,
+        striped_world=striped_world,
+    )
+
+
+def striped_read_bytes(
+    replica_bytes: int,
+    largest_tensor_bytes: int,
+    world: int,
+    *,
+    element_bytes: int,
+    stripe_bytes: int = STRIPE_BYTES,
+    read_batch_bytes: int = READ_BATCH_BYTES,
+) -> int:
+    """Bytes a replicated rank holds beside its replica (`replica_bytes`, of elements of
+    `element_bytes`) while reading it in stripes over `world` ranks (see the module
+    docstring): one DCP load's stripes, plus the larger of the raw reads in flight and one
+    tensor gathered whole. Nothing on one rank: it reads whole, as from a volume."""
+    if world <= 1:
+        return 0
+    group = min(
+        max(stripe_bytes, math.ceil(largest_tensor_bytes / world)),
+        math.ceil(replica_bytes / world),
+    )
+    raw = min(read_batch_bytes, group * FP32 // element_bytes)
+    return group + max(raw, largest_tensor_bytes)
+
+
+def replicated_load_peak_bytes(
+    m: ModelShape, replica_bytes: int, *, element_bytes: int, striped_world: int
+) -> int:
+    """Load peak of a replicated rank (DDP, ZeRO-1/2): one module's fp32 init beside the
+    replica, or, read in stripes from an object store by `striped_world` ranks (1: not
+    striped), the stripes' bytes if more."""
+    largest = largest_module_parameters(m)
+    striped = striped_read_bytes(
+        replica_bytes, largest * element_bytes, striped_world, element_bytes=element_bytes
+    )
+    return replica_bytes + max(largest * FP32, striped)
 
 
 # Bytes a checkpoint holds per trainable parameter: the fp32 master copy plus the optimizer

@@ -7,7 +7,11 @@ from dataclasses import replace
 from finetune_operator.api.constants import BYTE_TOKENIZER_VOCAB
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
-from finetune_operator.api.storage import object_store_problems, unmounted_paths
+from finetune_operator.api.storage import (
+    is_object_store_uri,
+    object_store_problems,
+    unmounted_paths,
+)
 from finetune_operator.api.strategies import STRATEGIES, StrategyTable
 from finetune_operator.planner.architecture import ModelShape, resolve_model
 from finetune_operator.planner.configuration import PRECISION_BYTES, TrainingShape
@@ -17,6 +21,7 @@ from finetune_operator.planner.hardware import accelerator_for, host_bytes_per_p
 from finetune_operator.planner.loading import (
     checkpoint_bytes,
     load_peak_bytes,
+    replicated_load_peak_bytes,
     zero_load_peak_bytes,
 )
 from finetune_operator.planner.lora import expand_targets
@@ -149,15 +154,34 @@ def _search(p: Problem) -> tuple[SearchResult, int | None]:
     return result, launch_n
 
 
-def _load_peak(m: ModelShape, ev: Evaluated) -> int:
+def _striped_world(spec: FineTuneJobSpec, ev: Evaluated, world: int) -> int:
+    """The ranks that read the weights in stripes (replica_loading): a replicated row (DDP,
+    ZeRO-1/2) loading pretrained weights from an object store (QLoRA reads its own way); 1
+    where nothing is striped."""
+    model = spec.model
+    uri = model.weights_location()
+    remote = model.source == "uri" and uri is not None and is_object_store_uri(uri)
+    replicated = not ev.row.shards_params and ev.shape.method != "qlora"
+    return world if remote and replicated else 1
+
+
+def _load_peak(m: ModelShape, ev: Evaluated, striped_world: int) -> int:
     parameters = ev.est.breakdown.parameters
     if ev.row.backend != "deepspeed":
-        return load_peak_bytes(m, parameters)
+        if ev.row.shards_params:
+            return load_peak_bytes(m, parameters)
+        # DDP's replica: fp32 masters for full fine-tuning, else the frozen base's dtype.
+        full = ev.shape.method == "full" or ev.shape.precision == "fp32"
+        e = 4 if full else PRECISION_BYTES[ev.shape.precision]
+        return replicated_load_peak_bytes(
+            m, parameters, element_bytes=e, striped_world=striped_world
+        )
     return zero_load_peak_bytes(
         m,
         ev.row.zero_stage,
         parameters,
         partition_dtype_bytes=PRECISION_BYTES[ev.shape.precision],
+        striped_world=striped_world,
     )
 
 
@@ -193,7 +217,7 @@ def _to_plan(
         memory=b,
         candidates_evaluated=evaluated,
         architecture=p.model.arch,
-        load_peak_bytes=_load_peak(p.model, ev),
+        load_peak_bytes=_load_peak(p.model, ev, _striped_world(p.spec, ev, launch_n)),
         checkpoint_bytes=checkpoint_bytes(p.model, ev.shape),
     )
 

@@ -1,0 +1,11 @@
+"""What the trainer's reads of pretrained weights hold at once per rank: constants shared by
+the trainer (finetune_trainer.safetensors_ranges, replica_loading), which reads so, and the
+planner (finetune_operator.planner.loading), which counts it in `plan.loadPeakBytes`."""
+
+from __future__ import annotations
+
+# Raw bytes of ranged GETs in flight at once (a DCP load's batch of requests).
+READ_BATCH_BYTES = 256 << 20
+# A replicated rank's (DDP, ZeRO-1/2) stripes of one DCP load from an object store, in the
+# replica's dtype: at most this, or one larger tensor's stripe alone.
+STRIPE_BYTES = 256 << 20
