@@ -12,12 +12,12 @@ under the startup collective timeout: a tokenization longer than it (minutes per
 the collective (gloo's recv, NCCL's watchdog), and torchrun restarted the group into the same
 work, again and again.
 
-So the ranks meet here first, over the process group's store (the TCPStore torchrun's agent
-creates for the workers of each rendezvous round: a fresh one every round, as the worker pod
-sets `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`; a store shared across rounds would hold the
-previous round's count, and the ranks would go on at once, waiting in the collective as
-before): each rank bumps its beat counter from a thread while it
-works, and marks itself ready when its start-up work is done. A ready rank polls the ready
+So the ranks meet here first, over the process group's store: under torchrun with
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod sets it) a TCPStore that worker rank 0
+hosts on a new port every rendezvous round, so every start of the workers finds it empty (a
+store shared across rounds would hold the previous round's count: the ranks would go on at
+once and wait in the collective, as before). Each rank bumps its beat counter from a thread
+while it works, and marks itself ready when its start-up work is done. A ready rank polls the ready
 count; it waits as long as every missing rank's beat keeps changing (alive, however long its
 work takes), up to `wait_limit` in all (a rank alive but stuck: an NFS read that never
 returns), and fails with a `CollectiveTimeoutError` (a lost peer, as the crash report and the
