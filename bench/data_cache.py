@@ -1,7 +1,7 @@
 """The data phase of a rank's start, with and without the per-pod cache of packed blocks.
 
     python bench/data_cache.py [--mb 20] [--seq-len 512] [--ranks 1 2] [--tokenizer byte|bpe]
-                               [--pods 2]
+                               [--pods 2] [--open-mb 256]
 
 A jsonl corpus of `--mb` MB is generated into a temporary directory (words of the shipped
 quickstart corpus in random order: never committed) and read with the byte-level tokenizer
@@ -42,6 +42,13 @@ cluster the copy runs at that volume's read throughput (NFS, CephFS, EFS: hundre
 GB/s) instead of the local disk's, while tokenizing costs the same CPU anywhere.
 
 Every case's blocks are checked equal to the baseline's.
+
+A third table (`--open-mb`, default 256; 0 skips it) times opening a pod's entry of that size
+(random blocks, written by the cache's own writer): verified, reading every byte to check its
+checksum (what every open of every rank did on every start), against stamped (the pod verified
+it once and recorded the file's identity: `cache_entry.open_entry`'s `remember`), median of 5
+opens each, in the same run. Both read a page cache the write left warm: on a cold cache the
+full read also waits for the disk.
 """
 
 from __future__ import annotations
@@ -233,6 +240,50 @@ def fresh_job(pods: int, uri: str, seq_len: int, work: Path, tok: str) -> None:
           f"({every / one:.1f}x less) ||||")  # fmt: skip
 
 
+def open_times(megabytes: float, work: Path, repeats: int = 5) -> None:
+    """Median open of a `megabytes` entry, verified against stamped (module docstring)."""
+    import statistics
+
+    import numpy as np
+
+    from finetune_trainer.data.cache_entry import STAMP_FILE, EntryWriter, open_entry
+
+    seq_len = 512
+    rows = max(1, int(megabytes * 1e6) // (seq_len * 2))
+    entry = work / "open-entry"
+    entry.mkdir()
+    writer = EntryWriter(entry, None)
+    rng = np.random.default_rng(0)
+    for start in range(0, rows, 4096):
+        n = min(4096, rows - start)
+        writer.write(rng.integers(0, 65535, size=(n, seq_len), dtype=np.uint16))
+    writer.finish(key="bench", dtype=np.dtype(np.uint16), seq_len=seq_len, samples=rows)
+
+    def timed(remember: bool) -> float:
+        times = []
+        for _ in range(repeats):
+            if not remember:
+                (entry / STAMP_FILE).unlink(missing_ok=True)
+            t0 = time.perf_counter()
+            assert open_entry(entry, "bench", remember=remember) is not None
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    verified = timed(remember=False)
+    assert open_entry(entry, "bench", remember=True) is not None  # the pod's one verification
+    time.sleep(0.05)  # past the file's last clock tick, or the stamp is not trusted
+    assert open_entry(entry, "bench", remember=True) is not None
+    assert (entry / STAMP_FILE).exists()
+    stamped = timed(remember=True)
+    size = rows * seq_len * 2
+    print()
+    print("| entry | open, verified (every byte hashed) | open, stamped | stamped / verified |")
+    print("|---|---|---|---|")
+    print(f"| {mib(size)} | {verified * 1e3:.1f} ms ({verified / (size / 1e9):.3f} s/GB) "
+          f"| {stamped * 1e3:.3f} ms | {stamped / verified:.5f} "
+          f"({verified / stamped:.0f}x faster) |")  # fmt: skip
+
+
 def mib(n: float) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
@@ -244,6 +295,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
     parser.add_argument("--pods", type=int, default=2)
+    parser.add_argument("--open-mb", type=float, default=256.0)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="data-cache-bench-"))
     try:
@@ -295,6 +347,8 @@ def main() -> None:
             print(f"|   | shared copy on the checkpoint volume: {mib(published)} |||||||")
         if args.pods > 0:
             fresh_job(args.pods, uri, args.seq_len, work, tok)
+        if args.open_mb > 0:
+            open_times(args.open_mb, work)
         print(f"load (uptime) after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

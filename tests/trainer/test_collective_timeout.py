@@ -10,9 +10,8 @@ import torch
 import torch.distributed as dist
 
 from finetune_operator.api.elastic_timeouts import CollectiveTimeouts
-from finetune_trainer.collective_timeout import TrainingTimeout, download_timeout, step_timeout
+from finetune_trainer.collective_timeout import TrainingTimeout, step_timeout
 from finetune_trainer.crash import KIND_PEER_LOST, RankFailure, crash_report
-from finetune_trainer.data.remote import RemoteObject
 from finetune_trainer.distributed import (
     CollectiveTimeoutError,
     describe_failure,
@@ -57,28 +56,6 @@ def test_training_timeout_phases_through_a_run() -> None:
     assert applied == [100.0, 600, 100.0, 600]
     step(20.0)
     assert applied[-2:] == [100.0, 600]
-
-
-def test_download_timeout_adds_the_modelled_download_to_startup() -> None:
-    assert download_timeout(600, 0) == 600
-    # 2 TB at the plans' deliberately low 1 GB/s per node: 2000 s more, never capped.
-    assert download_timeout(600, 2 * 10**12) == 2600
-
-
-def test_ranks_waiting_on_a_download_wait_longer_until_the_first_step() -> None:
-    """Every rank widens by the agreed listing's size (rank 0's, so alike on all), before a
-    pod downloads while the others wait in the next collective."""
-    applied: list[float] = []
-    t = TrainingTimeout(make_job(), T, applied.append)
-    listing = [RemoteObject("s3://b/a.jsonl", 3 * 10**11, "e", None),
-               RemoteObject("s3://b/b.jsonl", 10**11, "e", None)]  # fmt: skip
-    rank0 = [listing[0]]  # what rank 0 listed: this rank's listing is not used
-    assert t.agreeing(lambda objects: rank0)(listing) == rank0
-    assert applied == [900.0]  # 600 + 300 GB at 1 GB/s
-    t.allow_download(1000)  # a small corpus never shortens it
-    assert applied == [900.0]
-    t.before_step()  # the download is done: back to the startup timeout
-    assert applied == [900.0, 600]
 
 
 def test_user_timeout_is_not_widened_by_the_measured_step() -> None:

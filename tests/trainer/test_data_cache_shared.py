@@ -374,3 +374,30 @@ def test_concurrent_publishers_leave_one_whole_entry_and_readers_never_see_part(
     assert np.array_equal(
         published.blocks, np.fromfile(entry / BLOCKS_FILE, np.uint16).reshape(ROWS, WIDTH)
     )
+
+
+def test_an_entry_published_while_its_state_is_read_is_not_judged_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another pod's rename lands between this pod's failed read of the meta and its look at
+    the directory: the entry was absent when read, and is whole, never damaged (judged
+    damaged, it would be moved aside and published again)."""
+    from finetune_trainer.location import Location
+
+    key = "k" * 32
+    shared = shared_for(tmp_path / "ckpt")
+    shared.root.makedirs()
+    built = _local_entry(tmp_path / "built" / key, key)
+    real = Location.read_text
+
+    def meta_then_rename(self: Location) -> str:
+        if self.name == META_FILE and not (shared.root / key).exists():
+            try:
+                return real(self)
+            finally:
+                os.rename(built, shared.root.local_path / key)  # the other pod's publication
+        return real(self)
+
+    monkeypatch.setattr(Location, "read_text", meta_then_rename)
+    assert shared._state(key)[0] == "absent"
+    assert shared._state(key)[0] == "whole"

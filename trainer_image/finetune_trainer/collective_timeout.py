@@ -12,25 +12,17 @@ The timeout is torch's per-process-group default, changed with `_set_pg_timeout`
 later collective's timeout; NCCL: the watchdog's limit for each work enqueued afterwards). It
 is a private torch function: where it is missing, the startup timeout stays for the whole run.
 
-A download while starting (a dataset copy: one local rank of each pod fetches the whole corpus
-from object storage, data/remote.py) is not in the plan: the operator does not list the
-corpus. A pod whose copy is current goes on to the next collective (loading the weights) and
-waits there for the pods still downloading, so once the ranks have agreed on the listing
-(they all know its size) the training group's timeout is widened by the modelled download
-(`download_timeout`) until the first step sets it again.
+Work a rank does alone while starting (a pod's download of an `s3://` corpus, its data cache's
+build, a hub snapshot) is not waited for in a collective, so it never widens this timeout:
+the ranks meet after it at the start-up barrier, through the store (startup_barrier.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Callable
 
-from finetune_operator.api.elastic_timeouts import (
-    NODE_STORAGE_BYTES_PER_S,
-    CollectiveTimeouts,
-    steady_collective_seconds,
-)
+from finetune_operator.api.elastic_timeouts import CollectiveTimeouts, steady_collective_seconds
 from finetune_operator.api.jobconfig import JobConfig
 
 log = logging.getLogger(__name__)
@@ -47,27 +39,6 @@ def step_timeout(
     if steps_run < WARMUP_STEPS or after_save:
         return timeouts.startup
     return steady
-
-
-def total_size(objects: Sequence[HasSize]) -> int:
-    return sum(o.size for o in objects)
-
-
-def download_timeout(startup: float, download_bytes: int) -> float:
-    """The training group's timeout while a node may be downloading `download_bytes` that
-    its peers wait for (pure): the startup timeout plus the download at the deliberately low
-    per-node storage rate the plan's timeouts assume (api/elastic_timeouts.py). Not capped:
-    a timeout shorter than the download fails every start (and the corpus is bounded by the
-    data cache's size anyway)."""
-    return startup + download_bytes / NODE_STORAGE_BYTES_PER_S
-
-
-class HasSize(Protocol):
-    @property
-    def size(self) -> int: ...
-
-
-S = TypeVar("S", bound=HasSize)
 
 
 class TrainingTimeout:
@@ -114,29 +85,6 @@ class TrainingTimeout:
                 step_seconds,
                 self.job.plan.estimated_step_seconds,
             )
-
-    def allow_download(self, download_bytes: int) -> None:
-        """Before a node may download `download_bytes` that the others wait for; the first
-        step's `before_step` sets the startup timeout again."""
-        seconds = download_timeout(self.timeouts.startup, download_bytes)
-        if seconds > self.current:
-            log.info(
-                "collective timeout %.0fs while starting: a node may download %d bytes first",
-                seconds,
-                download_bytes,
-            )
-            self._set(seconds)
-
-    def agreeing(self, agree: Callable[[list[S]], list[S]]) -> Callable[[list[S]], list[S]]:
-        """`agree` (every rank gets rank 0's listing), then the timeout widened for the
-        download of what was agreed, on every rank alike."""
-
-        def agreed(objects: list[S]) -> list[S]:
-            out = agree(objects)
-            self.allow_download(total_size(out))
-            return out
-
-        return agreed
 
     def relax(self) -> None:
         """Before a save, the stop path or the export: back to the startup timeout."""

@@ -120,6 +120,12 @@ def init_distributed(
     )
 
 
+def default_store() -> dist.Store:
+    """The training group's store (torchrun's TCPStore, namespaced per restart): what ranks
+    meet through without a collective (finetune_trainer.startup_barrier)."""
+    return distributed_c10d._get_default_store()
+
+
 def set_training_timeout(seconds: float) -> None:
     """The default (training) group's timeout for the collectives issued from now on, on
     every backend it has (gloo for CPU tensors, NCCL for CUDA ones). The checkpoint group

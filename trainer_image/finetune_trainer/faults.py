@@ -19,6 +19,10 @@ calls it unconditionally (no `if` in the hot path).
   SIGKILL to itself, as the kernel's OOM killer does): in that step's first micro-batch that
   rank fails, every time it gets there (a persistent fault). What the job's status then says
   is the subject (finetune_trainer/crash.py).
+- `FT_DATA_DELAY_SECONDS` (float) and `FT_DATA_DELAY_RANK` (int, default 0): that rank's data
+  phase (reading and tokenizing the corpus, or the data cache's build) takes this much longer,
+  as a large corpus or a slow node's would while its peers wait for it
+  (finetune_trainer/startup_barrier.py).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ class FaultConfig:
     crash_at_step: int | None = None
     crash_rank: int = 0
     crash_kind: str = "exception"
+    data_delay_seconds: float = 0.0
+    data_delay_rank: int = 0
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> FaultConfig:
@@ -85,6 +91,8 @@ class FaultConfig:
             crash_at_step=int(crash) if crash is not None else None,
             crash_rank=int(env_number(env, "FT_CRASH_RANK", int) or 0),
             crash_kind=kind,
+            data_delay_seconds=float(env_number(env, "FT_DATA_DELAY_SECONDS", float) or 0.0),
+            data_delay_rank=int(env_number(env, "FT_DATA_DELAY_RANK", int) or 0),
         )
 
     @property
@@ -94,10 +102,14 @@ class FaultConfig:
             or self.hang_at_step is not None
             or self.overflow_at_step is not None
             or self.crash_at_step is not None
+            or self.data_delay_seconds > 0
         )
 
 
 class Faults(Protocol):
+    def after_data(self) -> None:
+        """Called once the rank's training blocks are ready (before it meets its peers)."""
+
     def after_micro_batch(self, step: int, micro_batches: int) -> None:
         """Called after each micro-batch's backward of optimizer step `step` (1-based)."""
 
@@ -106,6 +118,9 @@ class Faults(Protocol):
 
 
 class NoFaults:
+    def after_data(self) -> None:
+        return None
+
     def after_micro_batch(self, step: int, micro_batches: int) -> None:
         return None
 
@@ -117,6 +132,10 @@ class InjectedFaults:
     def __init__(self, config: FaultConfig, rank: int = 0) -> None:
         self.config = config
         self.rank = rank
+
+    def after_data(self) -> None:
+        if self.config.data_delay_seconds and self.rank == self.config.data_delay_rank:
+            time.sleep(self.config.data_delay_seconds)
 
     def before_optimizer_step(self, step: int, model: nn.Module) -> None:
         if step != self.config.overflow_at_step or self.rank != self.config.overflow_rank:

@@ -19,7 +19,12 @@ from finetune_trainer.data import CacheSettings, build_dataset
 from finetune_trainer.data.remote import stage_dataset
 from finetune_trainer.data.shared import shared_cache_for
 from finetune_trainer.deepspeed_engine import select_accelerator
-from finetune_trainer.distributed import init_distributed, select_device, set_training_timeout
+from finetune_trainer.distributed import (
+    default_store,
+    init_distributed,
+    select_device,
+    set_training_timeout,
+)
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.export import build_exporter
 from finetune_trainer.faults import build_faults
@@ -31,10 +36,12 @@ from finetune_trainer.finish import (
 from finetune_trainer.loading import load_parallel_model
 from finetune_trainer.loss_scale import build_loss_scale
 from finetune_trainer.metrics import StepStats, TrainerMetrics
+from finetune_trainer.model import weights_dir
 from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import check_precision
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.startup import StartupClock
+from finetune_trainer.startup_barrier import StartupBarrier, job_wait_limit
 from finetune_trainer.steptrace import build_step_trace
 from finetune_trainer.stop_signal import StopSignal
 from finetune_trainer.termination_log import clear_final_report, write_final_report
@@ -71,9 +78,10 @@ def data_cache(
 ) -> CacheSettings | None:
     """The pod's data cache, backed by the job's shared copy on its checkpoint storage. A pod
     waits for another's build of the blocks (data.build_claim) while it advances, and gives
-    up after at most half the startup collective timeout without progress: a waiter that
-    gives up builds itself, and the builder's pod waits for it in its next collective about
-    that long."""
+    up after at most half the startup collective timeout without progress (a builder that
+    stopped advancing is more likely stuck than slow): a waiter that gives up builds
+    itself, and the builder's ranks wait for it at the start-up barrier (alive, not in a
+    collective: startup_barrier.py)."""
     if env.data_cache_dir is None:
         return None
     owner = {"job": job.name, "namespace": job.namespace, "uid": job.uid}
@@ -98,6 +106,11 @@ class Trainer:
         )
         # Generous while starting and around saves, a few step times once warm.
         self.timeout = TrainingTimeout(job, timeouts, set_training_timeout)
+        # Beats while this rank does its own start-up work (data, a hub snapshot): its peers
+        # wait for it at the barrier below, not in a collective (startup_barrier.py).
+        barrier = StartupBarrier(
+            default_store(), self.dist.rank, self.dist.world_size, timeouts.startup
+        ).start()
         self.startup.mark("group")
         world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
         self.grad_accum = gradient_accumulation(
@@ -110,15 +123,23 @@ class Trainer:
         store = spec.storage.object_store
         staged = stage_dataset(
             spec.dataset, store, env.data_cache_dir, env.data_cache_limit_bytes,
-            agree=self.timeout.agreeing(self.dist.rank0s),
+            agree=self.dist.rank0s,
         )  # fmt: skip
-        # No collective runs until every pod has its blocks (one pod may wait for another's
-        # build of them: data.build_claim).
+        # No collective runs until every rank has its blocks (one pod may wait for another's
+        # build of them: data.build_claim; ranks done early wait at the barrier below).
         cache = data_cache(env, job, timeouts.startup)
         self.data = build_dataset(
             spec.dataset, tokenizer, spec.training.sequence_length, cache=cache, staged=staged
         )
+        self.faults.after_data()
         self.startup.mark("data", note=self.data.source)
+        # A hub model's snapshot (a replacement pod downloads it) before the meeting too.
+        weights_dir(spec.model, store, env.data_cache_dir)
+        # The first collective after the ranks' own work is the model's loading: meet first,
+        # for as long as the others are alive and starting (the wait counts in `model`).
+        waited = barrier.arrive(job_wait_limit(job, timeouts.startup, staged))
+        if waited > 1.0:
+            log.info("start-up: waited %.1f s for the other ranks' data and model files", waited)
         self.parallel = load_parallel_model(
             job,
             tokenizer,
@@ -240,8 +261,7 @@ class Trainer:
             if "first step" not in self.startup.marks:
                 self.startup.mark("first step")
                 log.info("%s", self.startup.summary(cpu_seconds=time.process_time()))
-        # A resume with no step left never entered the loop: its export must not run at the
-        # timeout widened for the corpus download (TrainingTimeout.allow_download).
+        # A resume with no step left never entered the loop: its export at the startup timeout.
         self.timeout.relax()
         end = finish_run(
             self.checkpointer,

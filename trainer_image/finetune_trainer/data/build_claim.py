@@ -17,12 +17,13 @@ every pod would have to agree on it through a collective whose startup timeout d
 a tokenization. The claim is self-describing instead: a pod waits only while a live claim
 exists, and only the storage every pod already shares can hold it. (Within a pod the local
 ranks already serialise on the entry's flock: one of them takes part in the election.) No collective is issued
-while waiting or building: the next one (loading the model) starts once every pod has its
-blocks, and the waiters arrive there one copy of the entry after the builder (seconds), not a
+while waiting or building: the ranks meet after the data phase at the start-up barrier
+(finetune_trainer/startup_barrier.py, through the group's store, waiting for peers that are
+alive), and the waiters arrive there one copy of the entry after the builder (seconds), not a
 build later; a waiter that gives up (below: the build stopped advancing) arrives at most
-`wait_bound` plus a build after the builder's last progress,
-which is why the bound is capped by the trainer at a fraction of the startup collective
-timeout (`CacheSettings.wait_limit_s`).
+`wait_bound` plus a build after the builder's last progress. The trainer caps the bound at a
+fraction of the startup collective timeout (`CacheSettings.wait_limit_s`): a builder that
+has not advanced for that long is stuck rather than slow.
 
 **Atomic claim.** On a filesystem the claim is created with O_EXCL (atomic locally and on
 NFSv3+). On `s3://` it is a conditional PUT (`If-None-Match: *`, s3fs's `mode="create"`): AWS

@@ -13,13 +13,15 @@ emptyDir, which survives torchelastic's worker restarts and goes with the pod):
     <key>.lock          flock: one builder at a time; never deleted (see `_evict_others`)
     <key>/blocks.bin    the entry (`cache_entry.py`): the blocks, row-major, shape (rows, seq_len)
     <key>/meta.json     written last: key, shape, dtype, xxh3-128 of blocks.bin
+    <key>/verified.json blocks.bin's identity when its checksum last matched: later opens
+                        skip the full read while it is unchanged (`cache_entry.py`)
     <key>.tmp-<pid>/    an entry being built; renamed to <key>/ once complete
     <key>.skip          the blocks do not fit the cache's limit: every rank tokenizes itself
 
 The key hashes everything that determines the blocks (`cache_key.py`), so a changed file, a
 different tokenizer, sequence length, packing, field or format version is a different entry.
 An entry is used only if its meta matches the key and its bytes match the checksum
-(`cache_entry.open_entry`): a crash mid-build leaves only a `.tmp-*` directory (removed by
+(`cache_entry.open_entry`; read in full once per pod, then while the file is unchanged): a crash mid-build leaves only a `.tmp-*` directory (removed by
 the next builder), and a truncated or corrupted entry is rebuilt, never read.
 
 A pod whose cache is empty (a replacement pod) first copies the entry from the job's shared
@@ -162,7 +164,7 @@ def _find_or_build(
     replaces it). A build claim taken is entered into `claim`."""
     directory = settings.directory
     final = directory / key
-    entry = open_entry(final, key)
+    entry = open_entry(final, key, remember=True)
     if entry is not None:
         return entry, "hit", False
     if (directory / f"{key}.skip").exists():
@@ -216,7 +218,7 @@ def _find_or_build(
         remove(tmp)
         return None, "skipped", damaged
     _install(tmp, final)
-    entry = open_entry(final, key)
+    entry = open_entry(final, key, remember=True)
     return entry, "built" if entry is not None else "skipped", damaged
 
 
@@ -245,7 +247,7 @@ def _fetch(shared: SharedCache, key: str, tmp: Path, budget: int) -> tuple[Entry
             "data cache: the shared copy %s cannot be read (%r): tokenizing", shared.root, e
         )
         outcome = "unreadable"
-    entry = open_entry(tmp, key) if outcome == "copied" else None
+    entry = open_entry(tmp, key, remember=True) if outcome == "copied" else None
     if entry is None and outcome in ("copied", "damaged"):
         log.warning("data cache: the shared entry %s is damaged: rebuilding and replacing it", key)
         remove(tmp)

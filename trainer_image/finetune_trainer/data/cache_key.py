@@ -37,6 +37,12 @@ def files_identity(spec: DatasetSpec) -> list[list[Any]] | None:
     return out
 
 
+def corpus_bytes(files: list[list[Any]] | None) -> int:
+    """Pure: the corpus's size from its identities (each holds the file's or object's size
+    second); 0 when unknown (a hub dataset id)."""
+    return sum(int(f[1]) for f in files or [])
+
+
 def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
     """A hash of what decides the ids: the full tokenizer definition (fast tokenizers'
     serialized pipeline, else the vocabulary), special tokens and chat template."""

@@ -114,13 +114,16 @@ class SharedCache:
         """`absent`, `damaged` (a meta that does not parse or names another key, blocks
         missing or of the wrong size) or `whole` (checked cheaply: its checksum is verified
         by whoever copies it), with the meta when whole."""
+        entry = self.root / key
+        # On a volume an entry appears whole (a rename): a directory without its meta is
+        # damage. On an object store it is a publication under way (blocks go first). The
+        # directory is looked for before the meta is read: looked for after, another pod's
+        # rename between the two would make a whole entry look damaged (and be replaced).
+        existed = self.root.is_local and entry.exists()
         try:
-            meta = json.loads((self.root / key / META_FILE).read_text())
+            meta = json.loads((entry / META_FILE).read_text())
         except FileNotFoundError:
-            # On a volume an entry appears whole (a rename): a directory without its meta is
-            # damage. On an object store it is a publication under way (blocks go first).
-            damaged = self.root.is_local and (self.root / key).exists()
-            return ("damaged" if damaged else "absent"), None
+            return ("damaged" if existed else "absent"), None
         except (ValueError, UnicodeDecodeError):
             return "damaged", None
         try:

@@ -1,0 +1,129 @@
+"""The start-up barrier (finetune_trainer.startup_barrier): ranks meet after their own
+start-up work through the group's store, waiting for peers that are alive however long they
+take, failing on one that stopped beating."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+from finetune_trainer.distributed import CollectiveTimeoutError
+from finetune_trainer.startup_barrier import (
+    HUB_SNAPSHOT_ALLOWANCE_S,
+    READY_MARK,
+    PeerView,
+    StartupBarrier,
+    heartbeat_seconds,
+    observe,
+    verdict,
+    wait_limit,
+)
+from tests.trainer.conftest import (
+    Proc,
+    launch_standalone,
+    make_job,
+    step_lines,
+    tail,
+    write_job,
+)
+
+
+def test_heartbeat_is_several_beats_within_the_stale_time() -> None:
+    assert heartbeat_seconds(600) == 5.0
+    assert heartbeat_seconds(2.0) == pytest.approx(0.4)
+
+
+def test_wait_limit_covers_the_work_a_rank_may_do_while_its_peers_wait() -> None:
+    assert wait_limit(600, 0, downloaded=False, hub_snapshot=False) == 660  # + the wait floor
+    # 1 GB: a waiter gives up after 60 s + 1000 s without progress, then tokenizes it at 1 MB/s.
+    gb = 10**9
+    assert wait_limit(600, gb, downloaded=False, hub_snapshot=False) == 600 + 1060 + 1000
+    assert wait_limit(600, gb, downloaded=True, hub_snapshot=False) == 600 + 1060 + 1000 + 1
+    hub = wait_limit(600, 0, downloaded=False, hub_snapshot=True)
+    assert hub == 660 + HUB_SNAPSHOT_ALLOWANCE_S
+
+
+def test_observe_records_when_each_beat_last_changed() -> None:
+    views = [PeerView(None, 0.0), PeerView(3, 0.0), PeerView(5, 0.0)]
+    after = observe(views, [1, 3, 6], now=10.0)
+    assert after == [PeerView(1, 10.0), PeerView(3, 0.0), PeerView(6, 10.0)]
+
+
+@pytest.mark.parametrize(
+    ("beats", "changed", "now", "expected"),
+    [
+        ([READY_MARK, READY_MARK + 7], [0, 0], 999, ("go", None)),
+        ([READY_MARK, 40], [0, 95], 100, ("wait", None)),  # rank 1 beats: alive, working
+        ([READY_MARK, 40], [0, 85], 100, ("lost", 1)),  # silent for 15 s > 10
+        ([READY_MARK, None], [0, 85], 100, ("lost", 1)),  # never beat
+        ([READY_MARK, 40], [0, 999], 1001, ("too long", 1)),  # alive, past the limit
+    ],
+    ids=["all-ready", "peer-working", "peer-silent", "peer-never-beat", "past-limit"],
+)
+def test_verdict(
+    beats: list[int | None], changed: list[float], now: float, expected: tuple[str, int | None]
+) -> None:
+    views = [PeerView(b, c) for b, c in zip(beats, changed, strict=True)]
+    assert verdict(views, now, started=0.0, stale_after=10.0, limit=1000.0) == expected
+
+
+@pytest.fixture
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+
+
+def client(server: TCPStore) -> TCPStore:
+    return TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10))
+
+
+def test_a_rank_waits_past_the_stale_time_for_a_peer_that_beats(store: TCPStore) -> None:
+    """Rank 1 works three times the stale time (beating); rank 0 waits for it and both go."""
+    early = StartupBarrier(store, 0, 2, stale_after=0.5).start()
+    late = StartupBarrier(client(store), 1, 2, stale_after=0.5).start()
+    waited: list[float] = []
+    t = threading.Thread(target=lambda: waited.append(early.arrive(limit=30.0)))
+    t.start()
+    threading.Event().wait(1.5)  # rank 1's own start-up work
+    assert t.is_alive()
+    late.arrive(limit=30.0)
+    t.join(10)
+    assert waited and waited[0] > 1.4
+
+
+def test_a_peer_that_stops_beating_is_a_lost_peer(store: TCPStore) -> None:
+    early = StartupBarrier(store, 0, 2, stale_after=0.5).start()
+    dead = StartupBarrier(client(store), 1, 2, stale_after=0.5).start()
+    dead._stop_beating()  # its process frozen or its node gone: no beat, no arrival
+    with pytest.raises(CollectiveTimeoutError, match="rank 1 stopped beating"):
+        early.arrive(limit=30.0)
+
+
+def test_a_peer_alive_but_starting_past_the_limit_fails_the_wait(store: TCPStore) -> None:
+    early = StartupBarrier(store, 0, 2, stale_after=0.5).start()
+    stuck = StartupBarrier(client(store), 1, 2, stale_after=0.5).start()  # beats, never arrives
+    with pytest.raises(CollectiveTimeoutError, match="rank 1 was still starting"):
+        early.arrive(limit=1.0)
+    stuck._stop_beating()
+
+
+@pytest.mark.slow
+def test_a_rank_tokenizing_past_the_startup_timeout_does_not_fail_the_start(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    """Real torchrun, gloo: rank 1's data phase takes 12 s, longer than the job's 10 s
+    startup collective timeout; rank 0 waits at the barrier (before, it timed out in DDP's
+    first broadcast) and the job trains."""
+    job = make_job(training={"maxSteps": 2, "warmupSteps": 0})
+    job.spec.fault_tolerance.startup_collective_timeout_seconds = 10
+    job.spec.fault_tolerance.collective_timeout_seconds = 10
+    config = write_job(tmp_path / "job.json", job)
+    p = launch_standalone(config, cwd=tmp_path, log=tmp_path / "run.log", procs=procs,
+                          FT_DATA_DELAY_SECONDS="12", FT_DATA_DELAY_RANK="1")  # fmt: skip
+    assert p.wait(120) == 0, tail(p.log)
+    assert len(step_lines(p.log)) == 2
+    text = p.log.read_text()
+    assert "waiting for rank(s) 1 to finish starting" in text, tail(p.log)

@@ -1,0 +1,229 @@
+"""Where the ranks meet after their own start-up work: through the store, not a collective.
+
+Between creating the process group and loading the model each rank does work of its own
+whose length differs from rank to rank and pod to pod: a pod's copy of an `s3://` corpus
+(one local rank downloads, data/remote.py), the data cache (one pod builds the blocks while
+the others wait for its publication, data/build_claim.py; a replacement pod with no shared
+copy tokenizes the whole corpus; an entry over the cache's budget is tokenized by every
+rank in memory), and a Hugging Face hub snapshot a replacement pod downloads while its peers
+have theirs. The first collective after that work (model loading: DDP's parameter broadcast,
+FSDP's sharding, the replica all-gather) was where the early ranks waited for the late ones,
+under the startup collective timeout: a tokenization longer than it (minutes per GB) failed
+the collective (gloo's recv, NCCL's watchdog), and torchrun restarted the group into the same
+work, again and again.
+
+So the ranks meet here first, over the process group's store: under torchrun with
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod sets it) a TCPStore that worker rank 0
+hosts on a new port every rendezvous round, so every start of the workers finds it empty (a
+store shared across rounds would hold the previous round's count: the ranks would go on at
+once and wait in the collective, as before). Each rank bumps its beat counter from a thread
+while it works, and marks itself ready when its start-up work is done. A ready rank polls the ready
+count; it waits as long as every missing rank's beat keeps changing (alive, however long its
+work takes), up to `wait_limit` in all (a rank alive but stuck: an NFS read that never
+returns), and fails with a `CollectiveTimeoutError` (a lost peer, as the crash report and the
+operator read it) once a missing rank's beat has not changed for the startup collective
+timeout: a silent peer loss (power, partition) costs what it cost before. Collectives are
+never widened for the work: model loading and the first steps keep the plan's startup
+timeout (and the steady one afterwards, collective_timeout.py).
+
+Load on the store: each rank adds to its counter every `heartbeat_seconds`; a waiting rank
+reads one counter per poll (backing off to `POLL_S`) and every rank's beat (one multi-get) once
+per heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from finetune_operator.api.elastic_timeouts import NODE_STORAGE_BYTES_PER_S
+from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer.data.build_claim import SLOW_BUILD_BYTES_PER_S, wait_bound
+from finetune_trainer.data.cache_key import corpus_bytes, files_identity
+from finetune_trainer.data.remote import StagedDataset
+from finetune_trainer.distributed import CollectiveTimeoutError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ft-startup"
+READY_KEY = f"{PREFIX}/ready"
+# A beat counter past this is a rank that arrived (its beats stay far below it).
+READY_MARK = 1 << 50
+HEARTBEAT_CEILING_S = 5.0
+FIRST_POLL_S = 0.05
+POLL_S = 1.0
+# A hub snapshot's size is not known before it is downloaded: an hour covers tens of GB at
+# the tens of MB/s the hub serves a node.
+HUB_SNAPSHOT_ALLOWANCE_S = 3600.0
+
+Verdict = Literal["go", "wait", "lost", "too long"]
+
+
+class BarrierStore(Protocol):
+    """What the barrier uses of a `torch.distributed.Store`."""
+
+    def add(self, key: str, value: int) -> int: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+
+
+def heartbeat_seconds(stale_after: float) -> float:
+    """Pure: how often a rank beats: several beats within `stale_after`, at most every 5 s."""
+    return min(HEARTBEAT_CEILING_S, stale_after / 5)
+
+
+def wait_limit(
+    startup_s: float, corpus_bytes: int, *, downloaded: bool, hub_snapshot: bool
+) -> float:
+    """Pure: the longest a ready rank waits for the others at the barrier, however alive
+    they are: the startup collective timeout (what it waited before) plus the start-up work
+    a rank may legitimately do while its peers wait: a corpus of `corpus_bytes` downloaded at
+    a node's storage rate (`downloaded`: it is on object storage), a waiter that gives up on
+    another pod's build (`build_claim.wait_bound`) and then tokenizes the corpus itself at a
+    slow node's rate, and a hub snapshot (`hub_snapshot`)."""
+    limit = startup_s + wait_bound(corpus_bytes, None) + corpus_bytes / SLOW_BUILD_BYTES_PER_S
+    if downloaded:
+        limit += corpus_bytes / NODE_STORAGE_BYTES_PER_S
+    if hub_snapshot:
+        limit += HUB_SNAPSHOT_ALLOWANCE_S
+    return limit
+
+
+def job_wait_limit(job: JobConfig, startup_s: float, staged: StagedDataset | None) -> float:
+    """`wait_limit` for this job's corpus (`staged`: its pod's copy of an `s3://` corpus)
+    and model."""
+    files = staged.files if staged is not None else files_identity(job.spec.dataset)
+    return wait_limit(startup_s, corpus_bytes(files), downloaded=staged is not None,
+                      hub_snapshot=job.spec.model.source == "hub")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """A rank's beat as last read, and when (the reader's clock) it last changed."""
+
+    beat: int | None
+    changed_at: float
+
+
+def observe(views: Sequence[PeerView], beats: Sequence[int | None], now: float) -> list[PeerView]:
+    """Pure: the views after reading `beats` (None: the rank has not beaten yet)."""
+    return [
+        view if view.beat == beat else PeerView(beat, now)
+        for view, beat in zip(views, beats, strict=True)
+    ]
+
+
+def verdict(
+    views: Sequence[PeerView], now: float, *, started: float, stale_after: float, limit: float
+) -> tuple[Verdict, int | None]:
+    """Pure: `go` once every rank arrived; `lost` (and the rank) when a missing rank's beat
+    has not changed for `stale_after`; `too long` (and a missing rank) past `limit` since
+    `started`; else `wait`."""
+    missing = [r for r, v in enumerate(views) if v.beat is None or v.beat < READY_MARK]
+    if not missing:
+        return "go", None
+    for rank in missing:
+        if now - views[rank].changed_at > stale_after:
+            return "lost", rank
+    if now - started > limit:
+        return "too long", missing[0]
+    return "wait", None
+
+
+def _beat_key(rank: int) -> str:
+    return f"{PREFIX}/beat/{rank}"
+
+
+class StartupBarrier:
+    """This rank's beats while it starts (`start`), and the meeting (`arrive`)."""
+
+    def __init__(
+        self,
+        store: BarrierStore,
+        rank: int,
+        world_size: int,
+        stale_after: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.stale_after = stale_after
+        self.heartbeat_s = heartbeat_seconds(stale_after)
+        self.clock, self.sleep = clock, sleep
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="startup-beat", daemon=True)
+        self.started = clock()
+
+    def start(self) -> StartupBarrier:
+        self.store.add(_beat_key(self.rank), 1)  # the key exists before anyone reads it
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                self.store.add(_beat_key(self.rank), 1)
+            except (RuntimeError, OSError) as e:  # a missed beat; the store may be going
+                log.warning("start-up heartbeat missed (%r)", e)
+
+    def _stop_beating(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _beats(self) -> list[int | None]:
+        keys = [_beat_key(r) for r in range(self.world_size)]
+        if self.store.check(keys):
+            return [int(v) for v in self.store.multi_get(keys)]
+        # Some rank has not beaten yet (its first beat follows the group's creation): read
+        # each without waiting for the missing keys (`add` of 0 would create them).
+        return [int(self.store.multi_get([k])[0]) if self.store.check([k]) else None for k in keys]
+
+    def arrive(self, limit: float) -> float:
+        """Mark this rank ready and wait until every rank is; the seconds waited. Raises a
+        `CollectiveTimeoutError` naming the rank for a lost peer or past `limit`."""
+        self._stop_beating()
+        self.store.add(_beat_key(self.rank), READY_MARK)
+        self.store.add(READY_KEY, 1)
+        t0 = now = self.clock()
+        views = [PeerView(None, now) for _ in range(self.world_size)]
+        next_read, delay, told = now, FIRST_POLL_S, False
+        while self.store.add(READY_KEY, 0) < self.world_size:
+            now = self.clock()
+            if now >= next_read:
+                views = observe(views, self._beats(), now)
+                next_read = now + self.heartbeat_s
+                step, rank = verdict(views, now, started=self.started,
+                                     stale_after=self.stale_after, limit=limit)  # fmt: skip
+                if step in ("lost", "too long"):
+                    raise CollectiveTimeoutError(self._failure(step, rank, now - t0, limit))
+                if not told and step == "wait":
+                    missing = [r for r, v in enumerate(views) if (v.beat or 0) < READY_MARK]
+                    log.info("start-up: waiting for rank(s) %s to finish starting (alive, "
+                             "beating)", _short(missing))  # fmt: skip
+                    told = True
+            self.sleep(min(delay, POLL_S))
+            delay *= 2
+        return self.clock() - t0
+
+    def _failure(self, step: Verdict, rank: int | None, waited: float, limit: float) -> str:
+        if step == "lost":
+            return (
+                f"rank {rank} stopped beating for {self.stale_after:.0f}s while starting "
+                f"(waited {waited:.0f}s at the start-up barrier): a peer was lost (node lost, "
+                "network partition, or a killed rank); torchrun re-forms the group"
+            )
+        return (
+            f"rank {rank} was still starting {limit:.0f}s after the group formed (alive, but "
+            "past what downloading and tokenizing the corpus may take): treated as a hung "
+            "peer; torchrun re-forms the group"
+        )
+
+
+def _short(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
