@@ -94,6 +94,9 @@ def test_a_job_running_outside_kueue_that_finishes_is_never_queued() -> None:
     assert out.status.phase == "Succeeded" and out.actions.workload is None
     after = _pass(out.status, done[1:], _not_created_yet(), 15)
     assert after.actions.workload is None and created(after) == []
+    # Its status names no Workload (none was ever written) and keeps saying why.
+    assert after.status.workload is None
+    assert cond(after.status, APPLIED) == ("False", "AddedWhileRunning")
 
 
 def test_the_label_added_to_a_suspended_job_hands_it_to_kueue_at_once() -> None:
