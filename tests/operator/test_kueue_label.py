@@ -224,3 +224,15 @@ def test_admitted_workers_kueue_can_no_longer_be_read_for_are_kept_and_said_so()
     back = _pass(out.status, running(*ALL), read_queue_state(QUEUE, admitted(2), {"spot": SPOT}), 10)  # fmt: skip
     assert cond(back.status, APPLIED) == ("True", "Applied") and deleted(back) == []
     assert [e.type for e in back.events if e.reason == "Applied"] == ["Normal"]
+
+
+def test_a_flavor_that_cannot_be_read_is_not_kueue_unreadable() -> None:
+    """The Workload itself is read (and written): only WorkersReady says the admission's
+    flavor cannot be read; QueueLabelApplied is for a Workload that cannot be."""
+    live = _pass(FineTuneJobStatus(), running(*ALL), read_queue_state(QUEUE, admitted(2), {"spot": SPOT})).status  # fmt: skip
+    no_flavor = read_queue_state(QUEUE, admitted(2), {})
+    assert no_flavor.unknown and not no_flavor.unreadable
+    out = _pass(live, running(*ALL), no_flavor, 5)
+    assert find(out.status.conditions, APPLIED) is None and deleted(out) == []
+    ready = find(out.status.conditions, "WorkersReady")
+    assert ready is not None and "ResourceFlavor spot" in ready.message
