@@ -94,6 +94,9 @@ def test_a_job_running_outside_kueue_that_finishes_is_never_queued() -> None:
     assert out.status.phase == "Succeeded" and out.actions.workload is None
     after = _pass(out.status, done[1:], _not_created_yet(), 15)
     assert after.actions.workload is None and created(after) == []
+    # Its status names no Workload (none was ever written) and keeps saying why.
+    assert after.status.workload is None
+    assert cond(after.status, APPLIED) == ("False", "AddedWhileRunning")
 
 
 def test_the_label_added_to_a_suspended_job_hands_it_to_kueue_at_once() -> None:
@@ -221,3 +224,15 @@ def test_admitted_workers_kueue_can_no_longer_be_read_for_are_kept_and_said_so()
     back = _pass(out.status, running(*ALL), read_queue_state(QUEUE, admitted(2), {"spot": SPOT}), 10)  # fmt: skip
     assert cond(back.status, APPLIED) == ("True", "Applied") and deleted(back) == []
     assert [e.type for e in back.events if e.reason == "Applied"] == ["Normal"]
+
+
+def test_a_flavor_that_cannot_be_read_is_not_kueue_unreadable() -> None:
+    """The Workload itself is read (and written): only WorkersReady says the admission's
+    flavor cannot be read; QueueLabelApplied is for a Workload that cannot be."""
+    live = _pass(FineTuneJobStatus(), running(*ALL), read_queue_state(QUEUE, admitted(2), {"spot": SPOT})).status  # fmt: skip
+    no_flavor = read_queue_state(QUEUE, admitted(2), {})
+    assert no_flavor.unknown and not no_flavor.unreadable
+    out = _pass(live, running(*ALL), no_flavor, 5)
+    assert find(out.status.conditions, APPLIED) is None and deleted(out) == []
+    ready = find(out.status.conditions, "WorkersReady")
+    assert ready is not None and "ResourceFlavor spot" in ready.message

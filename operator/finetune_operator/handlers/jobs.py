@@ -26,7 +26,7 @@ from finetune_operator.handlers.workloads import (
 )
 from finetune_operator.reconcile import PodView, default_planner, observe_pod
 from finetune_operator.reconcile.apply import ClusterApi, load_api_client
-from finetune_operator.resources.workload import QUEUE_LABEL
+from finetune_operator.resources.workload import KUEUE_GROUP, QUEUE_LABEL, WORKLOAD_PLURAL
 from finetune_operator.settings import OperatorSettings
 
 FTJ = (GROUP, VERSION, PLURAL)
@@ -51,6 +51,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = ours.watch_timeout_seconds
     settings.watching.client_timeout = ours.watch_timeout_seconds + 10
     settings.watching.connect_timeout = 10
+    # The pods and Workloads watched are the jobs' own: their handlers filter on LABEL_JOB
+    # only in the operator (kopf's `labels=`), so without this the API server streams every
+    # pod of the watched namespaces (the whole cluster when cluster-wide) for kopf to drop.
+    # A kopf without server-side selectors (older releases) relies on the handlers' filter.
+    selectors = getattr(settings.watching, "label_selectors", None)
+    if selectors is not None:
+        selectors["v1", "pods"] = LABEL_JOB
+        selectors[KUEUE_GROUP, WORKLOAD_PLURAL] = LABEL_JOB
     settings.networking.request_timeout = 60
     if ours.peering:
         settings.peering.name, settings.peering.mandatory = ours.peering, True

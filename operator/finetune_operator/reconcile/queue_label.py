@@ -10,8 +10,9 @@ harmless instead of stopping a running job the user did not ask to stop:
 - added while the job runs (worker pods up, never queued: no Workload, status.workload
   unset): it runs on outside Kueue, until it next stops. Suspended, it is handed to Kueue
   as a suspended job is (its Workload created, inactive until resumed; then it waits for
-  admission); finished, there is nothing left to queue. Sticky through a pass without
-  workers (a restart), read back from the condition itself.
+  admission); finished, there is nothing left to queue (nor a Workload named in its
+  status). Sticky through a pass without workers (a restart), read back from the condition
+  itself.
 - changed while Kueue's admission runs it: it runs on in the LocalQueue that admitted it;
   its Workload moves once it holds no quota (admission.QueueState.moved).
 - Kueue unreadable (the chart's kueue.enabled off while Kueue runs, or its CRD not served):
@@ -76,13 +77,18 @@ def judge_queue_label(
     before = find(status.conditions, COND_QUEUE_LABEL_APPLIED)
     if queue is None or queue.left:
         return LabelVerdict(None) if before is not None else None
-    if not valid or status.phase in (PHASE_SUCCEEDED, PHASE_FAILED):
-        return None
-    running = any(p.is_worker and p.active for p in pods)
     deferred = (
         before is not None and before.status == "False" and before.reason == REASON_ADDED_WHILE_RUNNING
     )  # fmt: skip
-    if status.workload is None and not queue.exists and not suspended and (running or deferred):
+    outside = status.workload is None and not queue.exists and not suspended
+    if not valid or status.phase in (PHASE_SUCCEEDED, PHASE_FAILED):
+        if before is not None and deferred and outside:
+            # Ended (or refused) outside Kueue: still a job without the label, so that its
+            # status names no Workload it never had.
+            return LabelVerdict(Want(before.status, before.reason), outside_kueue=True)
+        return None
+    running = any(p.is_worker and p.active for p in pods)
+    if outside and (running or deferred):
         want = Want("False", REASON_ADDED_WHILE_RUNNING, _added_while_running(queue.queue))
         return LabelVerdict(want, outside_kueue=True)
     if queue.unreadable:
