@@ -28,7 +28,7 @@ from finetune_trainer.crash import (
     locate,
     root_cause,
 )
-from finetune_trainer.launch import config_path
+from finetune_trainer.launch import config_path, max_restarts
 from finetune_trainer.termination_log import (
     write_crash_report,
     write_error_report,
@@ -258,3 +258,32 @@ def test_config_path_is_the_programs() -> None:
     assert config_path(argv) == "/x/job.json"
     assert config_path(["-m", "finetune_trainer", "--config=/y.json"]) == "/y.json"
     assert config_path(["-m", "finetune_trainer"]) == CONFIG_PATH
+
+
+def test_max_restarts_is_torchruns_not_the_programs() -> None:
+    assert max_restarts(["--nnodes=1", "--max-restarts=2", "-m", "finetune_trainer"]) == 2
+    assert max_restarts(["--max_restarts", "3", "-m", "finetune_trainer"]) == 3
+    assert max_restarts(["--nnodes=1", "-m", "x", "--max-restarts=9"]) == 0  # the program's
+    assert max_restarts(["--max-restarts=nope"]) == 0
+
+
+def test_the_crash_report_says_how_often_torchrun_restarted_the_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun gives up (ChildFailedError) only once its --max-restarts are spent: the report
+    carries them, for the operator's one restart budget (reconcile/budget.py)."""
+    from finetune_trainer import launch
+
+    raised = _error_file(tmp_path, ValueError("bad row"))
+
+    def torchrun(_: list[str]) -> None:
+        raise ChildFailedError("trainer", {0: ProcessFailure(0, 6, 1, raised)})
+
+    log = tmp_path / "termination-log"
+    log.touch()
+    monkeypatch.setattr(launch, "torchrun_main", torchrun)
+    monkeypatch.setenv("FT_TERMINATION_LOG", str(log))
+    argv = ["--nnodes=1:2", "--max-restarts=2", "-m", "finetune_trainer", "--config", "/none"]
+    assert launch.main(argv) == launch.EXIT_FAILED
+    crash = json.loads(log.read_text())["crash"]
+    assert (crash["kind"], crash["restarts"]) == (KIND_EXCEPTION, 2)

@@ -65,11 +65,32 @@ def _planned(argv: list[str]) -> str | None:
         return None
 
 
+def max_restarts(argv: list[str]) -> int:
+    """torchrun's `--max-restarts` among its arguments (torchrun's default: 0). Only those
+    before the program's module: the trainer's own arguments follow `-m`."""
+    end = argv.index("-m") if "-m" in argv else len(argv)
+    value = "0"
+    for i, arg in enumerate(argv[:end]):
+        name, eq, rest = arg.partition("=")
+        if name in ("--max-restarts", "--max_restarts"):
+            value = rest if eq else (argv[i + 1] if i + 1 < end else value)
+    try:
+        return max(0, int(value))
+    except ValueError:
+        return 0
+
+
 def report_crash(error: ChildFailedError, argv: list[str]) -> str | None:
     """Write the root cause to the termination log; the line for the pod's log, None when the
     report would say less than the log (`KIND_EXIT`)."""
     failures = [failure_from_process(rank, f) for rank, f in error.failures.items()]
     report = crash_report(failures, planned=_planned(argv))
+    # torchrun raises ChildFailedError only once its agent has no restart left (torch's
+    # SimpleElasticAgent._invoke_run returns a failed group only at remaining_restarts == 0),
+    # so it restarted the group --max-restarts times (fewer only where a worker wedged in
+    # D-state made the agent drop its restarts: the count then errs high, never low); the
+    # operator counts them against the job's one budget (reconcile/budget.py).
+    report["crash"]["restarts"] = max_restarts(argv)
     # No error file and no signal: a trainer that failed before `record` ran (an import
     # error: the log's tail has it, FallbackToLogsOnError) or that exited with a code of its
     # own after writing its own report. Either says more than "exited with code N".
