@@ -14,6 +14,7 @@ from finetune_operator.api.constants import ANNOTATION_RESTART_ATTEMPT
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile import PodView
 from finetune_operator.reconcile.budget import failure_number, in_pod_budget, restarts_after
+from finetune_operator.reconcile.disposition import Disposition, classify_exit
 from tests.operator.test_disposition import STORE_START, ended
 from tests.operator.test_reconcile import T0, deleted, running, step
 
@@ -179,6 +180,28 @@ def test_a_failure_outlives_the_store_it_closed() -> None:
     out = step(status, [fresh, raised, lost], LATER, ensured=1)
     assert (out.status.restarts, out.status.preemptions) == (3, 1), out.status
     assert sorted(deleted(out)) == ["qs-rdzv", "qs-worker-0", "qs-worker-1"]
+
+
+CLOSED_TAIL = """[rank1]: Traceback (most recent call last):
+  File "/venv/torch/distributed/elastic/rendezvous/dynamic_rendezvous.py", line 1142, in next_rendezvous
+    self._op_executor.run(join_op, deadline, self._get_deadline)
+torch.distributed.elastic.rendezvous.api.RendezvousClosedError
+"""
+
+
+def test_a_worker_that_found_the_rendezvous_closed_counts_nothing_and_renews_the_store() -> None:
+    """Another agent gave up (its failure counted there) and shut the rendezvous down; this
+    pod's agent, joining it again, exits 1 with RendezvousClosedError in its log's tail."""
+    worker = ended("qs-worker-0", started=STORE_START + timedelta(seconds=1))
+    worker = dataclasses.replace(worker, termination_message=CLOSED_TAIL)
+    assert classify_exit(worker, STORE_START).disposition is Disposition.RENDEZVOUS_CLOSED
+    status = step(FineTuneJobStatus(), [], T0).status.model_copy(update={"restarts": 1})
+    out = step(status, [store(), worker, *running("qs-worker-1")], LATER, ensured=1)
+    assert (out.status.restarts, out.status.preemptions) == (1, 1), out.status
+    assert sorted(deleted(out)) == ["qs-rdzv", "qs-worker-0"]
+    # Joined an older store: that store is gone, the usual lost rendezvous.
+    old = dataclasses.replace(worker, created_at=STORE_START - timedelta(seconds=1))
+    assert classify_exit(old, STORE_START).disposition is Disposition.RENDEZVOUS_LOST
 
 
 def test_missed_scrapes_still_bound_the_attempts() -> None:

@@ -22,6 +22,7 @@ from finetune_operator.reconcile.admission import FAILED_TO_START
 from finetune_operator.reconcile.assess import Assessment, Mode, assess, queued_reason
 from finetune_operator.reconcile.budget import closes_rendezvous, in_pod_budget
 from finetune_operator.reconcile.conditions import EventSpec
+from finetune_operator.reconcile.disposition import Disposition
 from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView
 from finetune_operator.reconcile.workload_patches import (
@@ -166,7 +167,9 @@ def _active(
     # join it again, so the store is replaced with the pod (the workers that lose it end
     # RendezvousLost: replaced, not counted).
     closed: list[PodView] = []
-    gave_up = any(closes_rendezvous(p) for p in a.replace_now if p.is_worker)
+    gave_up = any(closes_rendezvous(p) for p in a.replace_now if p.is_worker) or any(
+        v.disposition is Disposition.RENDEZVOUS_CLOSED for _, v in a.preempted_now
+    )
     if gave_up and a.rendezvous is not None and a.rendezvous not in preempted:
         closed.append(a.rendezvous)
     deletes = (

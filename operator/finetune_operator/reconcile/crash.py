@@ -84,6 +84,15 @@ def has_crash_report(message: str | None) -> bool:
     return _crash(message) is not None
 
 
+def rendezvous_closed(message: str | None) -> bool:
+    """The pod's torchrun ended because the job's rendezvous was shut down (another agent gave
+    up: reconcile/budget.py): its log's last exception is torch's RendezvousClosedError."""
+    if _report(message) is not None:
+        return False
+    line = describe_log_tail(message or "", last_line=False) or ""
+    return line.split(":", 1)[0].endswith("RendezvousClosedError")
+
+
 def reported_restarts(message: str | None) -> int | None:
     """How many times the pod's torchrun restarted its worker group after a failure before it
     gave up (`restarts` in the launcher's crash report: finetune_trainer/launch.py), None when
