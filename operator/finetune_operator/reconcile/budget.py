@@ -13,10 +13,11 @@ Two layers, one count (`status.restarts`):
   (`in_pod_budget`), and annotated with the job's restarts then (`PodView.restarts_before`).
   So its torchrun gives up no later than at the job's failure maxRestarts + 1, whether or not
   the operator ever saw its restarts: the total is bounded even if every scrape is missed.
-- A pod whose torchrun gave up says in its crash report how many restarts it made
-  (`restarts`: finetune_trainer/launch.py). Its end is then the job's failure number
-  `restarts_before + restarts + 1` (`failure_number`): its restarts inside the pod show in
-  `status.restarts` and spend the budget.
+- A pod whose torchrun gave up says in its crash report how many of its restarts followed a
+  failure of its own (`restarts`: finetune_trainer/launch.py reads the attempts' error files;
+  torch also restarts, and counts, a group whose peer left). Its end is then the job's
+  failure number `restarts_before + restarts + 1` (`failure_number`): its restarts inside the
+  pod show in `status.restarts` and spend the budget, the peers that left do not.
 
 One failure is seen by every pod: a rank that raises makes its peers' collectives fail, so
 every agent restarts its group (or gives up) on the same event. Numbering each pod's failures
@@ -24,8 +25,8 @@ on the job's count, from the count when the pod was made, gives the same event t
 in every pod: it is counted once (the highest number, not a sum over pods). A pod whose ranks
 only lost a peer (crash kind `PeerLost`) has no failure of its own: the failure is the peer
 pod's (numbered there) or the peer was taken away (not counted). torch counts a peer's
-departure as a failed group too, so such a pod may have spent its `--max-restarts` on
-preemptions: it is replaced, and spends nothing. A pod that left no crash report (its container
+departure as a failed group too, so a pod may have spent its `--max-restarts` on preemptions
+and give up with budget left: it is replaced, the departures spend nothing. A pod that left no crash report (its container
 killed from outside: OOMKilled, a SIGKILL of the pod; an older trainer image) is one more
 failure: the next number.
 """
