@@ -48,9 +48,7 @@ def test_labels_are_the_declared_ones_and_never_job() -> None:
 def test_every_trainer_series_is_set_by_the_loop() -> None:
     """What the loop calls (observe_step, beat, the checkpoint hooks, serve) sets every series
     to a value that means something (a histogram observed, a gauge moved off its zero)."""
-    m = TrainerMetrics(
-        job="j", rank=0, device=torch.device("cpu"), reforms=1, total_steps=10, failure_restarts=1
-    )
+    m = TrainerMetrics(job="j", rank=0, device=torch.device("cpu"), reforms=1, total_steps=10)
     m.serve(None, None)
     m.observe_step(StepStats(3, 2.5, 1e-3, 512, 0.3, 0.2, 0.1), world_size=2)
     m.beat()

@@ -121,11 +121,7 @@ class FaultRunner:
         *,
         max_redone: int = INTERVAL,
         timeout: float = 240,
-        counted: int = 0,
     ) -> Recovery:
-        """`counted`: the failure restarts the fault spends. One made by torchrun inside the
-        pod reaches status.restarts by a scrape of the restarted trainer, which may come after
-        training went on: waited for, so that it is not read as the next drill's."""
         self.ready()
         resumes_before = self.resumes_by_log()
         before = _status(self.job())
@@ -140,13 +136,6 @@ class FaultRunner:
                    detail=lambda: str(_status(self.job())))  # fmt: skip
         seconds = time.monotonic() - t0
         resumed = min(self.resumes_since(resumes_before))
-
-        def spent(job: dict[str, Any]) -> int:
-            return int(_status(job).get("restarts") or 0) - int(before.get("restarts") or 0)
-
-        if counted:
-            wait_until(lambda: spent(self.job()) >= counted, f"{fault}: restarts +{counted}",
-                       60, 0.25, detail=lambda: str(_status(self.job())))  # fmt: skip
         after = _status(self.job())
         result = Recovery(
             fault, step, resumed, seconds,
@@ -195,14 +184,10 @@ def run_drills(session: LocalSession, name: str = FAULTS_JOB) -> list[Recovery]:
     root = session.data_dir / "shared" / "checkpoints" / name
     worker = [f"{name}-worker-0", f"{name}-worker-1"]
 
-    # torchrun restarts it inside the pod: a failure of that pod's own, counted once (its
-    # peer's restart, after losing it, is not), while the pod runs (README, "One restart
-    # budget").
     r = runner.inject(
-        "SIGKILL trainer", lambda: os.kill(runner.trainer_pid(worker[1]), signal.SIGKILL),
-        counted=1,
-    )  # fmt: skip
-    assert (r.restarts, r.preemptions) == (1, 0), r
+        "SIGKILL trainer", lambda: os.kill(runner.trainer_pid(worker[1]), signal.SIGKILL)
+    )
+    assert (r.restarts, r.preemptions) == (0, 0), r  # torchrun restarts it inside the pod
 
     corrupted: list[int] = []
 
@@ -222,9 +207,9 @@ def run_drills(session: LocalSession, name: str = FAULTS_JOB) -> list[Recovery]:
         os.kill(pids[1], signal.SIGCONT)
 
     r = runner.inject("corrupt newest checkpoint in place + crash during a save",
-                      corrupt_newest_and_crash, max_redone=2 * INTERVAL, counted=1)  # fmt: skip
+                      corrupt_newest_and_crash, max_redone=2 * INTERVAL)  # fmt: skip
     assert r.resumed_from is not None and r.resumed_from < corrupted[0], (r, corrupted)
-    assert (r.restarts, r.preemptions) == (1, 0), r
+    assert (r.restarts, r.preemptions) == (0, 0), r
 
     def names_skipped() -> dict[str, Any] | None:
         job = runner.job()
@@ -235,10 +220,9 @@ def run_drills(session: LocalSession, name: str = FAULTS_JOB) -> list[Recovery]:
     assert not (root / f"step-{corrupted[0] + 1:08d}").exists()  # the partial save: gone
 
     # No 300 s exit barrier: the stopped trainer exits non-zero and its group re-forms.
-    # A trainer process stopped alone leaves no error file: a failure of its pod's own.
     r = runner.inject("SIGTERM trainer", lambda: os.kill(runner.trainer_pid(worker[0]), signal.SIGTERM),
-                      timeout=120, counted=1)  # fmt: skip
-    assert (r.restarts, r.preemptions) == (1, 0), r
+                      timeout=120)  # fmt: skip
+    assert (r.restarts, r.preemptions) == (0, 0), r
 
     r = runner.inject("SIGTERM pod (node shutdown, spot reclaim)",
                       lambda: cluster.kill_pod_processes("default", worker[1], signal.SIGTERM))  # fmt: skip

@@ -9,21 +9,12 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-import torch
-from prometheus_client import generate_latest
 
 from finetune_operator.api.constants import ANNOTATION_RESTART_ATTEMPT
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile import PodView
-from finetune_operator.reconcile.budget import (
-    failure_number,
-    in_pod_budget,
-    restarts_after,
-    scraped_restarts,
-)
+from finetune_operator.reconcile.budget import failure_number, in_pod_budget, restarts_after
 from finetune_operator.reconcile.disposition import Disposition, classify_exit
-from finetune_operator.reconcile.samples import RankSample, parse_rank_samples
-from finetune_trainer.metrics import TrainerMetrics
 from tests.operator.test_disposition import STORE_START, ended
 from tests.operator.test_reconcile import T0, deleted, running, step
 
@@ -234,45 +225,3 @@ def test_missed_scrapes_still_bound_the_attempts() -> None:
     attempts = 1 + left + 1
     assert out.status.phase == "Failed" and attempts == BUDGET + 1
     assert out.status.restarts == BUDGET  # every restart shown, the ones inside the pod too
-
-
-def _sample(pod: str, rank: int, failure_restarts: int, reforms: int) -> RankSample:
-    return RankSample(rank=rank, pod=pod, node="n", restarts=reforms,
-                      failure_restarts=failure_restarts)  # fmt: skip
-
-
-def _worker(name: str, before: int | None) -> PodView:
-    return dataclasses.replace(running(name)[0], restarts_before=before)
-
-
-@pytest.mark.parametrize(
-    ("samples", "restarts", "expected"),
-    [
-        # A transient kill in worker-1 (made at the job's restart 1): its trainer, restarted
-        # by torchrun, reports one restart after its own pod's failure: the job's second.
-        pytest.param([_sample("qs-worker-1", 1, 1, 1)], 1, 2, id="transient-kill"),
-        # Seen by both ranks of the pod and by its peer (which lost it: not its own).
-        pytest.param([_sample("qs-worker-1", 1, 1, 1), _sample("qs-worker-1", 3, 1, 1),
-                      _sample("qs-worker-0", 0, 0, 1)], 1, 2, id="one-event-many-ranks"),
-        # Peers left twice (a preemption, a straggler eviction): torch restarted the group
-        # twice (reforms 2), none of it a failure of the pod's own.
-        pytest.param([_sample("qs-worker-0", 0, 0, 2)], 1, 1, id="peers-left"),
-        # Missed scrapes: nothing seen, nothing lost (the pod's end reports it again).
-        pytest.param([], 2, 2, id="missed-scrapes"),
-        # Already counted (the pod's end, or an earlier scrape): never counted twice.
-        pytest.param([_sample("qs-worker-1", 1, 1, 1)], 3, 3, id="already-counted"),
-        # A pod made by an older operator (no annotation): not mapped onto the job's count.
-        pytest.param([_sample("qs-worker-2", 0, 4, 4)], 1, 1, id="no-annotation"),
-    ],
-)  # fmt: skip
-def test_scraped_restarts(samples: list[RankSample], restarts: int, expected: int) -> None:
-    pods = [_worker("qs-worker-0", 0), _worker("qs-worker-1", 1), _worker("qs-worker-2", None)]
-    assert scraped_restarts(restarts, samples, pods) == expected
-
-
-def test_the_trainer_page_carries_its_failure_restarts() -> None:
-    m = TrainerMetrics(job="qs", rank=1, device=torch.device("cpu"), reforms=3, total_steps=9,
-                       failure_restarts=2)  # fmt: skip
-    page = generate_latest(m.registry).decode()
-    [sample] = parse_rank_samples(page, "qs-worker-1", "n")
-    assert (sample.restarts, sample.failure_restarts) == (3, 2)

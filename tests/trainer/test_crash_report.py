@@ -14,7 +14,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
 from finetune_operator.api.constants import CONFIG_PATH
-from finetune_trainer.attempts import failure_restarts_so_far, own_failure_restarts
 from finetune_trainer.crash import (
     KIND_EXCEPTION,
     KIND_EXIT,
@@ -29,7 +28,12 @@ from finetune_trainer.crash import (
     locate,
     root_cause,
 )
-from finetune_trainer.launch import config_path, max_restarts, with_log_dir
+from finetune_trainer.launch import (
+    config_path,
+    max_restarts,
+    own_failure_restarts,
+    with_log_dir,
+)
 from finetune_trainer.termination_log import (
     write_crash_report,
     write_error_report,
@@ -329,10 +333,6 @@ def test_own_failure_restarts_leave_out_the_peers_that_left(tmp_path: Path) -> N
     _attempt(tmp_path, 4, {0: ValueError("bad row")})  # the last: the report's own kind
     assert own_failure_restarts(tmp_path) == 2
     assert own_failure_restarts(tmp_path / "absent") is None
-    # The trainer of attempt 4, running: the same count, from its own error file's path.
-    current = tmp_path / "job-uid_abc" / "attempt_4" / "0" / "error.json"
-    assert failure_restarts_so_far(str(current)) == 2
-    assert failure_restarts_so_far(None) == failure_restarts_so_far("/x/error.json") == 0
 
 
 def test_the_launcher_gives_torchrun_a_log_dir_of_its_own() -> None:

@@ -61,9 +61,6 @@ class RuntimeEnv:
     compile: bool = True
     data_cache_dir: Path | None = None
     data_cache_limit_bytes: int | None = None
-    # torchelastic's error file for this rank: its path names this attempt's directory, beside
-    # the earlier attempts' (finetune_trainer.attempts).
-    error_file: str | None = None
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -81,7 +78,6 @@ class RuntimeEnv:
             grace_seconds=_float(env, "FT_GRACE_SECONDS", FINAL_SAVE_GRACE_SECONDS),
             metrics_base_port=int(env.get("FT_METRICS_BASE_PORT", str(METRICS_BASE_PORT))),
             node_name=env.get("NODE_NAME") or None,
-            error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
             step_trace_dir=Path(raw) if (raw := env.get("FINETUNE_STEP_TRACE_DIR")) else None,
             compile=env.get("FT_COMPILE", "1").strip() != "0",
             data_cache_dir=Path(raw) if (raw := env.get("FT_DATA_CACHE_DIR")) else None,

@@ -20,6 +20,8 @@ the exit code stays 1. Any other failure is torchrun's own, unchanged.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import signal
 import sys
@@ -31,10 +33,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
-from finetune_trainer.attempts import own_failure_restarts
 from finetune_trainer.crash import (
     KIND_EXIT,
     KIND_PEER_LOST,
+    PEER_LOSS_MARKERS,
     RankFailure,
     crash_report,
     failure_from_process,
@@ -85,6 +87,7 @@ def max_restarts(argv: list[str]) -> int:
 
 
 LOG_DIR_FLAGS = ("--log-dir", "--log_dir")
+_ATTEMPT = re.compile(r"attempt_(\d+)")
 
 
 def with_log_dir(argv: list[str]) -> tuple[list[str], Path | None]:
@@ -98,6 +101,43 @@ def with_log_dir(argv: list[str]) -> tuple[list[str], Path | None]:
         return argv, None
     log_dir = Path(tempfile.mkdtemp(prefix="torchelastic-"))
     return [*argv[:end], f"--log-dir={log_dir}", *argv[end:]], log_dir
+
+
+def _error_message(path: Path) -> str:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):  # torchelastic's {"message": {"message": ..., ...}}
+        message = message.get("message")
+    return str(message or "")
+
+
+def _own_failure(attempt: Path) -> bool:
+    """Whether this pod's worker group failed of its own in `attempt` (one of torchelastic's
+    `<log dir>/<run>/attempt_<k>/` directories, `<local rank>/error.json` in it): a rank
+    raised something other than a lost peer, or died without an error file (killed). A group
+    whose every error is a lost peer failed because another pod failed (counted there) or a
+    peer was taken away (a membership change: never counted)."""
+    messages = [_error_message(f) for f in attempt.glob("*/error.json")]
+    if not messages:
+        return True
+    return any(not any(m in text for m in PEER_LOSS_MARKERS) for text in messages)
+
+
+def own_failure_restarts(log_dir: Path) -> int | None:
+    """torchrun's restarts in this pod that followed a failure of the pod's own, out of all
+    of them (torch also restarts, and counts against --max-restarts, a group whose peer left):
+    one per attempt before the last that failed of its own. None: no attempt found."""
+    attempts = sorted(
+        (int(m[1]), path)
+        for path in log_dir.glob("*/attempt_*")
+        if path.is_dir() and (m := _ATTEMPT.fullmatch(path.name))
+    )
+    if not attempts:
+        return None
+    return sum(1 for _, path in attempts[:-1] if _own_failure(path))
 
 
 def report_crash(

@@ -64,14 +64,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 class TrainerMetrics:
     def __init__(
-        self,
-        *,
-        job: str,
-        rank: int,
-        device: torch.device,
-        reforms: int,
-        total_steps: int,
-        failure_restarts: int = 0,
+        self, *, job: str, rank: int, device: torch.device, reforms: int, total_steps: int
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.device = device
@@ -113,7 +106,6 @@ class TrainerMetrics:
         )
         self.last_failed_ckpt_step = gauge(mn.TRAINER_LAST_FAILED_CHECKPOINT_STEP)
         self.reforms.set(reforms)
-        gauge(mn.TRAINER_FAILURE_RESTARTS).set(failure_restarts)
         self.total_steps.set(total_steps)
         # Save durations for the run's final summary line (bench/gpu.py reads it).
         self._commit_seconds: list[float] = []

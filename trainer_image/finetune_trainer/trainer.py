@@ -12,7 +12,6 @@ import torch
 
 from finetune_operator.api.elastic_timeouts import collective_timeouts
 from finetune_operator.api.jobconfig import JobConfig
-from finetune_trainer.attempts import failure_restarts_so_far
 from finetune_trainer.checkpointer import build_checkpointer
 from finetune_trainer.collective_timeout import TrainingTimeout
 from finetune_trainer.config import RuntimeEnv
@@ -156,9 +155,6 @@ class Trainer:
             device=self.device,
             reforms=env.restart_count,
             total_steps=self.total_steps,
-            # The restarts the job's budget counts (attempts.py), for the operator to see
-            # while the pod runs, not only once it gives up.
-            failure_restarts=failure_restarts_so_far(env.error_file),
         )
         self.state = self.parallel.state_type(
             self.model,

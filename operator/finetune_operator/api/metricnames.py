@@ -58,13 +58,6 @@ TRAINER_REFORMS: Final = _trainer(
     "(TORCHELASTIC_RESTART_COUNT): a worker failed in its pod, or a peer left (its "
     "collectives failed); a peer joining does not count.",
 )
-TRAINER_FAILURE_RESTARTS: Final = _trainer(
-    "failure_restarts",
-    GAUGE,
-    "Of torchrun's restarts of this rank's worker group, those that followed a failure of its "
-    "own pod (a rank raised or was killed), not a peer that left: what the operator counts "
-    "against faultTolerance.maxRestarts.",
-)
 TRAINER_LAST_CHECKPOINT_STEP: Final = _trainer(
     "last_checkpoint_step", GAUGE, "Step of the last committed checkpoint."
 )
@@ -190,7 +183,6 @@ TRAINER_METRICS: Final = (
     TRAINER_RESUMED_FROM_STEP,
     TRAINER_SKIPPED_CHECKPOINT_STEP,
     TRAINER_REFORMS,
-    TRAINER_FAILURE_RESTARTS,
     TRAINER_PEAK_MEMORY,
     TRAINER_HEARTBEAT,
     TRAINER_PROCESS_START,

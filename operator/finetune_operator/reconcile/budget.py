@@ -13,10 +13,6 @@ Two layers, one count (`status.restarts`):
   (`in_pod_budget`), and annotated with the job's restarts then (`PodView.restarts_before`).
   So its torchrun gives up no later than at the job's failure maxRestarts + 1, whether or not
   the operator ever saw its restarts: the total is bounded even if every scrape is missed.
-- While it runs, each rank exports the restarts so far that followed a failure of its own pod
-  (`finetune_trainer_failure_restarts`): the scrape folds `restarts_before` + that into
-  `status.restarts` (`scraped_restarts`), so a job restarting inside its pods shows it. A
-  missed scrape only delays it: the pod's end reports it again (below).
 - A pod whose torchrun gave up says in its crash report how many of its restarts followed a
   failure of its own (`restarts`: finetune_trainer/launch.py reads the attempts' error files;
   torch also restarts, and counts, a group whose peer left). Its end is then the job's
@@ -37,11 +33,8 @@ failure: the next number.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from finetune_operator.reconcile.crash import has_crash_report, is_peer_loss, reported_restarts
 from finetune_operator.reconcile.observed import PodView
-from finetune_operator.reconcile.samples import RankSample
 
 # An agent that ends on an exception (ChildFailedError once its restarts are spent, or any
 # error of its own) exits 1 and shuts the job's rendezvous down for good on its way out
@@ -80,12 +73,3 @@ def restarts_after(restarts: int, number: int | None, *, replaced: bool) -> int:
     if number is None:
         return restarts
     return max(restarts, number if replaced else number - 1)
-
-
-def scraped_restarts(restarts: int, samples: Sequence[RankSample], pods: Sequence[PodView]) -> int:
-    """The job's failure restarts with what the trainers report while they run: each rank's
-    restarts after its own pod's failures, on the job's count from when its pod was made
-    (the same failure seen by every rank of a pod, or by pods alike, is counted once)."""
-    before = {p.name: p.restarts_before for p in pods if p.is_worker and not p.terminating}
-    seen = [base + s.failure_restarts for s in samples if (base := before.get(s.pod)) is not None]
-    return max([restarts, *seen])

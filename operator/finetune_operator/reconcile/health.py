@@ -24,7 +24,6 @@ from finetune_operator.api.constants import (
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.actions import Actions, PodDeletion
 from finetune_operator.reconcile.assess import Mode, assess
-from finetune_operator.reconcile.budget import scraped_restarts
 from finetune_operator.reconcile.conditions import (
     EventSpec,
     Want,
@@ -89,11 +88,6 @@ def assess_health(
         cleared = status.model_copy(update={"stragglers": [], "last_progress_time": None})
         return Health(cleared, actions, buffer=RecordBuffer())
     spec = ev.spec
-    # torchrun's restarts inside the running pods, as their trainers report them: they spend
-    # the job's one budget (budget.py) and show in status.restarts while the pods run.
-    status = status.model_copy(
-        update={"restarts": scraped_restarts(status.restarts, seen.samples, pods)}
-    )
     workers = list(a.workers.values())
     live = {p.name: p.node for p in workers}
     buffer = advance(buffer, seen.samples, live, _keep_steps(ev))

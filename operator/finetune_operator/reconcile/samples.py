@@ -33,7 +33,6 @@ _WAIT_COUNT = f"{mn.TRAINER_WAIT_DURATION.name}_count"
 _FIELDS = {
     mn.TRAINER_STEP.name: "step",
     mn.TRAINER_REFORMS.name: "restarts",
-    mn.TRAINER_FAILURE_RESTARTS.name: "failure_restarts",
     mn.TRAINER_LAST_CHECKPOINT_STEP.name: "checkpoint_step",
     mn.TRAINER_HEARTBEAT.name: "heartbeat",
     _COMPUTE_SUM: "compute_sum",
@@ -55,7 +54,6 @@ class RankSample:
     node: str | None
     step: int = 0
     restarts: int = 0
-    failure_restarts: int = 0  # of `restarts`, those after a failure of its own pod
     checkpoint_step: int = 0
     heartbeat: float | None = None  # unix time of the loop's last beat
     compute_sum: float = 0.0
@@ -98,7 +96,6 @@ def parse_rank_samples(text: str, pod: str, node: str | None) -> list[RankSample
                 node=node,
                 step=int(v.get("step", 0)),
                 restarts=int(v.get("restarts", 0)),
-                failure_restarts=int(v.get("failure_restarts", 0)),
                 checkpoint_step=max(0, int(v.get("checkpoint_step", 0))),
                 heartbeat=v.get("heartbeat") or None,
                 compute_sum=v.get("compute_sum", 0.0),
