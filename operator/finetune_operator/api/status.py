@@ -70,8 +70,8 @@ class FineTuneJobStatus(ApiModel):
         ge=0,
         description="Failure restarts counted against faultTolerance.maxRestarts: failed pods "
         "replaced, hang restarts, and the restarts torchrun made inside a pod after a failure "
-        "of its own (as its trainers report them while it runs, and its crash report when it "
-        "gives up). One failure seen by every pod is counted once; peers that left are not.",
+        "of its own (its crash report says how many when it gives up). One failure seen by "
+        "every pod is counted once; peers that left are not.",
     )
     preemptions: int = Field(
         0,
