@@ -170,8 +170,9 @@ def faults_job(
                                  "intervalSteps": INTERVAL, "keep": 3}  # fmt: skip
     # Each job exports to its own directory: the output of another job is never replaced.
     doc["spec"]["output"] = {**doc["spec"].get("output", {}), "uri": f"output/{name}"}
-    # torchrun spends its own --max-restarts (= maxRestarts, per pod) on every trainer it
-    # restarts in the pod (SIGKILL, SIGTERM of a trainer, a peer lost): room for the drills.
+    # torchrun spends its own --max-restarts (the job's budget left when the pod is made) on
+    # every trainer it restarts in the pod (SIGKILL, SIGTERM of a trainer, a peer lost): room
+    # for the drills.
     doc["spec"]["faultTolerance"] = {"maxRestarts": 10, "backoffSeconds": 1}
     return doc
 

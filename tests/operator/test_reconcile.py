@@ -254,8 +254,10 @@ def test_failure_backoff_replacement_until_budget_exhausted() -> None:
     for attempt in range(3):
         failed_at = now + timedelta(seconds=10)
         pods = [*running("qs-rdzv", "qs-worker-0")]
+        # Killed from outside (137): its agent did not shut the rendezvous down, the store
+        # stays (an agent that exits 1 did: test_budget.py).
         pods.append(
-            pod("qs-worker-1", "Failed", exit_code=1, finished=failed_at, uid=f"u{attempt}")
+            pod("qs-worker-1", "Failed", exit_code=137, finished=failed_at, uid=f"u{attempt}")
         )
         delay = 2 * 2**attempt
         # Before the backoff elapsed: Restarting, nothing deleted or created.
@@ -267,7 +269,8 @@ def test_failure_backoff_replacement_until_budget_exhausted() -> None:
         due = step(status, pods, failed_at + timedelta(seconds=delay), spec=spec, ensured=1)
         assert deleted(due) == ["qs-worker-1"] and due.actions.delete[0].uid == f"u{attempt}"
         assert created(due) == [] and due.status.restarts == attempt + 1
-        assert any(e.type == "Warning" and "replacement" in e.message for e in due.events)
+        used = f"replacing it ({attempt + 1} of 3 restarts used)"
+        assert any(e.type == "Warning" and used in e.message for e in due.events), due.events
         status = due.status
         now = failed_at + timedelta(seconds=delay + 1)
         gone = [*running("qs-rdzv", "qs-worker-0")]
@@ -275,6 +278,9 @@ def test_failure_backoff_replacement_until_budget_exhausted() -> None:
         assert created(recreate) == ["qs-worker-1"]
         worker = recreate.actions.create[0]
         assert worker["metadata"]["annotations"]["finetune.dev/restart-attempt"] == str(attempt + 1)
+        # Its torchrun may restart the workers only as often as the job has budget left.
+        command = worker["spec"]["containers"][0]["command"]
+        assert f"--max-restarts={3 - (attempt + 1)}" in command, command
         status = recreate.status
     # A fourth failure with 3 of 3 replacements used: Failed, every pod deleted.
     pods = [*running("qs-rdzv", "qs-worker-0"), pod("qs-worker-1", "Failed", exit_code=137)]

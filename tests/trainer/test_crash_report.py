@@ -28,7 +28,12 @@ from finetune_trainer.crash import (
     locate,
     root_cause,
 )
-from finetune_trainer.launch import config_path
+from finetune_trainer.launch import (
+    config_path,
+    max_restarts,
+    own_failure_restarts,
+    with_log_dir,
+)
 from finetune_trainer.termination_log import (
     write_crash_report,
     write_error_report,
@@ -258,3 +263,83 @@ def test_config_path_is_the_programs() -> None:
     assert config_path(argv) == "/x/job.json"
     assert config_path(["-m", "finetune_trainer", "--config=/y.json"]) == "/y.json"
     assert config_path(["-m", "finetune_trainer"]) == CONFIG_PATH
+
+
+def test_max_restarts_is_torchruns_not_the_programs() -> None:
+    assert max_restarts(["--nnodes=1", "--max-restarts=2", "-m", "finetune_trainer"]) == 2
+    assert max_restarts(["--max_restarts", "3", "-m", "finetune_trainer"]) == 3
+    assert max_restarts(["--nnodes=1", "-m", "x", "--max-restarts=9"]) == 0  # the program's
+    assert max_restarts(["--max-restarts=nope"]) == 0
+
+
+def test_the_crash_report_says_how_often_torchrun_restarted_the_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun gives up (ChildFailedError) only once its --max-restarts are spent: without the
+    attempts' error files the report carries them all, for the operator's one restart budget
+    (reconcile/budget.py); with them, those after a failure of the pod's own."""
+    from finetune_trainer import launch
+
+    raised = _error_file(tmp_path, ValueError("bad row"))
+
+    def torchrun(_: list[str]) -> None:
+        raise ChildFailedError("trainer", {0: ProcessFailure(0, 6, 1, raised)})
+
+    log = tmp_path / "termination-log"
+    log.touch()
+    monkeypatch.setattr(launch, "torchrun_main", torchrun)
+    monkeypatch.setenv("FT_TERMINATION_LOG", str(log))
+    argv = ["--nnodes=1:2", "--max-restarts=2", "-m", "finetune_trainer", "--config", "/none"]
+    assert launch.main(argv) == launch.EXIT_FAILED
+    crash = json.loads(log.read_text())["crash"]
+    assert (crash["kind"], crash["restarts"]) == (KIND_EXCEPTION, 2)
+
+    # Through main: torchrun writes its attempts under the launcher's --log-dir (a peer left
+    # in attempt 0, the trainer raised in attempts 1 and 2), which is removed afterwards.
+    seen: list[Path] = []
+
+    def attempts(args: list[str]) -> None:
+        log_dir = Path(next(a for a in args if a.startswith("--log-dir=")).split("=", 1)[1])
+        seen.append(log_dir)
+        _attempt(log_dir, 0, {0: RuntimeError("[gloo] Connection reset by peer")})
+        _attempt(log_dir, 1, {0: ValueError("bad row")})
+        _attempt(log_dir, 2, {0: ValueError("bad row")})
+        torchrun(args)
+
+    monkeypatch.setattr(launch, "torchrun_main", attempts)
+    assert launch.main(argv) == launch.EXIT_FAILED
+    assert json.loads(log.read_text())["crash"]["restarts"] == 1
+    assert seen and not seen[0].exists()
+
+
+def _attempt(log_dir: Path, k: int, errors: dict[int, BaseException | None]) -> None:
+    """torchelastic's layout (DefaultLogsSpecs): <log dir>/<run>_<x>/attempt_<k>/<local rank>/
+    error.json, written by the real ErrorHandler; None: the rank left no file (killed)."""
+    for rank, error in errors.items():
+        where = log_dir / "job-uid_abc" / f"attempt_{k}" / str(rank)
+        where.mkdir(parents=True)
+        if error is not None:
+            _error_file(where, error)
+
+
+def test_own_failure_restarts_leave_out_the_peers_that_left(tmp_path: Path) -> None:
+    """torch restarts (and counts against --max-restarts) a group whose peer left as one that
+    failed: only the attempts that failed of this pod's own are the job's failures."""
+    peer = RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1")
+    _attempt(tmp_path, 0, {0: peer})  # a peer preempted: a membership change
+    _attempt(tmp_path, 1, {0: None})  # SIGKILLed: no error file, its own failure
+    _attempt(tmp_path, 2, {0: peer, 1: ValueError("bad row")})  # one local rank raised
+    _attempt(tmp_path, 3, {0: peer})  # the peer left again
+    _attempt(tmp_path, 4, {0: ValueError("bad row")})  # the last: the report's own kind
+    assert own_failure_restarts(tmp_path) == 2
+    assert own_failure_restarts(tmp_path / "absent") is None
+
+
+def test_the_launcher_gives_torchrun_a_log_dir_of_its_own() -> None:
+    argv = ["--nnodes=1", "--max-restarts=2", "-m", "finetune_trainer", "--config", "/c"]
+    run, log_dir = with_log_dir(argv)
+    assert log_dir is not None and log_dir.is_dir()
+    assert run == [*argv[:2], f"--log-dir={log_dir}", *argv[2:]]
+    log_dir.rmdir()
+    given = ["--log-dir=/x", "-m", "finetune_trainer"]
+    assert with_log_dir(given) == (given, None)  # the caller's own is kept

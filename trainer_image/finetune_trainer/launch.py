@@ -20,8 +20,13 @@ the exit code stays 1. Any other failure is torchrun's own, unchanged.
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 import signal
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -31,6 +36,7 @@ from torch.distributed.run import main as torchrun_main
 from finetune_trainer.crash import (
     KIND_EXIT,
     KIND_PEER_LOST,
+    PEER_LOSS_MARKERS,
     RankFailure,
     crash_report,
     failure_from_process,
@@ -65,11 +71,90 @@ def _planned(argv: list[str]) -> str | None:
         return None
 
 
-def report_crash(error: ChildFailedError, argv: list[str]) -> str | None:
+def max_restarts(argv: list[str]) -> int:
+    """torchrun's `--max-restarts` among its arguments (torchrun's default: 0). Only those
+    before the program's module: the trainer's own arguments follow `-m`."""
+    end = argv.index("-m") if "-m" in argv else len(argv)
+    value = "0"
+    for i, arg in enumerate(argv[:end]):
+        name, eq, rest = arg.partition("=")
+        if name in ("--max-restarts", "--max_restarts"):
+            value = rest if eq else (argv[i + 1] if i + 1 < end else value)
+    try:
+        return max(0, int(value))
+    except ValueError:
+        return 0
+
+
+LOG_DIR_FLAGS = ("--log-dir", "--log_dir")
+_ATTEMPT = re.compile(r"attempt_(\d+)")
+
+
+def with_log_dir(argv: list[str]) -> tuple[list[str], Path | None]:
+    """torchrun's arguments with a `--log-dir` of our own, so that the attempts' error files
+    can be read once it gives up (`own_failure_restarts`); unchanged when one is given or
+    the program is not a module (`-m`: the flag must come before it)."""
+    if "-m" not in argv:
+        return argv, None
+    end = argv.index("-m")
+    if any(arg.partition("=")[0] in LOG_DIR_FLAGS for arg in argv[:end]):
+        return argv, None
+    log_dir = Path(tempfile.mkdtemp(prefix="torchelastic-"))
+    return [*argv[:end], f"--log-dir={log_dir}", *argv[end:]], log_dir
+
+
+def _error_message(path: Path) -> str:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):  # torchelastic's {"message": {"message": ..., ...}}
+        message = message.get("message")
+    return str(message or "")
+
+
+def _own_failure(attempt: Path) -> bool:
+    """Whether this pod's worker group failed of its own in `attempt` (one of torchelastic's
+    `<log dir>/<run>/attempt_<k>/` directories, `<local rank>/error.json` in it): a rank
+    raised something other than a lost peer, or died without an error file (killed). A group
+    whose every error is a lost peer failed because another pod failed (counted there) or a
+    peer was taken away (a membership change: never counted)."""
+    messages = [_error_message(f) for f in attempt.glob("*/error.json")]
+    if not messages:
+        return True
+    return any(not any(m in text for m in PEER_LOSS_MARKERS) for text in messages)
+
+
+def own_failure_restarts(log_dir: Path) -> int | None:
+    """torchrun's restarts in this pod that followed a failure of the pod's own, out of all
+    of them (torch also restarts, and counts against --max-restarts, a group whose peer left):
+    one per attempt before the last that failed of its own. None: no attempt found."""
+    attempts = sorted(
+        (int(m[1]), path)
+        for path in log_dir.glob("*/attempt_*")
+        if path.is_dir() and (m := _ATTEMPT.fullmatch(path.name))
+    )
+    if not attempts:
+        return None
+    return sum(1 for _, path in attempts[:-1] if _own_failure(path))
+
+
+def report_crash(
+    error: ChildFailedError, argv: list[str], log_dir: Path | None = None
+) -> str | None:
     """Write the root cause to the termination log; the line for the pod's log, None when the
     report would say less than the log (`KIND_EXIT`)."""
     failures = [failure_from_process(rank, f) for rank, f in error.failures.items()]
     report = crash_report(failures, planned=_planned(argv))
+    # The restarts the operator counts against the job's one budget (reconcile/budget.py):
+    # those after a failure of this pod's own, read from the attempts' error files. Without
+    # them, all of torchrun's: it raises ChildFailedError only once its agent has no restart
+    # left (torch's SimpleElasticAgent._invoke_run returns a failed group only at
+    # remaining_restarts == 0), so it restarted the group --max-restarts times (fewer only
+    # where a worker wedged in D-state made the agent drop its restarts: the count errs high).
+    own = own_failure_restarts(log_dir) if log_dir is not None else None
+    report["crash"]["restarts"] = own if own is not None else max_restarts(argv)
     # No error file and no signal: a trainer that failed before `record` ran (an import
     # error: the log's tail has it, FallbackToLogsOnError) or that exited with a code of its
     # own after writing its own report. Either says more than "exited with code N".
@@ -111,8 +196,9 @@ def crash_line(report: dict[str, Any], first_rank: int, first: RankFailure) -> s
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     refusal = arm()
+    run_args, log_dir = with_log_dir(args)
     try:
-        torchrun_main(args)
+        torchrun_main(run_args)
     except SignalException as e:
         message = refused(refusal)
         if message is not None:
@@ -131,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrun stopped by {name}: worker group shut down", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        line = report_crash(e, args)
+        line = report_crash(e, args, log_dir)
         # torchrun's own summary (each failed rank's traceback, its pick of the root cause),
         # as it would print it, without the launcher's frames around it; then ours, last.
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -140,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     finally:
         disarm(refusal)
+        if log_dir is not None:
+            shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 

@@ -54,8 +54,9 @@ TRAINER_PEAK_MEMORY: Final = _trainer(
 TRAINER_REFORMS: Final = _trainer(
     "reforms",
     GAUGE,
-    "Times torchrun re-formed this rank's worker group (TORCHELASTIC_RESTART_COUNT): a rank "
-    "lost or joined, or a worker failed inside its pod.",
+    "Times torchrun restarted this rank's worker group after a failed group "
+    "(TORCHELASTIC_RESTART_COUNT): a worker failed in its pod, or a peer left (its "
+    "collectives failed); a peer joining does not count.",
 )
 TRAINER_LAST_CHECKPOINT_STEP: Final = _trainer(
     "last_checkpoint_step", GAUGE, "Step of the last committed checkpoint."
@@ -145,8 +146,9 @@ OPERATOR_RESTARTS: Final = Metric(
     "finetune_operator_restarts_total",
     COUNTER,
     JOB_LABELS,
-    "Failed worker pods replaced (crashes and hang restarts): the increments of status.restarts, "
-    "counted against faultTolerance.maxRestarts.",
+    "Failure restarts (failed pods replaced, hang restarts, torchrun's restarts inside a pod "
+    "once the pod gives up): the increments of status.restarts, counted against "
+    "faultTolerance.maxRestarts.",
 )
 OPERATOR_PREEMPTIONS: Final = Metric(
     "finetune_operator_preemptions_total",

@@ -130,7 +130,14 @@ class StragglerSpec(SpecModel):
 
 class FaultToleranceSpec(SpecModel):
     max_restarts: int = Field(
-        3, ge=0, le=lim.MAX_RESTARTS, description="Worker replacements before Failed."
+        3,
+        ge=0,
+        le=lim.MAX_RESTARTS,
+        description="Failure restarts of the job before Failed, whichever layer makes them: "
+        "torchrun's restarts of a worker group inside its pod and the operator's replacements "
+        "of failed pods (and hang restarts) alike, so a trainer that fails every time is "
+        "attempted at most maxRestarts + 1 times. Preemptions, evictions, deleted pods and "
+        "peers joining are not counted.",
     )
     backoff_seconds: float = Field(
         10, ge=0, le=lim.MAX_BACKOFF_SECONDS, description="Base delay before a replacement."

@@ -66,7 +66,12 @@ class FineTuneJobStatus(ApiModel):
         "(newest 10).",
     )
     restarts: int = Field(
-        0, ge=0, description="Pod failures counted against faultTolerance.maxRestarts."
+        0,
+        ge=0,
+        description="Failure restarts counted against faultTolerance.maxRestarts: failed pods "
+        "replaced, hang restarts, and the restarts torchrun made inside a pod after a failure "
+        "of its own (its crash report says how many when it gives up). One failure seen by "
+        "every pod is counted once; peers that left are not.",
     )
     preemptions: int = Field(
         0,

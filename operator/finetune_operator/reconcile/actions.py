@@ -20,7 +20,9 @@ from finetune_operator.api.constants import (
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.admission import FAILED_TO_START
 from finetune_operator.reconcile.assess import Assessment, Mode, assess, queued_reason
+from finetune_operator.reconcile.budget import closes_rendezvous, in_pod_budget
 from finetune_operator.reconcile.conditions import EventSpec
+from finetune_operator.reconcile.disposition import Disposition
 from finetune_operator.reconcile.evaluation import Evaluation
 from finetune_operator.reconcile.observed import PodView
 from finetune_operator.reconcile.workload_patches import (
@@ -120,8 +122,11 @@ def _deletions(pods: Sequence[PodView], reason: str) -> tuple[PodDeletion, ...]:
 def _create_pods(ev: Evaluation, status: FineTuneJobStatus, a: Assessment) -> list[dict[str, Any]]:
     assert ev.spec is not None and ev.plan is not None
     owner = ev.job.owner
-    # The attempt number lets anyone reading the pod tell a replacement from the original.
+    # The job's failure restarts when the pod is made: where its torchrun's own restarts
+    # start on the job's count (budget.py); it also tells a replacement from the original.
     notes = {ANNOTATION_RESTART_ATTEMPT: str(a.restarts)}
+    # torchrun in the pod may restart its workers only as often as the job has budget left.
+    in_pod = in_pod_budget(ev.spec.fault_tolerance.max_restarts, a.restarts)
     out: list[dict[str, Any]] = []
     rdzv_name = build_rendezvous_pod(owner, ev.spec)["metadata"]["name"]
     if a.rendezvous is None and rdzv_name not in a.terminating:
@@ -140,6 +145,7 @@ def _create_pods(ev: Evaluation, status: FineTuneJobStatus, a: Assessment) -> li
             index,
             excluded_nodes=list(status.excluded_nodes),
             annotations=notes,
+            max_restarts=in_pod,
         )
         if ev.queue is not None:
             pod = place_worker(pod, ev.queue.placement)
@@ -163,14 +169,24 @@ def _active(
         )
     surplus = [p for i, p in a.workers.items() if i >= a.desired]
     preempted = [p for p, _ in a.preempted_now]
+    # A pod whose torchrun gave up has shut the job's rendezvous down for good: no agent can
+    # join it again, so the store is replaced with the pod (the workers that lose it end
+    # RendezvousLost: replaced, not counted).
+    closed: list[PodView] = []
+    gave_up = any(closes_rendezvous(p) for p in a.replace_now if p.is_worker) or any(
+        v.disposition is Disposition.RENDEZVOUS_CLOSED for _, v in a.preempted_now
+    )
+    if gave_up and a.rendezvous is not None and a.rendezvous not in preempted:
+        closed.append(a.rendezvous)
     deletes = (
         _deletions(a.replace_now, REASON_RESTARTING)
+        + _deletions(closed, REASON_RESTARTING)
         + _deletions(preempted, REASON_PREEMPTED)
         + _deletions(surplus, REASON_COMPLETED)
     )
     # A slot being replaced is still occupied this round; its pod is created on the next pass,
     # once the old one is gone (same name).
-    going = {p.name for p in (*a.replace_now, *preempted)}
+    going = {p.name for p in (*a.replace_now, *preempted, *closed)}
     remaining = replace(
         a,
         workers={i: p for i, p in a.workers.items() if p.name not in going},
@@ -182,9 +198,9 @@ def _active(
         EventSpec(
             "Warning",
             REASON_RESTARTING,
-            f"{p.describe_failure()}; replacement {status.restarts + n} of {budget}",
+            f"{p.describe_failure()}; replacing it ({a.restarts} of {budget} restarts used)",
         )
-        for n, p in enumerate(a.replace_now, start=1)
+        for p in a.replace_now
     ) + tuple(
         EventSpec(
             "Normal",

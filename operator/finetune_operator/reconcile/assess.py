@@ -19,6 +19,7 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.admission import FAILED_TO_START
+from finetune_operator.reconcile.budget import failure_number, restarts_after
 from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
@@ -47,7 +48,9 @@ class Assessment:
     terminating: frozenset[str] = frozenset()  # pod names still going away
     replace_now: tuple[PodView, ...] = ()  # failed pods whose backoff has elapsed
     waiting: tuple[tuple[PodView, datetime], ...] = ()  # failed pods and when they are due
-    restarts: int = 0  # failures counted against maxRestarts, including replace_now
+    # Failure restarts counted against maxRestarts, in the pods (torchrun) and of pods
+    # (replace_now included): budget.py
+    restarts: int = 0
     # Pods that ended without being at fault (disposition.py): replaced at once, not counted.
     preempted_now: tuple[tuple[PodView, Verdict], ...] = ()
     preemptions: int = 0  # including preempted_now
@@ -85,14 +88,18 @@ def _backoff_due(pod: PodView, base: float, k: int, now: datetime) -> datetime:
 def _walk_failures(
     ev: Evaluation, status: FineTuneJobStatus, failed: Sequence[PodView], now: datetime
 ) -> tuple[list[PodView], list[tuple[PodView, datetime]], int, PodView | None]:
-    """Spend the replacement budget on the failed pods, oldest failure first, but a pod whose
-    ranks only lost a peer before any that failed of its own: each replacement doubles the next
-    one's backoff, so the root cause's pod is replaced last and stays observed (and named in
-    the Restarting condition) for as long as any pod it took down still waits. The group is
-    whole again no later than in finish order: the last one due waits the same doubled backoff."""
+    """Number the failed pods on the job's count of failures (budget.py) and schedule their
+    replacements: oldest failure first, but a pod whose ranks only lost a peer before any that
+    failed of its own: each replacement doubles the next one's backoff, so the root cause's
+    pod is replaced last and stays observed (and named in the Restarting condition) for as
+    long as any pod it took down still waits. The group is whole again no later than in
+    finish order: the last one due waits the same doubled backoff. Returns the pods to
+    replace now, those waiting (and when they are due), the job's failure restarts, and the
+    pod whose failure is beyond the budget (None while there is budget left)."""
     assert ev.spec is not None
     ft = ev.spec.fault_tolerance
-    k = status.restarts
+    restarts = status.restarts
+    doubling = status.restarts  # the backoff's exponent
     replace_now: list[PodView] = []
     waiting: list[tuple[PodView, datetime]] = []
     order = sorted(
@@ -100,15 +107,21 @@ def _walk_failures(
         key=lambda p: (not is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name),
     )
     for pod in order:
-        if k >= ft.max_restarts:
-            return replace_now, waiting, k, pod
-        due = _backoff_due(pod, ft.backoff_seconds, k, now)
+        number = failure_number(pod, restarts)
+        if number is not None and number > ft.max_restarts:
+            # maxRestarts + 1 attempts have failed: the restarts made are all there were.
+            return replace_now, waiting, max(restarts, ft.max_restarts), pod
+        if number is not None:
+            doubling = max(doubling, number - 1)
+        due = _backoff_due(pod, ft.backoff_seconds, doubling, now)
         if waiting or now < due:
             waiting.append((pod, due))
+            restarts = restarts_after(restarts, number, replaced=False)
         else:
             replace_now.append(pod)
-            k += 1
-    return replace_now, waiting, k, None
+            doubling += 1
+            restarts = restarts_after(restarts, number, replaced=True)
+    return replace_now, waiting, restarts, None
 
 
 def _sticky_mode(status: FineTuneJobStatus) -> tuple[Mode, str] | None:
@@ -210,8 +223,7 @@ def assess(
         # Say the root cause: a pod whose ranks only lost their peer is a consequence of
         # another's failure (finished at the same moment, in any order).
         culprit = root_cause_first(failed)[0]
-        msg = shorten(
-            f"{culprit.describe_failure()}; all {used} replacements allowed are used", 1000
-        )
+        spent = f"all {used} restarts allowed are used ({used + 1} attempts failed)"
+        msg = shorten(f"{culprit.describe_failure()}; {spent}", 1000)
         return replace(seen, mode=Mode.FAILED, restarts=restarts, message=msg)
     return replace(seen, replace_now=tuple(replace_now), waiting=tuple(waiting), restarts=restarts)

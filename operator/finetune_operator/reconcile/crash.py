@@ -78,6 +78,29 @@ def is_peer_loss(message: str | None) -> bool:
     return crash is not None and crash.get("kind") == KIND_PEER_LOST
 
 
+def has_crash_report(message: str | None) -> bool:
+    """The pod's torchrun gave up on a failed worker group and its launcher said why (which
+    shuts the job's rendezvous down: reconcile/budget.py)."""
+    return _crash(message) is not None
+
+
+def rendezvous_closed(message: str | None) -> bool:
+    """The pod's torchrun ended because the job's rendezvous was shut down (another agent gave
+    up: reconcile/budget.py): its log's last exception is torch's RendezvousClosedError."""
+    if _report(message) is not None:
+        return False
+    line = describe_log_tail(message or "", last_line=False) or ""
+    return line.split(":", 1)[0].endswith("RendezvousClosedError")
+
+
+def reported_restarts(message: str | None) -> int | None:
+    """How many times the pod's torchrun restarted its worker group after a failure before it
+    gave up (`restarts` in the launcher's crash report: finetune_trainer/launch.py), None when
+    the pod left no crash report (killed from outside, or an older trainer image)."""
+    value = (_crash(message) or {}).get("restarts")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def describe_oom_kill(memory_limit: str | None) -> str:
     limit = f" ({memory_limit})" if memory_limit else ""
     return f"{REASON_OOM_KILLED}: the pod exceeded resources.memory{limit}"

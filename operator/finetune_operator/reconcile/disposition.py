@@ -13,7 +13,13 @@ The evidence, strongest first:
 2. the trainer's final report `stopReason: "Signal"` (it stopped because it was told to);
 3. exit code 143 (128 + SIGTERM): the process died of SIGTERM;
 4. a worker created before the current rendezvous pod (or ended while there is none): it
-   was started against a store that is gone. Workers are never created while the store's pod
+   was started against a store that is gone. Unless its torchrun gave up on a failed worker
+   group of its own (its crash report, not a peer lost): that failure is the job's, counted,
+   even though the store was replaced since (the operator replaces it because such an
+   agent shuts the rendezvous down: reconcile/actions.py);
+5. a worker that joined the current store and whose agent then found its rendezvous shut
+   down (torch's RendezvousClosedError, in its log's tail): another agent gave up, and that
+   one's failure is counted; the store is replaced. Workers are never created while the store's pod
    is going away (actions.py), so one created after the current store joined that store.
 """
 
@@ -24,6 +30,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 
+from finetune_operator.reconcile.crash import has_crash_report, is_peer_loss, rendezvous_closed
 from finetune_operator.reconcile.observed import SUCCEEDED, PodView
 
 EXIT_SIGTERM = 143
@@ -34,6 +41,9 @@ class Disposition(enum.Enum):
     FAILURE = "Failure"  # counted against maxRestarts
     PREEMPTED = "Preempted"  # not counted
     RENDEZVOUS_LOST = "RendezvousLost"  # not counted
+    # Its agent found the current store's rendezvous shut down by another agent that gave up
+    # (whose failure is counted there): not counted, and the store is replaced (actions.py).
+    RENDEZVOUS_CLOSED = "RendezvousClosed"
 
     @property
     def counted(self) -> bool:
@@ -66,9 +76,15 @@ def classify_exit(pod: PodView, rendezvous_created: datetime | None) -> Verdict:
         return Verdict(Disposition.PREEMPTED, "stopped by a signal after a final checkpoint")
     if pod.exit_code == EXIT_SIGTERM:
         return Verdict(Disposition.PREEMPTED, "terminated by SIGTERM")
+    message = pod.termination_message
+    if pod.is_worker and has_crash_report(message) and not is_peer_loss(message):
+        return Verdict(Disposition.FAILURE, "its worker group failed")
     if pod.is_worker:
         if rendezvous_created is None:
             return Verdict(Disposition.RENDEZVOUS_LOST, "the rendezvous store is gone")
         if pod.created_at is not None and pod.created_at < rendezvous_created:
             return Verdict(Disposition.RENDEZVOUS_LOST, "its rendezvous store was replaced")
+        if rendezvous_closed(pod.termination_message):
+            why = "the job's rendezvous was shut down by an agent that gave up"
+            return Verdict(Disposition.RENDEZVOUS_CLOSED, why)
     return Verdict(Disposition.FAILURE, "failed")

@@ -96,8 +96,14 @@ def rendezvous_conf(spec: FineTuneJobSpec, plan: Plan) -> str:
     )
 
 
-def worker_command(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> list[str]:
+def worker_command(
+    owner: Owner, spec: FineTuneJobSpec, plan: Plan, max_restarts: int | None = None
+) -> list[str]:
+    """`max_restarts`: torchrun's own budget of failure restarts in this pod, the job's budget
+    left when the pod is made (reconcile/budget.py); None: all of `maxRestarts` (the pod
+    template of a Kueue Workload, which must not change as restarts are spent)."""
     low, high = node_range(spec, plan)
+    restarts = spec.fault_tolerance.max_restarts if max_restarts is None else max_restarts
     return [
         # torchrun through a thin launcher: a graceful stop (SIGTERM) exits 143 with one log
         # line instead of torchrun's SignalException traceback (finetune_trainer/launch.py).
@@ -108,7 +114,7 @@ def worker_command(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> list[str]
         f"--rdzv-endpoint={rendezvous_endpoint(owner)}",
         f"--rdzv-id={owner.uid}",
         f"--rdzv-conf={rendezvous_conf(spec, plan)}",
-        f"--max-restarts={spec.fault_tolerance.max_restarts}",
+        f"--max-restarts={restarts}",
         *TORCHRUN_EXTRA_FLAGS,
         "-m",
         "finetune_trainer",
@@ -162,12 +168,14 @@ def worker_resources(spec: FineTuneJobSpec, plan: Plan) -> dict[str, dict[str, s
     return out
 
 
-def _container(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any]:
+def _container(
+    owner: Owner, spec: FineTuneJobSpec, plan: Plan, max_restarts: int | None
+) -> dict[str, Any]:
     _, tmp_mount = tmp_volume()
     container: dict[str, Any] = {
         "name": WORKER_CONTAINER,
         "image": spec.image or DEFAULT_TRAINER_IMAGE,
-        "command": worker_command(owner, spec, plan),
+        "command": worker_command(owner, spec, plan, max_restarts),
         "env": [{"name": k, "value": v} for k, v in WORKER_ENV.items()]
         + [{"name": "FT_DATA_CACHE_LIMIT_BYTES", "value": str(data_cache_budget_bytes(spec))}]
         + downward_env()
@@ -221,6 +229,7 @@ def build_worker_pod(
     *,
     excluded_nodes: list[str] | None = None,
     annotations: dict[str, str] | None = None,
+    max_restarts: int | None = None,
 ) -> dict[str, Any]:
     res = spec.resources
     name = worker_name(owner.name, index)
@@ -231,7 +240,7 @@ def build_worker_pod(
         "hostname": name,
         "subdomain": owner.name,
         "securityContext": pod_security_context(),
-        "containers": [_container(owner, spec, plan)],
+        "containers": [_container(owner, spec, plan, max_restarts)],
         "volumes": _volumes(owner, spec) + spec.storage.pod_volumes(),
     }
     affinity = merge_node_exclusion(res.affinity, excluded_nodes or [])
