@@ -34,6 +34,7 @@ from finetune_local import emptydir, podrunner
 from finetune_local.addresses import AddressPool
 from finetune_local.binding import schedule_pod
 from finetune_local.informer import Cache, ObjectKey, list_and_watch, remember
+from finetune_local.mountpoints import MountPoints
 from finetune_local.nodes import register_node
 from finetune_local.podgroups import GangScheduler
 from finetune_local.podlaunch import PodRun, launch_spec, prepare_container
@@ -71,7 +72,7 @@ class Kubelet:
         self.services: Cache = {}
         self.nodes: Cache = {}
         self.runs: dict[PodKey, PodRun] = {}
-        self.mountpoints = podrunner.MountPoints()
+        self.mountpoints = MountPoints()
         self.addresses: AddressPool | None = None
         self._busy: set[PodKey] = set()  # pods with a start/stop step in flight
         self._wake = asyncio.Event()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune_local import emptydir, podrunner
 from finetune_local.imageenv import image_env
+from finetune_local.mountpoints import MountPoints
 from finetune_local.podsources import bind_claim, fetch_config, referenced_configs
 from finetune_local.podspec import container_env, expand, secret_data
 from finetune_local.restclient import RestClient
@@ -69,7 +70,7 @@ async def prepare_container(
     pod: dict[str, Any],
     container: dict[str, Any],
     run: PodRun,
-    mountpoints: podrunner.MountPoints,
+    mountpoints: MountPoints,
     hosts_for: HostsRenderer,
 ) -> tuple[dict[str, str], list[dict[str, Any]]]:
     """The container's environment and mounts, its volumes and hosts file in place.

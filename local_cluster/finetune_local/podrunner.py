@@ -20,6 +20,7 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from finetune_local.mountpoints import MountPoints
 from finetune_local.podspec import ConfigMissingError, secret_data
 
 FetchConfig = Callable[[str, str, str], Awaitable["dict[str, Any] | None"]]  # kind, ns, name
@@ -36,28 +37,6 @@ def pod_dir(data_dir: pathlib.Path, pod: Mapping[str, Any]) -> pathlib.Path:
     meta = pod["metadata"]
     folder = f"{meta['name']}-{str(meta['uid'])[:8]}"
     return data_dir / "pods" / str(meta.get("namespace", "default")) / folder
-
-
-class MountPoints:
-    """Mount targets the host lacks are created (bind mounts need one) and removed at the end."""
-
-    def __init__(self) -> None:
-        self.created: list[pathlib.Path] = []
-
-    def ensure(self, target: pathlib.Path, is_file: bool) -> None:
-        missing = [p for p in [target, *target.parents] if not p.exists()]
-        for path in reversed(missing):
-            if path == target and is_file:
-                path.touch()
-            else:
-                path.mkdir()
-            self.created.append(path)
-
-    def remove_created(self) -> None:
-        for path in reversed(self.created):
-            with contextlib.suppress(OSError):  # something else now lives there: leave it
-                path.unlink() if path.is_file() else path.rmdir()
-        self.created.clear()
 
 
 async def materialise_volumes(

@@ -1,0 +1,50 @@
+"""Mount targets shared by local clusters on one host: the last user removes them.
+
+Removing a directory that is a mount point in another mount namespace detaches that mount
+there, so one cluster stopping must not remove a target another cluster's pods have mounted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from finetune_local.mountpoints import MountPoints
+
+
+def test_a_target_two_clusters_use_outlives_the_first_to_stop(tmp_path: Path) -> None:
+    registry = tmp_path / "registry"
+    target = tmp_path / "host" / "etc" / "finetune"
+    first, second = MountPoints(registry), MountPoints(registry)
+    first.ensure(target, is_file=False)  # creates host/, etc/, finetune/
+    second.ensure(target, is_file=False)  # finds them: uses them, creates nothing
+    first.remove_created()
+    assert target.is_dir()  # the second cluster's pods still have it mounted
+    second.remove_created()
+    assert not (tmp_path / "host").exists()  # the last user removed all the first made
+
+
+def test_a_target_the_host_had_is_never_removed(tmp_path: Path) -> None:
+    target = tmp_path / "checkpoints"
+    target.mkdir()
+    points = MountPoints(tmp_path / "registry")
+    points.ensure(target / "job.json", is_file=True)
+    points.remove_created()
+    assert target.is_dir()
+    assert not (target / "job.json").exists()
+
+
+def test_a_dead_clusters_registration_does_not_keep_a_target(tmp_path: Path) -> None:
+    registry = tmp_path / "registry"
+    target = tmp_path / "etc-finetune"
+    # A cluster in a process that has since died (killed without its teardown).
+    code = (
+        "import pathlib, sys; from finetune_local.mountpoints import MountPoints; "
+        "MountPoints(pathlib.Path(sys.argv[1])).ensure(pathlib.Path(sys.argv[2]), is_file=False)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(registry), str(target)], check=True)
+    assert target.is_dir()
+    live = MountPoints(registry)
+    live.ensure(target, is_file=False)
+    live.remove_created()
+    assert not target.exists()
