@@ -62,10 +62,13 @@ def test_a_job_running_outside_kueue_stays_so_through_a_pass_without_workers() -
               pod("qs-worker-0", "Failed", exit_code=1, finished=T0),
               pod("qs-worker-1", "Failed", exit_code=1, finished=T0)]  # fmt: skip
     out = _pass(outside, failed, _not_created_yet(), 600)
-    assert sorted(deleted(out)) == ["qs-worker-0", "qs-worker-1"]  # replaced: deleted, then
+    # Replaced: deleted, then recreated. Their torchrun agents ended on an error, which shuts
+    # the rendezvous down for good (reconcile/budget.py): the store is replaced with them.
+    assert sorted(deleted(out)) == ["qs-rdzv", "qs-worker-0", "qs-worker-1"]
     assert out.actions.workload is None and cond(out.status, APPLIED)[1] == "AddedWhileRunning"
-    gone = _pass(out.status, running("qs-rdzv"), _not_created_yet(), 605)
-    assert created(gone) == ["qs-worker-0", "qs-worker-1"] and gone.actions.workload is None
+    gone = _pass(out.status, [], _not_created_yet(), 605)
+    assert created(gone) == ["qs-rdzv", "qs-worker-0", "qs-worker-1"]
+    assert gone.actions.workload is None
     assert gone.status.workload is None and cond(gone.status, APPLIED)[1] == "AddedWhileRunning"
 
 
