@@ -16,7 +16,9 @@ several properties at once to keep the multi-process time down:
 - ZeRO-3, 2 ranks, built partitioned under zero.Init: the curve (the initial weights are the
   torch path's), saved in the whole layout; resumed from it on ZeRO-3 at 2 ranks (every rank
   reading every tensor) to the same weights, its next checkpoints chunked, recording each
-  parameter's full shape (compared at a resume);
+  parameter's full shape (compared at a resume); resumed from one of those on ZeRO-2 at 2
+  ranks, each reading only the saved chunks overlapping its fragments: the checkpoint about
+  once in all, not once per rank;
 - fp16 LoRA on ZeRO-2: one overflowing step is skipped and the loss scale lowered, training
   goes on; the user's deepspeedConfig is merged (hysteresis kept, a contradicting key
   overridden); the adapters are exported.
@@ -316,10 +318,38 @@ def test_zero3_two_ranks_built_partitioned_matches_ddp(
         assert row["full_bytes"] <= row["storage_bytes"] <= stored, (row, stored)
         assert_resume_bounded(row)
     # The marker records each parameter's full shape (ZeRO-3's, not the empty placeholder's),
-    # which the flattened tensors' metadata lacks (a resume compares it: refused if it
-    # differed).
+    # which the flattened tensors' metadata lacks: the resume below compares it (refused if
+    # it differed) and loads.
     assert committed(root).keys() == {4, 6, 8}
     assert_shapes_recorded(root / "step-00000006", committed(root)[6])
+
+    # Resumed from the chunked step 6 (step 8 lost) on ZeRO-2 at 2 ranks: each rank's
+    # fragment of each parameter is an arbitrary range of the flattened tensor, read through
+    # the saved chunks that overlap it only: together the checkpoint about once (a chunk
+    # across the partition boundary read by both), not once per rank.
+    shutil.rmtree(root / "step-00000008")
+    zero2 = launch(tmp_path, "zero2-2-resume", ds_job("zero2", checkpoint={"intervalSteps": 2}),
+                   2, [str(RESUME_WORKER)], FT_TEST_RESUME_CAP=str(RESUME_CAP))  # fmt: skip
+    procs.append(zero2)
+    assert zero2.wait(180) == 0, tail(zero2.log)
+    assert "resumed from checkpoint step 6" in zero2.log.read_text()
+    after = {s["step"]: s["loss"] for s in step_lines(zero2.log)}
+    assert sorted(after) == [7, 8]
+    assert_matches(after, ddp_losses)
+    assert_same_weights(first, load_file(exported))
+    rows = resume_rows(zero2.log)
+    assert len(rows) == 2 and all(r["chunked"] for r in rows), rows
+    full = rows[0]["full_bytes"]
+    # The templates are the fragments: the two ranks' partitions, each tensor once (the
+    # whole tensors across the partition boundary were read by both ranks before).
+    assert sum(r["read_bytes"] for r in rows) == full, rows
+    stored = checkpoint_bytes(root / "step-00000006")
+    for row in rows:
+        assert row["storage_bytes"] < 0.75 * stored, (row, stored)
+        assert_resume_bounded(row)
+    # Each tensor's chunks once, but for those across the boundary (master and two states of
+    # one parameter, each read whole by both ranks).
+    assert sum(r["storage_bytes"] for r in rows) <= stored + 3 * rows[0]["largest"], rows
 
 
 def assert_same_weights(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> None:
