@@ -48,7 +48,9 @@ def _zero3_partition_size(p: nn.Parameter, world: int) -> int:
     size = int(p.ds_tensor.numel())  # type: ignore[attr-defined]
     numel = full_shape(p).numel()
     if size != -(-numel // world):
-        # Another partitioning (hpZ, MiCS) than the chunked layout's: not supported.
+        # Another partitioning than the chunked layout's (MiCS's shard groups, which DeepSpeed
+        # 0.19 removed): not supported. hpZ keeps this primary partition over the whole world;
+        # its secondary copy over the hpZ group (ds_secondary_tensor) is rebuilt from it.
         raise RuntimeError(
             f"ZeRO-3 partition of {size} elements for a {numel}-element parameter at "
             f"{world} ranks: expected ceil(numel/world) = {-(-numel // world)}"
