@@ -10,6 +10,8 @@ tensor bytes of the restore. Twice:
   layout (one full tensor per key), every rank reading every master weight, and under ZeRO-3
   every tensor;
 - after: this tree: the chunked layout, each rank reading the chunks of what it holds.
+(`--before 6991b80 --stages 1 2`: the chunked layout before ZeRO-1/2 ranks read their
+fragments' ranges instead of the whole tensors of their parameters.)
 
 "read" is a rank's bytes read from storage during the restore, "ckpt" the checkpoint's data
 files, "live" the most bytes of tensors alive at once during the restore, "rss" the rank's peak

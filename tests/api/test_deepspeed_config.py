@@ -11,6 +11,8 @@ from pydantic import ValidationError
 from finetune_operator.api.deepspeed_config import (
     ZERO_BUCKET_ELEMENTS,
     deepspeed_config,
+    hpz_group,
+    hpz_partition_size,
     planned_deepspeed_config,
     uses_deepspeed,
 )
@@ -156,7 +158,16 @@ def test_planned_config_only_for_deepspeed_plans() -> None:
     ("strategy", "message"),
     [({"type": "auto", "deepspeedConfig": {"a": 1}}, "needs strategy.backend deepspeed"),
      ({"type": "ddp", "backend": "fsdp", "deepspeedConfig": {}}, "needs strategy.backend"),
-     ({"type": "zero2", "deepspeedConfig": {"x": "y" * 70000}}, "bytes as JSON")],
+     ({"type": "zero2", "deepspeedConfig": {"x": "y" * 70000}}, "bytes as JSON"),
+     ({"type": "zero3", "backend": "deepspeed",
+       "deepspeedConfig": {"zero_optimization": {"zero_hpz_partition_size": "8"}}},
+      r"deepspeedConfig.zero_optimization.zero_hpz_partition_size is '8': a positive integer"),
+     ({"type": "zero3", "backend": "deepspeed",
+       "deepspeedConfig": {"zero_optimization": {"zero_hpz_partition_size": 0}}},
+      "zero_hpz_partition_size is 0"),
+     ({"type": "zero3", "backend": "deepspeed",
+       "deepspeedConfig": {"zero_optimization": {"mics_shard_size": 8}}},
+      "zero_optimization.mics_shard_size: MiCS was removed from DeepSpeed 0.19")],
 )  # fmt: skip
 def test_spec_refuses_misplaced_or_huge_configs(strategy: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
@@ -167,3 +178,41 @@ def test_spec_accepts_a_config_on_deepspeed() -> None:
     for strategy in ({"type": "zero1", "deepspeedConfig": {"a": 1}},
                      {"type": "auto", "backend": "deepspeed", "deepspeedConfig": {"a": [1]}}):  # fmt: skip
         assert StrategySpec.model_validate(strategy).deepspeed_config is not None
+
+
+def hpz_spec(size: Any) -> FineTuneJobSpec:
+    return _spec({"type": "zero3", "backend": "deepspeed",
+                  "deepspeedConfig": {"zero_optimization": {"zero_hpz_partition_size": size}}})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("size", "world", "effective", "overridden"),
+    [
+        pytest.param(2, 4, 2, [], id="divides"),
+        pytest.param(8, 4, 8, [], id="larger-than-the-world: DeepSpeed takes the world"),
+        pytest.param(
+            4,
+            6,
+            1,
+            ["zero_optimization.zero_hpz_partition_size"],
+            id="re-formed-to-a-world-it-does-not-divide",
+        ),
+    ],
+)
+def test_hpz_runs_where_deepspeed_can_form_its_groups(
+    size: int, world: int, effective: int, overridden: list[str]
+) -> None:
+    """hpZ's group is min(size, world) ranks, which must divide the world (DeepSpeed asserts
+    it): at an elastic world it does not divide, the trainer runs without hpZ and says so."""
+    config, got = deepspeed_config(hpz_spec(size), _plan("zero3"), world_size=world,
+                                   grad_accum=1)  # fmt: skip
+    assert config["zero_optimization"]["zero_hpz_partition_size"] == effective
+    assert got == overridden
+    assert hpz_group(size, world) == (1 if overridden else min(size, world))
+
+
+def test_hpz_size_read_from_the_users_config() -> None:
+    assert hpz_partition_size(None) == 1
+    assert hpz_partition_size({"zero_optimization": {"stage": 3}}) == 1
+    assert hpz_partition_size({"zero_optimization": {"zero_hpz_partition_size": 8}}) == 8
+    assert hpz_partition_size({"zero_optimization": {"zero_hpz_partition_size": True}}) == 1

@@ -5,11 +5,15 @@ DeepSpeed 0.19 engine (tests/bench/test_deepspeed_memory.py re-measures one of t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+from planner_specs import make_spec
 
 from finetune_operator.planner import Candidate, TrainingShape, estimate_memory, shape_of
 from finetune_operator.planner.catalog import lookup
 from finetune_operator.planner.lora import adapter_parameters
+from finetune_operator.planner.planning import build_problem
 from finetune_operator.planner.zero import ZeroStates, zero_states
 
 P = 8_000_000  # divisible by every world size below
@@ -116,3 +120,51 @@ def test_lora_adapters_are_bf16_with_fp32_masters_under_deepspeed(strategy: str)
     assert b.optimizer == 12 * part  # fp32 master + exp_avg + exp_avg_sq
     ddp = estimate_memory(m, shape, Candidate("ddp", n, 8)).breakdown
     assert (ddp.parameters, ddp.optimizer) == (4 * adapters + frozen, 8 * adapters)
+
+
+@pytest.mark.parametrize(("n", "hpz"), [(4, 2), (8, 8), (16, 8), (2, 8)])
+def test_stage_3_hpz_keeps_a_secondary_partition_over_its_group(n: int, hpz: int) -> None:
+    """hpZ: beside the primary partition over the N ranks, every parameter (frozen ones
+    too) keeps a secondary e-byte partition over its group of min(H, N) ranks (in forward and
+    backward, to the step). On DeepSpeed 0.19's engine on CPU (fp32, world 4, H 2, the
+    quickstart's 124,096 parameters) each rank held 248,192 bytes of `ds_secondary_tensor`:
+    4 bytes x 124,096 / 2, this formula."""
+    plain = zero_states(3, n, P, 1000 * n, E, 12, fp32_master=True, offload=False)
+    z = zero_states(3, n, P, 1000 * n, E, 12, fp32_master=True, offload=False, hpz=hpz)
+    group = min(hpz, n)
+    assert z.params - plain.params == (E * P + 1000 * n) // group
+    assert (z.grads, z.optim, z.host) == (plain.grads, plain.optim, 0)
+
+    def quickstart(hpz: int) -> int:
+        return zero_states(3, 4, 124_096, 0, 4, 12, fp32_master=False, offload=False,
+                           hpz=hpz).params  # fmt: skip
+
+    assert quickstart(2) - quickstart(1) == 248_192
+
+
+def test_hpz_secondary_goes_to_the_host_with_parameter_offload_and_is_nothing_elsewhere() -> None:
+    plain = zero_states(3, 4, P, 0, E, 12, fp32_master=True, offload=True)
+    z = zero_states(3, 4, P, 0, E, 12, fp32_master=True, offload=True, hpz=2)
+    assert z.host - plain.host == E * P // 2 and z.params == 0
+    # ZeRO-1/2 hold the parameters whole (no hpZ); a group that does not divide the world is
+    # not formed (api.deepspeed_config.hpz_group).
+    for stage in (1, 2):
+        assert states(stage, 4) == zero_states(stage, 4, P, 0, E, 12, fp32_master=True,
+                                               offload=False, hpz=2)  # fmt: skip
+    assert zero_states(3, 6, P, 0, E, 12, fp32_master=True, offload=False, hpz=4) == states(3, 6)
+
+
+def test_the_plan_counts_the_users_hpz() -> None:
+    """The group size comes from spec.strategy.deepspeedConfig into every candidate's
+    TrainingShape, and a ZeRO-3 plan's parameter bytes hold the secondary partition."""
+    hpz = {"zero_optimization": {"zero_hpz_partition_size": 8}}
+    strategy = {"type": "zero3", "backend": "deepspeed"}
+    plain = build_problem(make_spec(strategy=strategy))
+    grouped = build_problem(make_spec(strategy={**strategy, "deepspeedConfig": hpz}))
+    assert (plain.base.hpz_partition_size, grouped.base.hpz_partition_size) == (1, 8)
+    m = grouped.model
+    shape = TrainingShape(micro_batch_size=1, seq_len=2048, checkpointing=True)
+    with_hpz = replace(shape, hpz_partition_size=8)
+    params = [estimate_memory(m, s, Candidate("zero3", 16, 8)).breakdown.parameters
+              for s in (shape, with_hpz)]  # fmt: skip
+    assert params[1] - params[0] == -(-2 * m.total // 8)  # bf16, over a node of 8

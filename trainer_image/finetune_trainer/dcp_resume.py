@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlanner
 
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.checkpoint_compat import (
@@ -121,8 +122,11 @@ class Resume:
             # Undamaged, so a mismatch is another model's checkpoint: refused, never moved.
             self._refuse_if_incompatible(step, saved, marker)
 
-            def read(sd: dict[str, Any], path: Location = path) -> None:
-                dcp.load(sd, storage_reader=path.dcp_reader(), process_group=self.group)
+            def read(
+                sd: dict[str, Any], planner: LoadPlanner | None = None, path: Location = path
+            ) -> None:
+                dcp.load(sd, storage_reader=path.dcp_reader(), planner=planner,
+                         process_group=self.group)  # fmt: skip
 
             ok = _attempt(path, lambda: self.state.load(read, set(saved)))
             ok = agree(ok, self.group)

@@ -48,7 +48,9 @@ def _zero3_partition_size(p: nn.Parameter, world: int) -> int:
     size = int(p.ds_tensor.numel())  # type: ignore[attr-defined]
     numel = full_shape(p).numel()
     if size != -(-numel // world):
-        # Another partitioning (hpZ, MiCS) than the chunked layout's: not supported.
+        # Another partitioning than the chunked layout's (MiCS's shard groups, which DeepSpeed
+        # 0.19 removed): not supported. hpZ keeps this primary partition over the whole world;
+        # its secondary copy over the hpZ group (ds_secondary_tensor) is rebuilt from it.
         raise RuntimeError(
             f"ZeRO-3 partition of {size} elements for a {numel}-element parameter at "
             f"{world} ranks: expected ceil(numel/world) = {-(-numel // world)}"
@@ -95,15 +97,31 @@ def set_zero3_partition(p: nn.Parameter, key: str, chunk: torch.Tensor, world: i
         safe_set_local_fp32_param(p, value)
 
 
-def set_zero12_fragment(p: nn.Parameter, key: str, full: torch.Tensor) -> None:
+def fragment_range(p: nn.Parameter) -> tuple[int, int]:
+    """(start, length) of the range of `p`'s flattened elements in this rank's ZeRO-1/2
+    partition ((0, 0) where it holds none)."""
+    mapping = getattr(p, "_hp_mapping", None)
+    if mapping is None:
+        return 0, 0
+    address = mapping.lp_fragment_address
+    return int(address.start), int(address.numel)
+
+
+def set_zero12_fragment(p: nn.Parameter, key: str, values: torch.Tensor, start: int = 0) -> None:
     """Set the part of `p`'s fp32 master (`key` "") or state `key` that lies in this rank's
-    ZeRO-1/2 partition from the full tensor (host, any shape with `p`'s elements): the range is
-    cut on the host, only it goes to the device. Nothing where this rank holds none."""
+    ZeRO-1/2 partition from `values` (host, any shape), elements [start, start+numel) of the
+    flattened tensor: the whole tensor (start 0), or just the fragment. The range is cut on the
+    host, only it goes to the device. Nothing where this rank holds none."""
     mapping = getattr(p, "_hp_mapping", None)
     if mapping is None:
         return
-    address = mapping.lp_fragment_address
-    fragment = full.reshape(-1).narrow(0, address.start, address.numel)
+    offset, length = fragment_range(p)
+    if offset < start or offset + length > start + values.numel():
+        raise ValueError(
+            f"elements [{start}, {start + values.numel()}) do not hold this rank's fragment "
+            f"[{offset}, {offset + length}) of a {full_shape(p).numel()}-element parameter"
+        )
+    fragment = values.reshape(-1).narrow(0, offset - start, length)
     mapping.get_hp_fragment(key or None).data.copy_(fragment)
 
 

@@ -18,9 +18,11 @@ key (the master weight, each optimizer state). Two layouts, told apart by their 
   reads all of it. Still loaded (deepspeed_resume), at any stage and world size.
 
 What a rank reads at a resume (deepspeed_resume) follows from what DeepSpeed's fragment setters
-need: ZeRO-3 its partition (chunked: only the overlapping chunks); ZeRO-1/2 the parameters
-that overlap its fp32 partition (`_hp_mapping`), whole (their fragments are arbitrary ranges of
-the flattened parameter): ~1/M of the checkpoint plus the tensors across a partition boundary.
+need: ZeRO-3 its partition; ZeRO-1/2 its fragment of each parameter that overlaps its fp32
+partition (`_hp_mapping`), an arbitrary range of the flattened parameter that no DTensor
+placement states, asked of DCP through RangeLoadPlanner. Chunked, either reads only the saved
+chunks overlapping what the rank holds: ~1/M of the checkpoint plus the chunks at partition
+boundaries; whole, the tensors it needs any part of, whole.
 
 A flattened tensor's DCP metadata has its element count only, so a model whose parameters
 have the same names and counts but other shapes (hidden 64 / intermediate 128 against 128 /
@@ -38,6 +40,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -165,3 +175,41 @@ class ChunkedLayout:
     def template(self, numel: int) -> DTensor:
         """Where DCP reads this rank's chunk of a chunked tensor into (fp32, on the host)."""
         return self.wrap(torch.empty(self.chunk(numel)[1], dtype=torch.float32), numel)
+
+
+class RangeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but each 1-D tensor of the state dict it is given receives
+    elements [start, start + its length) of the saved flattened tensor of its key (`starts`:
+    flattened key -> start), not the whole: DCP then reads only the saved chunks that overlap
+    that range (each whole) and copies the overlap in. What a ZeRO-1/2 rank holds of a
+    parameter is such a range (`lp_fragment_address`), which no DTensor placement can state.
+    Every key of the state dict must have a start (a chunked checkpoint's tensors only)."""
+
+    def __init__(self, starts: Mapping[str, int]) -> None:
+        super().__init__()
+        self.starts = dict(starts)
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None  # given by DCP's load before planning
+        items: list[ReadItem] = []
+        for fqn, local in self.state_dict.items():
+            saved = self.metadata.state_dict_metadata.get(fqn)
+            start, length = self.starts[fqn], int(local.numel())
+            if not isinstance(saved, TensorStorageMetadata) or len(saved.size) != 1:
+                raise ValueError(f"checkpoint key {fqn}: not a flattened tensor ({saved!r})")
+            if start < 0 or start + length > saved.size[0]:
+                raise ValueError(
+                    f"checkpoint key {fqn}: elements [{start}, {start + length}) asked of a "
+                    f"{saved.size[0]}-element tensor"
+                )
+            if length == 0:
+                continue  # DCP would still read the chunk at `start`, whole, for nothing
+            wanted = ChunkStorageMetadata(torch.Size([start]), torch.Size([length]))
+            items += create_read_items_for_chunk_list(fqn, saved, [wanted])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        # The plain tensor holds the range itself: the read items' destination offsets are
+        # already relative to its start (create_read_items_for_chunk_list).
+        tensor: torch.Tensor = self.state_dict[index.fqn]
+        return tensor

@@ -13,7 +13,7 @@ rank reading every tensor reads the checkpoint N times from storage. Instead:
    whatever the rank holds, so every rank calls DCP's load (a collective) equally often.
 2. For each group, each rank builds fp32 templates of only what it holds (deepspeed_fragments),
    DCP loads those (it reads just the keys of the state dict it is given, and of a chunked
-   tensor just the saved chunks that overlap the template's), they are cut on the host and
+   tensor just the saved chunks that overlap the range asked for), they are cut on the host and
    written into ZeRO's partitions, and freed before the next group.
 3. Then (deepspeed_checkpoint) the low-precision weights are refreshed from the fp32
    partitions by DeepSpeed's own end-of-step copy and all-gather (`refresh_low_precision`):
@@ -24,9 +24,16 @@ What a rank reads (N ranks saved, M resume):
   ceil(N/M)+1 of them a tensor, each read whole: ~1/M of the checkpoint (exactly its own
   chunks when M == N). Whole (old checkpoints): every tensor whole, the old N-fold cost;
   only its partition is kept and sent to the device.
-- ZeRO-1/2: the tensors (master and states) of the parameters overlapping its fp32 partition,
-  whole (DCP cannot address their arbitrary ranges): ~1/M of the checkpoint, plus the
-  parameters across a partition boundary, read by both neighbours.
+- ZeRO-1/2: of each parameter overlapping its fp32 partition, its fragment (an arbitrary
+  range of the flattened tensor: `lp_fragment_address`). Chunked: DCP is asked for just that
+  range (deepspeed_layout.RangeLoadPlanner) and reads the saved chunks overlapping it, each
+  whole: ~1/M of the checkpoint plus, per partition boundary, the one or two saved chunks
+  there read by both neighbours. Whole (old checkpoints): those parameters' tensors whole,
+  the boundary ones by both neighbours.
+
+A whole-layout tensor cannot be read in part: DCP's storage readers (FileSystemReader,
+FsspecReader) `torch.load` a saved item whole before narrowing it to what was asked, so a
+narrower template would change what a rank holds, not what it reads.
 
 Why 1 GiB: it bounds what a resume adds to each rank's host memory (8 ranks a node: 8 GiB)
 whatever the model, while the cost per group (DCP's plan exchange: a few collectives, the
@@ -37,9 +44,8 @@ as one item), so a larger one (a large vocabulary's embedding) makes a group of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,16 +54,21 @@ from torch.distributed.tensor import DTensor
 
 from finetune_operator.api.deepspeed_config import RESUME_CHUNK_BYTES, resume_chunk_budget
 from finetune_trainer.deepspeed_fragments import (
+    fragment_range,
     full_shape,
     owns_fragment,
     set_zero3_partition,
     set_zero12_fragment,
 )
-from finetune_trainer.deepspeed_layout import CHUNKED, ChunkedLayout, chunk_range
+from finetune_trainer.deepspeed_layout import (
+    CHUNKED,
+    ChunkedLayout,
+    RangeLoadPlanner,
+    chunk_range,
+)
+from finetune_trainer.state import Read
 
 FP32 = 4
-# Loads the checkpoint's values of the keys of the state dict it is given, in place (DCP).
-Read = Callable[[dict[str, Any]], None]
 
 
 @dataclass(frozen=True)
@@ -151,8 +162,9 @@ class _GroupLoader:
             return torch.empty(full_shape(p), dtype=torch.float32)  # read whole anyway
         if self.stage3:
             return self.layout.template(numel)  # only this rank's chunk
-        # ZeRO-1/2: a fragment is an arbitrary range; the whole flattened tensor (all chunks).
-        return torch.empty(numel, dtype=torch.float32)
+        # ZeRO-1/2: just the fragment, an arbitrary range of the flattened tensor: read by
+        # RangeLoadPlanner (the saved chunks overlapping it).
+        return torch.empty(fragment_range(p)[1], dtype=torch.float32)
 
     def restore(self, needed: Sequence[Entry]) -> int:
         """Read and set the `needed` entries; returns the template bytes. A method of its own
@@ -167,8 +179,15 @@ class _GroupLoader:
                 model_sd[name] = self._template(p)
         if self.layout is None:
             self.read({"model": model_sd, "optim": optim_sd})
-        else:
+        elif self.stage3:
             self.read({"model": {CHUNKED: model_sd}, "optim": {CHUNKED: optim_sd}})
+        else:
+            starts = {_chunked_key(self.params[e.param][0], e.key): (
+                fragment_range(self.params[e.param][1])[0]) for e in needed}  # fmt: skip
+            self.read(
+                {"model": {CHUNKED: model_sd}, "optim": {CHUNKED: optim_sd}},
+                planner=RangeLoadPlanner(starts),
+            )
         nbytes = 0
         for e in needed:
             name, p = self.params[e.param]
@@ -176,7 +195,9 @@ class _GroupLoader:
             local = value.to_local() if isinstance(value, DTensor) else value
             nbytes += local.numel() * FP32
             if not self.stage3:
-                set_zero12_fragment(p, e.key, local)
+                # The fragment alone (chunked), or the whole tensor to cut it from.
+                start = fragment_range(p)[0] if self.layout is not None else 0
+                set_zero12_fragment(p, e.key, local, start)
                 continue
             if self.layout is None:
                 # A whole tensor: this rank's partition cut out on the host.
@@ -184,3 +205,9 @@ class _GroupLoader:
                 local = local.reshape(-1).narrow(0, start, length)
             set_zero3_partition(p, e.key, local, self.world)
         return nbytes
+
+
+def _chunked_key(name: str, key: str) -> str:
+    """The flattened (DCP) key of parameter `name`'s master (`key` "") or state `key` in the
+    chunked layout (deepspeed_layout.saved_shapes)."""
+    return f"optim.{CHUNKED}.{name}.{key}" if key else f"model.{CHUNKED}.{name}"

@@ -10,12 +10,12 @@ the seeded init of an inline model, which does not depend on the world size)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -28,6 +28,14 @@ from finetune_trainer.loss_scale import LossScale, NoLossScale
 from finetune_trainer.sampler import StepSampler
 
 RNG_PREFIX = "rng"
+
+
+class Read(Protocol):
+    """Loads the checkpoint's values of the keys of the state dict it is given, in place (DCP's
+    load, a collective), with `planner` where given (DeepSpeed's ranges of flattened tensors:
+    deepspeed_layout.RangeLoadPlanner), DCP's default planner otherwise."""
+
+    def __call__(self, state_dict: dict[str, Any], planner: LoadPlanner | None = None) -> None: ...
 
 
 @dataclass
@@ -126,7 +134,7 @@ class TrainState:
         their full shapes from `marker_record`'s)."""
         return saved, expected
 
-    def load(self, read: Callable[[dict[str, Any]], None], saved_keys: set[str]) -> None:
+    def load(self, read: Read, saved_keys: set[str]) -> None:
         """Fill this state from a checkpoint whose keys are `saved_keys`: `read(sd)` loads the
         checkpoint's values of the keys of `sd` into it in place (DCP's load, a collective:
         every rank calls it equally often). A backend whose model and optimizer cannot be

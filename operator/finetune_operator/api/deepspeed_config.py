@@ -14,6 +14,8 @@ Three layers, later ones winning:
 3. the plan (`_plan_owned`): batch shape, ZeRO stage, offload, precision, clipping and the
    bucket sizes the planner's memory model assumed. A user value that differs is overridden
    and reported: the plan's memory estimate is only true for the plan's settings.
+The user's hpZ group size (`HPZ_KEY`) is kept (the planner counts it) except at a world size
+it cannot group (`hpz_group`): there it is set to 1 and reported as overridden.
 """
 
 from __future__ import annotations
@@ -51,8 +53,29 @@ TRAINER_OWNED = (
     "checkpoint",  # spec.checkpoint (the trainer's committed DCP checkpoints)
     "elasticity",  # spec.resources minNodes/maxNodes (torchrun elastic)
 )
+# ZeRO++'s hierarchical partitioning (hpZ): ZeRO-3 keeps, beside each rank's partition over
+# the world, a secondary copy of the parameters partitioned over groups of this many ranks
+# (a node), so that the forward's and backward's gathers stay within the group. Taken from the
+# user's config; the planner counts the copy (planner/zero.py).
+HPZ_KEY = "zero_hpz_partition_size"
 # Printed every N steps by DeepSpeed itself: the trainer logs its own step lines.
 _QUIET_STEPS = 10**9
+
+
+def hpz_partition_size(user: dict[str, Any] | None) -> int:
+    """The hpZ group size the user's config asks for (`zero_optimization.
+    zero_hpz_partition_size`, validated by StrategySpec); 1 (none) when unset."""
+    zero = (user or {}).get("zero_optimization")
+    size = zero.get(HPZ_KEY, 1) if isinstance(zero, dict) else 1
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
+
+
+def hpz_group(size: int, world: int) -> int:
+    """The hpZ group DeepSpeed forms at `world` ranks: `min(size, world)`, which must divide
+    the world (DeepSpeed asserts it); 1 (no hpZ) where it does not, e.g. after an elastic
+    re-form to a world of another shape."""
+    group = min(size, world)
+    return group if group > 1 and world % group == 0 else 1
 
 
 def uses_deepspeed(plan: Plan) -> bool:
@@ -185,7 +208,13 @@ def deepspeed_config(
     keys that were overridden (or dropped as trainer-owned)."""
     plan_owned = _plan_owned(spec, plan, world_size, grad_accum)
     generated = _merge(_defaults(spec, plan), plan_owned)
-    return merge_user_config(generated, plan_owned, spec.strategy.deepspeed_config)
+    config, overridden = merge_user_config(generated, plan_owned, spec.strategy.deepspeed_config)
+    hpz = hpz_partition_size(spec.strategy.deepspeed_config)
+    if hpz > 1 and hpz_group(hpz, world_size) == 1:
+        # DeepSpeed would stop at its divisibility assertion: run without hpZ at this world.
+        config["zero_optimization"][HPZ_KEY] = 1
+        overridden = sorted([*overridden, f"zero_optimization.{HPZ_KEY}"])
+    return config, overridden
 
 
 def planned_deepspeed_config(spec: FineTuneJobSpec, plan: Plan) -> str | None:

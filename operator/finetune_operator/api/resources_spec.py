@@ -203,6 +203,21 @@ class ResourcesSpec(SpecModel):
         return self
 
 
+def _zero_keys_problem(config: dict[str, Any]) -> str | None:
+    """What is wrong with the user's ZeRO keys the trainer's DeepSpeed would stop at, or
+    None: hpZ's group size must be a positive integer; MiCS is gone from DeepSpeed 0.19."""
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return None
+    hpz = zero.get("zero_hpz_partition_size")
+    if hpz is not None and (not isinstance(hpz, int) or isinstance(hpz, bool) or hpz < 1):
+        return f"zero_hpz_partition_size is {hpz!r}: a positive integer (ranks a node) expected"
+    for key in ("mics_shard_size", "mics_hierarchical_params_gather"):
+        if key in zero:
+            return f"{key}: MiCS was removed from DeepSpeed 0.19 (the trainer's); remove it"
+    return None
+
+
 class StrategySpec(SpecModel):
     type: StrategyType = Field("auto", description="auto (planner decides) or a pinned strategy.")
     offload: Offload = Field("none", description="Offload of optimizer states/parameters.")
@@ -231,6 +246,9 @@ class StrategySpec(SpecModel):
                     "strategy.deepspeedConfig needs strategy.backend deepspeed "
                     f"(backend is {self.backend}, type {self.type})"
                 )
+            problem = _zero_keys_problem(self.deepspeed_config)
+            if problem:
+                raise ValueError(f"strategy.deepspeedConfig.zero_optimization.{problem}")
             size = len(json.dumps(self.deepspeed_config))
             if size > lim.MAX_DEEPSPEED_CONFIG_BYTES:
                 raise ValueError(

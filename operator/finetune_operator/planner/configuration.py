@@ -39,6 +39,9 @@ class TrainingShape:
     # The trainer torch.compiles each decoder block (its default; FT_COMPILE=0 turns it off)
     # where `compiles_blocks` says: what the blocks save for backward follows (compiled.py).
     compile_blocks: bool = False
+    # ZeRO++ hpZ's group size (the user's deepspeedConfig: api.deepspeed_config.HPZ_KEY); 1:
+    # none. ZeRO-3 then keeps a secondary parameter partition over the group (planner/zero.py).
+    hpz_partition_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ def model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> ModelS
             fp32_master=mixed,
             offload=cand.offload != "none",
             grad_accumulation=shape.grad_accumulation,
+            hpz=shape.hpz_partition_size,
         )
         return ModelStates(z.params, z.grads, z.optim, z.host, frozen_elems, z)
     # The torch backend (DDP and FSDP2 rows).

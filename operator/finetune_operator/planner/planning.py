@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from finetune_operator.api.constants import BYTE_TOKENIZER_VOCAB
+from finetune_operator.api.deepspeed_config import hpz_partition_size
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.api.storage import (
@@ -96,6 +97,7 @@ def build_problem(
         lora_dropout=lora.dropout if lora else 0.0,
         attention=spec.model.attention,
         compile_blocks=compile_blocks,
+        hpz_partition_size=hpz_partition_size(st.deepspeed_config),
     )
     return Problem(
         spec, model, acc, base, host_bytes_per_process(spec.resources), strategies=strategies

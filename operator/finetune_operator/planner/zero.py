@@ -23,6 +23,12 @@ mixed precision with Adam, per trainable parameter P over N data-parallel ranks 
              offload_optimizer: master, moments, both gradient partitions on the host;
              offload_param: the e-byte partition on the host too.
 
+hpZ (ZeRO++ `zero_hpz_partition_size` H > 1, stage 3): each parameter also keeps a secondary
+e-byte partition over its group of H ranks (`ds_secondary_tensor`: ceil(numel/N)·N/H elements),
+made when a gathered parameter is partitioned again in forward and backward and freed after the
+step: e·P/H beside the primary partition (on the host with offload_param, as the primary).
+DeepSpeed forms the group only where min(H, N) divides N (api.deepspeed_config.hpz_group).
+
 Gradient accumulation > 1 keeps the backward partition through forward; with offload, stage
 1/2 also accumulate in host buffers (`accumulated_grads_in_cpu`, e·P/N; from the source, not
 measured by the bench).
@@ -31,6 +37,8 @@ measured by the bench).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from finetune_operator.api.deepspeed_config import hpz_group
 
 FP32 = 4
 
@@ -66,6 +74,7 @@ def zero_states(
     fp32_master: bool,
     offload: bool,
     grad_accumulation: int = 1,
+    hpz: int = 1,
 ) -> ZeroStates:
     """Model states of ZeRO `stage` over `world` ranks for `trainable` parameters held in
     e-byte precision, with `optimizer_bytes` per parameter of master + optimizer states
@@ -79,6 +88,10 @@ def zero_states(
     optim = int(part * optimizer_bytes)
     if stage == 3:
         params = grad_e + _ceil_div(frozen_bytes, world)
+        group = hpz_group(hpz, world)
+        if group > 1:
+            # The secondary partition of every parameter, trainable and frozen (module doc).
+            params += _ceil_div(trainable * e + frozen_bytes, group)
         if offload:
             # offload_param + offload_optimizer: nothing of the model states on the device.
             host = params + optim + grad_e + grad_step
