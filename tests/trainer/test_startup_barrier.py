@@ -94,6 +94,29 @@ def test_a_rank_waits_past_the_stale_time_for_a_peer_that_beats(store: TCPStore)
     assert waited and waited[0] > 1.4
 
 
+def test_a_restarted_round_on_the_same_store_waits_again(store: TCPStore) -> None:
+    """A hand-run torchrun's static rendezvous keeps one store for every restart: the
+    previous round's ready count must not let the next round's first rank through."""
+    first = [
+        StartupBarrier(s, r, 2, stale_after=5.0).start()
+        for r, s in ((0, store), (1, client(store)))
+    ]
+    done = threading.Thread(target=first[1].arrive, args=(30.0,))
+    done.start()
+    first[0].arrive(limit=30.0)
+    done.join(10)
+    early = StartupBarrier(store, 0, 2, stale_after=5.0, restart_count=1).start()
+    late = StartupBarrier(client(store), 1, 2, stale_after=5.0, restart_count=1).start()
+    waited: list[float] = []
+    t = threading.Thread(target=lambda: waited.append(early.arrive(limit=30.0)))
+    t.start()
+    threading.Event().wait(0.5)  # rank 1 still starting
+    assert t.is_alive(), "rank 0 went on with the previous round's count"
+    late.arrive(limit=30.0)
+    t.join(10)
+    assert waited and waited[0] > 0.4
+
+
 def test_a_peer_that_stops_beating_is_a_lost_peer(store: TCPStore) -> None:
     early = StartupBarrier(store, 0, 2, stale_after=0.5).start()
     dead = StartupBarrier(client(store), 1, 2, stale_after=0.5).start()

@@ -16,7 +16,10 @@ So the ranks meet here first, over the process group's store: under torchrun wit
 `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod sets it) a TCPStore that worker rank 0
 hosts on a new port every rendezvous round, so every start of the workers finds it empty (a
 store shared across rounds would hold the previous round's count: the ranks would go on at
-once and wait in the collective, as before). Each rank bumps its beat counter from a thread
+once and wait in the collective, as before). The keys are namespaced by torchelastic's restart
+count all the same: a trainer started by a hand-run torchrun whose rendezvous is static (its
+default without `--rdzv-backend`) or c10d without that variable gets the agent's store, the same
+one in every round. Each rank bumps its beat counter from a thread
 while it works, and marks itself ready when its start-up work is done. A ready rank polls the ready
 count; it waits as long as every missing rank's beat keeps changing (alive, however long its
 work takes), up to `wait_limit` in all (a rank alive but stuck: an NFS read that never
@@ -50,7 +53,6 @@ from finetune_trainer.distributed import CollectiveTimeoutError
 log = logging.getLogger(__name__)
 
 PREFIX = "ft-startup"
-READY_KEY = f"{PREFIX}/ready"
 # A beat counter past this is a rank that arrived (its beats stay far below it).
 READY_MARK = 1 << 50
 HEARTBEAT_CEILING_S = 5.0
@@ -134,12 +136,10 @@ def verdict(
     return "wait", None
 
 
-def _beat_key(rank: int) -> str:
-    return f"{PREFIX}/beat/{rank}"
-
-
 class StartupBarrier:
-    """This rank's beats while it starts (`start`), and the meeting (`arrive`)."""
+    """This rank's beats while it starts (`start`), and the meeting (`arrive`).
+    `restart_count`: torchelastic's (TORCHELASTIC_RESTART_COUNT), which names this round's
+    keys (module docstring)."""
 
     def __init__(
         self,
@@ -149,8 +149,12 @@ class StartupBarrier:
         stale_after: float,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        *,
+        restart_count: int = 0,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
+        self._prefix = f"{PREFIX}/{restart_count}"
+        self._ready_key = f"{self._prefix}/ready"
         self.stale_after = stale_after
         self.heartbeat_s = heartbeat_seconds(stale_after)
         self.clock, self.sleep = clock, sleep
@@ -159,16 +163,19 @@ class StartupBarrier:
         self.started = clock()
 
     def start(self) -> StartupBarrier:
-        self.store.add(_beat_key(self.rank), 1)  # the key exists before anyone reads it
+        self.store.add(self._beat_key(self.rank), 1)  # the key exists before anyone reads it
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self.store.add(_beat_key(self.rank), 1)
+                self.store.add(self._beat_key(self.rank), 1)
             except (RuntimeError, OSError) as e:  # a missed beat; the store may be going
                 log.warning("start-up heartbeat missed (%r)", e)
+
+    def _beat_key(self, rank: int) -> str:
+        return f"{self._prefix}/beat/{rank}"
 
     def _stop_beating(self) -> None:
         self._stop.set()
@@ -176,7 +183,7 @@ class StartupBarrier:
             self._thread.join()
 
     def _beats(self) -> list[int | None]:
-        keys = [_beat_key(r) for r in range(self.world_size)]
+        keys = [self._beat_key(r) for r in range(self.world_size)]
         if self.store.check(keys):
             return [int(v) for v in self.store.multi_get(keys)]
         # Some rank has not beaten yet (its first beat follows the group's creation): read
@@ -187,12 +194,12 @@ class StartupBarrier:
         """Mark this rank ready and wait until every rank is; the seconds waited. Raises a
         `CollectiveTimeoutError` naming the rank for a lost peer or past `limit`."""
         self._stop_beating()
-        self.store.add(_beat_key(self.rank), READY_MARK)
-        self.store.add(READY_KEY, 1)
+        self.store.add(self._beat_key(self.rank), READY_MARK)
+        self.store.add(self._ready_key, 1)
         t0 = now = self.clock()
         views = [PeerView(None, now) for _ in range(self.world_size)]
         next_read, delay, told = now, FIRST_POLL_S, False
-        while self.store.add(READY_KEY, 0) < self.world_size:
+        while self.store.add(self._ready_key, 0) < self.world_size:
             now = self.clock()
             if now >= next_read:
                 views = observe(views, self._beats(), now)
