@@ -117,6 +117,46 @@ def test_a_restarted_round_on_the_same_store_waits_again(store: TCPStore) -> Non
     assert waited and waited[0] > 0.4
 
 
+class CountingStore:
+    """A store that counts the requests it is sent."""
+
+    def __init__(self, store: TCPStore) -> None:
+        self.store, self.requests = store, 0
+
+    def add(self, key: str, value: int) -> int:
+        self.requests += 1
+        return self.store.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self.requests += 1
+        return self.store.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.requests += 1
+        return self.store.multi_get(keys)
+
+
+def test_a_rank_that_never_beat_costs_a_request_per_read_not_one_per_rank(
+    store: TCPStore,
+) -> None:
+    """64 ranks, rank 63 lost before its first beat: after its first, a waiter's read of the
+    beats is a few requests to rank 0's store, not two per rank (every waiter reads once per
+    heartbeat until the lost rank is declared, the startup timeout: minutes)."""
+    world = 64
+    for rank in range(1, world - 1):
+        store.add(f"ft-startup/0/beat/{rank}", 1)
+    counting = CountingStore(store)
+    waiter = StartupBarrier(counting, 0, world, stale_after=5.0).start()
+    waiter._stop_beating()
+    counting.requests = 0
+    beats = waiter._beats()
+    assert beats[:3] == [1, 1, 1] and beats[-1] is None
+    assert counting.requests <= world + 2  # the first read finds who has beaten
+    counting.requests = 0
+    assert waiter._beats() == beats
+    assert counting.requests <= 3  # then: the missing key looked for, the others read in one
+
+
 def test_a_peer_that_stops_beating_is_a_lost_peer(store: TCPStore) -> None:
     early = StartupBarrier(store, 0, 2, stale_after=0.5).start()
     dead = StartupBarrier(client(store), 1, 2, stale_after=0.5).start()

@@ -31,7 +31,7 @@ timeout (and the steady one afterwards, collective_timeout.py).
 
 Load on the store: each rank adds to its counter every `heartbeat_seconds`; a waiting rank
 reads one counter per poll (backing off to `POLL_S`) and every rank's beat (one multi-get) once
-per heartbeat.
+per heartbeat, plus one request per rank that has not beaten yet.
 """
 
 from __future__ import annotations
@@ -158,6 +158,7 @@ class StartupBarrier:
         self.stale_after = stale_after
         self.heartbeat_s = heartbeat_seconds(stale_after)
         self.clock, self.sleep = clock, sleep
+        self._seen: set[int] = set()  # ranks whose beat key exists
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="startup-beat", daemon=True)
         self.started = clock()
@@ -183,12 +184,22 @@ class StartupBarrier:
             self._thread.join()
 
     def _beats(self) -> list[int | None]:
-        keys = [self._beat_key(r) for r in range(self.world_size)]
-        if self.store.check(keys):
-            return [int(v) for v in self.store.multi_get(keys)]
-        # Some rank has not beaten yet (its first beat follows the group's creation): read
-        # each without waiting for the missing keys (`add` of 0 would create them).
-        return [int(self.store.multi_get([k])[0]) if self.store.check([k]) else None for k in keys]
+        # Only the keys of ranks not seen beating yet are looked for (a beat key, once
+        # created, stays), one at a time when some are missing: a multi-get waits for every
+        # key it names, and `add` of 0 would create them. Asking each of the world's keys
+        # instead, every waiter would send 2N requests per heartbeat to rank 0's store
+        # while one rank never beat (lost before its first): 100k a second at 512 ranks.
+        unseen = [r for r in range(self.world_size) if r not in self._seen]
+        if unseen and self.store.check([self._beat_key(r) for r in unseen]):
+            self._seen.update(unseen)
+        else:
+            self._seen.update(r for r in unseen if self.store.check([self._beat_key(r)]))
+        seen = sorted(self._seen)
+        values = self.store.multi_get([self._beat_key(r) for r in seen]) if seen else []
+        beats: list[int | None] = [None] * self.world_size
+        for r, v in zip(seen, values, strict=True):
+            beats[r] = int(v)
+        return beats
 
     def arrive(self, limit: float) -> float:
         """Mark this rank ready and wait until every rank is; the seconds waited. Raises a
