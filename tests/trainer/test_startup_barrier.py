@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 from torch.distributed import TCPStore
+from torch.distributed.elastic.multiprocessing.api import ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
 
+from finetune_trainer.crash import KIND_PEER_LOST, crash_report, failure_from_process
 from finetune_trainer.distributed import CollectiveTimeoutError
 from finetune_trainer.startup_barrier import (
     HUB_SNAPSHOT_ALLOWANCE_S,
@@ -163,6 +166,29 @@ def test_a_peer_that_stops_beating_is_a_lost_peer(store: TCPStore) -> None:
     dead._stop_beating()  # its process frozen or its node gone: no beat, no arrival
     with pytest.raises(CollectiveTimeoutError, match="rank 1 stopped beating"):
         early.arrive(limit=30.0)
+
+
+@pytest.mark.parametrize("limit", [30.0, 0.2], ids=["peer-silent", "peer-past-the-limit"])
+def test_a_barrier_failure_is_reported_as_a_lost_peer(
+    store: TCPStore, tmp_path: Path, limit: float
+) -> None:
+    """The waiting ranks only lost a peer: their crash report says so (the operator looks for
+    the root cause in the lost pod's report, never theirs), as for a collective's timeout."""
+    early = StartupBarrier(store, 0, 2, stale_after=0.5).start()
+    peer = StartupBarrier(client(store), 1, 2, stale_after=0.5).start()
+    if limit > 1:
+        peer._stop_beating()
+    path = tmp_path / "error.json"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        try:
+            early.arrive(limit=limit)
+        except CollectiveTimeoutError as e:
+            ErrorHandler().record_exception(e)
+    peer._stop_beating()
+    failed = ChildFailedError("trainer", {0: ProcessFailure(0, 3, 1, str(path))})
+    report = crash_report([failure_from_process(r, f) for r, f in failed.failures.items()])
+    assert report["crash"]["kind"] == KIND_PEER_LOST, report
 
 
 def test_a_peer_alive_but_starting_past_the_limit_fails_the_wait(store: TCPStore) -> None:
