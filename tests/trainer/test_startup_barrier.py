@@ -21,6 +21,7 @@ from finetune_trainer.startup_barrier import (
     PeerView,
     StartupBarrier,
     heartbeat_seconds,
+    job_wait_limit,
     observe,
     verdict,
     wait_limit,
@@ -48,6 +49,15 @@ def test_wait_limit_covers_the_work_a_rank_may_do_while_its_peers_wait() -> None
     assert wait_limit(600, gb, downloaded=True, hub_snapshot=False) == 600 + 1060 + 1000 + 1
     hub = wait_limit(600, 0, downloaded=False, hub_snapshot=True)
     assert hub == 660 + HUB_SNAPSHOT_ALLOWANCE_S
+
+
+def test_a_hub_dataset_of_unknown_size_gets_the_hub_allowance() -> None:
+    """A hub dataset id has no files to size (0 bytes): without an allowance a replacement
+    pod still downloading it past startup + 60 s would be failed as hung, again and again."""
+    job = make_job()
+    assert 660 < job_wait_limit(job, 600, None) < 661  # the quickstart's builtin corpus: small
+    job.spec.dataset.uri, job.spec.dataset.format = "tatsu-lab/alpaca", "hf"
+    assert job_wait_limit(job, 600, None) == 660 + HUB_SNAPSHOT_ALLOWANCE_S
 
 
 def test_observe_records_when_each_beat_last_changed() -> None:

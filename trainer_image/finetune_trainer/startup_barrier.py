@@ -58,8 +58,8 @@ READY_MARK = 1 << 50
 HEARTBEAT_CEILING_S = 5.0
 FIRST_POLL_S = 0.05
 POLL_S = 1.0
-# A hub snapshot's size is not known before it is downloaded: an hour covers tens of GB at
-# the tens of MB/s the hub serves a node.
+# A hub snapshot's (or dataset's) size is not known before it is downloaded: an hour covers
+# tens of GB at the tens of MB/s the hub serves a node.
 HUB_SNAPSHOT_ALLOWANCE_S = 3600.0
 
 Verdict = Literal["go", "wait", "lost", "too long"]
@@ -79,18 +79,28 @@ def heartbeat_seconds(stale_after: float) -> float:
 
 
 def wait_limit(
-    startup_s: float, corpus_bytes: int, *, downloaded: bool, hub_snapshot: bool
+    startup_s: float,
+    corpus_bytes: int,
+    *,
+    downloaded: bool,
+    hub_snapshot: bool,
+    hub_dataset: bool = False,
 ) -> float:
     """Pure: the longest a ready rank waits for the others at the barrier, however alive
     they are: the startup collective timeout (what it waited before) plus the start-up work
     a rank may legitimately do while its peers wait: a corpus of `corpus_bytes` downloaded at
     a node's storage rate (`downloaded`: it is on object storage), a waiter that gives up on
     another pod's build (`build_claim.wait_bound`) and then tokenizes the corpus itself at a
-    slow node's rate, and a hub snapshot (`hub_snapshot`)."""
+    slow node's rate, and a hub snapshot (`hub_snapshot`). A hub dataset (`hub_dataset`)
+    has no size before it is downloaded (`corpus_bytes` 0), and the data cache does not keep
+    it: a replacement pod downloads it while its peers have theirs, then every rank tokenizes
+    it; it gets the hub's allowance too."""
     limit = startup_s + wait_bound(corpus_bytes, None) + corpus_bytes / SLOW_BUILD_BYTES_PER_S
     if downloaded:
         limit += corpus_bytes / NODE_STORAGE_BYTES_PER_S
     if hub_snapshot:
+        limit += HUB_SNAPSHOT_ALLOWANCE_S
+    if hub_dataset:
         limit += HUB_SNAPSHOT_ALLOWANCE_S
     return limit
 
@@ -100,7 +110,8 @@ def job_wait_limit(job: JobConfig, startup_s: float, staged: StagedDataset | Non
     and model."""
     files = staged.files if staged is not None else files_identity(job.spec.dataset)
     return wait_limit(startup_s, corpus_bytes(files), downloaded=staged is not None,
-                      hub_snapshot=job.spec.model.source == "hub")  # fmt: skip
+                      hub_snapshot=job.spec.model.source == "hub",
+                      hub_dataset=files is None)  # fmt: skip
 
 
 @dataclass(frozen=True)
