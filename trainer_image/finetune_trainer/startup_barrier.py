@@ -13,7 +13,7 @@ the collective (gloo's recv, NCCL's watchdog), and torchrun restarted the group 
 work, again and again.
 
 So the ranks meet here first, over the process group's store: under torchrun with
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod sets it) a TCPStore that worker rank 0
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod, the image and the launcher set it) a TCPStore that worker rank 0
 hosts on a new port every rendezvous round, so every start of the workers finds it empty (a
 store shared across rounds would hold the previous round's count: the ranks would go on at
 once and wait in the collective, as before). The keys are namespaced by torchelastic's restart
