@@ -13,13 +13,13 @@ the collective (gloo's recv, NCCL's watchdog), and torchrun restarted the group 
 work, again and again.
 
 So the ranks meet here first, over the process group's store: under torchrun with
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod, the image and the launcher set it) a TCPStore that worker rank 0
-hosts on a new port every rendezvous round, so every start of the workers finds it empty (a
-store shared across rounds would hold the previous round's count: the ranks would go on at
-once and wait in the collective, as before). The keys are namespaced by torchelastic's restart
-count all the same: a trainer started by a hand-run torchrun whose rendezvous is static (its
-default without `--rdzv-backend`) or c10d without that variable gets the agent's store, the same
-one in every round. Each rank bumps its beat counter from a thread
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod, the image and the launcher set it) a
+TCPStore that worker rank 0 hosts on a new port every rendezvous round, so every start of the
+workers finds it empty (a store shared across rounds would hold the previous round's count:
+the ranks would go on at once and wait in the collective, as before). The keys are namespaced
+by torchelastic's restart count all the same: a trainer started by a hand-run torchrun whose
+rendezvous is static (its default without `--rdzv-backend`) or c10d without that variable gets
+the agent's store, the same one in every round. Each rank bumps its beat counter from a thread
 while it works, and marks itself ready when its start-up work is done. A ready rank polls the ready
 count; it waits as long as every missing rank's beat keeps changing (alive, however long its
 work takes), up to `wait_limit` in all (a rank alive but stuck: an NFS read that never
