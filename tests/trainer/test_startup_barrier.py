@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 from torch.distributed import TCPStore
+from torch.distributed.elastic.multiprocessing.api import ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
 
+from finetune_trainer.crash import KIND_PEER_LOST, crash_report, failure_from_process
 from finetune_trainer.distributed import CollectiveTimeoutError
 from finetune_trainer.startup_barrier import (
     HUB_SNAPSHOT_ALLOWANCE_S,
@@ -18,6 +21,7 @@ from finetune_trainer.startup_barrier import (
     PeerView,
     StartupBarrier,
     heartbeat_seconds,
+    job_wait_limit,
     observe,
     verdict,
     wait_limit,
@@ -45,6 +49,15 @@ def test_wait_limit_covers_the_work_a_rank_may_do_while_its_peers_wait() -> None
     assert wait_limit(600, gb, downloaded=True, hub_snapshot=False) == 600 + 1060 + 1000 + 1
     hub = wait_limit(600, 0, downloaded=False, hub_snapshot=True)
     assert hub == 660 + HUB_SNAPSHOT_ALLOWANCE_S
+
+
+def test_a_hub_dataset_of_unknown_size_gets_the_hub_allowance() -> None:
+    """A hub dataset id has no files to size (0 bytes): without an allowance a replacement
+    pod still downloading it past startup + 60 s would be failed as hung, again and again."""
+    job = make_job()
+    assert 660 < job_wait_limit(job, 600, None) < 661  # the quickstart's builtin corpus: small
+    job.spec.dataset.uri, job.spec.dataset.format = "tatsu-lab/alpaca", "hf"
+    assert job_wait_limit(job, 600, None) == 660 + HUB_SNAPSHOT_ALLOWANCE_S
 
 
 def test_observe_records_when_each_beat_last_changed() -> None:
@@ -94,12 +107,98 @@ def test_a_rank_waits_past_the_stale_time_for_a_peer_that_beats(store: TCPStore)
     assert waited and waited[0] > 1.4
 
 
+def test_a_restarted_round_on_the_same_store_waits_again(store: TCPStore) -> None:
+    """A hand-run torchrun's static rendezvous keeps one store for every restart: the
+    previous round's ready count must not let the next round's first rank through."""
+    first = [
+        StartupBarrier(s, r, 2, stale_after=5.0).start()
+        for r, s in ((0, store), (1, client(store)))
+    ]
+    done = threading.Thread(target=first[1].arrive, args=(30.0,))
+    done.start()
+    first[0].arrive(limit=30.0)
+    done.join(10)
+    early = StartupBarrier(store, 0, 2, stale_after=5.0, restart_count=1).start()
+    late = StartupBarrier(client(store), 1, 2, stale_after=5.0, restart_count=1).start()
+    waited: list[float] = []
+    t = threading.Thread(target=lambda: waited.append(early.arrive(limit=30.0)))
+    t.start()
+    threading.Event().wait(0.5)  # rank 1 still starting
+    assert t.is_alive(), "rank 0 went on with the previous round's count"
+    late.arrive(limit=30.0)
+    t.join(10)
+    assert waited and waited[0] > 0.4
+
+
+class CountingStore:
+    """A store that counts the requests it is sent."""
+
+    def __init__(self, store: TCPStore) -> None:
+        self.store, self.requests = store, 0
+
+    def add(self, key: str, value: int) -> int:
+        self.requests += 1
+        return self.store.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self.requests += 1
+        return self.store.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.requests += 1
+        return self.store.multi_get(keys)
+
+
+def test_a_rank_that_never_beat_costs_a_request_per_read_not_one_per_rank(
+    store: TCPStore,
+) -> None:
+    """64 ranks, rank 63 lost before its first beat: after its first, a waiter's read of the
+    beats is a few requests to rank 0's store, not two per rank (every waiter reads once per
+    heartbeat until the lost rank is declared, the startup timeout: minutes)."""
+    world = 64
+    for rank in range(1, world - 1):
+        store.add(f"ft-startup/0/beat/{rank}", 1)
+    counting = CountingStore(store)
+    waiter = StartupBarrier(counting, 0, world, stale_after=5.0).start()
+    waiter._stop_beating()
+    counting.requests = 0
+    beats = waiter._beats()
+    assert beats[:3] == [1, 1, 1] and beats[-1] is None
+    assert counting.requests <= world + 2  # the first read finds who has beaten
+    counting.requests = 0
+    assert waiter._beats() == beats
+    assert counting.requests <= 3  # then: the missing key looked for, the others read in one
+
+
 def test_a_peer_that_stops_beating_is_a_lost_peer(store: TCPStore) -> None:
     early = StartupBarrier(store, 0, 2, stale_after=0.5).start()
     dead = StartupBarrier(client(store), 1, 2, stale_after=0.5).start()
     dead._stop_beating()  # its process frozen or its node gone: no beat, no arrival
     with pytest.raises(CollectiveTimeoutError, match="rank 1 stopped beating"):
         early.arrive(limit=30.0)
+
+
+@pytest.mark.parametrize("limit", [30.0, 0.2], ids=["peer-silent", "peer-past-the-limit"])
+def test_a_barrier_failure_is_reported_as_a_lost_peer(
+    store: TCPStore, tmp_path: Path, limit: float
+) -> None:
+    """The waiting ranks only lost a peer: their crash report says so (the operator looks for
+    the root cause in the lost pod's report, never theirs), as for a collective's timeout."""
+    early = StartupBarrier(store, 0, 2, stale_after=0.5).start()
+    peer = StartupBarrier(client(store), 1, 2, stale_after=0.5).start()
+    if limit > 1:
+        peer._stop_beating()
+    path = tmp_path / "error.json"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        try:
+            early.arrive(limit=limit)
+        except CollectiveTimeoutError as e:
+            ErrorHandler().record_exception(e)
+    peer._stop_beating()
+    failed = ChildFailedError("trainer", {0: ProcessFailure(0, 3, 1, str(path))})
+    report = crash_report([failure_from_process(r, f) for r, f in failed.failures.items()])
+    assert report["crash"]["kind"] == KIND_PEER_LOST, report
 
 
 def test_a_peer_alive_but_starting_past_the_limit_fails_the_wait(store: TCPStore) -> None:

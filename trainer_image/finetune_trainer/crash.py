@@ -54,6 +54,9 @@ PEER_LOSS_MARKERS = (
     # connections (gloo's message; the trainer's CollectiveTimeoutError carries it).
     "Timed out waiting",
     "collective operation timeout",
+    # The start-up barrier's (finetune_trainer.startup_barrier): a peer that stopped beating,
+    # or one alive but starting past the limit (a hung peer), carries no torch message.
+    "CollectiveTimeoutError",
 )
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 

@@ -21,6 +21,7 @@ the exit code stays 1. Any other failure is torchrun's own, unchanged.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -195,6 +196,10 @@ def crash_line(report: dict[str, Any], first_rank: int, first: RankFailure) -> s
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    # Each rendezvous round on a store of its own, hosted by worker rank 0 (the trainer's
+    # start-up barrier counts on an empty one; without it torch 2.13 hangs a scale-up after a
+    # scale-down): the worker pod and the image set it, a launcher run by hand too.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     refusal = arm()
     run_args, log_dir = with_log_dir(args)
     try:

@@ -13,10 +13,13 @@ the collective (gloo's recv, NCCL's watchdog), and torchrun restarted the group 
 work, again and again.
 
 So the ranks meet here first, over the process group's store: under torchrun with
-`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod sets it) a TCPStore that worker rank 0
-hosts on a new port every rendezvous round, so every start of the workers finds it empty (a
-store shared across rounds would hold the previous round's count: the ranks would go on at
-once and wait in the collective, as before). Each rank bumps its beat counter from a thread
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod, the image and the launcher set it) a
+TCPStore that worker rank 0 hosts on a new port every rendezvous round, so every start of the
+workers finds it empty (a store shared across rounds would hold the previous round's count:
+the ranks would go on at once and wait in the collective, as before). The keys are namespaced
+by torchelastic's restart count all the same: a trainer started by a hand-run torchrun whose
+rendezvous is static (its default without `--rdzv-backend`) or c10d without that variable gets
+the agent's store, the same one in every round. Each rank bumps its beat counter from a thread
 while it works, and marks itself ready when its start-up work is done. A ready rank polls the ready
 count; it waits as long as every missing rank's beat keeps changing (alive, however long its
 work takes), up to `wait_limit` in all (a rank alive but stuck: an NFS read that never
@@ -28,7 +31,7 @@ timeout (and the steady one afterwards, collective_timeout.py).
 
 Load on the store: each rank adds to its counter every `heartbeat_seconds`; a waiting rank
 reads one counter per poll (backing off to `POLL_S`) and every rank's beat (one multi-get) once
-per heartbeat.
+per heartbeat, plus one request per rank that has not beaten yet.
 """
 
 from __future__ import annotations
@@ -50,14 +53,13 @@ from finetune_trainer.distributed import CollectiveTimeoutError
 log = logging.getLogger(__name__)
 
 PREFIX = "ft-startup"
-READY_KEY = f"{PREFIX}/ready"
 # A beat counter past this is a rank that arrived (its beats stay far below it).
 READY_MARK = 1 << 50
 HEARTBEAT_CEILING_S = 5.0
 FIRST_POLL_S = 0.05
 POLL_S = 1.0
-# A hub snapshot's size is not known before it is downloaded: an hour covers tens of GB at
-# the tens of MB/s the hub serves a node.
+# A hub snapshot's (or dataset's) size is not known before it is downloaded: an hour covers
+# tens of GB at the tens of MB/s the hub serves a node.
 HUB_SNAPSHOT_ALLOWANCE_S = 3600.0
 
 Verdict = Literal["go", "wait", "lost", "too long"]
@@ -77,18 +79,28 @@ def heartbeat_seconds(stale_after: float) -> float:
 
 
 def wait_limit(
-    startup_s: float, corpus_bytes: int, *, downloaded: bool, hub_snapshot: bool
+    startup_s: float,
+    corpus_bytes: int,
+    *,
+    downloaded: bool,
+    hub_snapshot: bool,
+    hub_dataset: bool = False,
 ) -> float:
     """Pure: the longest a ready rank waits for the others at the barrier, however alive
     they are: the startup collective timeout (what it waited before) plus the start-up work
     a rank may legitimately do while its peers wait: a corpus of `corpus_bytes` downloaded at
     a node's storage rate (`downloaded`: it is on object storage), a waiter that gives up on
     another pod's build (`build_claim.wait_bound`) and then tokenizes the corpus itself at a
-    slow node's rate, and a hub snapshot (`hub_snapshot`)."""
+    slow node's rate, and a hub snapshot (`hub_snapshot`). A hub dataset (`hub_dataset`)
+    has no size before it is downloaded (`corpus_bytes` 0), and the data cache does not keep
+    it: a replacement pod downloads it while its peers have theirs, then every rank tokenizes
+    it; it gets the hub's allowance too."""
     limit = startup_s + wait_bound(corpus_bytes, None) + corpus_bytes / SLOW_BUILD_BYTES_PER_S
     if downloaded:
         limit += corpus_bytes / NODE_STORAGE_BYTES_PER_S
     if hub_snapshot:
+        limit += HUB_SNAPSHOT_ALLOWANCE_S
+    if hub_dataset:
         limit += HUB_SNAPSHOT_ALLOWANCE_S
     return limit
 
@@ -98,7 +110,8 @@ def job_wait_limit(job: JobConfig, startup_s: float, staged: StagedDataset | Non
     and model."""
     files = staged.files if staged is not None else files_identity(job.spec.dataset)
     return wait_limit(startup_s, corpus_bytes(files), downloaded=staged is not None,
-                      hub_snapshot=job.spec.model.source == "hub")  # fmt: skip
+                      hub_snapshot=job.spec.model.source == "hub",
+                      hub_dataset=files is None)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -134,12 +147,10 @@ def verdict(
     return "wait", None
 
 
-def _beat_key(rank: int) -> str:
-    return f"{PREFIX}/beat/{rank}"
-
-
 class StartupBarrier:
-    """This rank's beats while it starts (`start`), and the meeting (`arrive`)."""
+    """This rank's beats while it starts (`start`), and the meeting (`arrive`).
+    `restart_count`: torchelastic's (TORCHELASTIC_RESTART_COUNT), which names this round's
+    keys (module docstring)."""
 
     def __init__(
         self,
@@ -149,26 +160,34 @@ class StartupBarrier:
         stale_after: float,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        *,
+        restart_count: int = 0,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
+        self._prefix = f"{PREFIX}/{restart_count}"
+        self._ready_key = f"{self._prefix}/ready"
         self.stale_after = stale_after
         self.heartbeat_s = heartbeat_seconds(stale_after)
         self.clock, self.sleep = clock, sleep
+        self._seen: set[int] = set()  # ranks whose beat key exists
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="startup-beat", daemon=True)
         self.started = clock()
 
     def start(self) -> StartupBarrier:
-        self.store.add(_beat_key(self.rank), 1)  # the key exists before anyone reads it
+        self.store.add(self._beat_key(self.rank), 1)  # the key exists before anyone reads it
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self.store.add(_beat_key(self.rank), 1)
+                self.store.add(self._beat_key(self.rank), 1)
             except (RuntimeError, OSError) as e:  # a missed beat; the store may be going
                 log.warning("start-up heartbeat missed (%r)", e)
+
+    def _beat_key(self, rank: int) -> str:
+        return f"{self._prefix}/beat/{rank}"
 
     def _stop_beating(self) -> None:
         self._stop.set()
@@ -176,23 +195,33 @@ class StartupBarrier:
             self._thread.join()
 
     def _beats(self) -> list[int | None]:
-        keys = [_beat_key(r) for r in range(self.world_size)]
-        if self.store.check(keys):
-            return [int(v) for v in self.store.multi_get(keys)]
-        # Some rank has not beaten yet (its first beat follows the group's creation): read
-        # each without waiting for the missing keys (`add` of 0 would create them).
-        return [int(self.store.multi_get([k])[0]) if self.store.check([k]) else None for k in keys]
+        # Only the keys of ranks not seen beating yet are looked for (a beat key, once
+        # created, stays), one at a time when some are missing: a multi-get waits for every
+        # key it names, and `add` of 0 would create them. Asking each of the world's keys
+        # instead, every waiter would send 2N requests per heartbeat to rank 0's store
+        # while one rank never beat (lost before its first): 100k a second at 512 ranks.
+        unseen = [r for r in range(self.world_size) if r not in self._seen]
+        if unseen and self.store.check([self._beat_key(r) for r in unseen]):
+            self._seen.update(unseen)
+        else:
+            self._seen.update(r for r in unseen if self.store.check([self._beat_key(r)]))
+        seen = sorted(self._seen)
+        values = self.store.multi_get([self._beat_key(r) for r in seen]) if seen else []
+        beats: list[int | None] = [None] * self.world_size
+        for r, v in zip(seen, values, strict=True):
+            beats[r] = int(v)
+        return beats
 
     def arrive(self, limit: float) -> float:
         """Mark this rank ready and wait until every rank is; the seconds waited. Raises a
         `CollectiveTimeoutError` naming the rank for a lost peer or past `limit`."""
         self._stop_beating()
-        self.store.add(_beat_key(self.rank), READY_MARK)
-        self.store.add(READY_KEY, 1)
+        self.store.add(self._beat_key(self.rank), READY_MARK)
+        self.store.add(self._ready_key, 1)
         t0 = now = self.clock()
         views = [PeerView(None, now) for _ in range(self.world_size)]
         next_read, delay, told = now, FIRST_POLL_S, False
-        while self.store.add(READY_KEY, 0) < self.world_size:
+        while self.store.add(self._ready_key, 0) < self.world_size:
             now = self.clock()
             if now >= next_read:
                 views = observe(views, self._beats(), now)

@@ -109,8 +109,9 @@ class Trainer:
         # Beats while this rank does its own start-up work (data, a hub snapshot): its peers
         # wait for it at the barrier below, not in a collective (startup_barrier.py).
         barrier = StartupBarrier(
-            default_store(), self.dist.rank, self.dist.world_size, timeouts.startup
-        ).start()
+            default_store(), self.dist.rank, self.dist.world_size, timeouts.startup,
+            restart_count=env.restart_count,
+        ).start()  # fmt: skip
         self.startup.mark("group")
         world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
         self.grad_accum = gradient_accumulation(
