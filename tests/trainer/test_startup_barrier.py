@@ -23,6 +23,7 @@ from finetune_trainer.startup_barrier import (
     heartbeat_seconds,
     job_wait_limit,
     observe,
+    round_name,
     verdict,
     wait_limit,
 )
@@ -118,8 +119,8 @@ def test_a_restarted_round_on_the_same_store_waits_again(store: TCPStore) -> Non
     done.start()
     first[0].arrive(limit=30.0)
     done.join(10)
-    early = StartupBarrier(store, 0, 2, stale_after=5.0, restart_count=1).start()
-    late = StartupBarrier(client(store), 1, 2, stale_after=5.0, restart_count=1).start()
+    early = StartupBarrier(store, 0, 2, stale_after=5.0, round_id=1).start()
+    late = StartupBarrier(client(store), 1, 2, stale_after=5.0, round_id=1).start()
     waited: list[float] = []
     t = threading.Thread(target=lambda: waited.append(early.arrive(limit=30.0)))
     t.start()
@@ -226,3 +227,20 @@ def test_a_rank_tokenizing_past_the_startup_timeout_does_not_fail_the_start(
     assert len(step_lines(p.log)) == 2
     text = p.log.read_text()
     assert "waiting for rank(s) 1 to finish starting" in text, tail(p.log)
+
+
+def test_ranks_of_one_round_that_count_restarts_differently_meet(store: TCPStore) -> None:
+    """A replacement pod's agent starts at restart count 0 while the survivors' agents counted
+    the failure that lost its predecessor: on a store of its own per round (the worker pod's
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) they are one round and must meet."""
+    survivor = round_name(1, agent_store=False)
+    replacement = round_name(0, agent_store=False)
+    early = StartupBarrier(store, 0, 2, stale_after=5.0, round_id=survivor).start()
+    late = StartupBarrier(client(store), 1, 2, stale_after=5.0, round_id=replacement).start()
+    done = threading.Thread(target=late.arrive, args=(30.0,))
+    done.start()
+    early.arrive(limit=10.0)  # a CollectiveTimeoutError here: the ranks never saw each other
+    done.join(10)
+    assert not done.is_alive()
+    # On the agent's store, shared by every round, the count names the round.
+    assert round_name(2, agent_store=True) == 2

@@ -62,6 +62,9 @@ class RuntimeEnv:
     compile: bool = True
     data_cache_dir: Path | None = None
     data_cache_limit_bytes: int | None = None
+    # The workers share their agent's store, the same in every rendezvous round
+    # (TORCHELASTIC_USE_AGENT_STORE; finetune_trainer.startup_barrier.round_name).
+    agent_store: bool = False
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -73,6 +76,7 @@ class RuntimeEnv:
             world_size=world,
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             pod_ip=env.get("POD_IP") or None,
             pod_name=env.get("POD_NAME") or None,
             faults=FaultConfig.from_environ(env),

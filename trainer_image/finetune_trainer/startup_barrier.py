@@ -16,10 +16,14 @@ So the ranks meet here first, over the process group's store: under torchrun wit
 `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the worker pod, the image and the launcher set it) a
 TCPStore that worker rank 0 hosts on a new port every rendezvous round, so every start of the
 workers finds it empty (a store shared across rounds would hold the previous round's count:
-the ranks would go on at once and wait in the collective, as before). The keys are namespaced
-by torchelastic's restart count all the same: a trainer started by a hand-run torchrun whose
-rendezvous is static (its default without `--rdzv-backend`) or c10d without that variable gets
-the agent's store, the same one in every round. Each rank bumps its beat counter from a thread
+the ranks would go on at once and wait in the collective, as before). A trainer started by a
+hand-run torchrun whose rendezvous is static (its default without `--rdzv-backend`) or c10d
+with that variable unset gets the agent's store instead (TORCHELASTIC_USE_AGENT_STORE=True),
+the same one in every round: there the keys are named by torchelastic's restart count
+(`round_name`). Only there: with a store of its own per round, the ranks of one round may
+count differently (a replacement pod's agent starts at 0 while the survivors' agents counted
+the failure that lost its predecessor), and keys named by the count would keep them from ever
+meeting. Each rank bumps its beat counter from a thread
 while it works, and marks itself ready when its start-up work is done. A ready rank polls the ready
 count; it waits as long as every missing rank's beat keeps changing (alive, however long its
 work takes), up to `wait_limit` in all (a rank alive but stuck: an NFS read that never
@@ -147,10 +151,15 @@ def verdict(
     return "wait", None
 
 
+def round_name(restart_count: int, *, agent_store: bool) -> int:
+    """Pure: what names this round's keys (module docstring): torchelastic's restart count
+    where the store is the agent's, shared by every round; nothing where it is new per round."""
+    return restart_count if agent_store else 0
+
+
 class StartupBarrier:
     """This rank's beats while it starts (`start`), and the meeting (`arrive`).
-    `restart_count`: torchelastic's (TORCHELASTIC_RESTART_COUNT), which names this round's
-    keys (module docstring)."""
+    `round_id`: what names this round's keys (`round_name`; module docstring)."""
 
     def __init__(
         self,
@@ -161,10 +170,10 @@ class StartupBarrier:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         *,
-        restart_count: int = 0,
+        round_id: int = 0,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
-        self._prefix = f"{PREFIX}/{restart_count}"
+        self._prefix = f"{PREFIX}/{round_id}"
         self._ready_key = f"{self._prefix}/ready"
         self.stale_after = stale_after
         self.heartbeat_s = heartbeat_seconds(stale_after)

@@ -41,7 +41,7 @@ from finetune_trainer.optim import build_optimizer, build_scheduler
 from finetune_trainer.parallelize import check_precision
 from finetune_trainer.sampler import StepSampler
 from finetune_trainer.startup import StartupClock
-from finetune_trainer.startup_barrier import StartupBarrier, job_wait_limit
+from finetune_trainer.startup_barrier import StartupBarrier, job_wait_limit, round_name
 from finetune_trainer.steptrace import build_step_trace
 from finetune_trainer.stop_signal import StopSignal
 from finetune_trainer.termination_log import clear_final_report, write_final_report
@@ -110,7 +110,7 @@ class Trainer:
         # wait for it at the barrier below, not in a collective (startup_barrier.py).
         barrier = StartupBarrier(
             default_store(), self.dist.rank, self.dist.world_size, timeouts.startup,
-            restart_count=env.restart_count,
+            round_id=round_name(env.restart_count, agent_store=env.agent_store),
         ).start()  # fmt: skip
         self.startup.mark("group")
         world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
