@@ -403,3 +403,22 @@ def test_plan_reports_what_the_job_policy_refuses(
         assert said in captured.err
     else:
         assert "policy" not in captured.err
+
+
+@pytest.mark.parametrize(
+    ("memory", "reason"),
+    [
+        ("1.2.3Gi", "is not a Kubernetes quantity"),
+        (".", "is not a Kubernetes quantity"),
+        ("1e999Ki", "is too large for a memory quantity"),
+        ("16Ei", "is too large for a memory quantity"),
+    ],
+)
+def test_plan_refuses_a_malformed_memory_quantity_without_a_traceback(
+    memory: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = _quickstart()
+    doc["spec"]["resources"]["memory"] = memory
+    assert main(["plan", _write(tmp_path, doc)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: spec.resources.memory: {memory!r} {reason}" in err
