@@ -422,3 +422,23 @@ def test_plan_refuses_a_malformed_memory_quantity_without_a_traceback(
     assert main(["plan", _write(tmp_path, doc)]) == 2
     err = capsys.readouterr().err
     assert f"error: spec.resources.memory: {memory!r} {reason}" in err
+
+
+@pytest.mark.parametrize("cpu", ["thirty", "8 cores", "1.2.3", "-4"])
+def test_plan_refuses_a_cpu_that_is_no_quantity(
+    cpu: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = _quickstart()
+    doc["spec"]["resources"]["cpu"] = cpu
+    assert main(["plan", _write(tmp_path, doc)]) == 2  # the API server refuses it on each pod
+    err = capsys.readouterr().err
+    assert f"error: spec.resources.cpu: {cpu!r} is not a Kubernetes quantity" in err
+
+
+@pytest.mark.parametrize("cpu", [8, "8", "500m", "1.5", "2e3", ".5"])
+def test_plan_accepts_every_cpu_quantity_form(
+    cpu: int | str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = _quickstart()
+    doc["spec"]["resources"]["cpu"] = cpu
+    assert main(["plan", _write(tmp_path, doc)]) == 0, capsys.readouterr().err

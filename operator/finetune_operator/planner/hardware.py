@@ -122,6 +122,19 @@ def parse_quantity(text: str, field: str) -> int:
     return int(value)
 
 
+# Any Kubernetes quantity (a pod's cpu: "8", "500m", "1.5", "2e3"), as the API server reads it.
+_ANY_QUANTITY = re.compile(
+    r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$"
+)
+
+
+def check_cpu_quantity(text: str, field: str) -> None:
+    """Refuse a cpu the API server would refuse on every worker pod (the job would plan, then
+    never start a worker): here it is refused before anything is created, naming the field."""
+    if not _ANY_QUANTITY.match(text):
+        raise PlanningError(field, f"{text!r} is not a Kubernetes quantity such as 8 or 500m")
+
+
 def product(name: str) -> Accelerator | None:
     key = name.strip().lower().replace(" ", "-").replace("_", "-")
     key = _PRODUCT_ALIASES.get(key, key)
