@@ -442,3 +442,35 @@ def test_plan_accepts_every_cpu_quantity_form(
     doc = _quickstart()
     doc["spec"]["resources"]["cpu"] = cpu
     assert main(["plan", _write(tmp_path, doc)]) == 0, capsys.readouterr().err
+
+
+def test_operator_against_an_unreachable_cluster_says_so_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    from kubernetes.config import kube_config
+
+    with socket.socket() as sock:  # a port nothing listens on (bound, never listening)
+        sock.bind(("127.0.0.1", 0))
+        server = f"https://127.0.0.1:{sock.getsockname()[1]}"
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "c", "cluster": {"server": server}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "x",
+                }
+            )
+        )
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod
+        # KUBECONFIG as the client reads it (at import)
+        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+        assert main(["operator", "-A", "--metrics-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot reach the Kubernetes API server at {server}: "), err
+    assert "Connection refused" in err and "Traceback" not in err and len(err.splitlines()) == 1
