@@ -474,3 +474,26 @@ def test_operator_against_an_unreachable_cluster_says_so_in_one_line(
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot reach the Kubernetes API server at {server}: "), err
     assert "Connection refused" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_plan_reasons_give_small_sizes_in_mib_and_the_memory_that_would_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import re
+
+    assert main(["plan", str(EXAMPLES / "quickstart.yaml"), "-o", "json"]) == 0
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    assert "0.0 GiB" not in reason and " MiB of 2.0 GiB per process" in reason
+    assert "at minNodes (1 rank, " in reason  # one rank, not "1 ranks"
+    doc = _quickstart()
+    doc["spec"]["resources"].update(memory="1Mi", gpusPerNode=2)
+    assert main(["plan", _write(tmp_path, doc), "-o", "json"]) == 1
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    # Before: "Nothing fits in 0.0 GiB ... A resources.memory per process of with >= 0 GiB".
+    assert reason.startswith("Nothing fits in 0.5 MiB per CPU process"), reason
+    hint = re.search(
+        r"resources\.memory >= ([0-9.]+) MiB per pod \(([0-9.]+) MiB per process", reason
+    )
+    assert hint is not None, reason
+    per_pod, per_process = float(hint[1]), float(hint[2])
+    assert per_pod == pytest.approx(2 * per_process, abs=0.1) and per_process > 0.5
