@@ -497,3 +497,18 @@ def test_plan_reasons_give_small_sizes_in_mib_and_the_memory_that_would_fit(
     assert hint is not None, reason
     per_pod, per_process = float(hint[1]), float(hint[2])
     assert per_pod == pytest.approx(2 * per_process, abs=0.1) and per_process > 0.5
+
+
+@pytest.mark.parametrize(("example", "unit"), [("quickstart", "MiB"), ("llama-3.1-8b-lora", "GiB")])
+def test_plan_table_shows_a_small_plan_in_mib(
+    example: str, unit: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The quickstart's breakdown read 0.00 GiB on every row."""
+    assert main(["plan", str(EXAMPLES / f"{example}.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("Memory per") and " of " not in line)
+    assert header.split()[-1] == unit
+    parameters = next(line for line in lines if line.startswith("parameters"))
+    assert float(parameters.split()[1]) > 0.1
+    facts = next(line for line in lines if line.startswith("Memory per") and " of " in line)
+    assert f" {unit} of " in facts
