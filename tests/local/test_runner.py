@@ -140,3 +140,41 @@ def test_a_gpu_job_is_refused_at_once_naming_the_field(
     err = capsys.readouterr().err
     assert code == runner.EXIT_REFUSED and not started
     assert err.startswith("error: spec.resources.device: ") and "no GPUs" in err
+
+
+@pytest.mark.parametrize(
+    ("message", "shown"),
+    [
+        # What every `ftjob run --local` printed among its progress lines.
+        (
+            "Unresolved resources cannot be served (try creating their CRDs): "
+            "Selector(group='kueue.x-k8s.io', version='v1beta2', any_name='workloads')",
+            False,
+        ),
+        (
+            "Unresolved resources cannot be served (try creating their CRDs): "
+            "Selector(group='finetune.dev', version='v1alpha1', any_name='finetunejobs')",
+            True,
+        ),
+        (
+            "Unresolved resources cannot be served (try creating their CRDs): "
+            "Selector(group='kueue.x-k8s.io', version='v1beta2', any_name='workloads'), "
+            "Selector(group='finetune.dev', version='v1alpha1', any_name='finetunejobs')",
+            True,
+        ),
+        ("Non-watchable resources will not be served: x", True),
+    ],
+)
+def test_the_local_operator_does_not_warn_of_kueue_it_does_not_serve(
+    message: str, shown: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from finetune_local.session import _quiet_kopf
+
+    _quiet_kopf()
+    _quiet_kopf()  # once per operator thread: one filter
+    logger = logging.getLogger("kopf._core.reactor.observation")
+    assert len(logger.filters) == 1
+    logger.warning(message)  # a logger's filter runs before any handler sees the record
+    assert (message in caplog.messages) is shown
