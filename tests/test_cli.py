@@ -323,6 +323,18 @@ def test_run_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> Non
     assert "(default: 1800)" in out and "(default: 4)" in out
 
 
+def test_plan_help_points_at_the_policy_flags_where_they_are(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The exit-status epilog, printed after the flags, said "the flags below"."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    epilog = out[out.index("exit status:") :]
+    assert out.index("--allowed-image") < out.index("exit status:")
+    assert "flags above" in epilog and "below" not in epilog
+
+
 @pytest.mark.parametrize(("checkpoints", "output", "warns"),
                          [(False, None, True), (False, "out", False), (True, None, False)])  # fmt: skip
 def test_plan_warns_when_the_trained_model_is_kept_nowhere(

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan GPUs, strategy and memory for a FineTuneJob",
         epilog="exit status: 0 a plan fits; 1 valid, but no configuration fits; "
         "2 invalid (refused as the API server would, by the planner, as something the "
-        "trainer does not implement, or by the job policy given by the flags below: the "
+        "trainer does not implement, or by the job policy given by the flags above: the "
         "operator would fail the job), naming the field",
     )
     plan.add_argument("manifest", help="FineTuneJob YAML")
