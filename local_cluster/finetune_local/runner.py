@@ -167,13 +167,13 @@ def _run(
             )
         except TimeoutError as err:
             if seen:  # its conditions say what it waits for (e.g. pods Pending, and why)
-                print(summarize(seen[0]), file=out)
+                print(summarize(seen[0], session.data_dir / "shared"), file=out)
             print(
                 f"error: {err}; cluster state and pod logs kept in {session.data_dir}",
                 file=sys.stderr,
             )
             return EXIT_TIMEOUT
-        print(summarize(job), file=out)
+        print(summarize(job, session.data_dir / "shared"), file=out)
         failed = phase_of(job) != "Succeeded"
         if failed:  # the operator deletes a failed job's pods; their logs stay on disk
             print(
