@@ -525,3 +525,22 @@ def test_plan_table_shows_a_small_plan_in_mib(
     assert float(parameters.split()[1]) > 0.1
     facts = next(line for line in lines if line.startswith("Memory per") and " of " in line)
     assert f" {unit} of " in facts
+
+
+@pytest.mark.parametrize(
+    ("example", "header"), [("quickstart", "MiB per proc"), ("llama-3.1-8b-lora", "MiB per GPU")]
+)
+def test_plan_trace_table_names_the_device(
+    example: str, header: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ftjob plan --trace` of the CPU quickstart headed its table "MiB per GPU"."""
+    from types import SimpleNamespace
+
+    from finetune_operator.api.manifest import load_manifest
+    from finetune_operator.planner import plan_job
+    from finetune_operator.planner.trace_result import format_trace_comparison
+
+    plan = plan_job(load_manifest(EXAMPLES / f"{example}.yaml").spec)
+    sizes = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "buffers"), 1)
+    trace = SimpleNamespace(**sizes, peak=5, peak_phase="forward/backward", seconds=1.0, notes=())
+    assert format_trace_comparison(plan, trace).splitlines()[0].startswith(header)
