@@ -544,3 +544,29 @@ def test_plan_trace_table_names_the_device(
     sizes = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "buffers"), 1)
     trace = SimpleNamespace(**sizes, peak=5, peak_phase="forward/backward", seconds=1.0, notes=())
     assert format_trace_comparison(plan, trace).splitlines()[0].startswith(header)
+
+
+def test_plan_trace_does_not_pass_on_the_libraries_deprecation_warnings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """transformers' "`is_gradient_checkpointing` is deprecated" (a FutureWarning raised while
+    the traced model is built) was printed as "warning: ..." beside the manifest's own."""
+    import warnings
+    from types import SimpleNamespace
+
+    from finetune_operator.planner import trace
+
+    def warning_trace(*_: Any) -> Any:  # the trace itself is tested in tests/planner
+        warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning, stacklevel=1)
+        warnings.warn("a library's deprecation", DeprecationWarning, stacklevel=1)
+        sizes = dict.fromkeys(("parameters", "gradients", "optimizer", "activations"), 1)
+        return SimpleNamespace(
+            **sizes, buffers=1, peak=5, peak_phase="forward/backward", seconds=1.0, notes=()
+        )
+
+    monkeypatch.setattr(trace, "trace_plan", warning_trace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["plan", "--trace", str(EXAMPLES / "quickstart.yaml")]) == 0
+    assert [str(w.message) for w in caught] == []
+    assert "traced" in capsys.readouterr().out

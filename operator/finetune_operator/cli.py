@@ -57,7 +57,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.trace:
         from finetune_operator.planner.trace import format_trace_comparison, trace_plan
 
-        print(format_trace_comparison(plan, trace_plan(manifest.spec, plan)))
+        with warnings.catch_warnings():
+            # Building the model (transformers, peft) warns of their own deprecations, e.g.
+            # "`is_gradient_checkpointing` is deprecated": printed as "warning: ..." among the
+            # manifest's warnings, it read as one about the job (activationCheckpointing).
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            trace = trace_plan(manifest.spec, plan)
+        print(format_trace_comparison(plan, trace))
     policy_given = _report_policy(manifest.spec, args)
     if not plan.fits:
         return 1
