@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from finetune_local.podrunner import IsolationUnavailableError
 from finetune_local.progress_lines import ProgressTracker, summarize
 from finetune_local.session import LocalSession, default_data_dir, is_finished, phase_of
 from finetune_operator.api.manifest import ManifestError, load_manifest
@@ -115,6 +116,11 @@ def run_local(
                 keep or data_dir is not None,
                 out,
             )
+    except IsolationUnavailableError as err:  # not root: no pod could run (nothing started)
+        print(f"error: {err}", file=sys.stderr)
+        if data_dir is None:  # the directory this run made holds only the failed probe
+            shutil.rmtree(directory, ignore_errors=True)
+        return EXIT_REFUSED
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
         print(

@@ -178,3 +178,28 @@ def test_the_local_operator_does_not_warn_of_kueue_it_does_not_serve(
     assert len(logger.filters) == 1
     logger.warning(message)  # a logger's filter runs before any handler sees the record
     assert (message in caplog.messages) is shown
+
+
+def test_no_namespaces_is_one_line_and_exit_2_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without root (or CAP_SYS_ADMIN) the kubelet's namespace probe fails: that surfaced as a
+    traceback and exit 1 (which says the job Failed)."""
+    from finetune_local.podrunner import IsolationUnavailableError
+
+    class NoIsolation:
+        def __init__(self, *_: Any, **__: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            raise IsolationUnavailableError("the local kubelet needs mount and UTS namespaces")
+
+        def __exit__(self, *_: Any) -> None:
+            pass
+
+    monkeypatch.setattr(runner, "LocalSession", NoIsolation)
+    monkeypatch.setenv("FTJOB_LOCAL_DIR", str(tmp_path / "runs"))
+    assert main(["run", "--local", str(EXAMPLES / "quickstart.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: the local kubelet needs mount and UTS namespaces\n"
+    assert list((tmp_path / "runs").iterdir()) == []  # the run's own directory, removed
