@@ -54,10 +54,32 @@ class MountPoints:
             self.created.append(path)
 
     def remove_created(self) -> None:
+        # Another local cluster's pods may mount on the same targets (/etc/finetune, /data):
+        # removing one detaches their mounts (Linux detaches a mount whose mount point is
+        # removed in another namespace), and their trainers lose /etc/finetune/job.json.
+        in_use = mount_points_in_use()
         for path in reversed(self.created):
+            if str(path) in in_use:  # (a parent of one is not empty: its rmdir fails)
+                continue
             with contextlib.suppress(OSError):  # something else now lives there: leave it
                 path.unlink() if path.is_file() else path.rmdir()
         self.created.clear()
+
+
+def mount_points_in_use(proc: pathlib.Path = pathlib.Path("/proc")) -> set[str]:
+    """Every mount point of every process's mount namespace (as /proc/<pid>/mountinfo has it:
+    its fifth field, octal escapes decoded)."""
+    points: set[str] = set()
+    for info in proc.glob("[0-9]*/mountinfo"):
+        try:
+            lines = info.read_text().splitlines()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        for line in lines:
+            fields = line.split(" ")
+            if len(fields) > 4:
+                points.add(fields[4].encode().decode("unicode_escape"))
+    return points
 
 
 async def materialise_volumes(

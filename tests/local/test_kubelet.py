@@ -410,3 +410,35 @@ def test_a_volume_source_under_another_volumes_mount_path_is_not_hidden(tmp_path
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert (run.returncode, run.stdout.split()) == (0, ["mine", "0"]), run.stderr
+
+
+def test_a_mount_target_another_clusters_pod_mounts_on_is_not_removed(tmp_path: Any) -> None:
+    """Two local clusters on one host: the one stopping first removed the mount targets it had
+    created (/etc/finetune), which detached the other's pods' mounts there: their trainers
+    failed on a missing /etc/finetune/job.json."""
+    import subprocess
+
+    from finetune_local.podrunner import MountPoints
+
+    source, target = tmp_path / "config", tmp_path / "etc" / "finetune"
+    source.mkdir()
+    (source / "job.json").write_text("{}")
+    points = MountPoints()
+    points.ensure(target, is_file=False)  # creates etc/ and etc/finetune
+    other_pod = subprocess.Popen(  # another cluster's pod: its own mount namespace
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount --bind {source} {target} && echo up && sleep 60"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert other_pod.stdout is not None and other_pod.stdout.readline() == "up\n"
+        points.remove_created()
+        assert target.is_dir()  # still its mount point
+        seen = subprocess.run(
+            ["nsenter", "-t", str(other_pod.pid), "-m", "cat", str(target / "job.json")],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert seen.stdout == "{}", seen.stderr
+    finally:
+        other_pod.kill()
+        other_pod.wait()
