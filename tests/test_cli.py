@@ -570,3 +570,27 @@ def test_plan_trace_does_not_pass_on_the_libraries_deprecation_warnings(
         assert main(["plan", "--trace", str(EXAMPLES / "quickstart.yaml")]) == 0
     assert [str(w.message) for w in caught] == []
     assert "traced" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("memory", "warning"),
+    [
+        (80, "'80' per worker pod is under 512Mi: its torchrun agent and trainers need more than "
+         "that just to import torch and transformers (without a unit it is bytes: did you mean "
+         "'80Gi'?)"),
+        ("100Mi", "'100Mi' per worker pod is under 512Mi"),
+        ("2Gi", None),
+    ],
+)  # fmt: skip
+def test_plan_warns_of_a_pod_memory_too_small_to_start(
+    memory: int | str, warning: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`memory: 80` (80 bytes, meant as 80Gi) planned without a word: the plan counts tensors."""
+    doc = yaml.safe_load((EXAMPLES / "llama-3.1-8b-lora.yaml").read_text())
+    doc["spec"]["resources"]["memory"] = memory
+    assert main(["plan", _write(tmp_path, doc)]) == 0
+    err = capsys.readouterr().err
+    if warning is None:
+        assert "spec.resources.memory" not in err
+    else:
+        assert f"warning: spec.resources.memory: {warning}" in err
