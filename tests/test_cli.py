@@ -130,7 +130,7 @@ QUICKSTART_TEXT = (EXAMPLES / "quickstart.yaml").read_text()
         ((QUICKSTART_TEXT + "---\n" + QUICKSTART_TEXT).encode(), "file", "holds 2 objects"),
         (b"# nothing here\n---\n", "file", "holds no object"),
         (b"- a\n- b\n", "file", "expected a YAML mapping"),
-        (b"a: [\n", "file", "not valid YAML"),
+        (b"a: [\n", "file", "not valid YAML: while parsing a flow node"),
         (QUICKSTART_TEXT.replace("maxSteps: 60", "maxSteps: 60\n    maxSteps: 6000").encode(),
          "file", 'mapping key "maxSteps" already defined at line'),
         (b"a: " + b"[" * 5000 + b"]" * 5000, "file", "nested deeper"),
@@ -154,6 +154,7 @@ def test_plan_refuses_malformed_files_with_exit_2_naming_the_place(
     err = capsys.readouterr().err
     assert f"  {field}: " in err and reason in err, err
     assert "Traceback" not in err
+    assert "<unicode string>" not in err  # PyYAML's name for the text: the file is named above
 
 
 @pytest.mark.parametrize("target", ["missing.yaml", "."], ids=["missing", "directory"])
@@ -323,6 +324,18 @@ def test_run_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> Non
     assert "(default: 1800)" in out and "(default: 4)" in out
 
 
+def test_plan_help_points_at_the_policy_flags_where_they_are(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The exit-status epilog, printed after the flags, said "the flags below"."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    epilog = out[out.index("exit status:") :]
+    assert out.index("--allowed-image") < out.index("exit status:")
+    assert "flags above" in epilog and "below" not in epilog
+
+
 @pytest.mark.parametrize(("checkpoints", "output", "warns"),
                          [(False, None, True), (False, "out", False), (True, None, False)])  # fmt: skip
 def test_plan_warns_when_the_trained_model_is_kept_nowhere(
@@ -403,3 +416,181 @@ def test_plan_reports_what_the_job_policy_refuses(
         assert said in captured.err
     else:
         assert "policy" not in captured.err
+
+
+@pytest.mark.parametrize(
+    ("memory", "reason"),
+    [
+        ("1.2.3Gi", "is not a Kubernetes quantity"),
+        (".", "is not a Kubernetes quantity"),
+        ("1e999Ki", "is too large for a memory quantity"),
+        ("16Ei", "is too large for a memory quantity"),
+    ],
+)
+def test_plan_refuses_a_malformed_memory_quantity_without_a_traceback(
+    memory: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = _quickstart()
+    doc["spec"]["resources"]["memory"] = memory
+    assert main(["plan", _write(tmp_path, doc)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: spec.resources.memory: {memory!r} {reason}" in err
+
+
+@pytest.mark.parametrize("cpu", ["thirty", "8 cores", "1.2.3", "-4"])
+def test_plan_refuses_a_cpu_that_is_no_quantity(
+    cpu: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = _quickstart()
+    doc["spec"]["resources"]["cpu"] = cpu
+    assert main(["plan", _write(tmp_path, doc)]) == 2  # the API server refuses it on each pod
+    err = capsys.readouterr().err
+    assert f"error: spec.resources.cpu: {cpu!r} is not a Kubernetes quantity" in err
+
+
+@pytest.mark.parametrize("cpu", [8, "8", "500m", "1.5", "2e3", ".5"])
+def test_plan_accepts_every_cpu_quantity_form(
+    cpu: int | str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = _quickstart()
+    doc["spec"]["resources"]["cpu"] = cpu
+    assert main(["plan", _write(tmp_path, doc)]) == 0, capsys.readouterr().err
+
+
+def test_operator_against_an_unreachable_cluster_says_so_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    from kubernetes.config import kube_config
+
+    with socket.socket() as sock:  # a port nothing listens on (bound, never listening)
+        sock.bind(("127.0.0.1", 0))
+        server = f"https://127.0.0.1:{sock.getsockname()[1]}"
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "c", "cluster": {"server": server}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "x",
+                }
+            )
+        )
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod
+        # KUBECONFIG as the client reads it (at import)
+        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+        assert main(["operator", "-A", "--metrics-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot reach the Kubernetes API server at {server}: "), err
+    assert "Connection refused" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_plan_reasons_give_small_sizes_in_mib_and_the_memory_that_would_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import re
+
+    assert main(["plan", str(EXAMPLES / "quickstart.yaml"), "-o", "json"]) == 0
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    assert "0.0 GiB" not in reason and " MiB of 2.0 GiB per process" in reason
+    assert "at minNodes (1 rank, " in reason  # one rank, not "1 ranks"
+    doc = _quickstart()
+    doc["spec"]["resources"].update(memory="1Mi", gpusPerNode=2)
+    assert main(["plan", _write(tmp_path, doc), "-o", "json"]) == 1
+    reason = json.loads(capsys.readouterr().out)["reason"]
+    # Before: "Nothing fits in 0.0 GiB ... A resources.memory per process of with >= 0 GiB".
+    assert reason.startswith("Nothing fits in 0.5 MiB per CPU process"), reason
+    hint = re.search(
+        r"resources\.memory >= ([0-9.]+) MiB per pod \(([0-9.]+) MiB per process", reason
+    )
+    assert hint is not None, reason
+    per_pod, per_process = float(hint[1]), float(hint[2])
+    assert per_pod == pytest.approx(2 * per_process, abs=0.1) and per_process > 0.5
+
+
+@pytest.mark.parametrize(("example", "unit"), [("quickstart", "MiB"), ("llama-3.1-8b-lora", "GiB")])
+def test_plan_table_shows_a_small_plan_in_mib(
+    example: str, unit: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The quickstart's breakdown read 0.00 GiB on every row."""
+    assert main(["plan", str(EXAMPLES / f"{example}.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("Memory per") and " of " not in line)
+    assert header.split()[-1] == unit
+    parameters = next(line for line in lines if line.startswith("parameters"))
+    assert float(parameters.split()[1]) > 0.1
+    facts = next(line for line in lines if line.startswith("Memory per") and " of " in line)
+    assert f" {unit} of " in facts
+
+
+@pytest.mark.parametrize(
+    ("example", "header"), [("quickstart", "MiB per proc"), ("llama-3.1-8b-lora", "MiB per GPU")]
+)
+def test_plan_trace_table_names_the_device(
+    example: str, header: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ftjob plan --trace` of the CPU quickstart headed its table "MiB per GPU"."""
+    from types import SimpleNamespace
+
+    from finetune_operator.api.manifest import load_manifest
+    from finetune_operator.planner import plan_job
+    from finetune_operator.planner.trace_result import format_trace_comparison
+
+    plan = plan_job(load_manifest(EXAMPLES / f"{example}.yaml").spec)
+    sizes = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "buffers"), 1)
+    trace = SimpleNamespace(**sizes, peak=5, peak_phase="forward/backward", seconds=1.0, notes=())
+    assert format_trace_comparison(plan, trace).splitlines()[0].startswith(header)
+
+
+def test_plan_trace_does_not_pass_on_the_libraries_deprecation_warnings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """transformers' "`is_gradient_checkpointing` is deprecated" (a FutureWarning raised while
+    the traced model is built) was printed as "warning: ..." beside the manifest's own."""
+    import warnings
+    from types import SimpleNamespace
+
+    from finetune_operator.planner import trace
+
+    def warning_trace(*_: Any) -> Any:  # the trace itself is tested in tests/planner
+        warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning, stacklevel=1)
+        warnings.warn("a library's deprecation", DeprecationWarning, stacklevel=1)
+        sizes = dict.fromkeys(("parameters", "gradients", "optimizer", "activations"), 1)
+        return SimpleNamespace(
+            **sizes, buffers=1, peak=5, peak_phase="forward/backward", seconds=1.0, notes=()
+        )
+
+    monkeypatch.setattr(trace, "trace_plan", warning_trace)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["plan", "--trace", str(EXAMPLES / "quickstart.yaml")]) == 0
+    assert [str(w.message) for w in caught] == []
+    assert "traced" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("memory", "warning"),
+    [
+        (80, "'80' per worker pod is under 512Mi: its torchrun agent and trainers need more than "
+         "that just to import torch and transformers (without a unit it is bytes: did you mean "
+         "'80Gi'?)"),
+        ("100Mi", "'100Mi' per worker pod is under 512Mi"),
+        ("2Gi", None),
+    ],
+)  # fmt: skip
+def test_plan_warns_of_a_pod_memory_too_small_to_start(
+    memory: int | str, warning: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`memory: 80` (80 bytes, meant as 80Gi) planned without a word: the plan counts tensors."""
+    doc = yaml.safe_load((EXAMPLES / "llama-3.1-8b-lora.yaml").read_text())
+    doc["spec"]["resources"]["memory"] = memory
+    assert main(["plan", _write(tmp_path, doc)]) == 0
+    err = capsys.readouterr().err
+    if warning is None:
+        assert "spec.resources.memory" not in err
+    else:
+        assert f"warning: spec.resources.memory: {warning}" in err

@@ -8,7 +8,9 @@ halves of `make test`) share the host's `/etc/finetune`; the first to stop would
 from under the other's running pods, whose next trainer start (torchrun restarting a worker
 group) finds no `job.json`. So each user of a target that a local cluster created registers
 itself under `REGISTRY`, and the last one leaving removes the target. Registrations of dead
-processes (a cluster killed without its teardown) are dropped by the next one leaving.
+processes (a cluster killed without its teardown) are dropped by the next one leaving. A
+target some process's mount namespace still has a mount on (/proc/*/mountinfo) is never
+removed either, registered or not.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class MountPoints:
 
     def remove_created(self) -> None:
         """Leave every target this cluster used; remove those no live cluster uses any more."""
+        in_use = mount_points_in_use()
         with self._locked():
             for path in reversed(self.used):
                 entry = self._entry(path)
@@ -91,12 +94,30 @@ class MountPoints:
                             (entry / user).unlink()
                 if any(u != CREATED for u in _listdir(entry)):
                     continue  # another cluster's pods may have it mounted
+                if str(path) in in_use:  # mounted on by a process no cluster registered
+                    continue
                 with contextlib.suppress(OSError):  # something else now lives there: leave it
                     path.unlink() if path.is_file() else path.rmdir()
                 with contextlib.suppress(OSError):
                     (entry / CREATED).unlink()
                     entry.rmdir()
             self.used.clear()
+
+
+def mount_points_in_use(proc: pathlib.Path = pathlib.Path("/proc")) -> set[str]:
+    """Every mount point of every process's mount namespace (as /proc/<pid>/mountinfo has it:
+    its fifth field, octal escapes decoded)."""
+    points: set[str] = set()
+    for info in proc.glob("[0-9]*/mountinfo"):
+        try:
+            lines = info.read_text().splitlines()
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        for line in lines:
+            fields = line.split(" ")
+            if len(fields) > 4:
+                points.add(fields[4].encode().decode("unicode_escape"))
+    return points
 
 
 def _listdir(entry: pathlib.Path) -> list[str]:

@@ -48,10 +48,10 @@ def _check(result: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _mount(source: str, target: str, flags: int) -> None:
+def _mount(source: str, target: str, flags: int, shown: str | None = None) -> None:
     _check(
         _libc.mount(source.encode(), target.encode(), None, flags, None),
-        f"mount {source} on {target}",
+        f"mount {shown or source} on {target}",
     )
 
 
@@ -67,10 +67,10 @@ def enter_namespaces(hostname: str) -> None:
     socket.sethostname(hostname)
 
 
-def bind(source: str, target: str, read_only: bool) -> None:
-    _mount(source, target, MS_BIND | MS_REC)
+def bind(source: str, target: str, read_only: bool, shown: str | None = None) -> None:
+    _mount(source, target, MS_BIND | MS_REC, shown)
     if read_only:
-        _mount(source, target, MS_BIND | MS_REMOUNT | MS_RDONLY)
+        _mount(source, target, MS_BIND | MS_REMOUNT | MS_RDONLY, shown)
 
 
 def _hidden_by(target: str, keep: list[str]) -> list[str]:
@@ -78,12 +78,14 @@ def _hidden_by(target: str, keep: list[str]) -> list[str]:
     return [path for path in keep if path.startswith(prefix) and os.path.exists(path)]
 
 
-def mount_volume(mount: dict[str, object], keep: list[str]) -> None:
+def mount_volume(mount: dict[str, object], keep: list[str], source_fd: int | None = None) -> None:
     """Bind one volume; re-expose the kept paths it would shadow (held open with O_PATH across
-    the mount, then bound back from /proc/self/fd)."""
+    the mount, then bound back from /proc/self/fd). `source_fd`: the source, opened before any
+    volume was mounted (see `main`)."""
     source, target = str(mount["source"]), str(mount["target"])
     held = {path: os.open(path, os.O_PATH) for path in _hidden_by(target, keep)}
-    bind(source, target, bool(mount.get("readOnly", False)))
+    via = f"/proc/self/fd/{source_fd}" if source_fd is not None else source
+    bind(via, target, bool(mount.get("readOnly", False)), shown=source)
     for path, fd in held.items():
         try:
             if os.path.isdir(f"/proc/self/fd/{fd}"):
@@ -101,8 +103,13 @@ def main() -> int:
     try:
         die_with_parent(int(spec.get("parentPid") or 0))
         enter_namespaces(spec["hostname"])
-        for mount in spec["mounts"]:
-            mount_volume(mount, spec.get("keepVisible", []))
+        # Every source as the host has it, held open before the first mount: a volume over a
+        # directory (worker pods' emptyDir over /tmp) would otherwise hide a later volume's
+        # source beneath it (a hostPath under /tmp: "mount /tmp/data on /data: No such file").
+        sources = [os.open(str(mount["source"]), os.O_PATH) for mount in spec["mounts"]]
+        for mount, fd in zip(spec["mounts"], sources, strict=True):
+            mount_volume(mount, spec.get("keepVisible", []), fd)
+            os.close(fd)
         os.chdir(spec["workingDir"])
     except OSError as exc:
         print(f"local kubelet: pod setup failed: {exc}", file=sys.stderr, flush=True)

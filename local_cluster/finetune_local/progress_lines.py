@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 JobObject = dict[str, Any]
@@ -67,8 +68,17 @@ class ProgressTracker:
         return "  ".join(parts)
 
 
-def summarize(job: JobObject) -> str:
-    """The final report: phase, every condition, progress and where things are."""
+def _located(uri: str, workdir: Path | None) -> str:
+    """A relative URI as the pods resolved it: against their working directory (the cluster's
+    shared/), not the directory `ftjob` was started in."""
+    if workdir is None or "://" in uri or uri.startswith("/"):
+        return uri
+    return str(workdir / uri)
+
+
+def summarize(job: JobObject, workdir: Path | None = None) -> str:
+    """The final report: phase, every condition, progress and where things are (relative URIs
+    resolved against `workdir`, the pods' working directory, when given)."""
     status = job.get("status", {})
     lines = [f"FineTuneJob {job['metadata']['name']}: {status.get('phase', 'Unknown')}"]
     for cond in status.get("conditions", []):
@@ -80,6 +90,10 @@ def summarize(job: JobObject) -> str:
         lines.append(f"  steps {status['step']}/{status.get('totalSteps', '?')}")
     ckpt = status.get("lastCheckpoint")
     if ckpt:
-        lines.append(f"  last checkpoint: step {ckpt.get('step')} at {ckpt.get('uri')}")
+        where = _located(str(ckpt.get("uri")), workdir)
+        lines.append(f"  last checkpoint: step {ckpt.get('step')} at {where}")
+    output = (job.get("spec", {}).get("output") or {}).get("uri")
+    if output and status.get("phase") == "Succeeded":
+        lines.append(f"  trained model: {_located(str(output), workdir)}")
     lines.append(f"  restarts {status.get('restarts', 0)}")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import yaml
 from kubernetes.client.exceptions import ApiException
 
+from finetune_local.podrunner import IsolationUnavailableError
 from finetune_local.progress_lines import ProgressTracker, summarize
 from finetune_local.session import LocalSession, default_data_dir, is_finished, phase_of
 from finetune_operator.api.manifest import ManifestError, load_manifest
@@ -115,6 +116,11 @@ def run_local(
                 keep or data_dir is not None,
                 out,
             )
+    except IsolationUnavailableError as err:  # not root: no pod could run (nothing started)
+        print(f"error: {err}", file=sys.stderr)
+        if data_dir is None:  # the directory this run made holds only the failed probe
+            shutil.rmtree(directory, ignore_errors=True)
+        return EXIT_REFUSED
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
         print(
@@ -167,13 +173,13 @@ def _run(
             )
         except TimeoutError as err:
             if seen:  # its conditions say what it waits for (e.g. pods Pending, and why)
-                print(summarize(seen[0]), file=out)
+                print(summarize(seen[0], session.data_dir / "shared"), file=out)
             print(
                 f"error: {err}; cluster state and pod logs kept in {session.data_dir}",
                 file=sys.stderr,
             )
             return EXIT_TIMEOUT
-        print(summarize(job), file=out)
+        print(summarize(job, session.data_dir / "shared"), file=out)
         failed = phase_of(job) != "Succeeded"
         if failed:  # the operator deletes a failed job's pods; their logs stay on disk
             print(

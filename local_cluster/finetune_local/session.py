@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import Any, Self, cast
 from kubernetes import client, config
 
 from finetune_local.cluster import LocalCluster
+from finetune_local.kueue import GROUP as KUEUE_GROUP
 from finetune_operator.api.constants import GROUP, PLURAL, VERSION
 from finetune_operator.settings import parse_operator_args
 
@@ -38,6 +40,28 @@ LOCAL_OPERATOR_ARGS: tuple[str, ...] = ("--standalone", "--reconcile-interval=2"
                                         "--scrape-timeout=1", "--metrics-port=0")  # fmt: skip
 
 
+class WithoutKueueFilter(logging.Filter):
+    """Drops kopf's "Unresolved resources cannot be served (try creating their CRDs)" warning
+    when it names only Kueue's resources: the local cluster serves Kueue's CRDs only when a test
+    asks for them, so every `ftjob run --local` printed it in the middle of its progress lines,
+    about a feature the job does not use. Any other unresolved resource is still warned of."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith("Unresolved resources cannot be served"):
+            return True
+        groups = set(re.findall(r"group='([^']*)'", message))
+        return groups != {KUEUE_GROUP}
+
+
+def _quiet_kopf() -> None:
+    # Expected here: signals belong to the main thread (the session's owner handles them).
+    logging.getLogger("kopf._core.reactor.running").setLevel(logging.ERROR)
+    observation = logging.getLogger("kopf._core.reactor.observation")
+    if not any(isinstance(f, WithoutKueueFilter) for f in observation.filters):
+        observation.addFilter(WithoutKueueFilter())
+
+
 class OperatorThread:
     """The kopf operator (finetune_operator.handlers.operate) on a thread of its own, with
     settings parsed from `ftjob operator` flags exactly as the chart's Deployment passes them."""
@@ -55,9 +79,7 @@ class OperatorThread:
     def _main(self) -> None:
         from finetune_operator.handlers import operate
 
-        # Expected here: signals belong to the main thread (the session's owner handles them).
-        logging.getLogger("kopf._core.reactor.running").setLevel(logging.ERROR)
-
+        _quiet_kopf()
         try:
             asyncio.run(
                 operate(

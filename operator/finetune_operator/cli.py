@@ -48,6 +48,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_json_dict(), indent=2))
     else:
         print(render_plan_table(plan))
+    memory_warning = _pod_memory_warning(manifest.spec)
+    if memory_warning:
+        print(f"warning: {memory_warning}", file=sys.stderr)
     if not manifest.spec.output.uri and not manifest.spec.checkpoint.enabled:
         print(
             "warning: spec.output.uri is unset and spec.checkpoint.enabled is false: the "
@@ -57,7 +60,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.trace:
         from finetune_operator.planner.trace import format_trace_comparison, trace_plan
 
-        print(format_trace_comparison(plan, trace_plan(manifest.spec, plan)))
+        with warnings.catch_warnings():
+            # Building the model (transformers, peft) warns of their own deprecations, e.g.
+            # "`is_gradient_checkpointing` is deprecated": printed as "warning: ..." among the
+            # manifest's warnings, it read as one about the job (activationCheckpointing).
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            trace = trace_plan(manifest.spec, plan)
+        print(format_trace_comparison(plan, trace))
     policy_given = _report_policy(manifest.spec, args)
     if not plan.fits:
         return 1
@@ -70,6 +80,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         lines = "".join(f"\n  {refusal}" for refusal in refusals)
         print(f"error: the trainer cannot run {args.manifest}:{lines}", file=sys.stderr)
     return 2 if refusals or policy_given else 0
+
+
+# Below this a worker pod cannot even import its libraries (measured on CPU, torch 2.13: RSS
+# after `import torch` 219 MiB, the torchrun agent's share; after transformers' Llama 342 MiB,
+# each trainer's). The plan counts tensors, not the runtime, so it would "fit".
+MIN_POD_MEMORY_BYTES = 512 * 1024**2
+
+
+def _pod_memory_warning(spec: FineTuneJobSpec) -> str | None:
+    """`memory: 80` is 80 bytes, not 80Gi: a pod that small plans, then never runs."""
+    from finetune_operator.planner.hardware import parse_quantity
+
+    memory = spec.resources.memory
+    if memory is None or parse_quantity(memory, "spec.resources.memory") >= MIN_POD_MEMORY_BYTES:
+        return None
+    unitless = (
+        f" (without a unit it is bytes: did you mean '{memory}Gi'?)" if memory.isdigit() else ""
+    )
+    return (
+        f"spec.resources.memory: {memory!r} per worker pod is under 512Mi: its torchrun agent "
+        f"and trainers need more than that just to import torch and transformers{unitless}"
+    )
 
 
 def _policy_given(args: argparse.Namespace) -> bool:
@@ -194,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan GPUs, strategy and memory for a FineTuneJob",
         epilog="exit status: 0 a plan fits; 1 valid, but no configuration fits; "
         "2 invalid (refused as the API server would, by the planner, as something the "
-        "trainer does not implement, or by the job policy given by the flags below: the "
+        "trainer does not implement, or by the job policy given by the flags above: the "
         "operator would fail the job), naming the field",
     )
     plan.add_argument("manifest", help="FineTuneJob YAML")

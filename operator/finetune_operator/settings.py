@@ -63,6 +63,26 @@ def _env(env: Mapping[str, str], key: str, default: str | None) -> str | None:
     return env.get(ENV_PREFIX + key, default)
 
 
+# The flags whose default FINETUNE_OPERATOR_<KEY> sets, as `ftjob operator --help` lists them
+# (the names are not the flags' own: tests/operator/test_settings.py checks each one).
+ENV_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--liveness", "LIVENESS"),
+    ("--peering", "PEERING"),
+    ("--metrics-port", "METRICS_PORT"),
+    ("--reconcile-interval", "RECONCILE_INTERVAL_SECONDS"),
+    ("--scrape-timeout", "SCRAPE_TIMEOUT_SECONDS"),
+    ("--watch-timeout", "WATCH_TIMEOUT_SECONDS"),
+    ("--trainer-image", "TRAINER_IMAGE"),
+    ("--gang-scheduler", "GANG_SCHEDULER"),
+    ("--gang-scheduler-name", "GANG_SCHEDULER_NAME"),
+)
+
+
+def env_epilog() -> str:
+    flags = ", ".join(f"{ENV_PREFIX}{key} ({flag})" for flag, key in ENV_FLAGS)
+    return f"environment variables set these flags' defaults (a flag given wins): {flags}"
+
+
 def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """The flags of `ftjob operator`; each defaults to FINETUNE_OPERATOR_<NAME> if set."""
     d = OperatorSettings()
@@ -114,6 +134,7 @@ def add_operator_arguments(parser: argparse.ArgumentParser, env: Mapping[str, st
     pol.add_argument("--gang-scheduler-name", default=_env(env, "GANG_SCHEDULER_NAME", ""),
                      help="schedulerName of worker pods gang-scheduled by --gang-scheduler "
                      "(default: that scheduler's usual name)")  # fmt: skip
+    parser.epilog = env_epilog()
 
 
 def add_image_policy_arguments(group: argparse._ArgumentGroup, env: Mapping[str, str]) -> None:

@@ -94,6 +94,33 @@ def test_invalid_manifest_names_field(
 
 
 @pytest.mark.parametrize(
+    ("field", "reason"),
+    [
+        ("spec.training.sequenceLenght", "unknown field (did you mean sequenceLength?)"),
+        ("spec.training.sequence_length", "unknown field (did you mean sequenceLength?)"),
+        ("spec.training.MaxSteps", "unknown field (did you mean maxSteps?)"),
+        ("spec.modle", "unknown field (did you mean model?)"),
+        ("spec.resources.gpu.memoryGib", "unknown field (did you mean memoryGiB?)"),
+        ("spec.training.banana", "unknown field"),  # nothing close: no guess
+    ],
+)
+def test_an_unknown_field_names_the_one_it_resembles(field: str, reason: str) -> None:
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(_set(_quickstart(), field, 1), "job.yaml")
+    assert err.value.problems == [(field, reason)]
+
+
+def test_an_unknown_field_in_a_list_item_names_the_one_it_resembles() -> None:
+    doc = _quickstart()
+    doc["spec"]["storage"] = {"claims": [{"claim_name": "data", "mountPath": "/data"}]}
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(doc, "job.yaml")
+    assert err.value.problems == [
+        ("spec.storage.claims[0].claim_name", "unknown field (did you mean claimName?)")
+    ]
+
+
+@pytest.mark.parametrize(
     ("cpu", "memory"),
     [(8, 2147483648), ("500m", "64Gi"), (0, "1G")],
     ids=["ints", "strings", "zero"],

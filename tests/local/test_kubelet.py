@@ -379,3 +379,66 @@ def test_empty_dir_outlives_restarts_is_evicted_over_its_size_limit_and_goes_wit
     assert (volume / "mark").exists()
     core.delete_namespaced_pod(name, "default")
     wait_until(lambda: not volume.exists(), "the emptyDir to go with the pod", 15)
+
+
+def test_a_volume_source_under_another_volumes_mount_path_is_not_hidden(tmp_path: Any) -> None:
+    """A hostPath under /tmp, in a worker pod whose emptyDir is mounted over /tmp first, failed
+    every start with "mount /tmp/.../data on /data: No such file or directory" (the emptyDir
+    hid the source): sources are opened before the first mount."""
+    import json
+    import subprocess
+    import sys
+
+    from finetune_local import podinit
+
+    outer, empty, inner = tmp_path / "outer", tmp_path / "empty", tmp_path / "inner"
+    for path in (outer / "data", empty, inner):
+        path.mkdir(parents=True)
+    (outer / "data" / "mine.jsonl").write_text("mine\n")
+    spec = {
+        "hostname": "p",
+        "mounts": [
+            {"source": str(empty), "target": str(outer), "readOnly": False},  # as /tmp's emptyDir
+            {"source": str(outer / "data"), "target": str(inner), "readOnly": True},
+        ],
+        "workingDir": str(tmp_path),
+        "argv": ["sh", "-c", f"cat {inner}/mine.jsonl; ls -A {outer} | wc -l"],
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run(
+        [sys.executable, "-I", "-S", podinit.__file__, str(tmp_path / "spec.json")],  # as spawned
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (run.returncode, run.stdout.split()) == (0, ["mine", "0"]), run.stderr
+
+
+def test_a_mount_target_another_clusters_pod_mounts_on_is_not_removed(tmp_path: Any) -> None:
+    """Two local clusters on one host: the one stopping first removed the mount targets it had
+    created (/etc/finetune), which detached the other's pods' mounts there: their trainers
+    failed on a missing /etc/finetune/job.json."""
+    import subprocess
+
+    from finetune_local.mountpoints import MountPoints
+
+    source, target = tmp_path / "config", tmp_path / "etc" / "finetune"
+    source.mkdir()
+    (source / "job.json").write_text("{}")
+    points = MountPoints(tmp_path / "registry")
+    points.ensure(target, is_file=False)  # creates etc/ and etc/finetune
+    other_pod = subprocess.Popen(  # another cluster's pod: its own mount namespace
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount --bind {source} {target} && echo up && sleep 60"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert other_pod.stdout is not None and other_pod.stdout.readline() == "up\n"
+        points.remove_created()
+        assert target.is_dir()  # still its mount point
+        seen = subprocess.run(
+            ["nsenter", "-t", str(other_pod.pid), "-m", "cat", str(target / "job.json")],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert seen.stdout == "{}", seen.stderr
+    finally:
+        other_pod.kill()
+        other_pod.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,3 +61,24 @@ def test_render_and_summary_show_checkpoint_restarts_and_conditions() -> None:
     summary = summarize(job)
     assert summary.startswith("FineTuneJob quickstart: Succeeded")
     assert "Completed: ok" in summary and "steps 60/60" in summary
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "output", "shown_checkpoint", "shown_output"),
+    [
+        # Relative URIs resolve in the pods' working directory, not where ftjob was started:
+        # "checkpoints/q/..." named a directory the user did not have.
+        ("checkpoints/q", "output/q", "/data/run-1/shared/checkpoints/q", "/data/run-1/shared/output/q"),
+        ("/mnt/ckpt/q", "s3://bucket/q", "/mnt/ckpt/q", "s3://bucket/q"),
+    ],
+)  # fmt: skip
+def test_summary_says_where_the_checkpoint_and_the_trained_model_are(
+    checkpoint: str, output: str, shown_checkpoint: str, shown_output: str
+) -> None:
+    job = _job(60, phase="Succeeded", lastCheckpoint={"step": 60, "uri": f"{checkpoint}/step-60"})
+    job["spec"]["output"] = {"uri": output}
+    summary = summarize(job, Path("/data/run-1/shared"))
+    assert f"last checkpoint: step 60 at {shown_checkpoint}/step-60" in summary
+    assert f"trained model: {shown_output}\n" in summary
+    job["status"]["phase"] = "Failed"  # nothing was exported
+    assert "trained model" not in summarize(job, Path("/data/run-1/shared"))

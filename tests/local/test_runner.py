@@ -140,3 +140,66 @@ def test_a_gpu_job_is_refused_at_once_naming_the_field(
     err = capsys.readouterr().err
     assert code == runner.EXIT_REFUSED and not started
     assert err.startswith("error: spec.resources.device: ") and "no GPUs" in err
+
+
+@pytest.mark.parametrize(
+    ("message", "shown"),
+    [
+        # What every `ftjob run --local` printed among its progress lines.
+        (
+            "Unresolved resources cannot be served (try creating their CRDs): "
+            "Selector(group='kueue.x-k8s.io', version='v1beta2', any_name='workloads')",
+            False,
+        ),
+        (
+            "Unresolved resources cannot be served (try creating their CRDs): "
+            "Selector(group='finetune.dev', version='v1alpha1', any_name='finetunejobs')",
+            True,
+        ),
+        (
+            "Unresolved resources cannot be served (try creating their CRDs): "
+            "Selector(group='kueue.x-k8s.io', version='v1beta2', any_name='workloads'), "
+            "Selector(group='finetune.dev', version='v1alpha1', any_name='finetunejobs')",
+            True,
+        ),
+        ("Non-watchable resources will not be served: x", True),
+    ],
+)
+def test_the_local_operator_does_not_warn_of_kueue_it_does_not_serve(
+    message: str, shown: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from finetune_local.session import _quiet_kopf
+
+    _quiet_kopf()
+    _quiet_kopf()  # once per operator thread: one filter
+    logger = logging.getLogger("kopf._core.reactor.observation")
+    assert len(logger.filters) == 1
+    logger.warning(message)  # a logger's filter runs before any handler sees the record
+    assert (message in caplog.messages) is shown
+
+
+def test_no_namespaces_is_one_line_and_exit_2_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without root (or CAP_SYS_ADMIN) the kubelet's namespace probe fails: that surfaced as a
+    traceback and exit 1 (which says the job Failed)."""
+    from finetune_local.podrunner import IsolationUnavailableError
+
+    class NoIsolation:
+        def __init__(self, *_: Any, **__: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            raise IsolationUnavailableError("the local kubelet needs mount and UTS namespaces")
+
+        def __exit__(self, *_: Any) -> None:
+            pass
+
+    monkeypatch.setattr(runner, "LocalSession", NoIsolation)
+    monkeypatch.setenv("FTJOB_LOCAL_DIR", str(tmp_path / "runs"))
+    assert main(["run", "--local", str(EXAMPLES / "quickstart.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: the local kubelet needs mount and UTS namespaces\n"
+    assert list((tmp_path / "runs").iterdir()) == []  # the run's own directory, removed

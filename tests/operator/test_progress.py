@@ -52,8 +52,17 @@ finetune_trainer_loss{finetunejob="qs",rank="1"} 9.9
             'finetune_trainer_last_checkpoint_step{rank="0"} -1\n',
             TrainerProgress(),
         ),
+        (
+            # A trainer before its first step (fresh, or resumed at 40): its loss gauge reads
+            # its initial 0, no loss; the step is where it starts.
+            '# TYPE finetune_trainer_step gauge\nfinetune_trainer_step{rank="0"} 40\n'
+            '# TYPE finetune_trainer_loss gauge\nfinetune_trainer_loss{rank="0"} 0\n'
+            "# TYPE finetune_trainer_tokens_total counter\n"
+            'finetune_trainer_tokens_total{rank="0"} 0\n',
+            TrainerProgress(step=40),
+        ),
     ],
-    ids=["rank0", "rank1", "empty", "garbage", "no-checkpoint-yet"],
+    ids=["rank0", "rank1", "empty", "garbage", "no-checkpoint-yet", "no-step-yet"],
 )
 def test_parse(text: str, expected: TrainerProgress) -> None:
     assert parse_trainer_metrics(text) == expected

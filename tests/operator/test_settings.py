@@ -32,3 +32,39 @@ def test_help_states_the_defaults_the_environment_gives() -> None:
     add_operator_arguments(parser, {"FINETUNE_OPERATOR_RECONCILE_INTERVAL_SECONDS": "7"})
     text = " ".join(parser.format_help().split())
     assert "hangs; default: 7)" in text and "default: 9090)" in text
+
+
+# A value each flag takes, other than its default.
+_ENV_VALUES = {
+    "--liveness": "http://0.0.0.0:8081/healthz",
+    "--peering": "other",
+    "--metrics-port": "9191",
+    "--reconcile-interval": "7",
+    "--scrape-timeout": "3",
+    "--watch-timeout": "30",
+    "--trainer-image": "registry.example/trainer:1",
+    "--gang-scheduler": "volcano",
+    "--gang-scheduler-name": "my-scheduler",
+}
+
+
+def _parsed(env: dict[str, str]) -> dict[str, object]:
+    parser = argparse.ArgumentParser(prog="ftjob operator")
+    add_operator_arguments(parser, env)
+    return vars(parser.parse_args([]))
+
+
+def test_help_names_every_environment_variable_and_each_sets_its_flag() -> None:
+    """`--help` named none of them, and their names are not the flags' (RECONCILE_INTERVAL_SECONDS
+    for --reconcile-interval)."""
+    from finetune_operator.settings import ENV_FLAGS, ENV_PREFIX
+
+    parser = argparse.ArgumentParser(prog="ftjob operator")
+    add_operator_arguments(parser, {})
+    text = " ".join(parser.format_help().split())
+    assert {flag for flag, _ in ENV_FLAGS} == set(_ENV_VALUES)
+    defaults = _parsed({})
+    for flag, key in ENV_FLAGS:
+        assert f"{ENV_PREFIX}{key} ({flag})" in text
+        dest = flag.removeprefix("--").replace("-", "_")
+        assert _parsed({ENV_PREFIX + key: _ENV_VALUES[flag]})[dest] != defaults[dest], key

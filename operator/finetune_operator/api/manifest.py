@@ -9,6 +9,7 @@ object the operator would receive.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass, field
@@ -132,6 +133,24 @@ def _metadata_problems(metadata: Any) -> list[tuple[str, str]]:
     return problems
 
 
+def _did_you_mean(path: str, schema: dict[str, Any]) -> str:
+    """' (did you mean sequenceLength?)' for a key that is a misspelling, another case or the
+    snake_case of a field beside it; '' when none is close. (kubectl names the field only.)"""
+    parts = re.findall(r"\[[^\]]*\]|[^.\[]+", path)
+    node: Any = schema
+    for part in parts[:-1]:  # down to the mapping that holds the unknown key
+        if part.startswith("["):
+            node = node.get("items") or node.get("additionalProperties")
+        else:
+            node = node.get("properties", {}).get(part)
+        if not isinstance(node, dict):
+            return ""
+    names = {name.lower(): name for name in node.get("properties", {})}
+    key = (parts[-1] if parts else "").replace("_", "").lower()
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.75)
+    return f" (did you mean {names[close[0]]}?)" if close else ""
+
+
 def _schema_problems(doc: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The document as the API server stores it (defaulted), or its structural-schema errors.
 
@@ -140,7 +159,10 @@ def _schema_problems(doc: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[st
     plan and cluster would disagree.
     """
     schema = _crd_schema()
-    unknown = [(path, "unknown field") for path in schema.unknown_fields(doc)]
+    unknown = [
+        (path, "unknown field" + _did_you_mean(path, schema.schema))
+        for path in schema.unknown_fields(doc)
+    ]
     if unknown:
         return doc, unknown
     normalised = schema.normalise(doc)

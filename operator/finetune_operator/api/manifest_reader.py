@@ -228,7 +228,9 @@ def parse_yaml_document(text: str) -> tuple[Any, list[Problem]]:
     try:
         docs = [doc for doc in _load_all(text, key_warnings) if doc is not None]
     except yaml.YAMLError as err:
-        return None, [("", f"not valid YAML: {err}")]
+        # PyYAML names the text it was given "<unicode string>": the caller names the file.
+        where = str(err).replace('in "<unicode string>", ', "at ")
+        return None, [("", f"not valid YAML: {where}")]
     except RecursionError:
         return None, [("", f"nested deeper than {limits.MAX_NESTING} levels")]
     for message in key_warnings:

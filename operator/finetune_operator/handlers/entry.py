@@ -10,6 +10,8 @@ import threading
 from typing import Any
 
 import kopf
+import kubernetes.client as k8s
+import urllib3
 from kubernetes import config as k8s_config
 
 from finetune_operator.api.policy import JobPolicy
@@ -59,17 +61,41 @@ async def operate(
 
 
 class NoClusterError(RuntimeError):
-    """No credentials to reach a cluster: neither in-cluster nor a kubeconfig."""
+    """No cluster to run against: no credentials (in-cluster or a kubeconfig), or its API
+    server cannot be reached."""
 
 
 def run_operator(settings: OperatorSettings, *, kubeconfig: str | None = None) -> None:
     """Blocking entry point (`ftjob operator`)."""
     # Checked before kopf starts: its startup activity would retry a traceback every minute.
     try:
-        load_api_client(kubeconfig)
+        client = load_api_client(kubeconfig)
     except k8s_config.ConfigException as err:
         raise NoClusterError(
             f"no Kubernetes cluster to run against: {err} (in a pod the operator uses its "
             "ServiceAccount; elsewhere set KUBECONFIG or write ~/.kube/config)"
         ) from None
+    _probe_api_server(client)
     asyncio.run(operate(settings, kubeconfig=kubeconfig))
+
+
+def _probe_api_server(client: k8s.ApiClient, timeout_seconds: float = 10.0) -> None:
+    """One GET /version before kopf starts: a server that cannot be reached (a closed port, a
+    wrong host, TLS refused) is one line naming it, where kopf would retry for two minutes,
+    print three tracebacks and exit 1. An HTTP answer, even a refusal, means it is there (the
+    operator's own requests then say what is denied). In a pod, a server not up yet makes the
+    container restart, as kopf's giving up would, only sooner."""
+    host = client.configuration.host
+    try:
+        k8s.VersionApi(client).get_code(_request_timeout=timeout_seconds)
+    except k8s.ApiException:
+        return
+    except (urllib3.exceptions.HTTPError, OSError) as err:
+        reason = getattr(err, "reason", None) or err  # urllib3's MaxRetryError wraps it
+        # urllib3 puts its connection object first: the message is the last argument.
+        args = getattr(reason, "args", ())
+        detail = args[-1] if args and isinstance(args[-1], str) else str(reason)
+        raise NoClusterError(
+            f"cannot reach the Kubernetes API server at {host}: {detail} (check KUBECONFIG, "
+            "the context's server address, and that the cluster is up)"
+        ) from None

@@ -6,7 +6,7 @@ from typing import Protocol
 
 from finetune_operator.api.plan import Plan
 from finetune_operator.planner.errors import PlanningError
-from finetune_operator.planner.hardware import GIB
+from finetune_operator.planner.hardware import GIB, MIB
 from finetune_operator.planner.search import MIN_HEADROOM, Evaluated, Problem, SearchResult
 
 
@@ -15,7 +15,13 @@ class HintSearch(Protocol):
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    """GiB, or MiB below one GiB: a CPU toy's 5.8 MiB is not '0.0 GiB'."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def _count(n: int, word: str) -> str:
+    """'1 rank', '8 ranks' ('pods', 'ranks': the words the reasons count)."""
+    return f"{n} {word if n == 1 else word + 's'}"
 
 
 def _config(ev: Evaluated) -> str:
@@ -68,7 +74,7 @@ def explain_choice(
         f"of {_gib(mem)} {_per(p)} ({plan.headroom:.0%} headroom, peak at "
         f"{best.est.peak_phase})"
         + (
-            f" at minNodes ({best.cand.world_size} ranks, micro-batch {best.shape.micro_batch_size} "
+            f" at minNodes ({_count(best.cand.world_size, 'rank')}, micro-batch {best.shape.micro_batch_size} "
             f"x {best.shape.grad_accumulation} accumulation)."
             if elastic
             else "."
@@ -81,11 +87,14 @@ def explain_choice(
     if res.min_nodes is not None and res.min_nodes != (res.max_nodes or res.min_nodes):
         lines.append(
             f"Elastic {res.min_nodes}-{res.max_nodes} nodes: launches "
-            f"{plan.nodes} pods ({plan.world_size} ranks); memory is checked at minNodes "
+            f"{_count(plan.nodes, 'pod')} ({_count(plan.world_size, 'rank')}); memory is checked at minNodes "
             "because sharded states and the per-rank batch grow when ranks leave."
         )
     elif res.min_nodes is not None:
-        lines.append(f"minNodes = maxNodes fixes {plan.nodes} pods ({plan.world_size} ranks).")
+        lines.append(
+            f"minNodes = maxNodes fixes {_count(plan.nodes, 'pod')} "
+            f"({_count(plan.world_size, 'rank')})."
+        )
     if p.spec.strategy.type != "auto":
         lines.append(f"Strategy pinned to {p.spec.strategy.type}.")
     if res.min_nodes is None and not (p.spec.strategy.type != "auto" and res.max_nodes):
@@ -115,7 +124,7 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
         f"Nothing fits in {_gib(p.acc.memory_bytes)} per {_device(p)} with "
         f"{MIN_HEADROOM:.0%} headroom (limit {_gib(limit)}). Tried world sizes {sizes} "
         f"({configurations}); the smallest need was {_gib(sm.est.breakdown.total)} "
-        f"at {sm.cand.world_size} ranks with {_config(sm)} (peak at {sm.est.peak_phase})."
+        f"at {_count(sm.cand.world_size, 'rank')} with {_config(sm)} (peak at {sm.est.peak_phase})."
     ]
     if sm.host_need > p.host_budget:
         resume = (
@@ -146,6 +155,13 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
             if ev is not None:
                 parts.append(f"{label} would fit on {ev.cand.world_size} x {p.acc.name}.")
     need = sm.est.breakdown.total / (1 - MIN_HEADROOM)
-    what = "GPU" if p.acc.cuda else "resources.memory per process of"
-    parts.append(f"A {what} with >= {need / GIB:.0f} GiB would fit the smallest configuration.")
+    if p.acc.cuda:
+        parts.append(f"A GPU with >= {_gib(need)} would fit the smallest configuration.")
+    else:
+        per_pod = need * p.spec.resources.gpus_per_node
+        parts.append(
+            f"resources.memory >= {_gib(per_pod)} per pod ({_gib(need)} per process) would "
+            "fit the smallest configuration's tensors (a CPU plan counts tensors only: each "
+            "process's Python and torch runtime comes on top)."
+        )
     return " ".join(parts)

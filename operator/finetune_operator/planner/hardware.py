@@ -98,7 +98,12 @@ NCCL_BUFFER_BYTES = 256 * MIB
 # H100/A100 server (DGX H100) has 2 TiB, i.e. ~240 GiB per GPU after the OS.
 DEFAULT_HOST_BYTES_PER_GPU = 240 * GIB
 
-_QUANTITY = re.compile(r"^\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)\s*([KMGTPE]i?|[kmM]?)\s*$")
+# One number (digits with at most one point: "1.2.3" or "." is no number) and its unit.
+_QUANTITY = re.compile(
+    r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([KMGTPE]i?|[kmM]?)\s*$"
+)
+# Kubernetes reads a quantity's value as an int64 (Quantity.Value() saturates above it).
+MAX_QUANTITY_BYTES = (1 << 63) - 1
 # The byte suffixes of api.quantity, plus what a memory request may also say ("K", and the
 # milli-unit "m", which Kubernetes accepts even for bytes).
 _UNITS: dict[str, float] = {**UNITS, "K": 1e3, "m": 1e-3}
@@ -109,7 +114,25 @@ def parse_quantity(text: str, field: str) -> int:
     match = _QUANTITY.match(text)
     if not match:
         raise PlanningError(field, f"{text!r} is not a Kubernetes quantity such as 2Gi")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    value = float(match.group(1)) * _UNITS[match.group(2)]
+    if not value <= MAX_QUANTITY_BYTES:  # also infinity ("1e999")
+        raise PlanningError(
+            field, f"{text!r} is too large for a memory quantity (at most 2^63 - 1 bytes)"
+        )
+    return int(value)
+
+
+# Any Kubernetes quantity (a pod's cpu: "8", "500m", "1.5", "2e3"), as the API server reads it.
+_ANY_QUANTITY = re.compile(
+    r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$"
+)
+
+
+def check_cpu_quantity(text: str, field: str) -> None:
+    """Refuse a cpu the API server would refuse on every worker pod (the job would plan, then
+    never start a worker): here it is refused before anything is created, naming the field."""
+    if not _ANY_QUANTITY.match(text):
+        raise PlanningError(field, f"{text!r} is not a Kubernetes quantity such as 8 or 500m")
 
 
 def product(name: str) -> Accelerator | None:

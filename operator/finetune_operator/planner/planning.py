@@ -18,7 +18,11 @@ from finetune_operator.planner.architecture import ModelShape, resolve_model
 from finetune_operator.planner.configuration import PRECISION_BYTES, TrainingShape
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.planner.explain import explain_choice, explain_refusal
-from finetune_operator.planner.hardware import accelerator_for, host_bytes_per_process
+from finetune_operator.planner.hardware import (
+    accelerator_for,
+    check_cpu_quantity,
+    host_bytes_per_process,
+)
 from finetune_operator.planner.loading import (
     checkpoint_bytes,
     load_peak_bytes,
@@ -50,6 +54,8 @@ def build_problem(
         raise PlanningError(field, message)
     model = resolve_model(spec.model)
     acc = accelerator_for(spec.resources)
+    if spec.resources.cpu is not None:
+        check_cpu_quantity(spec.resources.cpu, "spec.resources.cpu")
     tr, arch = spec.training, model.arch
     if arch.max_position_embeddings and tr.sequence_length > arch.max_position_embeddings:
         raise PlanningError(

@@ -1,4 +1,5 @@
-"""`ftjob plan job.yaml` output: a plain, aligned text table of a Plan (bytes in GiB)."""
+"""`ftjob plan job.yaml` output: a plain, aligned text table of a Plan (bytes in GiB, or in
+MiB for a plan under 1 GiB, whose rows would all read 0.00 GiB)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import textwrap
 from finetune_operator.api.plan import Plan
 
 GIB = 1024**3
+MIB = 1024**2
 _MEMORY_ROWS = (
     "parameters",
     "gradients",
@@ -24,7 +26,12 @@ def _configurations(n: int) -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.2f} MiB"
+
+
+def _unit(plan: Plan) -> tuple[str, int]:
+    """The breakdown's unit: MiB where the whole need is under 1 GiB (a CPU toy's 6 MiB)."""
+    return ("GiB", GIB) if plan.memory.total >= GIB else ("MiB", MIB)
 
 
 def _hours(h: float) -> str:
@@ -64,10 +71,11 @@ def render_plan(plan: Plan, width: int = 88) -> str:
     key_w = max(len(k) for k, _ in facts)
     lines = [f"{k:<{key_w}}  {v}" for k, v in facts]
     lines.append("")
-    lines.append(f"{per:<18}{'GiB':>6}")
+    unit, scale = _unit(plan)
+    lines.append(f"{per:<18}{unit:>6}")
     for name in _MEMORY_ROWS:
         value = getattr(plan.memory, name)
-        lines.append(f"{name:<14}{value / GIB:>10.2f}")
+        lines.append(f"{name:<14}{value / scale:>10.2f}")
     lines.append("")
     lines.extend(textwrap.wrap("Reason: " + plan.reason, width=width))
     return "\n".join(lines)

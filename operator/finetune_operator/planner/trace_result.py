@@ -110,7 +110,8 @@ def format_trace_comparison(plan: Plan, trace: TraceResult) -> str:
         ("buffers", est.buffers, trace.buffers),
         ("peak", est.peak, trace.peak),
     ]
-    lines = [f"{'MiB per GPU':<14}{'estimate':>12}{'traced':>12}{'error':>9}"]
+    per = "MiB per GPU" if plan.device == "gpu" else "MiB per proc"  # a CPU job has no GPU
+    lines = [f"{per:<14}{'estimate':>12}{'traced':>12}{'error':>9}"]
     for name, e, t in rows:
         err = f"{(e - t) / t * 100:+.1f}%" if t else "-"
         lines.append(f"{name:<14}{e / MIB:>12.1f}{t / MIB:>12.1f}{err:>9}")

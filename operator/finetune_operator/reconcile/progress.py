@@ -30,6 +30,7 @@ CKPT_FAILED_STEP = mn.TRAINER_LAST_FAILED_CHECKPOINT_STEP.name
 RESUMED = mn.TRAINER_RESUMED_FROM_STEP.name
 MAX_SKIPPED = 10  # status keeps the newest few
 SKIPPED = mn.TRAINER_SKIPPED_CHECKPOINT_STEP.name
+TOKENS = mn.TRAINER_TOKENS.name
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
     top: dict[str, float] = {}  # per gauge in _HIGHEST, its highest finite value
     loss: float | None = None
     loss_rank: int | None = None
+    tokens: float | None = None
     try:
         samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
     except (ValueError, TypeError, IndexError):
@@ -100,6 +102,12 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
             top[s.name] = max(top[s.name], s.value) if s.name in top else s.value
         elif s.name == LOSS and (loss_rank is None or _rank(s.labels) < loss_rank):
             loss, loss_rank = s.value, _rank(s.labels)
+        elif s.name == TOKENS:
+            tokens = (tokens or 0.0) + s.value
+    if tokens == 0:
+        # No step yet in this process (its tokens counter counts every step's): the loss
+        # gauge's 0 is its initial value, not a loss ("step 0/60  loss 0.0000").
+        loss = loss_rank = None
     step, ckpt_step, ckpt_time = top.get(STEP), top.get(CKPT_STEP), top.get(CKPT_TIME)
     failures, failed_step = top.get(CKPT_FAILURES), top.get(CKPT_FAILED_STEP)
     resumed, skipped = top.get(RESUMED), top.get(SKIPPED)
