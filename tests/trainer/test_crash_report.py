@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
@@ -32,6 +33,7 @@ from finetune_trainer.launch import (
     config_path,
     max_restarts,
     own_failure_restarts,
+    reused_attempts,
     with_log_dir,
 )
 from finetune_trainer.termination_log import (
@@ -333,6 +335,31 @@ def test_own_failure_restarts_leave_out_the_peers_that_left(tmp_path: Path) -> N
     _attempt(tmp_path, 4, {0: ValueError("bad row")})  # the last: the report's own kind
     assert own_failure_restarts(tmp_path) == 2
     assert own_failure_restarts(tmp_path / "absent") is None
+
+
+def test_an_own_failure_torch_restarted_as_a_membership_change_still_counts(
+    tmp_path: Path,
+) -> None:
+    """A rank raised, but before it exited its peer pod's agent already waited at the next
+    round: torch restarts the group as a membership change, with the same restart count, and
+    its real DefaultLogsSpecs wipes attempt_0 (the error file) to start the group there again
+    (the maxRestarts 3 run that reported 2 of its 3 restarts). The launcher reads it first."""
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path))
+    reify = DefaultLogsSpecs.reify
+
+    def start(k: int) -> Path:  # what torch's agent passes: each local rank's environment
+        env = {"TORCHELASTIC_RUN_ID": "job-uid", "TORCHELASTIC_RESTART_COUNT": str(k)}
+        return Path(specs.reify({0: env, 1: env}).error_files[1]).parent
+
+    with reused_attempts() as reused:
+        _error_file(start(0), ValueError("bad row"))  # raised; restarted as a membership change
+        _error_file(start(0), ValueError("bad row"))  # raised again: a failure, count 1
+        start(1)  # a real membership change: the group stopped, no error file: not counted
+        _error_file(start(1), ValueError("bad row"))  # raised: torchrun gave up
+    assert reused == [0]
+    assert own_failure_restarts(tmp_path, len(reused)) == 2
+    assert own_failure_restarts(tmp_path) == 1  # what the attempts left on disk say alone
+    assert DefaultLogsSpecs.reify is reify  # torch's own again once torchrun returned
 
 
 def test_the_launcher_gives_torchrun_a_log_dir_of_its_own() -> None:
