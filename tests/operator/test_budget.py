@@ -118,11 +118,22 @@ CASES = [
     ),
     pytest.param(
         # Its torchrun spent its restarts on peers that left (deleted, preempted: torch
-        # counts a peer's departure as a failed group): replaced with the rendezvous it shut
-        # down, nothing counted.
-        [crashed("qs-worker-1", "PeerLost", restarts=3), *running("qs-worker-0")],
+        # counts a peer's departure as a failed group, the launcher does not: restarts 0):
+        # replaced with the rendezvous it shut down, nothing counted.
+        [crashed("qs-worker-1", "PeerLost", restarts=0), *running("qs-worker-0")],
         1, False, 1, ["qs-worker-1", "qs-rdzv"],
         id="peer-lost",
+    ),
+    pytest.param(
+        # Pods made at the job's restart 1 (2 left): worker-0 raised twice (its torchrun
+        # restarted twice), then worker-1 raised once and both gave up, worker-0's last
+        # attempt only losing its peer. worker-0's own restarts still happened: 3, not the
+        # 2 that worker-1's number alone says (the true count, 4 failures, is one more: the
+        # undercount of failures alternating between pods, README "Not done yet").
+        [crashed("qs-worker-0", "PeerLost", before=1, restarts=2),
+         crashed("qs-worker-1", "Exception", before=1, restarts=0)],
+        1, False, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
+        id="own-restarts-then-peer-lost",
     ),
     pytest.param(
         # A preempted pod (graceful SIGTERM, the trainer saved): replaced, not counted.

@@ -194,8 +194,12 @@ def report_crash(
     # left (torch's SimpleElasticAgent._invoke_run returns a failed group only at
     # remaining_restarts == 0), so it restarted the group --max-restarts times (fewer only
     # where a worker wedged in D-state made the agent drop its restarts: the count errs high).
+    # A group that only lost a peer at the end claims none without the files: the operator
+    # counts what a PeerLost pod reports too, and its restarts may all be peers that left.
     own = own_failure_restarts(log_dir, reused) if log_dir is not None else None
-    report["crash"]["restarts"] = own if own is not None else max_restarts(argv)
+    if own is None:
+        own = 0 if report["crash"].get("kind") == KIND_PEER_LOST else max_restarts(argv)
+    report["crash"]["restarts"] = own
     # No error file and no signal: a trainer that failed before `record` ran (an import
     # error: the log's tail has it, FallbackToLogsOnError) or that exited with a code of its
     # own after writing its own report. Either says more than "exited with code N".
