@@ -29,13 +29,14 @@ def crashed(
     before: int | None = 0,
     restarts: int | None = None,
     exit_code: int = 1,
+    message: str | None = None,
 ) -> PodView:
     """A worker pod that ended: its crash report's kind (None: no report, the container was
     killed from outside) and how often its torchrun restarted the group first; `before`: the
     job's restarts when the operator made it (its annotation; None: no annotation)."""
     report: dict[str, Any] | None = None
     if kind is not None:
-        report = {"crash": {"rank": 0, "kind": kind, "message": f"{kind} here"}}
+        report = {"crash": {"rank": 0, "kind": kind, "message": message or f"{kind} here"}}
         if restarts is not None:
             report["crash"]["restarts"] = restarts
     pod = ended(name, exit_code=exit_code, report=report)
@@ -82,6 +83,12 @@ def test_restarts_after_counts_the_pods_restarts_and_its_replacement() -> None:
 def _run(status: FineTuneJobStatus, pods: list[PodView]) -> Any:
     return step(status, [store(), *pods], LATER, ensured=1)
 
+
+TIMED_OUT = (
+    "CollectiveTimeoutError: a collective timed out after 300s: a peer stopped answering (node "
+    "lost, network partition, or a hung rank); torchrun re-forms the group. RuntimeError: "
+    "[gloo] Timed out waiting 300000ms for recv operation to complete"
+)
 
 # Each row: the failed pods a pass sees (with running peers), the job's restarts before; then
 # what the pass decides: phase Failed or not, status.restarts, the pods deleted.
@@ -134,6 +141,16 @@ CASES = [
          crashed("qs-worker-1", "Exception", before=1, restarts=0)],
         1, False, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
         id="own-restarts-then-peer-lost",
+    ),
+    pytest.param(
+        # A rank hangs at step N every time: the others' collectives time out (the trainer's
+        # CollectiveTimeoutError, a PeerLost report), the hung pod's agent restarts it as a
+        # membership change; no rank ever raises of its own. The timeouts are the failures
+        # (4 of them, as the launcher counts them): Failed, not re-formed forever.
+        [crashed("qs-worker-0", "PeerLost", restarts=3, message=TIMED_OUT),
+         crashed("qs-worker-1", "PeerLost", restarts=0)],
+        0, True, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
+        id="hang-every-attempt",
     ),
     pytest.param(
         # A preempted pod (graceful SIGTERM, the trainer saved): replaced, not counted.

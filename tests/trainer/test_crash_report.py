@@ -340,6 +340,17 @@ def test_own_failure_restarts_leave_out_the_peers_that_left(tmp_path: Path) -> N
     assert own_failure_restarts(tmp_path / "absent") is None
 
 
+def test_a_collective_timeout_counts_as_the_pods_failure(tmp_path: Path) -> None:
+    """A hung rank: its peers' collectives time out (a lost peer for the root cause), but
+    nothing else would ever count a hang that recurs at every attempt; a peer that closed its
+    connections did fail of its own in its pod, where it is counted."""
+    timed_out = RuntimeError("[gloo] Timed out waiting 300000ms for recv operation to complete")
+    _attempt(tmp_path, 0, {0: timed_out})
+    _attempt(tmp_path, 1, {0: RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1")})
+    _attempt(tmp_path, 2, {0: timed_out})  # the last: torchrun gave up
+    assert own_failure_restarts(tmp_path) == 1
+
+
 def test_an_own_failure_torch_restarted_as_a_membership_change_still_counts(
     tmp_path: Path,
 ) -> None:

@@ -44,6 +44,7 @@ from finetune_trainer.crash import (
     failure_from_process,
     planned_memory_note,
 )
+from finetune_trainer.distributed import COLLECTIVE_TIMEOUT_MARKERS
 from finetune_trainer.refusal import EXIT_CONFIG_ERROR, arm, disarm, refused
 from finetune_trainer.termination_log import write_crash_report
 
@@ -116,6 +117,16 @@ def _error_message(path: Path) -> str:
     return str(message or "")
 
 
+def _counted(message: str) -> bool:
+    """A rank's error that spends the job's budget: anything but a lost peer, and a collective
+    that timed out (a hung rank, an NCCL peer that raised: nothing else ever counts a hang
+    that recurs at every attempt; a peer that vanished silently counts too, which the ranks
+    cannot tell from a hang)."""
+    if any(m in message for m in COLLECTIVE_TIMEOUT_MARKERS):
+        return True
+    return not any(m in message for m in PEER_LOSS_MARKERS)
+
+
 def _own_failure(attempt: Path) -> bool:
     """Whether this pod's worker group failed of its own in `attempt` (one of torchelastic's
     `<log dir>/<run>/attempt_<k>/` directories, `<local rank>/error.json` in it): a rank
@@ -125,14 +136,14 @@ def _own_failure(attempt: Path) -> bool:
     messages = [_error_message(f) for f in attempt.glob("*/error.json")]
     if not messages:
         return True
-    return any(not any(m in text for m in PEER_LOSS_MARKERS) for text in messages)
+    return any(_counted(text) for text in messages)
 
 
 def _raised_of_its_own(attempt: Path) -> bool:
     """A rank of this pod wrote an error that is not a lost peer (no "no file: killed" here:
     a group stopped by its agent for a membership change leaves no error file either)."""
     messages = [_error_message(f) for f in attempt.glob("*/error.json")]
-    return any(text and not any(m in text for m in PEER_LOSS_MARKERS) for text in messages)
+    return any(text and _counted(text) for text in messages)
 
 
 @contextmanager

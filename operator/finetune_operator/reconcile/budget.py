@@ -34,7 +34,12 @@ failure: the next number.
 
 from __future__ import annotations
 
-from finetune_operator.reconcile.crash import has_crash_report, is_peer_loss, reported_restarts
+from finetune_operator.reconcile.crash import (
+    has_crash_report,
+    is_collective_timeout,
+    is_peer_loss,
+    reported_restarts,
+)
 from finetune_operator.reconcile.observed import PodView
 
 # An agent that ends on an exception (ChildFailedError once its restarts are spent, or any
@@ -69,8 +74,10 @@ def restarts_made(pod: PodView) -> int | None:
 def failure_number(pod: PodView, restarts: int) -> int | None:
     """Which of the job's failures `pod`'s end is, counting from 1; `restarts`: the job's
     failure restarts counted so far. None: a consequence of another pod's failure or of a
-    membership change (its ranks only lost a peer), never counted."""
-    if is_peer_loss(pod.termination_message):
+    membership change (its ranks only lost a peer), never counted; but a peer lost by a
+    collective timing out is counted (a hang: crash.is_collective_timeout)."""
+    message = pod.termination_message
+    if is_peer_loss(message) and not is_collective_timeout(message):
         return None
     made = restarts_made(pod)
     if made is None:
