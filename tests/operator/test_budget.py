@@ -29,13 +29,14 @@ def crashed(
     before: int | None = 0,
     restarts: int | None = None,
     exit_code: int = 1,
+    message: str | None = None,
 ) -> PodView:
     """A worker pod that ended: its crash report's kind (None: no report, the container was
     killed from outside) and how often its torchrun restarted the group first; `before`: the
     job's restarts when the operator made it (its annotation; None: no annotation)."""
     report: dict[str, Any] | None = None
     if kind is not None:
-        report = {"crash": {"rank": 0, "kind": kind, "message": f"{kind} here"}}
+        report = {"crash": {"rank": 0, "kind": kind, "message": message or f"{kind} here"}}
         if restarts is not None:
             report["crash"]["restarts"] = restarts
     pod = ended(name, exit_code=exit_code, report=report)
@@ -83,6 +84,12 @@ def _run(status: FineTuneJobStatus, pods: list[PodView]) -> Any:
     return step(status, [store(), *pods], LATER, ensured=1)
 
 
+TIMED_OUT = (
+    "CollectiveTimeoutError: a collective timed out after 300s: a peer stopped answering (node "
+    "lost, network partition, or a hung rank); torchrun re-forms the group. RuntimeError: "
+    "[gloo] Timed out waiting 300000ms for recv operation to complete"
+)
+
 # Each row: the failed pods a pass sees (with running peers), the job's restarts before; then
 # what the pass decides: phase Failed or not, status.restarts, the pods deleted.
 CASES = [
@@ -118,11 +125,32 @@ CASES = [
     ),
     pytest.param(
         # Its torchrun spent its restarts on peers that left (deleted, preempted: torch
-        # counts a peer's departure as a failed group): replaced with the rendezvous it shut
-        # down, nothing counted.
-        [crashed("qs-worker-1", "PeerLost", restarts=3), *running("qs-worker-0")],
+        # counts a peer's departure as a failed group, the launcher does not: restarts 0):
+        # replaced with the rendezvous it shut down, nothing counted.
+        [crashed("qs-worker-1", "PeerLost", restarts=0), *running("qs-worker-0")],
         1, False, 1, ["qs-worker-1", "qs-rdzv"],
         id="peer-lost",
+    ),
+    pytest.param(
+        # Pods made at the job's restart 1 (2 left): worker-0 raised twice (its torchrun
+        # restarted twice), then worker-1 raised once and both gave up, worker-0's last
+        # attempt only losing its peer. worker-0's own restarts still happened: 3, not the
+        # 2 that worker-1's number alone says (the true count, 4 failures, is one more: the
+        # undercount of failures alternating between pods, README "Not done yet").
+        [crashed("qs-worker-0", "PeerLost", before=1, restarts=2),
+         crashed("qs-worker-1", "Exception", before=1, restarts=0)],
+        1, False, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
+        id="own-restarts-then-peer-lost",
+    ),
+    pytest.param(
+        # A rank hangs at step N every time: the others' collectives time out (the trainer's
+        # CollectiveTimeoutError, a PeerLost report), the hung pod's agent restarts it as a
+        # membership change; no rank ever raises of its own. The timeouts are the failures
+        # (4 of them, as the launcher counts them): Failed, not re-formed forever.
+        [crashed("qs-worker-0", "PeerLost", restarts=3, message=TIMED_OUT),
+         crashed("qs-worker-1", "PeerLost", restarts=0)],
+        0, True, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
+        id="hang-every-attempt",
     ),
     pytest.param(
         # A preempted pod (graceful SIGTERM, the trainer saved): replaced, not counted.

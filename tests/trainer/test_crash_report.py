@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
@@ -32,6 +33,7 @@ from finetune_trainer.launch import (
     config_path,
     max_restarts,
     own_failure_restarts,
+    reused_attempts,
     with_log_dir,
 )
 from finetune_trainer.termination_log import (
@@ -251,8 +253,11 @@ def test_a_pod_that_only_lost_a_peer_says_its_log_is_not_the_jobs_root_cause(
     log.touch()
     monkeypatch.setattr(launch, "torchrun_main", torchrun)
     monkeypatch.setenv("FT_TERMINATION_LOG", str(log))
-    assert launch.main([]) == launch.EXIT_FAILED
-    assert json.loads(log.read_text())["crash"]["kind"] == KIND_PEER_LOST
+    assert launch.main(["--max-restarts=2", "-m", "finetune_trainer"]) == launch.EXIT_FAILED
+    crash = json.loads(log.read_text())["crash"]
+    # No attempt on disk to tell its own failures from its peers': none claimed (the operator
+    # counts the restarts a PeerLost pod reports, and a peer's departure must not spend).
+    assert (crash["kind"], crash["restarts"]) == (KIND_PEER_LOST, 0)
     last = capsys.readouterr().err.rstrip().splitlines()[-1]
     assert last.startswith("crash report: this pod's ranks only lost a peer in another pod")
     assert "Restarting (or Failed) condition names" in last
@@ -333,6 +338,42 @@ def test_own_failure_restarts_leave_out_the_peers_that_left(tmp_path: Path) -> N
     _attempt(tmp_path, 4, {0: ValueError("bad row")})  # the last: the report's own kind
     assert own_failure_restarts(tmp_path) == 2
     assert own_failure_restarts(tmp_path / "absent") is None
+
+
+def test_a_collective_timeout_counts_as_the_pods_failure(tmp_path: Path) -> None:
+    """A hung rank: its peers' collectives time out (a lost peer for the root cause), but
+    nothing else would ever count a hang that recurs at every attempt; a peer that closed its
+    connections did fail of its own in its pod, where it is counted."""
+    timed_out = RuntimeError("[gloo] Timed out waiting 300000ms for recv operation to complete")
+    _attempt(tmp_path, 0, {0: timed_out})
+    _attempt(tmp_path, 1, {0: RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1")})
+    _attempt(tmp_path, 2, {0: timed_out})  # the last: torchrun gave up
+    assert own_failure_restarts(tmp_path) == 1
+
+
+def test_an_own_failure_torch_restarted_as_a_membership_change_still_counts(
+    tmp_path: Path,
+) -> None:
+    """A rank raised, but before it exited its peer pod's agent already waited at the next
+    round: torch restarts the group as a membership change, with the same restart count, and
+    its real DefaultLogsSpecs wipes attempt_0 (the error file) to start the group there again
+    (the maxRestarts 3 run that reported 2 of its 3 restarts). The launcher reads it first."""
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path))
+    reify = DefaultLogsSpecs.reify
+
+    def start(k: int) -> Path:  # what torch's agent passes: each local rank's environment
+        env = {"TORCHELASTIC_RUN_ID": "job-uid", "TORCHELASTIC_RESTART_COUNT": str(k)}
+        return Path(specs.reify({0: env, 1: env}).error_files[1]).parent
+
+    with reused_attempts() as reused:
+        _error_file(start(0), ValueError("bad row"))  # raised; restarted as a membership change
+        _error_file(start(0), ValueError("bad row"))  # raised again: a failure, count 1
+        start(1)  # a real membership change: the group stopped, no error file: not counted
+        _error_file(start(1), ValueError("bad row"))  # raised: torchrun gave up
+    assert reused == [0]
+    assert own_failure_restarts(tmp_path, len(reused)) == 2
+    assert own_failure_restarts(tmp_path) == 1  # what the attempts left on disk say alone
+    assert DefaultLogsSpecs.reify is reify  # torch's own again once torchrun returned
 
 
 def test_the_launcher_gives_torchrun_a_log_dir_of_its_own() -> None:

@@ -27,10 +27,12 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
@@ -43,6 +45,7 @@ from finetune_trainer.crash import (
     failure_from_process,
     planned_memory_note,
 )
+from finetune_trainer.distributed import COLLECTIVE_TIMEOUT_MARKERS
 from finetune_trainer.refusal import EXIT_CONFIG_ERROR, arm, disarm, refused
 from finetune_trainer.termination_log import write_crash_report
 
@@ -115,6 +118,16 @@ def _error_message(path: Path) -> str:
     return str(message or "")
 
 
+def _counted(message: str) -> bool:
+    """A rank's error that spends the job's budget: anything but a lost peer, and a collective
+    that timed out (a hung rank, an NCCL peer that raised: nothing else ever counts a hang
+    that recurs at every attempt; a peer that vanished silently counts too, which the ranks
+    cannot tell from a hang)."""
+    if any(m in message for m in COLLECTIVE_TIMEOUT_MARKERS):
+        return True
+    return not any(m in message for m in PEER_LOSS_MARKERS)
+
+
 def _own_failure(attempt: Path) -> bool:
     """Whether this pod's worker group failed of its own in `attempt` (one of torchelastic's
     `<log dir>/<run>/attempt_<k>/` directories, `<local rank>/error.json` in it): a rank
@@ -124,13 +137,52 @@ def _own_failure(attempt: Path) -> bool:
     messages = [_error_message(f) for f in attempt.glob("*/error.json")]
     if not messages:
         return True
-    return any(not any(m in text for m in PEER_LOSS_MARKERS) for text in messages)
+    return any(_counted(text) for text in messages)
 
 
-def own_failure_restarts(log_dir: Path) -> int | None:
+def _raised_of_its_own(attempt: Path) -> bool:
+    """A rank of this pod wrote an error that is not a lost peer (no "no file: killed" here:
+    a group stopped by its agent for a membership change leaves no error file either)."""
+    messages = [_error_message(f) for f in attempt.glob("*/error.json")]
+    return any(text and _counted(text) for text in messages)
+
+
+@contextmanager
+def reused_attempts() -> Iterator[list[int]]:
+    """The attempts that failed of this pod's own but that torch restarted as a membership
+    change, whose error files it then wiped: their restart counts, collected while torchrun
+    runs in this process.
+
+    torch's agent decides on its group's state at each monitor tick: a rank that raised but has
+    not exited yet (it is tearing its process group down) leaves the group HEALTHY, and when a
+    peer agent (whose ranks lost this one) already waits at the next rendezvous round, the
+    agent restarts the group as a membership change: --max-restarts is not spent, the restart
+    count stays, and DefaultLogsSpecs.reify wipes `attempt_<count>` (the raising rank's error
+    file in it) before it starts the new group there. Read before it is wiped."""
+    original = DefaultLogsSpecs.reify
+    reused: list[int] = []
+
+    def reify(self: DefaultLogsSpecs, envs: dict[int, dict[str, str]]) -> Any:
+        run_dir = getattr(self, "_run_log_dir", None)
+        count = (envs.get(0) or {}).get("TORCHELASTIC_RESTART_COUNT")
+        if run_dir and count is not None:
+            attempt = Path(run_dir) / f"attempt_{count}"
+            if attempt.is_dir() and _raised_of_its_own(attempt):
+                reused.append(int(count))
+        return original(self, envs)
+
+    DefaultLogsSpecs.reify = reify  # type: ignore[method-assign]
+    try:
+        yield reused
+    finally:
+        DefaultLogsSpecs.reify = original  # type: ignore[method-assign]
+
+
+def own_failure_restarts(log_dir: Path, reused: int = 0) -> int | None:
     """torchrun's restarts in this pod that followed a failure of the pod's own, out of all
     of them (torch also restarts, and counts against --max-restarts, a group whose peer left):
-    one per attempt before the last that failed of its own. None: no attempt found."""
+    one per attempt before the last that failed of its own, plus `reused`: own failures torch
+    restarted as membership changes (`reused_attempts`). None: no attempt found."""
     attempts = sorted(
         (int(m[1]), path)
         for path in log_dir.glob("*/attempt_*")
@@ -138,11 +190,11 @@ def own_failure_restarts(log_dir: Path) -> int | None:
     )
     if not attempts:
         return None
-    return sum(1 for _, path in attempts[:-1] if _own_failure(path))
+    return reused + sum(1 for _, path in attempts[:-1] if _own_failure(path))
 
 
 def report_crash(
-    error: ChildFailedError, argv: list[str], log_dir: Path | None = None
+    error: ChildFailedError, argv: list[str], log_dir: Path | None = None, reused: int = 0
 ) -> str | None:
     """Write the root cause to the termination log; the line for the pod's log, None when the
     report would say less than the log (`KIND_EXIT`)."""
@@ -154,8 +206,12 @@ def report_crash(
     # left (torch's SimpleElasticAgent._invoke_run returns a failed group only at
     # remaining_restarts == 0), so it restarted the group --max-restarts times (fewer only
     # where a worker wedged in D-state made the agent drop its restarts: the count errs high).
-    own = own_failure_restarts(log_dir) if log_dir is not None else None
-    report["crash"]["restarts"] = own if own is not None else max_restarts(argv)
+    # A group that only lost a peer at the end claims none without the files: the operator
+    # counts what a PeerLost pod reports too, and its restarts may all be peers that left.
+    own = own_failure_restarts(log_dir, reused) if log_dir is not None else None
+    if own is None:
+        own = 0 if report["crash"].get("kind") == KIND_PEER_LOST else max_restarts(argv)
+    report["crash"]["restarts"] = own
     # No error file and no signal: a trainer that failed before `record` ran (an import
     # error: the log's tail has it, FallbackToLogsOnError) or that exited with a code of its
     # own after writing its own report. Either says more than "exited with code N".
@@ -202,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     refusal = arm()
     run_args, log_dir = with_log_dir(args)
+    reused: list[int] = []
     try:
-        torchrun_main(run_args)
+        with reused_attempts() as reused:
+            torchrun_main(run_args)
     except SignalException as e:
         message = refused(refusal)
         if message is not None:
@@ -222,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrun stopped by {name}: worker group shut down", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        line = report_crash(e, args, log_dir)
+        line = report_crash(e, args, log_dir, len(reused))
         # torchrun's own summary (each failed rank's traceback, its pick of the root cause),
         # as it would print it, without the launcher's frames around it; then ours, last.
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.admission import FAILED_TO_START
-from finetune_operator.reconcile.budget import failure_number, restarts_after
+from finetune_operator.reconcile.budget import failure_number, restarts_after, restarts_made
 from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
@@ -86,7 +86,11 @@ def _backoff_due(pod: PodView, base: float, k: int, now: datetime) -> datetime:
 
 
 def _walk_failures(
-    ev: Evaluation, status: FineTuneJobStatus, failed: Sequence[PodView], now: datetime
+    ev: Evaluation,
+    status: FineTuneJobStatus,
+    failed: Sequence[PodView],
+    now: datetime,
+    made: int = 0,
 ) -> tuple[list[PodView], list[tuple[PodView, datetime]], int, PodView | None]:
     """Number the failed pods on the job's count of failures (budget.py) and schedule their
     replacements: oldest failure first, but a pod whose ranks only lost a peer before any that
@@ -98,7 +102,9 @@ def _walk_failures(
     pod whose failure is beyond the budget (None while there is budget left)."""
     assert ev.spec is not None
     ft = ev.spec.fault_tolerance
-    restarts = status.restarts
+    # `made`: restarts the ended pods' torchruns made after failures of their own, whatever
+    # each pod's end was (a pod whose last attempt only lost a peer included).
+    restarts = max(status.restarts, made)
     doubling = status.restarts  # the backoff's exponent
     replace_now: list[PodView] = []
     waiting: list[tuple[PodView, datetime]] = []
@@ -217,7 +223,8 @@ def assess(
     preempted = tuple((p, v) for p, v in verdicts if not v.disposition.counted)
     seen = replace(seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted))
     failed = [p for p, v in verdicts if v.disposition.counted]
-    replace_now, waiting, restarts, exhausted = _walk_failures(ev, status, failed, now)
+    made = max((r for p in ended if p.is_worker and (r := restarts_made(p))), default=0)
+    replace_now, waiting, restarts, exhausted = _walk_failures(ev, status, failed, now, made)
     if exhausted is not None:
         used = ev.spec.fault_tolerance.max_restarts
         # Say the root cause: a pod whose ranks only lost their peer is a consequence of

@@ -23,8 +23,9 @@ One failure is seen by every pod: a rank that raises makes its peers' collective
 every agent restarts its group (or gives up) on the same event. Numbering each pod's failures
 on the job's count, from the count when the pod was made, gives the same event the same number
 in every pod: it is counted once (the highest number, not a sum over pods). A pod whose ranks
-only lost a peer (crash kind `PeerLost`) has no failure of its own: the failure is the peer
-pod's (numbered there) or the peer was taken away (not counted). torch counts a peer's
+only lost a peer (crash kind `PeerLost`) has no failure of its own at its end: the failure is
+the peer pod's (numbered there) or the peer was taken away (not counted); the restarts its
+torchrun made after its own earlier failures still happened (`restarts_made`). torch counts a peer's
 departure as a failed group too, so a pod may have spent its `--max-restarts` on preemptions
 and give up with budget left: it is replaced, the departures spend nothing. A pod that left no crash report (its container
 killed from outside: OOMKilled, a SIGKILL of the pod; an older trainer image) is one more
@@ -33,7 +34,12 @@ failure: the next number.
 
 from __future__ import annotations
 
-from finetune_operator.reconcile.crash import has_crash_report, is_peer_loss, reported_restarts
+from finetune_operator.reconcile.crash import (
+    has_crash_report,
+    is_collective_timeout,
+    is_peer_loss,
+    reported_restarts,
+)
 from finetune_operator.reconcile.observed import PodView
 
 # An agent that ends on an exception (ChildFailedError once its restarts are spent, or any
@@ -54,17 +60,30 @@ def in_pod_budget(max_restarts: int, restarts: int) -> int:
     return max(0, max_restarts - restarts)
 
 
+def restarts_made(pod: PodView) -> int | None:
+    """The job's failure restarts that had happened once `pod`'s torchrun made its restarts
+    after failures of the pod's own (its `restart-attempt` + its report's `restarts`), however
+    the pod then ended: a pod whose last attempt only lost a peer still restarted after its
+    own earlier failures. None: no report or no annotation."""
+    in_pod = reported_restarts(pod.termination_message)
+    if in_pod is None or pod.restarts_before is None:
+        return None
+    return pod.restarts_before + in_pod
+
+
 def failure_number(pod: PodView, restarts: int) -> int | None:
     """Which of the job's failures `pod`'s end is, counting from 1; `restarts`: the job's
     failure restarts counted so far. None: a consequence of another pod's failure or of a
-    membership change (its ranks only lost a peer), never counted."""
-    if is_peer_loss(pod.termination_message):
+    membership change (its ranks only lost a peer), never counted; but a peer lost by a
+    collective timing out is counted (a hang: crash.is_collective_timeout)."""
+    message = pod.termination_message
+    if is_peer_loss(message) and not is_collective_timeout(message):
         return None
-    in_pod = reported_restarts(pod.termination_message)
-    if in_pod is None or pod.restarts_before is None:
+    made = restarts_made(pod)
+    if made is None:
         return restarts + 1
     # The same event seen by several pods gets the same number: max() in the caller.
-    return pod.restarts_before + in_pod + 1
+    return made + 1
 
 
 def restarts_after(restarts: int, number: int | None, *, replaced: bool) -> int:

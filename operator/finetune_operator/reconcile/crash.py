@@ -78,6 +78,22 @@ def is_peer_loss(message: str | None) -> bool:
     return crash is not None and crash.get("kind") == KIND_PEER_LOST
 
 
+# The trainer's CollectiveTimeoutError and the timeouts it wraps (finetune_trainer/distributed.py).
+COLLECTIVE_TIMEOUT_MARKERS = (
+    "a collective timed out",
+    "Timed out waiting",
+    "collective operation timeout",
+)
+
+
+def is_collective_timeout(message: str | None) -> bool:
+    """The pod's ranks lost a peer by a collective timing out (a hung rank, or a peer that
+    vanished without closing its connections): counted as a failure (reconcile/budget.py),
+    or a hang that recurs at every attempt would never spend the budget."""
+    text = str((_crash(message) or {}).get("message") or "")
+    return is_peer_loss(message) and any(m in text for m in COLLECTIVE_TIMEOUT_MARKERS)
+
+
 def has_crash_report(message: str | None) -> bool:
     """The pod's torchrun gave up on a failed worker group and its launcher said why (which
     shuts the job's rendezvous down: reconcile/budget.py)."""
