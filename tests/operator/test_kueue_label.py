@@ -58,10 +58,9 @@ def test_a_job_running_outside_kueue_stays_so_through_a_pass_without_workers() -
     outside Kueue rather than queued."""
     live = _running_outside_kueue()
     outside = _pass(live, running(*ALL), _not_created_yet(), 5).status
-    # Killed from outside (137): an agent that exits 1 also takes the store with it (budget.py).
     failed = [pod("qs-rdzv", "Running", ready=True),
-              pod("qs-worker-0", "Failed", exit_code=137, finished=T0),
-              pod("qs-worker-1", "Failed", exit_code=137, finished=T0)]  # fmt: skip
+              pod("qs-worker-0", "Failed", exit_code=1, finished=T0),
+              pod("qs-worker-1", "Failed", exit_code=1, finished=T0)]  # fmt: skip
     out = _pass(outside, failed, _not_created_yet(), 600)
     # Replaced: deleted, then recreated. Their torchrun agents ended on an error, which shuts
     # the rendezvous down for good (reconcile/budget.py): the store is replaced with them.
