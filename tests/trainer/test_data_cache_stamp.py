@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +145,18 @@ def test_only_the_pods_own_entry_is_stamped(tmp_path: Path, hashed: list[int]) -
     writer.finish(key="k", dtype=np.dtype(np.uint16), seq_len=SEQ, samples=4)
     assert open_entry(tmp_path, "k") is not None and open_entry(tmp_path, "k") is not None
     assert len(hashed) == 2 and not (tmp_path / STAMP_FILE).exists()
+
+
+def test_a_read_that_moves_the_atime_still_stamps(tmp_path: Path) -> None:
+    """Reading the blocks may update their access time (relatime: the first read after a
+    write, or with an atime older than the mtime): that is no change of their bytes, and must
+    not keep the entry unstamped (verified again at every open, the cost the stamp saves)."""
+    writer = EntryWriter(tmp_path, None)
+    writer.write(np.arange(64, dtype=np.uint16).reshape(4, SEQ))
+    writer.finish(key="k", dtype=np.dtype(np.uint16), seq_len=SEQ, samples=4)
+    blocks = tmp_path / BLOCKS_FILE
+    st = blocks.stat()
+    os.utime(blocks, ns=(st.st_mtime_ns - 10**10, st.st_mtime_ns))  # an atime relatime moves
+    time.sleep(0.05)  # past the ctime's tick: the stamp is then trusted, not racy
+    assert open_entry(tmp_path, "k", remember=True) is not None
+    assert (tmp_path / STAMP_FILE).exists()

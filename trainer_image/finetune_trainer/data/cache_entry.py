@@ -113,6 +113,11 @@ def _read_stamp(path: Path) -> tuple[bytes | None, int]:
         return None, 0
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file's bytes may have (its atime does not)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _remember(path: Path, st: os.stat_result, checksum: str, boot: str | None) -> None:
     """Write the stamp (through a temporary name: a torn stamp would only cost a verification,
     but there is no reason to leave one). Not fsynced: lost in a crash, it costs one read."""
@@ -146,8 +151,9 @@ def open_entry(path: Path, key: str, *, remember: bool = False) -> Entry | None:
         if not (remember and stamped(*_read_stamp(path), st, checksum, boot)):
             if _checksum(blocks) != checksum:
                 raise ValueError("checksum mismatch")
-            # Stamped only if the file did not change while it was read.
-            if remember and (path / BLOCKS_FILE).stat() == st:
+            # Stamped only if the file did not change while it was read. Not the whole stat:
+            # reading it may move its atime (relatime), which says nothing of its bytes.
+            if remember and _identity((path / BLOCKS_FILE).stat()) == _identity(st):
                 _remember(path, st, checksum, boot)
         return Entry(blocks=blocks, samples=int(meta["samples"]))
     except FileNotFoundError:
