@@ -16,7 +16,7 @@ from finetune_operator.api.spec import FineTuneJobSpec, Objective
 from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.configuration import Candidate, TrainingShape
-from finetune_operator.planner.hardware import Accelerator
+from finetune_operator.planner.hardware import Accelerator, runtime_host_bytes
 from finetune_operator.planner.loading import zero_resume_host_bytes
 from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
 from finetune_operator.planner.steptime import step_seconds
@@ -53,10 +53,12 @@ class Evaluated:
     step_s: float
     # Host RAM a resume adds beside the offloaded states (DeepSpeed on a GPU: one read group).
     resume_host_bytes: int = 0
+    # The process's runtime on the host (GPU jobs; on CPU it is in the device total).
+    runtime_host_bytes: int = 0
 
     @property
     def host_need(self) -> int:
-        return self.est.host_bytes + self.resume_host_bytes
+        return self.est.host_bytes + self.resume_host_bytes + self.runtime_host_bytes
 
 
 def memory_limit(acc: Accelerator) -> float:
@@ -130,10 +132,11 @@ def evaluate(
         # model states (it is freed before the first step, whose transients it never meets).
         device_need = max(b.total, b.parameters + b.gradients + b.optimizer + resume)
         resume = 0
-    fits = device_need <= memory_limit(p.acc) and est.host_bytes + resume <= p.host_budget
+    runtime = runtime_host_bytes(gpn) if p.acc.cuda else 0
+    fits = device_need <= memory_limit(p.acc) and est.host_bytes + resume + runtime <= p.host_budget
     run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * micro_batch_size)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
-    return Evaluated(row, replace(cand, strategy=row.name), shape, est, fits, step, resume)
+    return Evaluated(row, replace(cand, strategy=row.name), shape, est, fits, step, resume, runtime)
 
 
 def micro_batch_sizes(p: Problem, per_rank: int) -> list[int]:
