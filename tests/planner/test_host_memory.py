@@ -50,6 +50,7 @@ def test_a_gpu_pod_smaller_than_its_processes_runtimes_is_refused_on_the_host() 
     so the reason names the host, not a bigger GPU."""
     plan = plan_job(make_spec(resources={"memory": "1Gi"}))
     assert not plan.fits
+    assert plan.reason.startswith("Nothing fits in 128.0 MiB of host RAM per process (the H100")
     assert "Host RAM per process: the runtime" in plan.reason
     assert "A GPU with >=" not in plan.reason
     per_pod = _per_pod_mib(plan.reason)
@@ -68,3 +69,20 @@ def test_offloaded_states_and_the_runtime_share_the_host_budget() -> None:
     tight = evaluate(replace(p, host_budget=states + MIB), 8, row, 1, True)
     assert not tight.fits
     assert evaluate(replace(p, host_budget=tight.host_need), 8, row, 1, True).fits
+
+
+def test_an_offload_refusal_names_the_least_host_ram_a_configuration_needs() -> None:
+    """The refusal's host figure is the least any configuration the GPUs hold needs (offloaded
+    states shrink with the ranks), not that of the configuration smallest on the GPU (1 rank
+    holding all the states), and a pod given it plans."""
+    offload = {"type": "zero2", "offload": "cpu"}
+    refused = plan_job(make_spec(strategy=offload, resources={"memory": "8Gi"}))
+    assert not refused.fits
+    assert refused.reason.startswith("Nothing fits in 1.0 GiB of host RAM per process")
+    host = re.search(r"Host RAM per process: .* need ([0-9.]+) GiB at (\d+) ranks", refused.reason)
+    assert host is not None, refused.reason
+    assert int(host[2]) > 1  # sharded over ranks, not the 1-rank smallest-on-GPU one
+    assert "the runtime (" in refused.reason and "offloaded states (" in refused.reason
+    per_pod = _per_pod_mib(refused.reason)
+    plan = plan_job(make_spec(strategy=offload, resources={"memory": f"{math.ceil(per_pod)}Mi"}))
+    assert plan.fits and plan.world_size == int(host[2])

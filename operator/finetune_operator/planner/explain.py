@@ -127,14 +127,26 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
     limit = p.acc.memory_bytes * (1 - MIN_HEADROOM)
     sizes = ", ".join(str(n) for n in sorted(result.tried))
     configurations = f"{result.evaluated} configuration" + ("" if result.evaluated == 1 else "s")
+    # The GPU holds some configurations, only the host does not: say so first.
+    host = result.least_host
+    host = host if host is not None and host.host_need > p.host_budget else None
+    if p.acc.cuda and host is not None:
+        where = (
+            f"{_gib(p.host_budget)} of host RAM per process (the {p.acc.name} GPU's "
+            f"{_gib(limit)} with {MIN_HEADROOM:.0%} headroom would do)."
+        )
+    else:
+        where = (
+            f"{_gib(p.acc.memory_bytes)} per {_device(p)} with {MIN_HEADROOM:.0%} headroom "
+            f"(limit {_gib(limit)})."
+        )
     parts = [
-        f"Nothing fits in {_gib(p.acc.memory_bytes)} per {_device(p)} with "
-        f"{MIN_HEADROOM:.0%} headroom (limit {_gib(limit)}). Tried world sizes {sizes} "
+        f"Nothing fits in {where} Tried world sizes {sizes} "
         f"({configurations}); the smallest need was {_gib(sm.est.breakdown.total)} "
         f"at {_count(sm.cand.world_size, 'rank')} with {_config(sm)} (peak at {sm.est.peak_phase})."
     ]
-    if sm.host_need > p.host_budget:
-        parts.append(_host_refusal(p, sm))
+    if host is not None or sm.host_need > p.host_budget:
+        parts.append(_host_refusal(p, host or sm))
     more = _try(hint_problem, p, unbounded=True)
     if more is not None and more.cand.world_size > max(result.tried, default=0):
         parts.append(
@@ -169,8 +181,8 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
 
 
 def _host_refusal(p: Problem, sm: Evaluated) -> str:
-    """What the smallest configuration needs of host RAM per process, and the per-pod
-    resources.memory that would hold it."""
+    """What the configuration needing the least host RAM (of those the device holds) needs
+    of it per process, and the per-pod resources.memory that would hold it."""
     what = [f"the runtime ({_gib(sm.runtime_host_bytes)})"] if sm.runtime_host_bytes else []
     if sm.est.host_bytes:
         what.append(f"offloaded states ({_gib(sm.est.host_bytes)})")
@@ -180,6 +192,7 @@ def _host_refusal(p: Problem, sm: Evaluated) -> str:
     per_pod = sm.host_need * p.spec.resources.gpus_per_node
     return (
         f"Host RAM per process: {listed} need{'' if len(what) > 1 else 's'} "
-        f"{_gib(sm.host_need)} (budget "
-        f"{_gib(p.host_budget)}); resources.memory >= {_gib_up(per_pod)} per pod would hold it."
+        f"{_gib(sm.host_need)} at {_count(sm.cand.world_size, 'rank')} with {_config(sm)} "
+        f"(budget {_gib(p.host_budget)}); resources.memory >= {_gib_up(per_pod)} per pod "
+        "would hold it."
     )
