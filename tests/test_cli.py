@@ -505,11 +505,13 @@ def test_plan_reasons_give_small_sizes_in_mib_and_the_memory_that_would_fit(
     # Before: "Nothing fits in 0.0 GiB ... A resources.memory per process of with >= 0 GiB".
     assert reason.startswith("Nothing fits in 0.5 MiB per CPU process"), reason
     hint = re.search(
-        r"resources\.memory >= ([0-9.]+) MiB per pod \(([0-9.]+) MiB per process", reason
+        r"resources\.memory >= ([0-9.]+) (MiB|GiB) per pod \(([0-9.]+) MiB per process", reason
     )
     assert hint is not None, reason
-    per_pod, per_process = float(hint[1]), float(hint[2])
-    assert per_pod == pytest.approx(2 * per_process, abs=0.1) and per_process > 0.5
+    per_pod = float(hint[1]) * (1024 if hint[2] == "GiB" else 1)
+    per_process = float(hint[3])
+    # Each shown rounded up to 0.1 of its unit; a process's runtime (~0.5 GiB) is counted.
+    assert 2 * per_process <= per_pod <= 2 * per_process + 0.1 * 1024 and per_process > 400
 
 
 @pytest.mark.parametrize(("example", "unit"), [("quickstart", "MiB"), ("llama-3.1-8b-lora", "GiB")])
@@ -573,24 +575,29 @@ def test_plan_trace_does_not_pass_on_the_libraries_deprecation_warnings(
 
 
 @pytest.mark.parametrize(
-    ("memory", "warning"),
+    ("memory", "fits", "warning"),
     [
-        (80, "'80' per worker pod is under 512Mi: its torchrun agent and trainers need more than "
-         "that just to import torch and transformers (without a unit it is bytes: did you mean "
-         "'80Gi'?)"),
-        ("100Mi", "'100Mi' per worker pod is under 512Mi"),
-        ("2Gi", None),
+        (80, False, "'80' has no unit, so it is bytes: did you mean '80Gi'?"),
+        ("100Mi", False, None),
+        ("2Gi", False, None),  # 256 MiB for each of 8 trainers: under one's runtime
+        ("8Gi", True, None),
     ],
 )  # fmt: skip
-def test_plan_warns_of_a_pod_memory_too_small_to_start(
-    memory: int | str, warning: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_plan_refuses_a_pod_memory_too_small_to_start(
+    memory: int | str,
+    fits: bool,
+    warning: str | None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`memory: 80` (80 bytes, meant as 80Gi) planned without a word: the plan counts tensors."""
+    """`memory: 80` (80 bytes, meant as 80Gi) planned without a word: the plan counted
+    tensors only. Now each process's runtime must fit too, and a unitless slip is named."""
     doc = yaml.safe_load((EXAMPLES / "llama-3.1-8b-lora.yaml").read_text())
     doc["spec"]["resources"]["memory"] = memory
-    assert main(["plan", _write(tmp_path, doc)]) == 0
-    err = capsys.readouterr().err
+    assert main(["plan", _write(tmp_path, doc)]) == (0 if fits else 1)
+    captured = capsys.readouterr()
+    assert ("Host RAM per process: the runtime" in captured.out) is not fits
     if warning is None:
-        assert "spec.resources.memory" not in err
+        assert "spec.resources.memory" not in captured.err
     else:
-        assert f"warning: spec.resources.memory: {warning}" in err
+        assert f"warning: spec.resources.memory: {warning}" in captured.err

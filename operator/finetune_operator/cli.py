@@ -82,25 +82,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 2 if refusals or policy_given else 0
 
 
-# Below this a worker pod cannot even import its libraries (measured on CPU, torch 2.13: RSS
-# after `import torch` 219 MiB, the torchrun agent's share; after transformers' Llama 342 MiB,
-# each trainer's). The plan counts tensors, not the runtime, so it would "fit".
-MIN_POD_MEMORY_BYTES = 512 * 1024**2
-
-
 def _pod_memory_warning(spec: FineTuneJobSpec) -> str | None:
-    """`memory: 80` is 80 bytes, not 80Gi: a pod that small plans, then never runs."""
-    from finetune_operator.planner.hardware import parse_quantity
-
+    """`memory: 80` is 80 bytes, not 80Gi. The plan refuses a pod too small for its runtime
+    (planner/hardware.runtime_host_bytes), saying what would fit; this names the likely slip."""
     memory = spec.resources.memory
-    if memory is None or parse_quantity(memory, "spec.resources.memory") >= MIN_POD_MEMORY_BYTES:
+    # Under a MiB without a unit nobody means bytes ('1073741824' may well mean them).
+    if memory is None or not memory.isdigit() or int(memory) >= 1024**2:
         return None
-    unitless = (
-        f" (without a unit it is bytes: did you mean '{memory}Gi'?)" if memory.isdigit() else ""
-    )
     return (
-        f"spec.resources.memory: {memory!r} per worker pod is under 512Mi: its torchrun agent "
-        f"and trainers need more than that just to import torch and transformers{unitless}"
+        f"spec.resources.memory: {memory!r} has no unit, so it is bytes: did you mean '{memory}Gi'?"
     )
 
 

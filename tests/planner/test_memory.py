@@ -8,6 +8,7 @@ from finetune_operator.api.spec import ModelArchitecture, StrategyName
 from finetune_operator.planner import Candidate, TrainingShape, estimate_memory, shape_of
 from finetune_operator.planner.activations import activation_model, layer_bytes_per_token
 from finetune_operator.planner.catalog import lookup
+from finetune_operator.planner.hardware import AGENT_RUNTIME_HOST_BYTES, TRAINER_RUNTIME_HOST_BYTES
 from finetune_operator.planner.lora import adapter_parameters, nf4_bytes_per_weight
 
 LLAMA2_7B = shape_of(lookup("Llama-2-7b-hf").architecture)  # type: ignore[union-attr]
@@ -112,10 +113,14 @@ def test_fused_adamw_on_cuda_has_no_optimizer_temporaries() -> None:
     assert est.peak_phase != "optimizer"
 
 
-def test_cpu_has_no_cuda_overheads() -> None:
+@pytest.mark.parametrize("per_node", [1, 4])
+def test_cpu_has_no_cuda_overheads_but_the_runtime(per_node: int) -> None:
     shape = TrainingShape(micro_batch_size=1, seq_len=128, precision="fp32")
-    b = estimate_memory(LLAMA2_7B, shape, Candidate("ddp", 1, 1, cuda=False)).breakdown
-    assert b.total == b.reserved
+    cand = Candidate("ddp", per_node, per_node, cuda=False)
+    b = estimate_memory(LLAMA2_7B, shape, cand).breakdown
+    # The trainer's own runtime and its share of the pod's torchrun agent, nothing of CUDA.
+    agent_share = -(-AGENT_RUNTIME_HOST_BYTES // per_node)
+    assert b.total == b.reserved + TRAINER_RUNTIME_HOST_BYTES + agent_share
 
 
 TINY = ModelArchitecture(

@@ -27,6 +27,7 @@ from transformers import (
 from finetune_operator.api.spec import MethodSpec, ModelArchitecture, ModelSpec, Precision
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.hub_snapshot import download_snapshot
 from finetune_trainer.location import Location, locate
 from finetune_trainer.materialize import materialize
 from finetune_trainer.remote_model import model_files, remote_weights, weights_field
@@ -84,15 +85,7 @@ def weights_dir(
             f"{field} {location!r}: no such directory (source {spec.source} reads a Hugging "
             "Face model directory on a mounted volume)"
         )
-    from huggingface_hub import snapshot_download
-
-    return Path(
-        snapshot_download(
-            spec.name,
-            revision=spec.revision,
-            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
-        )
-    )
+    return download_snapshot(spec.name, spec.revision)
 
 
 def weights_source(

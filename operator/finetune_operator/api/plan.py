@@ -31,7 +31,10 @@ class MemoryBreakdown(ApiModel):
         ..., ge=0, description="Peak as reserved by the caching allocator (max_memory_reserved)."
     )
     total: int = Field(
-        ..., ge=0, description="reserved + CUDA context and library workspaces: what must fit."
+        ...,
+        ge=0,
+        description="reserved + CUDA context and library workspaces (on CPU: the process's "
+        "Python, torch and torchrun runtime): what must fit.",
     )
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from finetune_operator.api.plan import Plan
 from finetune_operator.planner.errors import PlanningError
-from finetune_operator.planner.hardware import GIB, MIB
+from finetune_operator.planner.hardware import GIB, MIB, runtime_host_bytes
 from finetune_operator.planner.search import MIN_HEADROOM, Evaluated, Problem, SearchResult
 
 
@@ -17,6 +18,12 @@ class HintSearch(Protocol):
 def _gib(n: float) -> str:
     """GiB, or MiB below one GiB: a CPU toy's 5.8 MiB is not '0.0 GiB'."""
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def _gib_up(n: float) -> str:
+    """As _gib, rounded up: a figure that "would fit" must not be shown below the need."""
+    unit = GIB if n >= GIB else MIB
+    return _gib(math.ceil(n / unit * 10) / 10 * unit)
 
 
 def _count(n: int, word: str) -> str:
@@ -120,22 +127,26 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
     limit = p.acc.memory_bytes * (1 - MIN_HEADROOM)
     sizes = ", ".join(str(n) for n in sorted(result.tried))
     configurations = f"{result.evaluated} configuration" + ("" if result.evaluated == 1 else "s")
+    # The GPU holds some configurations, only the host does not: say so first.
+    host = result.least_host
+    host = host if host is not None and host.host_need > p.host_budget else None
+    if p.acc.cuda and host is not None:
+        where = (
+            f"{_gib(p.host_budget)} of host RAM per process (the {p.acc.name} GPU's "
+            f"{_gib(limit)} with {MIN_HEADROOM:.0%} headroom would do)."
+        )
+    else:
+        where = (
+            f"{_gib(p.acc.memory_bytes)} per {_device(p)} with {MIN_HEADROOM:.0%} headroom "
+            f"(limit {_gib(limit)})."
+        )
     parts = [
-        f"Nothing fits in {_gib(p.acc.memory_bytes)} per {_device(p)} with "
-        f"{MIN_HEADROOM:.0%} headroom (limit {_gib(limit)}). Tried world sizes {sizes} "
+        f"Nothing fits in {where} Tried world sizes {sizes} "
         f"({configurations}); the smallest need was {_gib(sm.est.breakdown.total)} "
         f"at {_count(sm.cand.world_size, 'rank')} with {_config(sm)} (peak at {sm.est.peak_phase})."
     ]
-    if sm.host_need > p.host_budget:
-        resume = (
-            f" and a resume's read group ({_gib(sm.resume_host_bytes)})"
-            if sm.resume_host_bytes
-            else ""
-        )
-        parts.append(
-            f"Offloaded states{resume} need {_gib(sm.host_need)} of host RAM per process "
-            f"(budget {_gib(p.host_budget)})."
-        )
+    if host is not None or sm.host_need > p.host_budget:
+        parts.append(_host_refusal(p, host or sm))
     more = _try(hint_problem, p, unbounded=True)
     if more is not None and more.cand.world_size > max(result.tried, default=0):
         parts.append(
@@ -156,12 +167,32 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
                 parts.append(f"{label} would fit on {ev.cand.world_size} x {p.acc.name}.")
     need = sm.est.breakdown.total / (1 - MIN_HEADROOM)
     if p.acc.cuda:
-        parts.append(f"A GPU with >= {_gib(need)} would fit the smallest configuration.")
+        if sm.est.breakdown.total > limit:
+            parts.append(f"A GPU with >= {_gib(need)} would fit the smallest configuration.")
     else:
         per_pod = need * p.spec.resources.gpus_per_node
+        runtime = runtime_host_bytes(p.spec.resources.gpus_per_node)
         parts.append(
-            f"resources.memory >= {_gib(per_pod)} per pod ({_gib(need)} per process) would "
-            "fit the smallest configuration's tensors (a CPU plan counts tensors only: each "
-            "process's Python and torch runtime comes on top)."
+            f"resources.memory >= {_gib_up(per_pod)} per pod ({_gib_up(need)} per process) would "
+            f"fit the smallest configuration (with {MIN_HEADROOM:.0%} headroom; each process's "
+            f"Python, torch and torchrun share counted as {_gib(runtime)})."
         )
     return " ".join(parts)
+
+
+def _host_refusal(p: Problem, sm: Evaluated) -> str:
+    """What the configuration needing the least host RAM (of those the device holds) needs
+    of it per process, and the per-pod resources.memory that would hold it."""
+    what = [f"the runtime ({_gib(sm.runtime_host_bytes)})"] if sm.runtime_host_bytes else []
+    if sm.est.host_bytes:
+        what.append(f"offloaded states ({_gib(sm.est.host_bytes)})")
+    if sm.resume_host_bytes:
+        what.append(f"a resume's read group ({_gib(sm.resume_host_bytes)})")
+    listed = ", ".join(what[:-1]) + (" and " if len(what) > 1 else "") + what[-1]
+    per_pod = sm.host_need * p.spec.resources.gpus_per_node
+    return (
+        f"Host RAM per process: {listed} need{'' if len(what) > 1 else 's'} "
+        f"{_gib(sm.host_need)} at {_count(sm.cand.world_size, 'rank')} with {_config(sm)} "
+        f"(budget {_gib(p.host_budget)}); resources.memory >= {_gib_up(per_pod)} per pod "
+        "would hold it."
+    )

@@ -98,6 +98,24 @@ NCCL_BUFFER_BYTES = 256 * MIB
 # H100/A100 server (DGX H100) has 2 TiB, i.e. ~240 GiB per GPU after the OS.
 DEFAULT_HOST_BYTES_PER_GPU = 240 * GIB
 
+# Host RAM a process holds before its first tensor: Python, torch, the libraries and their
+# heaps. Measured as peak RSS (VmHWM in /proc/self/status) on this repo's image (torch
+# 2.13+cpu): the pod's torchrun agent after `import finetune_trainer.launch` 222 MiB (one per
+# pod); a trainer after importing what it imports at start (finetune_trainer.trainer,
+# transformers' Llama, peft, deepspeed) 379 MiB. A CUDA build maps more (libtorch_cuda, cuDNN,
+# NCCL; not measured here), so on a GPU these are a floor. The plan adds them to what each
+# process needs on the host, so a resources.memory the runtime alone exceeds is refused by the
+# plan instead of the pod being OOM-killed at start.
+AGENT_RUNTIME_HOST_BYTES = 224 * MIB
+TRAINER_RUNTIME_HOST_BYTES = 384 * MIB
+
+
+def runtime_host_bytes(gpus_per_node: int) -> int:
+    """Host RAM one process needs before any tensor: its own runtime and its share of the
+    pod's torchrun agent (the plan budgets per process: resources.memory / processes)."""
+    return TRAINER_RUNTIME_HOST_BYTES + -(-AGENT_RUNTIME_HOST_BYTES // max(1, gpus_per_node))
+
+
 # One number (digits with at most one point: "1.2.3" or "." is no number) and its unit.
 _QUANTITY = re.compile(
     r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([KMGTPE]i?|[kmM]?)\s*$"
@@ -179,7 +197,7 @@ def accelerator_for(res: ResourcesSpec) -> Accelerator:
 
 
 def host_bytes_per_process(res: ResourcesSpec) -> int:
-    """RAM one process may fill with offloaded states."""
+    """Host RAM one process may use: its runtime, offloaded states, a resume's read group."""
     if res.memory:
         return parse_quantity(res.memory, "spec.resources.memory") // res.gpus_per_node
     return DEFAULT_HOST_BYTES_PER_GPU

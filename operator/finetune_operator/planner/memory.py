@@ -34,6 +34,7 @@ from finetune_operator.planner.hardware import (
     CUDA_CONTEXT_BYTES,
     MIB,
     NCCL_BUFFER_BYTES,
+    runtime_host_bytes,
 )
 from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
 from finetune_operator.planner.model_states import ModelStates, model_states
@@ -269,10 +270,12 @@ def estimate_memory(m: ModelShape, shape: TrainingShape, cand: Candidate) -> Mem
     phase = max(phases, key=lambda k: phases[k])
     peak = phases[phase]
     reserved = _reserved(phases, st, cand)
-    overhead = 0
     if cand.cuda:
         overhead = CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES
         overhead += NCCL_BUFFER_BYTES if cand.world_size > 1 else 0
+    else:
+        # On CPU the device memory is the host's: the process's runtime shares it.
+        overhead = runtime_host_bytes(cand.gpus_per_node)
     breakdown = MemoryBreakdown(
         parameters=st.params,
         gradients=st.grads,

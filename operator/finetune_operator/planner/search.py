@@ -16,7 +16,7 @@ from finetune_operator.api.spec import FineTuneJobSpec, Objective
 from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.configuration import Candidate, TrainingShape
-from finetune_operator.planner.hardware import Accelerator
+from finetune_operator.planner.hardware import Accelerator, runtime_host_bytes
 from finetune_operator.planner.loading import zero_resume_host_bytes
 from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
 from finetune_operator.planner.steptime import step_seconds
@@ -53,10 +53,13 @@ class Evaluated:
     step_s: float
     # Host RAM a resume adds beside the offloaded states (DeepSpeed on a GPU: one read group).
     resume_host_bytes: int = 0
+    # The process's runtime on the host (GPU jobs; on CPU it is in the device total).
+    runtime_host_bytes: int = 0
+    device_fits: bool = True  # the device holds it (fits also needs the host to)
 
     @property
     def host_need(self) -> int:
-        return self.est.host_bytes + self.resume_host_bytes
+        return self.est.host_bytes + self.resume_host_bytes + self.runtime_host_bytes
 
 
 def memory_limit(acc: Accelerator) -> float:
@@ -130,10 +133,13 @@ def evaluate(
         # model states (it is freed before the first step, whose transients it never meets).
         device_need = max(b.total, b.parameters + b.gradients + b.optimizer + resume)
         resume = 0
-    fits = device_need <= memory_limit(p.acc) and est.host_bytes + resume <= p.host_budget
+    runtime = runtime_host_bytes(gpn) if p.acc.cuda else 0
+    device_fits = device_need <= memory_limit(p.acc)
+    fits = device_fits and est.host_bytes + resume + runtime <= p.host_budget
     run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * micro_batch_size)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
-    return Evaluated(row, replace(cand, strategy=row.name), shape, est, fits, step, resume)
+    placed = replace(cand, strategy=row.name)
+    return Evaluated(row, placed, shape, est, fits, step, resume, runtime, device_fits)
 
 
 def micro_batch_sizes(p: Problem, per_rank: int) -> list[int]:
@@ -154,6 +160,8 @@ class SearchResult:
     smallest: Evaluated | None  # lowest total among everything tried (for refusals)
     tried: dict[int, float]  # world size -> smallest total there
     evaluated: int = 0
+    # The least host RAM per process among configurations the device holds (for refusals).
+    least_host: Evaluated | None = None
 
 
 def search_at(
@@ -176,6 +184,9 @@ def search_at(
                 if result.smallest is None or total < result.smallest.est.breakdown.total:
                     result.smallest = ev
                 result.tried[n] = min(result.tried.get(n, total), total)
+                least = result.least_host
+                if ev.device_fits and (least is None or ev.host_need < least.host_need):
+                    result.least_host = ev
                 if not ev.fits:
                     break  # larger micro-batches only need more memory
                 fitting.append(ev)
