@@ -423,7 +423,8 @@ def test_plan_reports_what_the_job_policy_refuses(
     [
         ("1.2.3Gi", "is not a Kubernetes quantity"),
         (".", "is not a Kubernetes quantity"),
-        ("1e999Ki", "is too large for a memory quantity"),
+        ("1e999k", "is not a Kubernetes quantity"),  # an exponent or a suffix
+        ("10E", "is too large for a memory quantity"),
         ("16Ei", "is too large for a memory quantity"),
     ],
 )
