@@ -27,6 +27,17 @@ REGISTRY = pathlib.Path(tempfile.gettempdir()) / "finetune-local-mountpoints"
 CREATED = "created"  # marker: a local cluster made this path, so the last user removes it
 
 
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat, field 22), which
+    tells a reused PID from the process that registered; '' where /proc cannot say."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 else ""
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -37,13 +48,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _registrant_alive(token: str) -> bool:
+    """Whether the cluster that wrote `token` ("<pid>-<start time>-<id>") may still run: its
+    PID is alive and, where /proc says, started when the token was written. A PID the kernel
+    has given to a new process since (a cluster killed without its teardown, then a long run of
+    other processes) would otherwise keep its targets on the host forever."""
+    pid, _, rest = token.partition("-")
+    if not pid.isdigit() or int(pid) <= 0:
+        return False  # os.kill(0) would signal our own process group: no registrant's token
+    # "<pid>-<id>" (written before start times were) or "<pid>-0-<id>" (/proc unreadable then):
+    # the PID alone says.
+    started = rest.split("-", 1)[0] if "-" in rest else "0"
+    if not _alive(int(pid)):
+        return False
+    now = _start_time(int(pid)) if started != "0" else ""
+    return not now or now == started
+
+
 class MountPoints:
     """One local cluster's use of the host's mount targets."""
 
     def __init__(self, registry: pathlib.Path = REGISTRY) -> None:
         self.registry = registry
-        # One token per cluster (several may run in one process): "<pid>-<id>".
-        self.token = f"{os.getpid()}-{id(self)}"
+        # One token per cluster (several may run in one process): "<pid>-<start time>-<id>".
+        pid = os.getpid()
+        self.token = f"{pid}-{_start_time(pid) or 0}-{id(self)}"
         self.used: list[pathlib.Path] = []  # deepest last, in the order registered
 
     @contextlib.contextmanager
@@ -88,8 +117,7 @@ class MountPoints:
                     (entry / self.token).unlink()
                 users = [u for u in _listdir(entry) if u != CREATED]
                 for user in users:
-                    pid = int(user.split("-", 1)[0]) if user.split("-", 1)[0].isdigit() else 0
-                    if not _alive(pid):
+                    if not _registrant_alive(user):
                         with contextlib.suppress(FileNotFoundError):
                             (entry / user).unlink()
                 if any(u != CREATED for u in _listdir(entry)):
