@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import os
 import pathlib
+import re
 import tempfile
 from collections.abc import Iterator
 from urllib.parse import quote
@@ -132,19 +133,25 @@ class MountPoints:
             self.used.clear()
 
 
+# The kernel escapes a space, tab, newline and backslash in a mount point as \ooo; every other
+# byte (a UTF-8 name's too) is as it is. ("unicode_escape" read such a name as Latin-1.)
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
 def mount_points_in_use(proc: pathlib.Path = pathlib.Path("/proc")) -> set[str]:
     """Every mount point of every process's mount namespace (as /proc/<pid>/mountinfo has it:
     its fifth field, octal escapes decoded)."""
     points: set[str] = set()
     for info in proc.glob("[0-9]*/mountinfo"):
         try:
-            lines = info.read_text().splitlines()
+            # As os.fsdecode names paths: a name that is no UTF-8 still compares equal.
+            lines = info.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
         except OSError:  # the process ended, or is not ours to read
             continue
         for line in lines:
             fields = line.split(" ")
             if len(fields) > 4:
-                points.add(fields[4].encode().decode("unicode_escape"))
+                points.add(_OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4]))
     return points
 
 

@@ -76,3 +76,17 @@ def test_a_live_registration_with_an_unknown_start_time_keeps_a_target(tmp_path:
         (entry / token).touch()
     first.remove_created()
     assert target.is_dir()  # our PID is alive: those registrants may be
+
+
+def test_mount_points_in_use_are_read_as_the_kernel_writes_them(tmp_path: Path) -> None:
+    """/proc/<pid>/mountinfo's fifth field: octal escapes for a space or a backslash, a UTF-8
+    name as it is (read as Latin-1 it matched no target, which could then be removed)."""
+    from finetune_local.mountpoints import mount_points_in_use
+
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "mountinfo").write_text(
+        "36 35 98:0 / /data/données rw - ext4 /dev/sda1 rw\n"
+        "37 35 98:0 / /mnt/a\\040b\\134c rw - ext4 /dev/sda1 rw\n",
+        encoding="utf-8",
+    )
+    assert mount_points_in_use(tmp_path) == {"/data/données", "/mnt/a b\\c"}
