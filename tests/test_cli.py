@@ -423,7 +423,8 @@ def test_plan_reports_what_the_job_policy_refuses(
     [
         ("1.2.3Gi", "is not a Kubernetes quantity"),
         (".", "is not a Kubernetes quantity"),
-        ("1e999Ki", "is too large for a memory quantity"),
+        ("1e999k", "is not a Kubernetes quantity"),  # an exponent or a suffix
+        ("10E", "is too large for a memory quantity"),
         ("16Ei", "is too large for a memory quantity"),
     ],
 )
@@ -601,3 +602,46 @@ def test_plan_refuses_a_pod_memory_too_small_to_start(
         assert "spec.resources.memory" not in captured.err
     else:
         assert f"warning: spec.resources.memory: {warning}" in captured.err
+
+
+def test_operator_probe_names_a_silent_api_server_after_one_try() -> None:
+    """A server that accepts and never answers (a host dropping the packets behaves alike) is
+    named after one timeout: urllib3's default three retries made it four."""
+    import contextlib
+    import socket
+    import threading
+
+    import kubernetes.client as k8s
+
+    from finetune_operator.handlers.entry import NoClusterError, _probe_api_server
+
+    accepted: list[socket.socket] = []
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        server.settimeout(0.2)
+
+        def accept() -> None:
+            while not stopped.is_set():
+                try:
+                    accepted.append(server.accept()[0])
+                except OSError:
+                    continue
+
+        stopped = threading.Event()
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        config = k8s.Configuration(host=f"http://127.0.0.1:{server.getsockname()[1]}")
+        try:
+            with pytest.raises(NoClusterError, match="cannot reach the Kubernetes API server"):
+                _probe_api_server(k8s.ApiClient(config), timeout_seconds=0.3)
+        finally:
+            stopped.set()
+            thread.join()
+            server.setblocking(False)  # a try still in the backlog (a slow accept thread)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    accepted.append(server.accept()[0])
+            for conn in accepted:
+                conn.close()
+    assert len(accepted) == 1

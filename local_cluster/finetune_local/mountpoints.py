@@ -19,12 +19,24 @@ import contextlib
 import fcntl
 import os
 import pathlib
+import re
 import tempfile
 from collections.abc import Iterator
 from urllib.parse import quote
 
 REGISTRY = pathlib.Path(tempfile.gettempdir()) / "finetune-local-mountpoints"
 CREATED = "created"  # marker: a local cluster made this path, so the last user removes it
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat, field 22), which
+    tells a reused PID from the process that registered; '' where /proc cannot say."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 else ""
 
 
 def _alive(pid: int) -> bool:
@@ -37,13 +49,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _registrant_alive(token: str) -> bool:
+    """Whether the cluster that wrote `token` ("<pid>-<start time>-<id>") may still run: its
+    PID is alive and, where /proc says, started when the token was written. A PID the kernel
+    has given to a new process since (a cluster killed without its teardown, then a long run of
+    other processes) would otherwise keep its targets on the host forever."""
+    pid, _, rest = token.partition("-")
+    if not pid.isdigit() or int(pid) <= 0:
+        return False  # os.kill(0) would signal our own process group: no registrant's token
+    # "<pid>-<id>" (written before start times were) or "<pid>-0-<id>" (/proc unreadable then):
+    # the PID alone says.
+    started = rest.split("-", 1)[0] if "-" in rest else "0"
+    if not _alive(int(pid)):
+        return False
+    now = _start_time(int(pid)) if started != "0" else ""
+    return not now or now == started
+
+
 class MountPoints:
     """One local cluster's use of the host's mount targets."""
 
     def __init__(self, registry: pathlib.Path = REGISTRY) -> None:
         self.registry = registry
-        # One token per cluster (several may run in one process): "<pid>-<id>".
-        self.token = f"{os.getpid()}-{id(self)}"
+        # One token per cluster (several may run in one process): "<pid>-<start time>-<id>".
+        pid = os.getpid()
+        self.token = f"{pid}-{_start_time(pid) or 0}-{id(self)}"
         self.used: list[pathlib.Path] = []  # deepest last, in the order registered
 
     @contextlib.contextmanager
@@ -88,8 +118,7 @@ class MountPoints:
                     (entry / self.token).unlink()
                 users = [u for u in _listdir(entry) if u != CREATED]
                 for user in users:
-                    pid = int(user.split("-", 1)[0]) if user.split("-", 1)[0].isdigit() else 0
-                    if not _alive(pid):
+                    if not _registrant_alive(user):
                         with contextlib.suppress(FileNotFoundError):
                             (entry / user).unlink()
                 if any(u != CREATED for u in _listdir(entry)):
@@ -104,19 +133,25 @@ class MountPoints:
             self.used.clear()
 
 
+# The kernel escapes a space, tab, newline and backslash in a mount point as \ooo; every other
+# byte (a UTF-8 name's too) is as it is. ("unicode_escape" read such a name as Latin-1.)
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
 def mount_points_in_use(proc: pathlib.Path = pathlib.Path("/proc")) -> set[str]:
     """Every mount point of every process's mount namespace (as /proc/<pid>/mountinfo has it:
     its fifth field, octal escapes decoded)."""
     points: set[str] = set()
     for info in proc.glob("[0-9]*/mountinfo"):
         try:
-            lines = info.read_text().splitlines()
+            # As os.fsdecode names paths: a name that is no UTF-8 still compares equal.
+            lines = info.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
         except OSError:  # the process ended, or is not ours to read
             continue
         for line in lines:
             fields = line.split(" ")
             if len(fields) > 4:
-                points.add(fields[4].encode().decode("unicode_escape"))
+                points.add(_OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4]))
     return points
 
 

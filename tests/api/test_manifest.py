@@ -323,3 +323,14 @@ def test_two_keys_kubectl_names_alike_are_refused() -> None:
         'mapping key "on" already defined at line 2 (as "true": both are the key "true"'
         in (problems[0][1])
     )
+
+
+@pytest.mark.parametrize("key", ["training.sequenceLength", ""])
+def test_an_odd_unknown_key_gets_no_misleading_guess(key: str) -> None:
+    """A key with a point in it reads back as a path ending in a real field, and a key "" as
+    one ending in "spec": suggesting either would name what the user already wrote."""
+    doc = _quickstart()
+    doc["spec"][key] = 512
+    with pytest.raises(ManifestError) as err:
+        parse_manifest(doc, "job.yaml")
+    assert err.value.problems == [(f"spec.{key}", "unknown field")]

@@ -48,3 +48,45 @@ def test_a_dead_clusters_registration_does_not_keep_a_target(tmp_path: Path) -> 
     live.ensure(target, is_file=False)
     live.remove_created()
     assert not target.exists()
+
+
+def test_a_registration_whose_pid_was_reused_does_not_keep_a_target(tmp_path: Path) -> None:
+    """A cluster killed without its teardown leaves its token; when the kernel gives its PID to
+    another process (here: ours), the token's start time tells them apart."""
+    registry = tmp_path / "registry"
+    target = tmp_path / "etc-finetune"
+    live = MountPoints(registry)
+    live.ensure(target, is_file=False)
+    pid, started, _ = live.token.split("-")
+    assert started != "0"  # /proc/<pid>/stat is readable here
+    entry = next(p for p in registry.iterdir() if not p.name.startswith("."))
+    (entry / f"{pid}-{int(started) - 1}-1").touch()  # same PID, started before ours: dead
+    live.remove_created()
+    assert not target.exists()
+
+
+def test_a_live_registration_with_an_unknown_start_time_keeps_a_target(tmp_path: Path) -> None:
+    registry = tmp_path / "registry"
+    target = tmp_path / "etc-finetune"
+    first = MountPoints(registry)
+    first.ensure(target, is_file=False)
+    entry = next(p for p in registry.iterdir() if not p.name.startswith("."))
+    pid = first.token.split("-")[0]
+    for token in (f"{pid}-77", f"{pid}-0-78"):  # an older token format; /proc unreadable
+        (entry / token).touch()
+    first.remove_created()
+    assert target.is_dir()  # our PID is alive: those registrants may be
+
+
+def test_mount_points_in_use_are_read_as_the_kernel_writes_them(tmp_path: Path) -> None:
+    """/proc/<pid>/mountinfo's fifth field: octal escapes for a space or a backslash, a UTF-8
+    name as it is (read as Latin-1 it matched no target, which could then be removed)."""
+    from finetune_local.mountpoints import mount_points_in_use
+
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "mountinfo").write_text(
+        "36 35 98:0 / /data/données rw - ext4 /dev/sda1 rw\n"
+        "37 35 98:0 / /mnt/a\\040b\\134c rw - ext4 /dev/sda1 rw\n",
+        encoding="utf-8",
+    )
+    assert mount_points_in_use(tmp_path) == {"/data/données", "/mnt/a b\\c"}

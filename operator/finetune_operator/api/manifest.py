@@ -146,9 +146,14 @@ def _did_you_mean(path: str, schema: dict[str, Any]) -> str:
         if not isinstance(node, dict):
             return ""
     names = {name.lower(): name for name in node.get("properties", {})}
-    key = (parts[-1] if parts else "").replace("_", "").lower()
-    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.75)
-    return f" (did you mean {names[close[0]]}?)" if close else ""
+    last = parts[-1] if parts and not path.endswith(".") else ""  # a key "" ends in "."
+    close = difflib.get_close_matches(last.replace("_", "").lower(), list(names), n=1, cutoff=0.75)
+    # The path is read back from text: a key with a point in it ("training.sequenceLength:"
+    # under spec) reads as a path whose last part is a real field; naming it back would be no
+    # help, and "" would suggest the mapping's own name.
+    if not last or not close or names[close[0]] == last:
+        return ""
+    return f" (did you mean {names[close[0]]}?)"
 
 
 def _schema_problems(doc: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:

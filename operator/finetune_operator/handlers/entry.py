@@ -5,6 +5,7 @@ registry when finetune_operator.handlers is imported."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import secrets
 import threading
 from typing import Any
@@ -86,8 +87,13 @@ def _probe_api_server(client: k8s.ApiClient, timeout_seconds: float = 10.0) -> N
     operator's own requests then say what is denied). In a pod, a server not up yet makes the
     container restart, as kopf's giving up would, only sooner."""
     host = client.configuration.host
+    # One try: urllib3 retries a failed GET three times by default, so a host that drops the
+    # packets (a wrong address, a VPN down) would take four timeouts to be named, not one.
+    config = copy.copy(client.configuration)
+    config.retries = 0
     try:
-        k8s.VersionApi(client).get_code(_request_timeout=timeout_seconds)
+        with k8s.ApiClient(config) as probe:
+            k8s.VersionApi(probe).get_code(_request_timeout=timeout_seconds)
     except k8s.ApiException:
         return
     except (urllib3.exceptions.HTTPError, OSError) as err:

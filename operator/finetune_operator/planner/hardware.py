@@ -116,15 +116,20 @@ def runtime_host_bytes(gpus_per_node: int) -> int:
     return TRAINER_RUNTIME_HOST_BYTES + -(-AGENT_RUNTIME_HOST_BYTES // max(1, gpus_per_node))
 
 
-# One number (digits with at most one point: "1.2.3" or "." is no number) and its unit.
+# Kubernetes' resource.Quantity grammar, as ParseQuantity reads it: an optional "+" (a negative
+# request is refused by pod validation), one number with at most one point, then either a decimal
+# exponent with an integer power ("1e3", "2E-3") or one suffix: binary Ki..Ei or decimal n, u, m,
+# "", k, M..E. Nothing else: no spaces, no "K" (only "k"), no exponent with a suffix ("1e3Gi"),
+# which the API server refuses on every worker pod the operator would then create.
 _QUANTITY = re.compile(
-    r"^\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([KMGTPE]i?|[kmM]?)\s*$"
+    r"^\+?(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+    r"(?:(?P<exponent>[eE][-+]?[0-9]+)|(?P<suffix>[KMGTPE]i|[numkMGTPE]))?$"
 )
 # Kubernetes reads a quantity's value as an int64 (Quantity.Value() saturates above it).
 MAX_QUANTITY_BYTES = (1 << 63) - 1
-# The byte suffixes of api.quantity, plus what a memory request may also say ("K", and the
-# milli-unit "m", which Kubernetes accepts even for bytes).
-_UNITS: dict[str, float] = {**UNITS, "K": 1e3, "m": 1e-3}
+# The byte suffixes of api.quantity, plus the sub-unit ones a memory request may also say
+# (Kubernetes accepts "500m" even for bytes).
+_UNITS: dict[str, float] = {**UNITS, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
 def parse_quantity(text: str, field: str) -> int:
@@ -132,7 +137,8 @@ def parse_quantity(text: str, field: str) -> int:
     match = _QUANTITY.match(text)
     if not match:
         raise PlanningError(field, f"{text!r} is not a Kubernetes quantity such as 2Gi")
-    value = float(match.group(1)) * _UNITS[match.group(2)]
+    number, exponent, suffix = match.group("number", "exponent", "suffix")
+    value = float(number + (exponent or "")) * _UNITS[suffix or ""]
     if not value <= MAX_QUANTITY_BYTES:  # also infinity ("1e999")
         raise PlanningError(
             field, f"{text!r} is too large for a memory quantity (at most 2^63 - 1 bytes)"
@@ -140,16 +146,10 @@ def parse_quantity(text: str, field: str) -> int:
     return int(value)
 
 
-# Any Kubernetes quantity (a pod's cpu: "8", "500m", "1.5", "2e3"), as the API server reads it.
-_ANY_QUANTITY = re.compile(
-    r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$"
-)
-
-
 def check_cpu_quantity(text: str, field: str) -> None:
     """Refuse a cpu the API server would refuse on every worker pod (the job would plan, then
     never start a worker): here it is refused before anything is created, naming the field."""
-    if not _ANY_QUANTITY.match(text):
+    if not _QUANTITY.match(text):
         raise PlanningError(field, f"{text!r} is not a Kubernetes quantity such as 8 or 500m")
 
 
