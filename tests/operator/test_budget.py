@@ -43,18 +43,6 @@ def crashed(
     return dataclasses.replace(pod, restarts_before=before)
 
 
-def carried(
-    name: str, report: dict[str, Any] | None, *, before: int = 1, exit_code: int = 143
-) -> PodView:
-    """A worker pod that ended without a crash report, its launcher's `restarts` (its own
-    failures restarted in the pod) beside whatever else it left; made at the job's `before`,
-    after the current store (it joined that store)."""
-    pod = ended(
-        name, exit_code=exit_code, report=report, started=STORE_START + timedelta(seconds=1)
-    )
-    return dataclasses.replace(pod, restarts_before=before)
-
-
 def store() -> PodView:
     return ended("qs-rdzv", phase="Running", exit_code=0, started=STORE_START)
 
@@ -172,42 +160,6 @@ CASES = [
         id="preemption",
     ),
     pytest.param(
-        # Made at the job's restart 1, its trainer raised twice (torchrun restarted it twice),
-        # then the pod was preempted: still a preemption (replaced, not counted as a failure),
-        # but the 2 restarts happened: restarts 1 + 2.
-        [carried("qs-worker-1", {"step": 5, "stopReason": "Signal", "restarts": 2}),
-         *running("qs-worker-0")],
-        1, False, 3, ["qs-worker-1"],
-        id="preempted-after-2-own-failures",
-    ),
-    pytest.param(
-        # Killed by SIGTERM before any final report (the trainer had not started): likewise.
-        [carried("qs-worker-1", {"restarts": 2}), *running("qs-worker-0")],
-        1, False, 3, ["qs-worker-1"],
-        id="sigterm-after-2-own-failures",
-    ),
-    pytest.param(
-        # Two own failures restarted in the pod, then its peer gave up first and shut the
-        # rendezvous down: RendezvousClosed (not counted, the store renewed), the 2 counted.
-        [carried("qs-worker-0", {"restarts": 2, "rendezvousClosed": True}, exit_code=1),
-         *running("qs-worker-1")],
-        1, False, 3, ["qs-worker-0", "qs-rdzv"],
-        id="rendezvous-closed-after-2-own-failures",
-    ),
-    pytest.param(
-        # Preempted with no failure of its own (the launcher writes no count): unchanged.
-        [carried("qs-worker-1", None), *running("qs-worker-0")],
-        2, False, 2, ["qs-worker-1"],
-        id="preempted-no-own-failures",
-    ),
-    pytest.param(
-        # The floor is absolute: a pod made at restart 1 with 2 own failures, seen when the
-        # job is already at 4 (counted before, or by an operator that restarted): unchanged.
-        [carried("qs-worker-1", {"restarts": 2}), *running("qs-worker-0")],
-        4, False, 4, ["qs-worker-1"],
-        id="carried-count-already-counted",
-    ),
-    pytest.param(
         # A join needs no pass at all: torchrun re-forms without a failure. Nothing ended.
         running("qs-worker-0", "qs-worker-1"),
         1, False, 1, [],
@@ -278,26 +230,6 @@ def test_a_worker_that_found_the_rendezvous_closed_counts_nothing_and_renews_the
     # Joined an older store: that store is gone, the usual lost rendezvous.
     old = dataclasses.replace(worker, created_at=STORE_START - timedelta(seconds=1))
     assert classify_exit(old, STORE_START).disposition is Disposition.RENDEZVOUS_LOST
-
-
-def test_carried_restarts_are_a_floor_not_a_sum_and_keep_the_disposition() -> None:
-    """The same preempted pod seen on two passes (the second pass's status is the first's
-    output, as after an operator restart reading it back) adds its restarts once; its end
-    stays a preemption (counted in status.preemptions, never a failure number)."""
-    pod = carried("qs-worker-1", {"step": 5, "stopReason": "Signal", "restarts": 2})
-    assert classify_exit(pod, STORE_START).disposition is Disposition.PREEMPTED
-    closed = carried("qs-worker-0", {"restarts": 2, "rendezvousClosed": True}, exit_code=1)
-    assert classify_exit(closed, STORE_START).disposition is Disposition.RENDEZVOUS_CLOSED
-    assert failure_number(closed, 1) == 2  # were it counted: one more, not 1 + 2 + 1
-    status = step(FineTuneJobStatus(), [], T0).status.model_copy(update={"restarts": 1})
-    first = _run(status, [pod, *running("qs-worker-0")])
-    again = _run(first.status, [pod, *running("qs-worker-0")])
-    assert (first.status.restarts, again.status.restarts) == (3, 3)
-    assert first.status.preemptions == 1
-    # Evicted (deleted, terminating): its end is not the operator's to handle, its count is.
-    evicted = dataclasses.replace(pod, terminating=True)
-    out = _run(status, [evicted, *running("qs-worker-0")])
-    assert (out.status.restarts, out.status.preemptions, deleted(out)) == (3, 0, [])
 
 
 def test_missed_scrapes_still_bound_the_attempts() -> None:

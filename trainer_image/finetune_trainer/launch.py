@@ -8,9 +8,7 @@ torchrun turns SIGTERM (every graceful pod delete, drain or preemption) into a
 exception escape: a traceback in the pod's log and exit code 1 for what is an orderly stop.
 Here that stop ends with one log line and 128 + the signal (143 for SIGTERM), the code the
 trainer itself exits with when stopped (`finish.EXIT_STOPPED`) and that
-`reconcile/disposition.py` reads as a preemption. Restarts torchrun made after failures of the
-pod's own before the stop go to the termination log (`carry_restarts`): they spend the job's
-one restart budget however the pod ends (a RendezvousClosedError's too).
+`reconcile/disposition.py` reads as a preemption.
 
 A failed worker group ends torchrun with a `ChildFailedError` carrying each failed rank's
 error file (the trainer runs under torchelastic's `record`) or the signal that killed it.
@@ -36,7 +34,6 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.run import main as torchrun_main
 
 from finetune_trainer.crash import (
@@ -50,7 +47,7 @@ from finetune_trainer.crash import (
 )
 from finetune_trainer.distributed import COLLECTIVE_TIMEOUT_MARKERS
 from finetune_trainer.refusal import EXIT_CONFIG_ERROR, arm, disarm, refused
-from finetune_trainer.termination_log import write_crash_report, write_restarts
+from finetune_trainer.termination_log import write_crash_report
 
 EXIT_FAILED = 1  # what torchrun exits with on a failed worker group
 
@@ -196,21 +193,6 @@ def own_failure_restarts(log_dir: Path, reused: int = 0) -> int | None:
     return reused + sum(1 for _, path in attempts[:-1] if _own_failure(path))
 
 
-def carry_restarts(
-    log_dir: Path | None, reused: int = 0, *, rendezvous_closed: bool = False
-) -> int:
-    """The pod ends without a crash report (stopped by a signal, or the rendezvous shut down by
-    another agent): its restarts after failures of its own still happened and spend the job's
-    budget, so they go to the termination log (reconcile/budget.py `restarts_made`); the
-    pod's end stays what it was (a preemption, RendezvousClosed). The last attempt is the one
-    stopped: only those before it were restarted. Nothing written when there were none (the
-    log's tail stays the message: FallbackToLogsOnError). Returns the count."""
-    own = own_failure_restarts(log_dir, reused) if log_dir is not None else None
-    if own:
-        write_restarts(own, rendezvous_closed=rendezvous_closed)
-    return own or 0
-
-
 def report_crash(
     error: ChildFailedError, argv: list[str], log_dir: Path | None = None, reused: int = 0
 ) -> str | None:
@@ -293,7 +275,6 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             return EXIT_CONFIG_ERROR
-        carry_restarts(log_dir, len(reused))
         name = signal.Signals(e.sigval).name
         # torchrun already logged the signal and shut its workers down, waiting for them.
         print(f"torchrun stopped by {name}: worker group shut down", file=sys.stderr, flush=True)
@@ -306,10 +287,6 @@ def main(argv: list[str] | None = None) -> int:
         if line:
             print(line, file=sys.stderr, flush=True)
         return EXIT_FAILED
-    except RendezvousClosedError:
-        # Another agent gave up and shut the rendezvous down: torchrun's own error, unchanged.
-        carry_restarts(log_dir, len(reused), rendezvous_closed=True)
-        raise
     finally:
         disarm(refusal)
         if log_dir is not None:

@@ -223,10 +223,7 @@ def assess(
     preempted = tuple((p, v) for p, v in verdicts if not v.disposition.counted)
     seen = replace(seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted))
     failed = [p for p, v in verdicts if v.disposition.counted]
-    # Every ended worker's own restarts, a pod being deleted too (evicted, drained: its
-    # launcher carried them out on the SIGTERM): an absolute floor, so seeing one twice is
-    # harmless, and a pod gone before any pass saw it ended is not seen (README "Not done yet").
-    made = max((r for p in pods if p.is_worker and (r := restarts_made(p))), default=0)
+    made = max((r for p in ended if p.is_worker and (r := restarts_made(p))), default=0)
     replace_now, waiting, restarts, exhausted = _walk_failures(ev, status, failed, now, made)
     if exhausted is not None:
         used = ev.spec.fault_tolerance.max_restarts

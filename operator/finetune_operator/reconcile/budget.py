@@ -35,7 +35,6 @@ failure: the next number.
 from __future__ import annotations
 
 from finetune_operator.reconcile.crash import (
-    carried_restarts,
     has_crash_report,
     is_collective_timeout,
     is_peer_loss,
@@ -64,12 +63,9 @@ def in_pod_budget(max_restarts: int, restarts: int) -> int:
 def restarts_made(pod: PodView) -> int | None:
     """The job's failure restarts that had happened once `pod`'s torchrun made its restarts
     after failures of the pod's own (its `restart-attempt` + its report's `restarts`), however
-    the pod then ended: a pod whose last attempt only lost a peer, or that was then preempted
-    or found the rendezvous closed (the count its launcher carried out: `carried_restarts`),
-    still restarted after its own earlier failures. An absolute number, a floor under
-    `status.restarts`: the same pod seen again (or by a restarted operator) adds nothing.
-    None: no count or no annotation."""
-    in_pod = carried_restarts(pod.termination_message)
+    the pod then ended: a pod whose last attempt only lost a peer still restarted after its
+    own earlier failures. None: no report or no annotation."""
+    in_pod = reported_restarts(pod.termination_message)
     if in_pod is None or pod.restarts_before is None:
         return None
     return pod.restarts_before + in_pod
@@ -83,12 +79,11 @@ def failure_number(pod: PodView, restarts: int) -> int | None:
     message = pod.termination_message
     if is_peer_loss(message) and not is_collective_timeout(message):
         return None
-    # The crash report's count only: a pod that ended another way is no failure.
-    in_pod = reported_restarts(message)
-    if in_pod is None or pod.restarts_before is None:
+    made = restarts_made(pod)
+    if made is None:
         return restarts + 1
     # The same event seen by several pods gets the same number: max() in the caller.
-    return pod.restarts_before + in_pod + 1
+    return made + 1
 
 
 def restarts_after(restarts: int, number: int | None, *, replaced: bool) -> int:
