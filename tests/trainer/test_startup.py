@@ -23,13 +23,14 @@ BUILD_TRAINER = f"""
 import json, sys
 from finetune_trainer.__main__ import main  # the entry path a worker runs
 from finetune_trainer.config import RuntimeEnv, load_job_config
-from finetune_trainer.distributed import destroy_distributed
+from finetune_trainer.distributed import destroy_distributed, exit_process
 from finetune_trainer.trainer import Trainer
 trainer = Trainer(load_job_config(sys.argv[1]), RuntimeEnv.from_environ())
 trainer.checkpointer.load()
 trainer.close()
 destroy_distributed()
 print(json.dumps(sorted(m for m in {UNUSED!r} if m in sys.modules)))
+exit_process(0)  # as the trainer's __main__ ends: gloo's threads must not meet finalisation
 """
 
 
