@@ -10,6 +10,7 @@ tokenizer files. `weight_files` decides (pure); `download_snapshot` does the hub
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -38,9 +39,12 @@ def weight_files(repo_files: Iterable[str], index_json: bytes | None, repo: str 
     return [*CONFIG_PATTERNS, *weights]
 
 
+@functools.cache
 def download_snapshot(repo: str, revision: str | None) -> Path:
     """Download what `weight_files` picks (the file list and the index first) and return the
-    snapshot directory. Offline (HF_HUB_OFFLINE=1) there is no file list: the cached
+    snapshot directory. Once per process: the trainer asks before the start-up barrier (so a
+    replacement pod's download is waited for there) and again when it builds the model; the
+    second ask would list the repo and check every file's revision over the network again. Offline (HF_HUB_OFFLINE=1) there is no file list: the cached
     snapshot is used as it is, as snapshot_download does offline."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import OfflineModeIsEnabled
