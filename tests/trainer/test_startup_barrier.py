@@ -9,14 +9,19 @@ import math
 import threading
 from datetime import datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
 
+from finetune_operator.api.training_spec import DatasetSpec
 from finetune_trainer.crash import KIND_PEER_LOST, crash_report, failure_from_process
+from finetune_trainer.data.dataset import build_dataset
+from finetune_trainer.data.records import load_records
 from finetune_trainer.distributed import CollectiveTimeoutError
+from finetune_trainer.faults import FaultConfig, build_faults
 from finetune_trainer.hub_snapshot import HUB_STALL_EXTRA_S
 from finetune_trainer.startup_barrier import (
     HUB_SNAPSHOT_ALLOWANCE_S,
@@ -37,11 +42,13 @@ from finetune_trainer.startup_beats import (
     verdict,
 )
 from finetune_trainer.startup_progress import (
+    PROGRESS,
     Sample,
     StartupProgress,
     directory_bytes,
     stall_limit,
 )
+from finetune_trainer.tokenizer import build_byte_tokenizer
 from tests.trainer.conftest import (
     Proc,
     launch_standalone,
@@ -174,6 +181,36 @@ def test_progress_samples_its_phase_and_what_the_work_did(tmp_path: Path) -> Non
         assert progress.sample() == Sample("download", 13, 5.0)  # reads as its last value
     assert progress.sample() == Sample("starting", 3, 0.0)
     assert directory_bytes(tmp_path / "absent") == 0
+
+
+def test_tokenizing_and_a_data_delay_are_progress_and_a_stall_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The data phase reports its records; the fault knobs are slow work (progress moving)
+    and a hung read (none), on a fake clock."""
+    before = PROGRESS.sample().progress
+    spec = DatasetSpec(uri="builtin://quickstart")
+    build_dataset(spec, build_byte_tokenizer(), 128)
+    records = len(list(load_records(spec).rows()))
+    assert records and PROGRESS.sample().progress - before == records  # each one tokenized
+    now = [0.0]
+    seen: list[tuple[float, Sample]] = []
+
+    def sleep(seconds: float) -> None:  # what the barrier would see as each sleep starts
+        seen.append((seconds, PROGRESS.sample()))
+        now[0] += seconds
+
+    clock = SimpleNamespace(monotonic=lambda: now[0], sleep=sleep)
+    monkeypatch.setattr("finetune_trainer.faults.time", clock)
+    env = {"FT_DATA_DELAY_SECONDS": "2", "FT_DATA_STALL_SECONDS": "60", "FT_DATA_DELAY_RANK": "1"}
+    build_faults(FaultConfig.from_environ(env), rank=1).after_data()
+    *slow, (stall_s, stalled) = seen
+    assert len(slow) >= 19 and [p.progress for _, p in slow] == sorted(
+        {p.progress for _, p in slow}
+    )
+    assert stall_s == 60 and now[0] == pytest.approx(62.0)  # the hung read
+    assert PROGRESS.sample().progress == stalled.progress  # no progress through it
+    assert {sample.phase for _, sample in seen} == {"data"}
 
 
 @pytest.fixture
