@@ -183,6 +183,24 @@ def test_progress_samples_its_phase_and_what_the_work_did(tmp_path: Path) -> Non
     assert directory_bytes(tmp_path / "absent") == 0
 
 
+def test_a_rank_holding_a_lock_shows_its_progress_to_the_ranks_waiting_on_it(
+    tmp_path: Path,
+) -> None:
+    """The local rank that holds the data cache's key lock may itself be waiting for another
+    pod's build: its progress (that build's) reaches the local ranks waiting on the lock as
+    the growth of a file in the directory they probe."""
+    holder, waiter = StartupProgress(), StartupProgress()
+    with waiter.phase("data", lambda: directory_bytes(tmp_path)):
+        first = waiter.sample().progress
+        with holder.echoed(tmp_path / "key.progress"):
+            holder.advance()
+            assert waiter.sample().progress > first
+            second = waiter.sample().progress
+            holder.advance()
+            assert waiter.sample().progress > second
+        assert not (tmp_path / "key.progress").exists()
+
+
 def test_tokenizing_and_a_data_delay_are_progress_and_a_stall_is_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -65,11 +65,29 @@ class StartupProgress:
         self._phase: tuple[str, Probe | None, float] = ("starting", None, 0.0)
         self._lock = threading.Lock()
         self._probed = 0
+        self._echo: Path | None = None
 
     def advance(self, amount: int = 1) -> None:
-        """Work was done (records tokenized, bytes copied, another pod's build advanced)."""
+        """Work was done (records tokenized, another pod's build advanced)."""
         with self._lock:
             self._count += amount
+        if self._echo is not None:
+            with contextlib.suppress(OSError), open(self._echo, "ab") as f:
+                f.write(b".")
+
+    @contextlib.contextmanager
+    def echoed(self, path: Path) -> Iterator[None]:
+        """Inside, each `advance` also appends a byte to `path` (removed after): the local
+        ranks waiting on a lock this rank holds count its growth (their phase's directory
+        probe) as their own progress, though the work is another pod's build this rank
+        waits for."""
+        self._echo = path
+        try:
+            yield
+        finally:
+            self._echo = None
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     @contextlib.contextmanager
     def phase(self, name: str, probe: Probe | None = None, extra_s: float = 0.0) -> Iterator[None]:

@@ -48,6 +48,7 @@ import numpy as np
 from finetune_trainer.data.build_claim import wait_bound
 from finetune_trainer.data.cache_entry import CacheFullError, Entry, EntryWriter, open_entry
 from finetune_trainer.files import fsync_dir, remove, write_synced
+from finetune_trainer.startup_progress import PROGRESS
 
 if TYPE_CHECKING:
     from finetune_trainer.data.shared import SharedCache
@@ -140,7 +141,8 @@ def cached_entry(
     directory = settings.directory
     directory.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as claim:
-        with locked(directory / f"{key}.lock"):
+        # The other local ranks wait on the lock: they see this rank's progress (startup_progress).
+        with locked(directory / f"{key}.lock"), PROGRESS.echoed(directory / f"{key}.progress"):
             entry, outcome, shared_damaged = _find_or_build(
                 settings, key, build, dtype, seq_len, claim, source_bytes
             )
