@@ -40,9 +40,9 @@ never compared, only what they published):
   ends its process with a `StartupStalledError` in its error file, naming the phase and where
   its main thread is: its pod fails for a cause of its own, and is restarted for it. Its
   peers wait two heartbeats longer (its last beat reaches them up to one later) and then fail
-  as for a lost peer, naming it, its phase and its last progress.
-Collectives are
-never widened for the work: model loading and the first steps keep the plan's startup
+  as for a lost peer, naming it, its phase and its last progress. (A hang that holds the GIL
+  stops the beat thread too: that rank reads as lost, after the same startup timeout.)
+Collectives are never widened for the work: model loading and the first steps keep the plan's startup
 timeout (and the steady one afterwards, collective_timeout.py).
 
 Load on the store: each rank sets its beat key every `heartbeat_seconds` (one request, as the
