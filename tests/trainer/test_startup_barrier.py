@@ -22,7 +22,7 @@ from finetune_trainer.data.dataset import build_dataset
 from finetune_trainer.data.records import load_records
 from finetune_trainer.distributed import CollectiveTimeoutError
 from finetune_trainer.faults import FaultConfig, build_faults
-from finetune_trainer.hub_snapshot import HUB_STALL_EXTRA_S
+from finetune_trainer.hub_snapshot import HUB_STALL_EXTRA_S, snapshot_bytes
 from finetune_trainer.startup_barrier import (
     HUB_SNAPSHOT_ALLOWANCE_S,
     BarrierStore,
@@ -181,6 +181,25 @@ def test_progress_samples_its_phase_and_what_the_work_did(tmp_path: Path) -> Non
         assert progress.sample() == Sample("download", 13, 5.0)  # reads as its last value
     assert progress.sample() == Sample("starting", 3, 0.0)
     assert directory_bytes(tmp_path / "absent") == 0
+
+
+def test_a_hub_download_shows_as_the_bytes_of_its_cache_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub streams a file into `<cache>/models--org--name/blobs/<sha>.incomplete`:
+    the download phase's probe counts it while it grows."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    blobs = tmp_path / "models--org--tiny" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "0123.incomplete").write_bytes(b"x" * 5)
+    (tmp_path / "models--org--other").mkdir()
+    (tmp_path / "models--org--other" / "w").write_bytes(b"x" * 100)  # another repo's
+    progress = StartupProgress()
+    with progress.phase("hub", lambda: snapshot_bytes("org/tiny")):
+        assert progress.sample().progress == 5
+        with open(blobs / "0123.incomplete", "ab") as f:
+            f.write(b"y" * 7)
+        assert progress.sample().progress == 12
 
 
 def test_a_rank_holding_a_lock_shows_its_progress_to_the_ranks_waiting_on_it(

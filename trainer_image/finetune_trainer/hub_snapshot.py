@@ -36,9 +36,11 @@ HUB_STALL_EXTRA_S = HUB_LARGEST_FILE_BYTES / HUB_SLOW_BYTES_PER_S
 def snapshot_bytes(repo: str, kind: str = "models") -> int:
     """The bytes of `repo`'s hub cache folder, partial downloads included; for a dataset
     (`kind` "datasets") also the `datasets` cache, where its Arrow copy is written."""
-    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
 
-    total = directory_bytes(Path(HF_HUB_CACHE) / f"{kind}--{repo.replace('/', '--')}")
+    folder = repo_folder_name(repo_id=repo, repo_type=kind.removesuffix("s"))
+    total = directory_bytes(Path(constants.HF_HUB_CACHE) / folder)
     if kind == "datasets":
         from datasets import config
 
