@@ -36,6 +36,7 @@ from finetune_trainer.data.build_claim import (
 from finetune_trainer.data.cache_entry import open_entry
 from finetune_trainer.data.shared import SHARED_DIR, SharedCache, shared_cache_for
 from finetune_trainer.location import Location
+from finetune_trainer.startup_progress import PROGRESS
 from finetune_trainer.tokenizer import build_byte_tokenizer
 from tests.objectstore import MotoServer
 from tests.trainer.test_data_cache import SEQ, write_corpus
@@ -216,8 +217,11 @@ def test_a_build_that_advances_is_waited_for_past_the_bound(tmp_path: Path) -> N
 
     e.sleep = building
     building(0)
+    before = PROGRESS.sample().progress
     published = e.run(lambda: t.now >= 200.0, lambda: "the entry", bound=100.0)
     assert published.found == "the entry" and 200.0 <= t.now < 203.0  # not given up at 100
+    # The builder's progress is the waiting rank's, at the start-up barrier (not stuck).
+    assert PROGRESS.sample().progress - before >= 90  # a poll every 2 s, each saw it advance
     # The builder stops advancing at 250 s (its heartbeat goes on): given up 100 s later.
     turn = e.run(lambda: False, lambda: None, bound=100.0)
     assert turn.claim is None and turn.found is None and 350.0 < t.now < 353.0

@@ -30,8 +30,9 @@ class RuntimeEnv:
     Test/operations knobs (all optional):
     - `FT_STEP_DELAY_SECONDS`, `FT_HANG_AT_STEP`, `FT_HANG_MARKER`, `FT_GRAD_OVERFLOW_AT_STEP`,
       `FT_GRAD_OVERFLOW_RANK`, `FT_CRASH_AT_STEP`, `FT_CRASH_RANK`, `FT_CRASH_KIND`,
-      `FT_DATA_DELAY_SECONDS`, `FT_DATA_DELAY_RANK`: fault injection (a slow or hung rank, an
-      fp16 gradient overflow on one rank, a rank that crashes, a rank slow to tokenize), see
+      `FT_DATA_DELAY_SECONDS`, `FT_DATA_DELAY_RANK`, `FT_DATA_STALL_SECONDS`: fault injection
+      (a slow or hung rank, an fp16 gradient overflow on one rank, a rank that crashes, a rank
+      slow to tokenize or stuck while starting), see
       `finetune_trainer.faults`.
     - `FT_GRACE_SECONDS` (float, default 25): after SIGTERM, how long the final checkpoint may
       take; torchrun SIGKILLs workers 30 s after it forwards SIGTERM.

@@ -55,7 +55,8 @@ PEER_LOSS_MARKERS = (
     "Timed out waiting",
     "collective operation timeout",
     # The start-up barrier's (finetune_trainer.startup_barrier): a peer that stopped beating,
-    # or one alive but starting past the limit (a hung peer), carries no torch message.
+    # one that beats without progress (stuck: it ends itself with its own error), or one
+    # alive but starting past the limit, carries no torch message.
     "CollectiveTimeoutError",
 )
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')

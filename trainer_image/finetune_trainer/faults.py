@@ -22,7 +22,10 @@ calls it unconditionally (no `if` in the hot path).
 - `FT_DATA_DELAY_SECONDS` (float) and `FT_DATA_DELAY_RANK` (int, default 0): that rank's data
   phase (reading and tokenizing the corpus, or the data cache's build) takes this much longer,
   as a large corpus or a slow node's would while its peers wait for it
-  (finetune_trainer/startup_barrier.py).
+  (finetune_trainer/startup_barrier.py): slow but steady, its start-up progress moving all along.
+- `FT_DATA_STALL_SECONDS` (float): after that delay, the same rank's data phase makes no
+  progress for this long, still beating: a download socket or an NFS read that hangs. Past
+  the startup timeout the barrier ends it as stuck.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from finetune_trainer import startup_progress
 
 DEFAULT_HANG_MARKER = ".ft-hang-marker"
 CRASH_KINDS = ("exception", "oom", "kill")
@@ -70,6 +75,7 @@ class FaultConfig:
     crash_kind: str = "exception"
     data_delay_seconds: float = 0.0
     data_delay_rank: int = 0
+    data_stall_seconds: float = 0.0
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> FaultConfig:
@@ -93,6 +99,7 @@ class FaultConfig:
             crash_kind=kind,
             data_delay_seconds=float(env_number(env, "FT_DATA_DELAY_SECONDS", float) or 0.0),
             data_delay_rank=int(env_number(env, "FT_DATA_DELAY_RANK", int) or 0),
+            data_stall_seconds=float(env_number(env, "FT_DATA_STALL_SECONDS", float) or 0.0),
         )
 
     @property
@@ -103,6 +110,7 @@ class FaultConfig:
             or self.overflow_at_step is not None
             or self.crash_at_step is not None
             or self.data_delay_seconds > 0
+            or self.data_stall_seconds > 0
         )
 
 
@@ -134,8 +142,14 @@ class InjectedFaults:
         self.rank = rank
 
     def after_data(self) -> None:
-        if self.config.data_delay_seconds and self.rank == self.config.data_delay_rank:
-            time.sleep(self.config.data_delay_seconds)
+        if self.rank != self.config.data_delay_rank:
+            return
+        with startup_progress.phase("data"):
+            end = time.monotonic() + self.config.data_delay_seconds
+            while time.monotonic() < end:  # slow work that advances
+                time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+                startup_progress.advance()
+            time.sleep(self.config.data_stall_seconds)  # then none
 
     def before_optimizer_step(self, step: int, model: nn.Module) -> None:
         if step != self.config.overflow_at_step or self.rank != self.config.overflow_rank:

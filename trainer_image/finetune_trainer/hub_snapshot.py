@@ -10,16 +10,48 @@ tokenizer files. `weight_files` decides (pure); `download_snapshot` does the hub
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterable
 from pathlib import Path
 
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.safetensors_index import INDEX_NAME, files_to_read, parse_index
+from finetune_trainer.startup_progress import directory_bytes, phase
 
 # Config, index, tokenizer (tokenizer.json, tokenizer.model, vocab/merges .txt): small files
 # the trainer reads beside the weights.
 CONFIG_PATTERNS = ("*.json", "*.model", "*.txt")
+# How much longer than the startup timeout a hub download may show no progress before the
+# start-up barrier calls it stuck (startup_progress.stall_limit). Its progress is the bytes
+# under the repo's hub cache folder, which grow as a file arrives over HTTP (`.incomplete`
+# files); a transfer backend that assembles a file before writing it (Xet chunks) would show
+# nothing until the file is whole: the largest file a model is usually split into
+# (save_pretrained's 5 GB shards) at a slow node's 10 MB/s from the hub.
+HUB_LARGEST_FILE_BYTES = 5 * 10**9
+HUB_SLOW_BYTES_PER_S = 10**7
+HUB_STALL_EXTRA_S = HUB_LARGEST_FILE_BYTES / HUB_SLOW_BYTES_PER_S
+
+
+def snapshot_bytes(repo: str, kind: str = "models") -> int:
+    """The bytes of `repo`'s hub cache folder, partial downloads included; for a dataset
+    (`kind` "datasets") also the `datasets` cache, where its Arrow copy is written."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = repo_folder_name(repo_id=repo, repo_type=kind.removesuffix("s"))
+    total = directory_bytes(Path(constants.HF_HUB_CACHE) / folder)
+    if kind == "datasets":
+        from datasets import config
+
+        total += directory_bytes(Path(config.HF_DATASETS_CACHE))
+    return total
+
+
+def downloading(repo: str, kind: str = "models") -> contextlib.AbstractContextManager[None]:
+    """The start-up phase of a download from `repo` (startup_progress.py)."""
+    probe = functools.partial(snapshot_bytes, repo, kind)
+    return phase(f"hub download of {repo}", probe, HUB_STALL_EXTRA_S)
 
 
 def weight_files(repo_files: Iterable[str], index_json: bytes | None, repo: str = "") -> list[str]:
@@ -49,12 +81,13 @@ def download_snapshot(repo: str, revision: str | None) -> Path:
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import OfflineModeIsEnabled
 
-    try:
-        files = HfApi().list_repo_files(repo, revision=revision)
-    except OfflineModeIsEnabled:
-        return Path(snapshot_download(repo, revision=revision))
-    index = None
-    if INDEX_NAME in files:
-        index = Path(hf_hub_download(repo, INDEX_NAME, revision=revision)).read_bytes()
-    patterns = weight_files(files, index, repo)
-    return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
+    with downloading(repo):
+        try:
+            files = HfApi().list_repo_files(repo, revision=revision)
+        except OfflineModeIsEnabled:
+            return Path(snapshot_download(repo, revision=revision))
+        index = None
+        if INDEX_NAME in files:
+            index = Path(hf_hub_download(repo, INDEX_NAME, revision=revision)).read_bytes()
+        patterns = weight_files(files, index, repo)
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))

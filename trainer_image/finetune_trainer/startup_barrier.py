@@ -23,42 +23,69 @@ the same one in every round: there the keys are named by torchelastic's restart 
 (`round_name`). Only there: with a store of its own per round, the ranks of one round may
 count differently (a replacement pod's agent starts at 0 while the survivors' agents counted
 the failure that lost its predecessor), and keys named by the count would keep them from ever
-meeting. Each rank bumps its beat counter from a thread
-while it works, and marks itself ready when its start-up work is done. A ready rank polls the ready
-count; it waits as long as every missing rank's beat keeps changing (alive, however long its
-work takes), up to `wait_limit` in all (a rank alive but stuck: an NFS read that never
-returns), and fails with a `CollectiveTimeoutError` (a lost peer, as the crash report and the
-operator read it) once a missing rank's beat has not changed for the startup collective
-timeout: a silent peer loss (power, partition) costs what it cost before. Collectives are
-never widened for the work: model loading and the first steps keep the plan's startup
+meeting. Each rank publishes a beat from a thread
+while it works (a count, and its start-up phase and progress: startup_progress.py), and marks
+itself ready when its start-up work is done. A ready rank polls the ready count and reads the
+others' beats once per heartbeat, each judged on the reader's own clock (the ranks' clocks are
+never compared, only what they published):
+- a missing rank whose beat count keeps changing and whose progress keeps moving, however
+  slowly, is waited for, up to `wait_limit` in all;
+- one whose beat has not changed for the startup collective timeout is lost (power, partition,
+  a frozen process): a `CollectiveTimeoutError`, as the crash report and the operator read a
+  lost peer; a silent peer loss costs what it cost before;
+- one that beats but whose progress has not moved for its phase's stall limit
+  (`startup_progress.stall_limit`: the startup timeout, more for a phase whose progress comes
+  in large steps) is stuck: a hung download socket, a deadlocked tokenizer worker, an NFS
+  mount that blocks. Its own beat thread sees it first (the same count, its own clock) and
+  ends its process with a `StartupStalledError` in its error file, naming the phase and where
+  its main thread is: its pod fails for a cause of its own, and is restarted for it. Its
+  peers wait two heartbeats longer (its last beat reaches them up to one later) and then fail
+  as for a lost peer, naming it, its phase and its last progress. (A hang that holds the GIL
+  stops the beat thread too: that rank reads as lost, after the same startup timeout.)
+Collectives are never widened for the work: model loading and the first steps keep the plan's startup
 timeout (and the steady one afterwards, collective_timeout.py).
 
-Load on the store: each rank adds to its counter every `heartbeat_seconds`; a waiting rank
-reads one counter per poll (backing off to `POLL_S`) and every rank's beat (one multi-get) once
-per heartbeat, plus one request per rank that has not beaten yet.
+Load on the store: each rank sets its beat key every `heartbeat_seconds` (one request, as the
+counter's add was); a waiting rank reads one counter per poll (backing off to `POLL_S`) and
+every rank's beat (one multi-get) once per heartbeat, plus one request per rank that has not
+beaten yet.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from collections.abc import Callable
+from typing import Protocol, Self
 
 from finetune_operator.api.elastic_timeouts import NODE_STORAGE_BYTES_PER_S
 from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer.crash import record_exception
 from finetune_trainer.data.build_claim import SLOW_BUILD_BYTES_PER_S, wait_bound
 from finetune_trainer.data.cache_key import corpus_bytes, files_identity
 from finetune_trainer.data.remote import StagedDataset
-from finetune_trainer.distributed import CollectiveTimeoutError
+from finetune_trainer.distributed import CollectiveTimeoutError, exit_process
+from finetune_trainer.startup_beats import (
+    Beat,
+    PeerView,
+    StartupStalledError,
+    Verdict,
+    decode_beat,
+    encode_beat,
+    is_stuck,
+    observe,
+    verdict,
+)
+from finetune_trainer.startup_progress import PROGRESS, Sample, StartupProgress, stall_limit
 
 log = logging.getLogger(__name__)
 
 PREFIX = "ft-startup"
-# A beat counter past this is a rank that arrived (its beats stay far below it).
-READY_MARK = 1 << 50
+# Peers judge a stuck rank this many of its heartbeats after it judges itself: its last beat
+# reaches them up to one heartbeat late, and its own failure (the cause) should come first.
+STUCK_GRACE_BEATS = 2
 HEARTBEAT_CEILING_S = 5.0
 FIRST_POLL_S = 0.05
 POLL_S = 1.0
@@ -66,13 +93,12 @@ POLL_S = 1.0
 # tens of GB at the tens of MB/s the hub serves a node.
 HUB_SNAPSHOT_ALLOWANCE_S = 3600.0
 
-Verdict = Literal["go", "wait", "lost", "too long"]
-
 
 class BarrierStore(Protocol):
     """What the barrier uses of a `torch.distributed.Store`."""
 
     def add(self, key: str, value: int) -> int: ...
+    def set(self, key: str, value: str) -> None: ...
     def check(self, keys: list[str]) -> bool: ...
     def multi_get(self, keys: list[str]) -> list[bytes]: ...
 
@@ -118,39 +144,6 @@ def job_wait_limit(job: JobConfig, startup_s: float, staged: StagedDataset | Non
                       hub_dataset=files is None)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class PeerView:
-    """A rank's beat as last read, and when (the reader's clock) it last changed."""
-
-    beat: int | None
-    changed_at: float
-
-
-def observe(views: Sequence[PeerView], beats: Sequence[int | None], now: float) -> list[PeerView]:
-    """Pure: the views after reading `beats` (None: the rank has not beaten yet)."""
-    return [
-        view if view.beat == beat else PeerView(beat, now)
-        for view, beat in zip(views, beats, strict=True)
-    ]
-
-
-def verdict(
-    views: Sequence[PeerView], now: float, *, started: float, stale_after: float, limit: float
-) -> tuple[Verdict, int | None]:
-    """Pure: `go` once every rank arrived; `lost` (and the rank) when a missing rank's beat
-    has not changed for `stale_after`; `too long` (and a missing rank) past `limit` since
-    `started`; else `wait`."""
-    missing = [r for r, v in enumerate(views) if v.beat is None or v.beat < READY_MARK]
-    if not missing:
-        return "go", None
-    for rank in missing:
-        if now - views[rank].changed_at > stale_after:
-            return "lost", rank
-    if now - started > limit:
-        return "too long", missing[0]
-    return "wait", None
-
-
 def round_name(restart_count: int, *, agent_store: bool) -> int:
     """Pure: what names this round's keys (module docstring): torchelastic's restart count
     where the store is the agent's, shared by every round; nothing where it is new per round."""
@@ -159,7 +152,10 @@ def round_name(restart_count: int, *, agent_store: bool) -> int:
 
 class StartupBarrier:
     """This rank's beats while it starts (`start`), and the meeting (`arrive`).
-    `round_id`: what names this round's keys (`round_name`; module docstring)."""
+    `stale_after`: the startup collective timeout; `round_id`: what names this round's keys
+    (`round_name`; module docstring); `progress`: what this rank's work reports into;
+    `on_stuck`: what ends this rank when its progress stood still past its phase's limit
+    (tests record it instead)."""
 
     def __init__(
         self,
@@ -171,6 +167,8 @@ class StartupBarrier:
         sleep: Callable[[float], None] = time.sleep,
         *,
         round_id: int = 0,
+        progress: StartupProgress = PROGRESS,
+        on_stuck: Callable[[StartupStalledError], None] | None = None,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self._prefix = f"{PREFIX}/{round_id}"
@@ -178,32 +176,58 @@ class StartupBarrier:
         self.stale_after = stale_after
         self.heartbeat_s = heartbeat_seconds(stale_after)
         self.clock, self.sleep = clock, sleep
+        self.progress, self.on_stuck = progress, on_stuck or end_stuck_rank
         self._seen: set[int] = set()  # ranks whose beat key exists
+        self._count = 0
+        self._last: Sample | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="startup-beat", daemon=True)
-        self.started = clock()
+        self.started = self._progressed = clock()
 
-    def start(self) -> StartupBarrier:
-        self.store.add(self._beat_key(self.rank), 1)  # the key exists before anyone reads it
+    def start(self) -> Self:
+        self._publish()  # the key exists before anyone reads it
         self._thread.start()
         return self
+
+    def _publish(self) -> tuple[Sample, float]:
+        """Set this rank's beat; its progress sample and stall limit."""
+        sample = self.progress.sample()
+        if self._last is None or (sample.phase, sample.progress) != (
+            self._last.phase,
+            self._last.progress,
+        ):
+            self._last, self._progressed = sample, self.clock()
+        limit = stall_limit(self.stale_after, sample.extra_s)
+        self._count += 1
+        beat = Beat(self._count, sample.phase, sample.progress, limit)
+        self.store.set(self._beat_key(self.rank), encode_beat(beat))
+        return sample, limit
 
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self.store.add(self._beat_key(self.rank), 1)
+                sample, limit = self._publish()
             except (RuntimeError, OSError) as e:  # a missed beat; the store may be going
                 log.warning("start-up heartbeat missed (%r)", e)
+                continue
+            if is_stuck(self._progressed, self.clock(), limit):
+                self.on_stuck(StartupStalledError(
+                    f"rank {self.rank} made no start-up progress for {limit:.0f}s in phase "
+                    f"{sample.phase!r} (progress count {sample.progress}; main thread "
+                    f"{_main_thread_at()}): stuck (a download, a read or a worker that never "
+                    "returns); this rank ends so that its pod restarts"
+                ))  # fmt: skip
+                return
 
     def _beat_key(self, rank: int) -> str:
         return f"{self._prefix}/beat/{rank}"
 
     def _stop_beating(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
-    def _beats(self) -> list[int | None]:
+    def _beats(self) -> list[Beat | None]:
         # Only the keys of ranks not seen beating yet are looked for (a beat key, once
         # created, stays), one at a time when some are missing: a multi-get waits for every
         # key it names, and `add` of 0 would create them. Asking each of the world's keys
@@ -216,31 +240,34 @@ class StartupBarrier:
             self._seen.update(r for r in unseen if self.store.check([self._beat_key(r)]))
         seen = sorted(self._seen)
         values = self.store.multi_get([self._beat_key(r) for r in seen]) if seen else []
-        beats: list[int | None] = [None] * self.world_size
+        beats: list[Beat | None] = [None] * self.world_size
         for r, v in zip(seen, values, strict=True):
-            beats[r] = int(v)
+            beats[r] = decode_beat(v)
         return beats
 
     def arrive(self, limit: float) -> float:
         """Mark this rank ready and wait until every rank is; the seconds waited. Raises a
-        `CollectiveTimeoutError` naming the rank for a lost peer or past `limit`."""
+        `CollectiveTimeoutError` naming the rank for a lost or stuck peer or past `limit`."""
         self._stop_beating()
-        self.store.add(self._beat_key(self.rank), READY_MARK)
+        self.store.set(self._beat_key(self.rank), encode_beat(Beat(0, ready=True)))
         self.store.add(self._ready_key, 1)
         t0 = now = self.clock()
-        views = [PeerView(None, now) for _ in range(self.world_size)]
+        views = [PeerView(None, now, now) for _ in range(self.world_size)]
         next_read, delay, told = now, FIRST_POLL_S, False
+        grace = STUCK_GRACE_BEATS * self.heartbeat_s
         while self.store.add(self._ready_key, 0) < self.world_size:
             now = self.clock()
             if now >= next_read:
                 views = observe(views, self._beats(), now)
                 next_read = now + self.heartbeat_s
-                step, rank = verdict(views, now, started=self.started,
+                step, rank = verdict(views, now, started=self.started, grace=grace,
                                      stale_after=self.stale_after, limit=limit)  # fmt: skip
-                if step in ("lost", "too long"):
-                    raise CollectiveTimeoutError(self._failure(step, rank, now - t0, limit))
+                if step in ("lost", "stuck", "too long") and rank is not None:
+                    raise CollectiveTimeoutError(
+                        self._failure(step, views[rank], rank, now - t0, limit)
+                    )
                 if not told and step == "wait":
-                    missing = [r for r, v in enumerate(views) if (v.beat or 0) < READY_MARK]
+                    missing = [r for r, v in enumerate(views) if v.beat is None or not v.beat.ready]
                     log.info("start-up: waiting for rank(s) %s to finish starting (alive, "
                              "beating)", _short(missing))  # fmt: skip
                     told = True
@@ -248,18 +275,48 @@ class StartupBarrier:
             delay *= 2
         return self.clock() - t0
 
-    def _failure(self, step: Verdict, rank: int | None, waited: float, limit: float) -> str:
+    def _failure(
+        self, step: Verdict, view: PeerView, rank: int, waited: float, limit: float
+    ) -> str:
+        beat = view.beat
         if step == "lost":
             return (
                 f"rank {rank} stopped beating for {self.stale_after:.0f}s while starting "
                 f"(waited {waited:.0f}s at the start-up barrier): a peer was lost (node lost, "
                 "network partition, or a killed rank); torchrun re-forms the group"
             )
+        if step == "stuck" and beat is not None:
+            return (
+                f"rank {rank} made no start-up progress for {beat.stall_s:.0f}s in phase "
+                f"{beat.phase!r} (last progress count {beat.progress}; it beats, so it is "
+                f"alive but stuck; waited {waited:.0f}s at the start-up barrier): its own pod "
+                "ends it; torchrun re-forms the group"
+            )
         return (
-            f"rank {rank} was still starting {limit:.0f}s after the group formed (alive, but "
-            "past what downloading and tokenizing the corpus may take): treated as a hung "
-            "peer; torchrun re-forms the group"
+            f"rank {rank} was still starting {limit:.0f}s after the group formed (alive and "
+            "progressing, but past what downloading and tokenizing the corpus may take): "
+            "treated as a hung peer; torchrun re-forms the group"
         )
+
+
+def _main_thread_at() -> str:
+    """Where the main thread is now (file:line in function): where a stuck rank is stuck."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return "not found"
+    return f"at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def end_stuck_rank(error: StartupStalledError) -> None:
+    """End this process with `error` in its error file (torchrun reports it as this rank's
+    failure). From the beat thread: the main thread is the one that is stuck, so raising
+    there is impossible; `exit_process` does not wait for it."""
+    log.error("start-up: %s", error)
+    try:
+        raise error
+    except StartupStalledError as e:  # recorded with a traceback, as `record` would
+        record_exception(e)
+    exit_process(1)
 
 
 def _short(ranks: list[int]) -> str:

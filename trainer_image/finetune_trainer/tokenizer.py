@@ -10,6 +10,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from finetune_operator.api.spec import ModelSpec
 from finetune_operator.api.storage import ObjectStoreSpec
+from finetune_trainer.hub_snapshot import downloading
+from finetune_trainer.startup_progress import phase
 
 BOS, EOS, PAD = "<bos>", "<eos>", "<pad>"
 
@@ -63,7 +65,9 @@ def build_tokenizer(
     where = (
         model_files(remote, weights_field(spec), cache_dir) if remote else spec.weights_location()
     )
-    tok = AutoTokenizer.from_pretrained(where, revision=spec.revision)
+    # A hub model's tokenizer files are a download; the start-up barrier judges its progress.
+    with downloading(spec.name) if spec.source == "hub" else phase("tokenizer"):
+        tok = AutoTokenizer.from_pretrained(where, revision=spec.revision)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -17,6 +17,7 @@ import numpy as np
 from finetune_operator.api.spec import DatasetSpec
 from finetune_trainer.data.records import FieldBatches, field_batches
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.startup_progress import advance
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -96,6 +97,7 @@ def stream_blocks(
         if spec.messages_field and name not in source.columns:
             _refuse_missing(spec, name, source.columns)  # no template for what is not there
         blocks = packer.add(_samples(values, spec, tokenizer))
+        advance(len(values))  # records tokenized: the start-up barrier's progress
         if len(blocks):
             yield blocks
     if name not in source.columns:

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Generic, Literal, TypeVar
 
 from finetune_trainer.location import Location
+from finetune_trainer.startup_progress import advance
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +354,7 @@ class Election:
                 reported = built_bytes(current)
                 if reported is not None and reported != progress:
                     progress, progressed = reported, now
+                    advance()  # the builder's progress is this waiting rank's (startup_progress)
             step = next_step(
                 entry_whole=entry_whole(),
                 skipped=skips(read_or_none(self.skip_path), budget),

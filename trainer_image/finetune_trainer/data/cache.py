@@ -48,11 +48,14 @@ import numpy as np
 from finetune_trainer.data.build_claim import wait_bound
 from finetune_trainer.data.cache_entry import CacheFullError, Entry, EntryWriter, open_entry
 from finetune_trainer.files import fsync_dir, remove, write_synced
+from finetune_trainer.startup_progress import PROGRESS, phase
 
 if TYPE_CHECKING:
     from finetune_trainer.data.shared import SharedCache
 
 log = logging.getLogger(__name__)
+
+PUBLISH_SLOW_BYTES_PER_S = 1e7
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ def cached_entry(
     directory = settings.directory
     directory.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as claim:
-        with locked(directory / f"{key}.lock"):
+        # The other local ranks wait on the lock: they see this rank's progress (startup_progress).
+        with locked(directory / f"{key}.lock"), PROGRESS.echoed(directory / f"{key}.progress"):
             entry, outcome, shared_damaged = _find_or_build(
                 settings, key, build, dtype, seq_len, claim, source_bytes
             )
@@ -258,10 +262,15 @@ def _fetch(shared: SharedCache, key: str, tmp: Path, budget: int) -> tuple[Entry
 
 
 def _share(shared: SharedCache, key: str, entry: Path, *, publish: bool, replace: bool) -> None:
+    # A volume's copy reports its chunks as start-up progress; an object store's upload
+    # reports nothing until its PUTs complete: allowed the entry at a slow 10 MB/s on top of
+    # the stall limit (startup_progress.stall_limit), as a hub download's largest file is.
+    slow_s = 0.0 if shared.root.is_local else _usage(entry) / PUBLISH_SLOW_BYTES_PER_S
     try:
         if publish:
             t0 = time.perf_counter()
-            outcome = shared.publish(key, entry, replace=replace)
+            with phase("data cache publication", extra_s=slow_s):
+                outcome = shared.publish(key, entry, replace=replace)
             log.info("data cache: entry %s %s to %s in %.2f s", key, outcome, shared.root,
                      time.perf_counter() - t0)  # fmt: skip
         for name in shared.prune(keep=key):

@@ -17,6 +17,7 @@ from finetune_trainer.data.cache_entry import EntryWriter
 from finetune_trainer.data.cache_key import cache_key, files_identity, tokenizer_identity
 from finetune_trainer.data.remote import StagedDataset
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.startup_progress import directory_bytes, phase
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -132,11 +133,16 @@ def build_dataset(
     blocks: Blocks | None = None
     source = "tokenized"
     packer = BlockPacker(seq_len, dtype, pad_id)
-    if cache is not None:
-        blocks, source = _cached(cache, spec, tokenizer, packer, staged)
-    if blocks is None:
-        packer = BlockPacker(seq_len, dtype, pad_id)
-        blocks = _in_memory(staged.spec if staged is not None else spec, tokenizer, packer)
+    # Progress (startup_progress.py): records tokenized, another pod's build advancing, and
+    # the bytes under the pod's cache (a copy of the shared entry, or a local rank's build
+    # this rank waits for on the key's lock).
+    directory = cache.directory if cache is not None else None
+    with phase("data", probe=None if directory is None else lambda: directory_bytes(directory)):
+        if cache is not None:
+            blocks, source = _cached(cache, spec, tokenizer, packer, staged)
+        if blocks is None:
+            packer = BlockPacker(seq_len, dtype, pad_id)
+            blocks = _in_memory(staged.spec if staged is not None else spec, tokenizer, packer)
     if len(blocks) == 0:
         raise UnsupportedConfigError(
             f"dataset {spec.uri!r} yields no block of training.sequenceLength {seq_len} tokens"

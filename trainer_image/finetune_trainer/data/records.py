@@ -123,7 +123,10 @@ def _load_hf(path: str) -> datasets.Dataset:
     if Path(path).is_dir():
         loaded = datasets.load_from_disk(path)
         return loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded
-    return datasets.load_dataset(path, split="train")
+    from finetune_trainer.hub_snapshot import downloading
+
+    with downloading(path, "datasets"):  # the start-up barrier judges its progress
+        return datasets.load_dataset(path, split="train")
 
 
 def load_records(spec: DatasetSpec) -> Records:

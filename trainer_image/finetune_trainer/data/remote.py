@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import posixpath
 import stat
@@ -40,6 +41,7 @@ from finetune_operator.api.storage import ObjectStoreSpec, is_object_store_uri
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.files import fsync_dir, remove, write_synced
 from finetune_trainer.location import Location, access_problem, locate
+from finetune_trainer.startup_progress import directory_bytes, phase
 
 log = logging.getLogger(__name__)
 
@@ -248,12 +250,17 @@ def stage_dataset(
     pattern = locate(spec.uri, "dataset.uri", object_store=store)
     objects = list_objects(spec, pattern)
     if agree is not None:
-        objects = agree(objects)
+        # A collective, bounded by its own timeout: not judged by progress (startup_progress).
+        with phase("dataset listing (rank 0's, broadcast)", extra_s=math.inf):
+            objects = agree(objects)
     objects_dir = data_dir / OBJECTS_DIR
     objects_dir.mkdir(parents=True, exist_ok=True)
     name = hashlib.sha256(spec.uri.encode()).hexdigest()[:16]
     directory = objects_dir / name
-    with _locked(objects_dir / f"{name}.lock"):
+    # Progress: the bytes under the pod's copies, partial files included (s3fs writes as it
+    # reads), whether this rank downloads or waits on the lock for a local rank that does.
+    progress = phase("dataset download", probe=lambda: directory_bytes(objects_dir))
+    with progress, _locked(objects_dir / f"{name}.lock"):
         if _intact(directory, objects):
             log.info("dataset %s: the pod's copy is current (%d objects)", spec.uri, len(objects))
         else:

@@ -70,6 +70,7 @@ from finetune_trainer.data.cache_entry import BLOCKS_FILE, META_FILE  # an entry
 from finetune_trainer.files import fsync_dir, remove, write_synced
 from finetune_trainer.location import Location
 from finetune_trainer.ownership import claim_checkpoint_root
+from finetune_trainer.startup_progress import advance
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -312,6 +313,7 @@ def _copy_synced(source: Path, target: Path) -> str:
         while chunk := src.read(_COPY_CHUNK):
             h.update(chunk)
             dst.write(chunk)
+            advance(len(chunk))  # a copy to or from a shared volume: start-up progress
         dst.flush()
         os.fsync(dst.fileno())
     return h.hexdigest()
