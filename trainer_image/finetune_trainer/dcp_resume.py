@@ -1,14 +1,20 @@
 """The load path of `dcp_checkpointer.DcpCheckpointer`: resume from the newest committed
 checkpoint that loads on every rank.
 
-The committed steps, newest first; a step is used only if every rank verified its share of
-the manifest and loaded it. Any failure (DCP raises `CheckpointException`, which derives from
-BaseException, not Exception) falls back to the previous step; rank 0 moves the damaged one
-aside. A verified checkpoint whose keys or sizes do not match this job's state (written for
-another model or setup: checkpoint_compat) is not damage: every rank refuses the job before
-reading it, and nothing is moved. What checkpoint_compat allows (optimizer state of
-parameters that never had a gradient, param-group settings of another torch) is loaded,
-with a warning line.
+The committed steps, newest first, as rank 0 lists them (every rank tries the same ones in
+the same order, whatever its own view of a shared volume or a bucket). For each: rank 0 reads
+its `COMMITTED` marker and DCP metadata once and checks the structure, and every rank gets
+both (`_read_head`); every rank verifies its share of the manifest; DCP's load is given that
+same metadata (`agreed_reader`), never reading it again. A step is used only if every rank
+passed every check and loaded it. Any failure (DCP raises `CheckpointException`, which derives
+from BaseException, not Exception) falls back to the previous step, logged naming the step
+and why. One a check found damaged (missing, truncated, garbled, a manifest mismatch, an
+unreadable marker) is moved aside by rank 0; one whose read failed without any check finding
+damage (an I/O error) is left in place. A verified checkpoint whose keys or sizes do not
+match this job's state (written for another model or setup: checkpoint_compat) is not
+damage: every rank refuses the job before reading it, and nothing is moved. What
+checkpoint_compat allows (optimizer state of parameters that never had a gradient,
+param-group settings of another torch) is loaded, with a warning line.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from finetune_trainer import checkpoint_store as store
@@ -93,50 +100,81 @@ class Resume:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return list(box[0])
 
-    def _verify(self, path: Location, marker: dict[str, Any]) -> None:
-        """Structure, then this rank's share of the marker's manifest (sizes, then hashes)."""
-        store.validate(path)
-        marker.update(store.read_marker(path) or {})
+    def _read_head(self, path: Location) -> tuple[Failure, dict[str, Any], Any]:
+        """Collective: rank 0 reads the marker and DCP's metadata once and checks the
+        structure; every rank gets the verdict and both records. One read, decided once:
+        ranks that read them each (on NFS or a bucket, at slightly different times) could
+        see different bytes, and DCP's own load, reading the metadata again on every rank,
+        retries a failed read rank-locally from `__<rank>.metadata` (a file these
+        checkpoints never have) and, if one is there, loads that rank alone on it."""
+        head: list[Any] = [OK, {}, None]
+        if self.rank == 0:
+
+            def read() -> None:
+                head[1] = store.read_commit_marker(path)
+                head[2] = store.read_dcp_metadata(path)
+                store.validate(path, head[2])
+
+            head[0] = _attempt(path, read)
+            if head[0] != OK:
+                head[1:] = [{}, None]
+        dist.broadcast_object_list(head, src=0, group=self.group)
+        return head[0], head[1], head[2]
+
+    def _verify_share(self, path: Location, marker: dict[str, Any]) -> None:
+        """This rank's share of the marker's manifest (sizes, then hashes)."""
         manifest = store.manifest_of(marker)
         if manifest is None:
-            log.warning(
-                "checkpoint %s has no manifest (older format): structure checked only", path
-            )
+            if self.rank == 0:
+                log.warning(
+                    "checkpoint %s has no manifest (older format): structure checked only", path
+                )
             return
         world = dist.get_world_size(self.group)
         store.verify_files(path, manifest, store.share_of(manifest, self.rank, world))
 
     def _try_load(self, step: int) -> bool:
         path = store.step_dir(self.root, step)
-        marker: dict[str, Any] = {}  # COMMITTED, read once: the manifest, then the shapes
-        ok = _attempt(path, lambda: self._verify(path, marker))
+        failure, marker, metadata = self._read_head(path)
         # Agree on each check before the next collective (DCP's load runs its own): a rank
         # that skipped one would leave the others waiting in it.
-        saved: dict[str, Shape] = {}
-        if agree(ok, self.group):
-            ok = _attempt(path, lambda: saved.update(_saved_shapes(path)))
-            ok = agree(ok, self.group)
-        else:
-            ok = False
-        if ok:
+        if failure == OK:
+            failure = agree_failure(
+                _attempt(path, lambda: self._verify_share(path, marker)), self.group
+            )
+        if failure == OK:
+            saved = metadata_shapes(metadata.state_dict_metadata)
             # Undamaged, so a mismatch is another model's checkpoint: refused, never moved.
             self._refuse_if_incompatible(step, saved, marker)
 
             def read(
                 sd: dict[str, Any], planner: LoadPlanner | None = None, path: Location = path
             ) -> None:
-                dcp.load(sd, storage_reader=path.dcp_reader(), planner=planner,
+                dcp.load(sd, storage_reader=agreed_reader(path, metadata), planner=planner,
                          process_group=self.group)  # fmt: skip
 
-            ok = _attempt(path, lambda: self.state.load(read, set(saved)))
-            ok = agree(ok, self.group)
-        if not ok and self.rank == 0:
-            # Out of the way of the save that will reach this step again, kept for a look.
-            try:
-                log.warning("moved damaged checkpoint to %s", store.quarantine(path))
-            except OSError as e:
-                log.warning("could not move damaged checkpoint %s aside: %s", path, e)
-        return ok
+            failure = agree_failure(
+                _attempt(path, lambda: self.state.load(read, set(saved))), self.group
+            )
+        if failure == OK:
+            return True
+        if self.rank == 0:
+            if failure == DAMAGED:
+                # Out of the way of the save that will reach this step again, kept for a look.
+                try:
+                    log.warning("moved damaged checkpoint to %s", store.quarantine(path))
+                except OSError as e:
+                    log.warning("could not move damaged checkpoint %s aside: %s", path, e)
+            else:
+                # Nothing shows it damaged (every check it reached passed; the read failed):
+                # a good checkpoint on a storage that failed once is not thrown away. Left
+                # in place, it is tried first again at the next start; a save reaching its
+                # step again rewrites it (uncommitted first).
+                log.warning(
+                    "checkpoint %s left in place: its read failed but no check found it "
+                    "damaged", path,
+                )  # fmt: skip
+        return False
 
     def _refuse_if_incompatible(
         self, step: int, saved: dict[str, Shape], marker: dict[str, Any]
@@ -166,17 +204,51 @@ class Resume:
             log.warning("checkpoint step %d in %s: %s", step, self.root, allowance.describe())
 
 
-def _attempt(path: Location, action: Callable[[], object]) -> bool:
+# A failed attempt, as every rank agrees on it (the worst any rank saw): OK; UNREADABLE (an
+# I/O error, DCP's load failing after every check passed: not shown to be damage); DAMAGED (a
+# check failed: missing, truncated, garbled, a hash or a marker wrong).
+Failure = int
+OK: Failure = 0
+UNREADABLE: Failure = 1
+DAMAGED: Failure = 2
+
+
+def agree_failure(failure: Failure, group: dist.ProcessGroup) -> Failure:
+    """The worst failure any rank saw (every rank gets the same)."""
+    flag = torch.tensor([float(failure)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
+
+
+def _attempt(path: Location, action: Callable[[], object]) -> Failure:
     try:
         action()
+    except store.CorruptCheckpointError as e:
+        log.warning("checkpoint %s is damaged, skipping it: %s", path, e)
+        return DAMAGED
     except LOAD_ERRORS as e:
         log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
-        return False
-    return True
+        return UNREADABLE
+    return OK
 
 
-def _saved_shapes(path: Location) -> dict[str, Shape]:
-    return metadata_shapes(path.dcp_reader().read_metadata().state_dict_metadata)
+def agreed_reader(path: Location, metadata: Any) -> Any:
+    """DCP's storage reader for `path` that hands DCP's load the metadata every rank agreed
+    on instead of reading it again. Its `read_metadata` takes no keyword arguments, which is
+    what keeps DCP (2.13's `_load_state_dict`) from falling back to a rank-local
+    `__<rank>.metadata` read and a load without collectives on that rank alone."""
+    reader = path.dcp_reader()
+    load_id = getattr(reader, "load_id", None)
+
+    def read_metadata() -> Any:
+        # What the reader's own read_metadata sets on what it unpickled.
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = load_id
+        return metadata
+
+    reader.read_metadata = read_metadata
+    return reader
 
 
 def _short(e: BaseException) -> str:

@@ -1,0 +1,170 @@
+"""Attacks on the resume path (gloo, world 1, real DCP checkpoints of a tiny model): every kind
+of damage is skipped for the previous good checkpoint and named in the log; a read that fails
+without damage does not throw a good checkpoint away; the DCP metadata is read once per
+checkpoint tried (DCP's rank-local retry never runs); retention never deletes what a resume
+loaded for a checkpoint it could not read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from finetune_trainer import checkpoint_store as store
+from finetune_trainer.checkpoint_store import CheckpointDir
+from tests.trainer.test_checkpointer import L, _saved_six, checkpointer, new_state
+
+STEP6 = "step-00000006"
+
+
+def _shard(path: Path) -> Path:
+    return next(path.glob("*.distcp"))
+
+
+def _meta_from_step4(path: Path) -> None:
+    shutil.copyfile(path.parent / "step-00000004" / ".metadata", path / ".metadata")
+
+
+DAMAGE: dict[str, Callable[[Path], object]] = {
+    "shard-truncated": lambda p: _shard(p).write_bytes(_shard(p).read_bytes()[:100]),
+    "shard-empty": lambda p: _shard(p).write_bytes(b""),
+    "shard-deleted": lambda p: _shard(p).unlink(),
+    "metadata-missing": lambda p: (p / ".metadata").unlink(),
+    "metadata-empty": lambda p: (p / ".metadata").write_bytes(b""),
+    "metadata-garbage": lambda p: (p / ".metadata").write_bytes(b"\x80\x04garbage" * 10),
+    "metadata-of-another-step": _meta_from_step4,
+    "marker-empty": lambda p: (p / "COMMITTED").write_bytes(b""),
+    "marker-garbage": lambda p: (p / "COMMITTED").write_bytes(b"{not json"),
+    "marker-not-a-record": lambda p: (p / "COMMITTED").write_text("[1, 2]"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_every_damage_falls_back_named_in_the_log_and_moved_aside(
+    tmp_path: Path,
+    ckpt_group: dist.ProcessGroup,
+    damage: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The marker attacks loaded step 6 before: an unreadable marker was taken for the
+    older manifest-less format, and the checkpoint loaded on the structure check alone."""
+    _saved_six(tmp_path, ckpt_group)
+    DAMAGE[damage](tmp_path / STEP6)
+    fresh = new_state()
+    resumed = checkpointer(fresh, tmp_path, ckpt_group)
+    with caplog.at_level(logging.WARNING, logger="finetune_trainer.dcp_resume"):
+        assert resumed.load() == 4
+    resumed.close()
+    assert resumed.skipped == [6] and fresh.step == 4
+    assert resumed.metrics.skipped_ckpt_step._value.get() == 6
+    skip = [r.getMessage() for r in caplog.records if "skipping it" in r.getMessage()]
+    assert skip and STEP6 in skip[0]  # the step, and why
+    assert (tmp_path / f"{STEP6}.corrupt").is_dir() and not (tmp_path / STEP6).exists()
+
+
+def test_a_failed_read_without_damage_leaves_the_checkpoint_in_place(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storage error during the load (a reset connection, a throttled bucket) after every
+    check passed: the resume falls back, but the good checkpoint is not moved aside (it was,
+    and every later resume lost it); the next resume, the storage well again, loads it."""
+    _saved_six(tmp_path, ckpt_group)
+    real_load = dcp.load
+
+    def flaky_load(sd: dict[str, Any], *, storage_reader: Any, **kw: Any) -> None:
+        if str(storage_reader.path).endswith(STEP6):
+            raise ConnectionResetError("connection reset by peer")
+        real_load(sd, storage_reader=storage_reader, **kw)
+
+    monkeypatch.setattr(dcp, "load", flaky_load)
+    first = checkpointer(new_state(), tmp_path, ckpt_group)
+    assert first.load() == 4 and first.skipped == [6]
+    first.close()
+    assert not (tmp_path / f"{STEP6}.corrupt").exists()
+    assert [c.step for c in store.committed_newest_first(L(tmp_path))] == [6, 4, 2]
+    monkeypatch.setattr(dcp, "load", real_load)
+    again = checkpointer(new_state(), tmp_path, ckpt_group)
+    assert again.load() == 6 and again.skipped == []
+    again.close()
+
+
+def test_metadata_is_read_once_and_never_rank_locally(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storage whose metadata reads fail after the first (a flaky mount): the resume reads
+    `.metadata` once, and DCP's load takes that copy. Before, every rank read it three times
+    (structure check, shapes, DCP's load), and when DCP's read failed it retried it
+    rank-locally (`__<rank>.metadata`) before the good checkpoint was skipped and moved aside."""
+    _saved_six(tmp_path, ckpt_group)
+    real = FileSystemReader.read_metadata
+    calls: list[dict[str, Any]] = []
+
+    def once(self: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        if len(calls) > 1:
+            raise OSError("stale file handle")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemReader, "read_metadata", once)
+    fresh = new_state()
+    resumed = checkpointer(fresh, tmp_path, ckpt_group)
+    assert resumed.load() == 6 and resumed.skipped == []
+    resumed.close()
+    assert calls == [{}]
+    assert fresh.step == 6 and fresh.sampler.consumed == 48
+
+
+def _dirs(*steps: tuple[int, bool]) -> list[CheckpointDir]:
+    return [CheckpointDir(s, L(Path(f"/ck/step-{s:08d}")), c) for s, c in steps]
+
+
+@pytest.mark.parametrize(
+    ("keep", "deleted"),
+    [(1, [2]), (2, []), (3, [])],
+)
+def test_purge_never_counts_a_newer_step_the_resume_could_not_read(
+    keep: int, deleted: list[int]
+) -> None:
+    """Resumed from 2 (6 unreadable, left in place), then 4 committed. Counting 6 among the
+    newest, keep 1 deleted 4 (just committed) and 2 (the one loaded), keeping only the one no
+    rank could read; keep 2 deleted 2."""
+    listing = _dirs((2, True), (4, True), (6, True), (3, False), (8, False))
+    doomed = store.purge_plan(sorted(listing, key=lambda c: c.step), keep, below_step=4)
+    assert sorted(c.step for c in doomed if c.committed) == deleted
+    assert [c.step for c in doomed if not c.committed] == [3]  # 8: a save in flight
+
+
+def test_purge_after_a_skipped_newest_keeps_what_was_loaded(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the checkpointer: keep 1, step 6 unreadable at resume, resumed from 4; the
+    save of step 5 commits and the purge keeps it (before: it deleted it and 4, leaving 6)."""
+    _saved_six(tmp_path, ckpt_group)
+    shutil.rmtree(tmp_path / "step-00000002")
+    real_load = dcp.load
+
+    def flaky_load(sd: dict[str, Any], *, storage_reader: Any, **kw: Any) -> None:
+        if str(storage_reader.path).endswith(STEP6):
+            raise TimeoutError("read timed out")
+        real_load(sd, storage_reader=storage_reader, **kw)
+
+    monkeypatch.setattr(dcp, "load", flaky_load)
+    from tests.trainer.test_checkpointer import train_steps
+
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=1)
+    assert ckpt.load() == 4
+    train_steps(state, 1)
+    assert ckpt.maybe_save(5, force=True) and ckpt.finish(timeout=30)
+    ckpt.close()
+    listed = [(c.step, c.committed) for c in store.list_checkpoints(L(tmp_path))]
+    assert listed == [(5, True), (6, True)]
+    assert json.loads((tmp_path / "step-00000005" / "COMMITTED").read_text())["step"] == 5
