@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.checkpoint_store import CheckpointDir
+from finetune_trainer.location import Location
 from tests.trainer.test_checkpointer import L, _saved_six, checkpointer, new_state
 
 STEP6 = "step-00000006"
@@ -122,6 +123,27 @@ def test_metadata_is_read_once_and_never_rank_locally(
     assert fresh.step == 6 and fresh.sampler.consumed == 48
 
 
+def test_the_step_directory_is_listed_once(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's listing serves the structure check and every rank's manifest sizes: one
+    view of the directory for every rank (before: each rank listed it twice, and a rank
+    whose view lagged failed a good checkpoint as damaged)."""
+    _saved_six(tmp_path, ckpt_group)
+    real = Location.children
+    listed: list[str] = []
+
+    def counting(self: Location) -> Any:
+        listed.append(self.name)
+        return real(self)
+
+    monkeypatch.setattr(Location, "children", counting)
+    resumed = checkpointer(new_state(), tmp_path, ckpt_group)
+    assert resumed.load() == 6
+    resumed.close()
+    assert listed.count(STEP6) == 1
+
+
 def _dirs(*steps: tuple[int, bool]) -> list[CheckpointDir]:
     return [CheckpointDir(s, L(Path(f"/ck/step-{s:08d}")), c) for s, c in steps]
 
@@ -168,3 +190,80 @@ def test_purge_after_a_skipped_newest_keeps_what_was_loaded(
     listed = [(c.step, c.committed) for c in store.list_checkpoints(L(tmp_path))]
     assert listed == [(5, True), (6, True)]
     assert json.loads((tmp_path / "step-00000005" / "COMMITTED").read_text())["step"] == 5
+
+
+def _killed_mid_save(uri: str, endpoint: str, port: int, flag: str) -> None:
+    """A trainer whose async save of step 6 is SIGKILLed by the test while it writes: its
+    shards uploaded, its `.metadata` and marker not (the write paused there for the kill)."""
+    import datetime
+    import os
+    import time
+
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from finetune_operator.api.storage import ObjectStoreSpec
+    from tests.objectstore import CREDENTIALS
+    from tests.trainer.test_checkpointer import train_steps
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **CREDENTIALS)
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    real = FsspecWriter.write_data
+
+    def write_then_wait(self: FsspecWriter, plan: Any, planner: Any) -> Any:
+        written = real(self, plan, planner)
+        if str(self.path).endswith(STEP6):
+            written.wait()
+            Path(flag).write_text("written")
+            time.sleep(120)  # the kill comes here, mid-save
+        return written
+
+    FsspecWriter.write_data = write_then_wait  # type: ignore[method-assign]
+    store_spec = ObjectStoreSpec(endpoint_url=endpoint, region="eu-west-1", path_style=True)
+    state = new_state()
+    ckpt = checkpointer(state, uri, dist.new_group(backend="gloo"), keep=3, object_store=store_spec)
+    train_steps(state, 6, ckpt)
+    ckpt.finish()
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_async_save_to_s3_resumes_from_the_previous_one(
+    tmp_path: Path, s3_credentials: Any, ckpt_group: dist.ProcessGroup
+) -> None:
+    """A real kill: the process is SIGKILLed while its async save of step 6 uploads. The
+    bucket holds step 6's shards but no `.metadata` nor marker; the resume takes step 4 and
+    deletes the partial prefix."""
+    import os
+    import signal
+    import time
+
+    import torch.multiprocessing as mp
+
+    from tests.trainer.conftest import free_port
+
+    server = s3_credentials
+    uri = f"s3://{server.new_bucket()}/ckpt"
+    flag = tmp_path / "written"
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(
+        target=_killed_mid_save, args=(uri, server.endpoint, free_port(), str(flag))
+    )
+    child.start()
+    deadline = time.monotonic() + 90
+    while not flag.exists() and child.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert flag.exists(), f"the save never reached its write (exit code {child.exitcode})"
+    os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    child.join(30)
+    assert child.exitcode == -signal.SIGKILL
+    root = store.resolve_root(uri, object_store=server.spec())
+    left = store.step_dir(root, 6).sizes()
+    assert any(n.endswith(".distcp") for n in left) and ".metadata" not in left
+    assert [(c.step, c.committed) for c in store.list_checkpoints(root)] == [
+        (2, True), (4, True), (6, False),
+    ]  # fmt: skip
+    fresh = new_state()
+    resumed = checkpointer(fresh, uri, ckpt_group, object_store=server.spec())
+    assert resumed.load() == 4 and resumed.skipped == []
+    resumed.close()
+    assert fresh.step == 4 and fresh.sampler.consumed == 32
+    assert [c.step for c in store.list_checkpoints(root)] == [2, 4]

@@ -136,11 +136,13 @@ def read_dcp_metadata(path: Location) -> Any:
         raise CorruptCheckpointError(f"{path}: unreadable DCP metadata ({e!r})") from e
 
 
-def validate(path: Location, metadata: Any | None = None) -> None:
+def validate(
+    path: Location, metadata: Any | None = None, sizes: dict[str, int] | None = None
+) -> None:
     """Cheap structural check before loading: the DCP metadata unpickles and every byte range
     it points at exists. Catches truncated, missing and garbled files without touching the
-    model; it cannot see flipped bits inside a tensor (DCP stores no checksums). `metadata`:
-    already read (`read_dcp_metadata`), so it is not read again."""
+    model; it cannot see flipped bits inside a tensor (DCP stores no checksums). `metadata`
+    and `sizes` (the directory's listing): already read, so not read again."""
     if metadata is None:
         metadata = read_dcp_metadata(path)
     try:
@@ -150,7 +152,8 @@ def validate(path: Location, metadata: Any | None = None) -> None:
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
     except Exception as e:
         raise CorruptCheckpointError(f"{path}: unreadable DCP metadata ({e!r})") from e
-    sizes = path.sizes()  # one listing, not a request per file
+    if sizes is None:
+        sizes = path.sizes()  # one listing, not a request per file
     for rel, end in ends.items():
         size = sizes.get(rel, -1)
         if size < end:
@@ -193,11 +196,18 @@ def manifest_of(marker: dict[str, Any] | None) -> dict[str, dict[str, Any]] | No
     return files if isinstance(files, dict) and files else None
 
 
-def verify_files(path: Location, manifest: dict[str, dict[str, Any]], names: Iterable[str]) -> None:
+def verify_files(
+    path: Location,
+    manifest: dict[str, dict[str, Any]],
+    names: Iterable[str],
+    sizes: dict[str, int] | None = None,
+) -> None:
     """Check the named manifest entries against the stored files: present, same size, same
-    hash. Sizes are checked before anything is hashed (cheap first)."""
+    hash. Sizes (`sizes`: a listing already made, else one now) are checked before anything
+    is hashed (cheap first)."""
     entries = [(n, manifest[n]) for n in names]
-    sizes = path.sizes()
+    if sizes is None:
+        sizes = path.sizes()
     for name, entry in entries:
         size = sizes.get(name, -1)
         if size != entry.get("size"):

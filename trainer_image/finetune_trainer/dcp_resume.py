@@ -3,9 +3,10 @@ checkpoint that loads on every rank.
 
 The committed steps, newest first, as rank 0 lists them (every rank tries the same ones in
 the same order, whatever its own view of a shared volume or a bucket). For each: rank 0 reads
-its `COMMITTED` marker and DCP metadata once and checks the structure, and every rank gets
-both (`_read_head`); every rank verifies its share of the manifest; DCP's load is given that
-same metadata (`agreed_reader`), never reading it again. A step is used only if every rank
+its `COMMITTED` marker, DCP metadata and listing once and checks the structure, and every
+rank gets all three (`_read_head`); every rank verifies its share of the manifest (sizes from
+that listing, then hashes); DCP's load is given that same metadata (`agreed_reader`), never
+reading it again. A step is used only if every rank
 passed every check and loaded it. Any failure (DCP raises `CheckpointException`, which derives
 from BaseException, not Exception) falls back to the previous step, logged naming the step
 and why. One a check found damaged (missing, truncated, garbled, a manifest mismatch, an
@@ -100,28 +101,30 @@ class Resume:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return list(box[0])
 
-    def _read_head(self, path: Location) -> tuple[Failure, dict[str, Any], Any]:
-        """Collective: rank 0 reads the marker and DCP's metadata once and checks the
-        structure; every rank gets the verdict and both records. One read, decided once:
-        ranks that read them each (on NFS or a bucket, at slightly different times) could
-        see different bytes, and DCP's own load, reading the metadata again on every rank,
-        retries a failed read rank-locally from `__<rank>.metadata` (a file these
-        checkpoints never have) and, if one is there, loads that rank alone on it."""
-        head: list[Any] = [OK, {}, None]
+    def _read_head(self, path: Location) -> tuple[Failure, dict[str, Any], Any, dict[str, int]]:
+        """Collective: rank 0 reads the marker, DCP's metadata and the directory's listing
+        once and checks the structure; every rank gets the verdict and all three. Read once,
+        decided once: ranks that read them each (on NFS or a bucket, at slightly different
+        times) could see different bytes or listings, and DCP's own load, reading the
+        metadata again on every rank, retries a failed read rank-locally from
+        `__<rank>.metadata` (a file these checkpoints never have) and, if one is there, loads
+        that rank alone on it. (Every rank listing a large prefix was N requests, too.)"""
+        head: list[Any] = [OK, {}, None, {}]
         if self.rank == 0:
 
             def read() -> None:
                 head[1] = store.read_commit_marker(path)
                 head[2] = store.read_dcp_metadata(path)
-                store.validate(path, head[2])
+                head[3] = path.sizes()
+                store.validate(path, head[2], head[3])
 
             head[0] = _attempt(path, read)
             if head[0] != OK:
-                head[1:] = [{}, None]
+                head[1:] = [{}, None, {}]
         dist.broadcast_object_list(head, src=0, group=self.group)
-        return head[0], head[1], head[2]
+        return head[0], head[1], head[2], head[3]
 
-    def _verify_share(self, path: Location, marker: dict[str, Any]) -> None:
+    def _verify_share(self, path: Location, marker: dict[str, Any], sizes: dict[str, int]) -> None:
         """This rank's share of the marker's manifest (sizes, then hashes)."""
         manifest = store.manifest_of(marker)
         if manifest is None:
@@ -131,16 +134,16 @@ class Resume:
                 )
             return
         world = dist.get_world_size(self.group)
-        store.verify_files(path, manifest, store.share_of(manifest, self.rank, world))
+        store.verify_files(path, manifest, store.share_of(manifest, self.rank, world), sizes)
 
     def _try_load(self, step: int) -> bool:
         path = store.step_dir(self.root, step)
-        failure, marker, metadata = self._read_head(path)
+        failure, marker, metadata, sizes = self._read_head(path)
         # Agree on each check before the next collective (DCP's load runs its own): a rank
         # that skipped one would leave the others waiting in it.
         if failure == OK:
             failure = agree_failure(
-                _attempt(path, lambda: self._verify_share(path, marker)), self.group
+                _attempt(path, lambda: self._verify_share(path, marker, sizes)), self.group
             )
         if failure == OK:
             saved = metadata_shapes(metadata.state_dict_metadata)
