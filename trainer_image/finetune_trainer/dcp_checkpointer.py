@@ -19,8 +19,9 @@ out DCP's storage writer and reader: fsspec's for a bucket, DCP's os-based ones 
 everything else goes through the same interface, so every property here holds on both.
 
 Load path (`dcp_resume.Resume`): the newest committed checkpoint that every rank verifies and
-loads; a damaged one is skipped and moved aside, another model's refused
-(`checkpoint_compat`). `resumed_from_step` and `skipped` say what happened.
+loads, on the marker, metadata and listing rank 0 read; a damaged one is skipped and moved
+aside, one that failed to read without being found damaged skipped and left in place, another
+model's refused (`checkpoint_compat`). `resumed_from_step` and `skipped` say what happened.
 """
 
 from __future__ import annotations
