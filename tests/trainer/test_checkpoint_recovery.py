@@ -71,6 +71,41 @@ def test_every_damage_falls_back_named_in_the_log_and_moved_aside(
     assert (tmp_path / f"{STEP6}.corrupt").is_dir() and not (tmp_path / STEP6).exists()
 
 
+def test_a_step_directory_under_another_steps_name_is_not_loaded(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup
+) -> None:
+    """Step 6 copied as step 8 (a sync gone wrong): every file matches its manifest, but the
+    marker is step 6's. Before, it loaded as step 8 with step 6's sampler and schedule."""
+    _saved_six(tmp_path, ckpt_group)
+    shutil.copytree(tmp_path / STEP6, tmp_path / "step-00000008")
+    resumed = checkpointer(new_state(), tmp_path, ckpt_group)
+    assert resumed.load() == 6 and resumed.skipped == [8]
+    resumed.close()
+    assert (tmp_path / "step-00000008.corrupt").is_dir()
+
+
+def test_a_failed_purge_does_not_fail_the_commit(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The marker is written, then deleting old checkpoints fails (a bucket refusing a
+    DELETE): the step is committed. Before, the save counted as failed (metric,
+    `CheckpointFailing`, and a final save's exit code 3) while its marker was there."""
+
+    def refused(*args: Any, **kwargs: Any) -> list[Location]:
+        raise PermissionError("AccessDenied: DeleteObject")
+
+    monkeypatch.setattr(store, "purge", refused)
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group)
+    from tests.trainer.test_checkpointer import train_steps
+
+    train_steps(state, 2, ckpt)
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+    assert ckpt.last_committed_step == 2 and ckpt.last_failed_step == 0
+    assert store.read_commit_marker(L(tmp_path / "step-00000002"))["step"] == 2
+
+
 def test_a_failed_read_without_damage_leaves_the_checkpoint_in_place(
     tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -123,6 +123,17 @@ def read_commit_marker(path: Location) -> dict[str, Any]:
     return data
 
 
+def check_marker_step(path: Location, marker: dict[str, Any], step: int) -> None:
+    """The marker names the step of its directory: a step directory copied or synced under
+    another step's name would resume with the step counter of one step and the sampler,
+    schedule and weights of the other."""
+    recorded = marker.get("step")
+    if recorded is not None and recorded != step:
+        raise CorruptCheckpointError(
+            f"{path}: its {CHECKPOINT_COMMITTED_MARKER} marker is step {recorded}'s"
+        )
+
+
 def read_dcp_metadata(path: Location) -> Any:
     """DCP's `Metadata` of a checkpoint, through DCP's own storage reader (the one its load
     uses). Missing or not unpicklable is damage; other I/O errors propagate (transient)."""

@@ -101,7 +101,9 @@ class Resume:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return list(box[0])
 
-    def _read_head(self, path: Location) -> tuple[Failure, dict[str, Any], Any, dict[str, int]]:
+    def _read_head(
+        self, path: Location, step: int
+    ) -> tuple[Failure, dict[str, Any], Any, dict[str, int]]:
         """Collective: rank 0 reads the marker, DCP's metadata and the directory's listing
         once and checks the structure; every rank gets the verdict and all three. Read once,
         decided once: ranks that read them each (on NFS or a bucket, at slightly different
@@ -114,6 +116,7 @@ class Resume:
 
             def read() -> None:
                 head[1] = store.read_commit_marker(path)
+                store.check_marker_step(path, head[1], step)
                 head[2] = store.read_dcp_metadata(path)
                 head[3] = path.sizes()
                 store.validate(path, head[2], head[3])
@@ -138,7 +141,7 @@ class Resume:
 
     def _try_load(self, step: int) -> bool:
         path = store.step_dir(self.root, step)
-        failure, marker, metadata, sizes = self._read_head(path)
+        failure, marker, metadata, sizes = self._read_head(path, step)
         # Agree on each check before the next collective (DCP's load runs its own): a rank
         # that skipped one would leave the others waiting in it.
         if failure == OK:
