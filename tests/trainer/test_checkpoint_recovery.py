@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.checkpoint_store import CheckpointDir
+from finetune_trainer.dcp_resume import DAMAGED, OK, UNREADABLE, worst
 from finetune_trainer.location import Location
 from tests.trainer.test_checkpointer import L, _saved_six, checkpointer, new_state
 
@@ -66,8 +67,10 @@ def test_every_damage_falls_back_named_in_the_log_and_moved_aside(
     resumed.close()
     assert resumed.skipped == [6] and fresh.step == 4
     assert resumed.metrics.skipped_ckpt_step._value.get() == 6
-    skip = [r.getMessage() for r in caplog.records if "skipping it" in r.getMessage()]
-    assert skip and STEP6 in skip[0]  # the step, and why
+    skip = [
+        r.getMessage() for r in caplog.records if "skipped damaged checkpoint" in r.getMessage()
+    ]
+    assert len(skip) == 1 and "step 6" in skip[0] and "rank 0: " in skip[0]  # the step, why
     assert (tmp_path / f"{STEP6}.corrupt").is_dir() and not (tmp_path / STEP6).exists()
 
 
@@ -177,6 +180,14 @@ def test_the_step_directory_is_listed_once(
     assert resumed.load() == 6
     resumed.close()
     assert listed.count(STEP6) == 1
+
+
+def test_the_worst_verdict_of_any_rank_decides_and_names_its_rank() -> None:
+    assert worst([(OK, ""), (OK, "")]) == (OK, "")
+    assert worst([(UNREADABLE, "timeout"), (DAMAGED, "hash"), (DAMAGED, "size")]) == (
+        DAMAGED, "rank 1: hash",
+    )  # fmt: skip
+    assert worst([(OK, ""), (UNREADABLE, "reset")]) == (UNREADABLE, "rank 1: reset")
 
 
 def _dirs(*steps: tuple[int, bool]) -> list[CheckpointDir]:

@@ -103,7 +103,7 @@ class Resume:
 
     def _read_head(
         self, path: Location, step: int
-    ) -> tuple[Failure, dict[str, Any], Any, dict[str, int]]:
+    ) -> tuple[Verdict, dict[str, Any], Any, dict[str, int]]:
         """Collective: rank 0 reads the marker, DCP's metadata and the directory's listing
         once and checks the structure; every rank gets the verdict and all three. Read once,
         decided once: ranks that read them each (on NFS or a bucket, at slightly different
@@ -111,7 +111,7 @@ class Resume:
         metadata again on every rank, retries a failed read rank-locally from
         `__<rank>.metadata` (a file these checkpoints never have) and, if one is there, loads
         that rank alone on it. (Every rank listing a large prefix was N requests, too.)"""
-        head: list[Any] = [OK, {}, None, {}]
+        head: list[Any] = [(OK, ""), {}, None, {}]
         if self.rank == 0:
 
             def read() -> None:
@@ -121,8 +121,9 @@ class Resume:
                 head[3] = path.sizes()
                 store.validate(path, head[2], head[3])
 
-            head[0] = _attempt(path, read)
-            if head[0] != OK:
+            failure, why = _attempt(path, read)
+            head[0] = (failure, f"rank 0: {why}" if failure else "")
+            if failure != OK:
                 head[1:] = [{}, None, {}]
         dist.broadcast_object_list(head, src=0, group=self.group)
         return head[0], head[1], head[2], head[3]
@@ -141,11 +142,11 @@ class Resume:
 
     def _try_load(self, step: int) -> bool:
         path = store.step_dir(self.root, step)
-        failure, marker, metadata, sizes = self._read_head(path, step)
+        (failure, why), marker, metadata, sizes = self._read_head(path, step)
         # Agree on each check before the next collective (DCP's load runs its own): a rank
         # that skipped one would leave the others waiting in it.
         if failure == OK:
-            failure = agree_failure(
+            failure, why = agree_failure(
                 _attempt(path, lambda: self._verify_share(path, marker, sizes)), self.group
             )
         if failure == OK:
@@ -159,26 +160,28 @@ class Resume:
                 dcp.load(sd, storage_reader=agreed_reader(path, metadata), planner=planner,
                          process_group=self.group)  # fmt: skip
 
-            failure = agree_failure(
+            failure, why = agree_failure(
                 _attempt(path, lambda: self.state.load(read, set(saved))), self.group
             )
         if failure == OK:
             return True
         if self.rank == 0:
+            # One line naming the step and why, whichever rank saw it (its own line too).
             if failure == DAMAGED:
                 # Out of the way of the save that will reach this step again, kept for a look.
                 try:
-                    log.warning("moved damaged checkpoint to %s", store.quarantine(path))
+                    where = f"moved aside to {store.quarantine(path)}"
                 except OSError as e:
-                    log.warning("could not move damaged checkpoint %s aside: %s", path, e)
+                    where = f"could not be moved aside ({e})"
+                log.warning("skipped damaged checkpoint step %d (%s): %s", step, where, why)
             else:
                 # Nothing shows it damaged (every check it reached passed; the read failed):
                 # a good checkpoint on a storage that failed once is not thrown away. Left
                 # in place, it is tried first again at the next start; a save reaching its
                 # step again rewrites it (uncommitted first).
                 log.warning(
-                    "checkpoint %s left in place: its read failed but no check found it "
-                    "damaged", path,
+                    "skipped checkpoint step %d (%s, left in place: no check found it "
+                    "damaged): %s", step, path, why,
                 )  # fmt: skip
         return False
 
@@ -217,25 +220,36 @@ Failure = int
 OK: Failure = 0
 UNREADABLE: Failure = 1
 DAMAGED: Failure = 2
+Verdict = tuple[Failure, str]  # and why ("" when OK)
 
 
-def agree_failure(failure: Failure, group: dist.ProcessGroup) -> Failure:
-    """The worst failure any rank saw (every rank gets the same)."""
-    flag = torch.tensor([float(failure)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item())
+def worst(verdicts: list[Verdict]) -> Verdict:
+    """Pure: the worst failure of the ranks' verdicts (indexed by rank), with the reason of
+    the first rank that saw it."""
+    failure = max((f for f, _ in verdicts), default=OK)
+    if failure == OK:
+        return OK, ""
+    rank = next(r for r, (f, _) in enumerate(verdicts) if f == failure)
+    return failure, f"rank {rank}: {verdicts[rank][1]}"
 
 
-def _attempt(path: Location, action: Callable[[], object]) -> Failure:
+def agree_failure(verdict: Verdict, group: dist.ProcessGroup) -> Verdict:
+    """Collective: `worst` of every rank's verdict, the same on every rank."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, verdict, group=group)
+    return worst(gathered)
+
+
+def _attempt(path: Location, action: Callable[[], object]) -> Verdict:
     try:
         action()
     except store.CorruptCheckpointError as e:
         log.warning("checkpoint %s is damaged, skipping it: %s", path, e)
-        return DAMAGED
+        return DAMAGED, str(e)
     except LOAD_ERRORS as e:
         log.warning("checkpoint %s cannot be loaded, skipping it: %s", path, _short(e))
-        return UNREADABLE
-    return OK
+        return UNREADABLE, _short(e)
+    return OK, ""
 
 
 def agreed_reader(path: Location, metadata: Any) -> Any:
