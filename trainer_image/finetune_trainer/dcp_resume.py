@@ -6,10 +6,9 @@ the same order, whatever its own view of a shared volume or a bucket). For each:
 its `COMMITTED` marker, DCP metadata and listing once and checks the structure, and every
 rank gets all three (`_read_head`); every rank verifies its share of the manifest (sizes from
 that listing, then hashes); DCP's load is given that same metadata (`agreed_reader`), never
-reading it again. A step is used only if every rank
-passed every check and loaded it. Any failure (DCP raises `CheckpointException`, which derives
-from BaseException, not Exception) falls back to the previous step, logged naming the step
-and why. One a check found damaged (missing, truncated, garbled, a manifest mismatch, an
+reading it again. A step is used only if every rank passed every check and loaded it. Any
+failure (DCP raises `CheckpointException`, which derives from BaseException, not Exception)
+falls back to the previous step; rank 0 logs the step, the rank that failed it and why. One a check found damaged (missing, truncated, garbled, a manifest mismatch, an
 unreadable marker) is moved aside by rank 0; one whose read failed without any check finding
 damage (an I/O error) is left in place. A verified checkpoint whose keys or sizes do not
 match this job's state (written for another model or setup: checkpoint_compat) is not
