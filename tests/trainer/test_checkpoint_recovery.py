@@ -87,6 +87,28 @@ def test_a_step_directory_under_another_steps_name_is_not_loaded(
     assert (tmp_path / "step-00000008.corrupt").is_dir()
 
 
+def test_a_partial_save_that_cannot_be_deleted_does_not_stop_the_resume(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed save left step 8 (no marker) where deletes are refused (a bucket policy
+    without DeleteObject). Before, the refusal ended every start: the job could not resume."""
+    _saved_six(tmp_path, ckpt_group)
+    shutil.copytree(tmp_path / STEP6, tmp_path / "step-00000008")
+    (tmp_path / "step-00000008" / "COMMITTED").unlink()
+    real = Location.remove
+
+    def refused(self: Location) -> None:
+        if self.name == "step-00000008":
+            raise PermissionError("AccessDenied: DeleteObject")
+        real(self)
+
+    monkeypatch.setattr(Location, "remove", refused)
+    resumed = checkpointer(new_state(), tmp_path, ckpt_group)
+    assert resumed.load() == 6 and resumed.skipped == []
+    resumed.close()
+    assert (tmp_path / "step-00000008").is_dir()
+
+
 def test_a_failed_purge_does_not_fail_the_commit(
     tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:

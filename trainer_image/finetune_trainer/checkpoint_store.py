@@ -253,13 +253,22 @@ def quarantine(path: Location) -> Location:
     return target
 
 
-def remove_partial(root: Location) -> list[Location]:
+def remove_partial(
+    root: Location, failed: list[tuple[Location, OSError]] | None = None
+) -> list[Location]:
     """Delete every uncommitted step directory (leftovers of saves that never finished).
-    Only safe while no save is in flight: at start, before anything is written."""
+    Only safe while no save is in flight: at start, before anything is written. With
+    `failed`, a directory that cannot be deleted is noted there and the others still are."""
     removed = []
     for c in list_checkpoints(root):
         if not c.committed:
-            c.path.remove()
+            try:
+                c.path.remove()
+            except OSError as e:
+                if failed is None:
+                    raise
+                failed.append((c.path, e))
+                continue
             removed.append(c.path)
     return removed
 

@@ -90,15 +90,32 @@ class Resume:
 
     def _candidates(self) -> list[int]:
         """Rank 0 cleans partial saves and lists committed steps, newest first; all ranks
-        get the same list so they try the same checkpoints in the same order."""
-        steps: list[int] = []
+        get the same list so they try the same checkpoints in the same order. A listing
+        that fails is raised on every rank (none is left waiting for rank 0's list)."""
+        box: list[Any] = [None]
+        error: Exception | None = None
         if self.rank == 0:
-            for path in store.remove_partial(self.root):
-                log.warning("removed uncommitted checkpoint %s", path)
-            steps = [c.step for c in store.committed_newest_first(self.root)]
-        box: list[Any] = [steps]
+            try:
+                self._remove_partial()
+                box[0] = [c.step for c in store.committed_newest_first(self.root)]
+            except Exception as e:
+                error = e
+                box[0] = f"rank 0 could not list the checkpoints under {self.root}: {e!r}"
         dist.broadcast_object_list(box, src=0, group=self.group)
+        if error is not None:
+            raise error
+        if isinstance(box[0], str):
+            raise OSError(box[0])
         return list(box[0])
+
+    def _remove_partial(self) -> None:
+        """A partial save that cannot be deleted (a bucket policy without DeleteObject, a
+        read-only snapshot) is never loaded anyway: it must not stop the resume."""
+        failed: list[tuple[Location, OSError]] = []
+        for path in store.remove_partial(self.root, failed):
+            log.warning("removed uncommitted checkpoint %s", path)
+        for path, e in failed:
+            log.warning("could not remove uncommitted checkpoint %s (never loaded): %s", path, e)
 
     def _read_head(
         self, path: Location, step: int
