@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.checkpoint_store import CheckpointDir
-from finetune_trainer.dcp_resume import DAMAGED, OK, UNREADABLE, worst
+from finetune_trainer.dcp_resume import DAMAGED, OK, UNREADABLE, PartlyLoadedError, worst
 from finetune_trainer.location import Location
 from tests.trainer.test_checkpointer import L, _saved_six, checkpointer, new_state
 
@@ -107,6 +107,35 @@ def test_a_partial_save_that_cannot_be_deleted_does_not_stop_the_resume(
     assert resumed.load() == 6 and resumed.skipped == []
     resumed.close()
     assert (tmp_path / "step-00000008").is_dir()
+
+
+def test_a_read_failing_part_way_with_nothing_older_does_not_start_fresh_on_a_mixed_state(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only step 6 is there and its read fails after DCP has copied some tensors into the
+    live model (a connection reset part-way). Before, the resume went on from step 0 with
+    weights part step 6's, part initial, and step 6 was moved aside."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    _saved_six(tmp_path, ckpt_group)
+    for old in ("step-00000002", "step-00000004"):
+        shutil.rmtree(tmp_path / old)
+    real = DefaultLoadPlanner.commit_tensor
+    copied: list[object] = []
+
+    def reset_after_one(self: DefaultLoadPlanner, read_item: Any, tensor: Any) -> None:
+        if copied:
+            raise ConnectionResetError("connection reset by peer")
+        copied.append(read_item)
+        real(self, read_item, tensor)
+
+    monkeypatch.setattr(DefaultLoadPlanner, "commit_tensor", reset_after_one)
+    resumed = checkpointer(new_state(), tmp_path, ckpt_group)
+    with pytest.raises(PartlyLoadedError, match=r"checkpoint step 6 .* left in place"):
+        resumed.load()
+    resumed.close()
+    assert copied  # the live state was written into
+    assert [c.step for c in store.committed_newest_first(L(tmp_path))] == [6]
 
 
 def test_a_failed_purge_does_not_fail_the_commit(

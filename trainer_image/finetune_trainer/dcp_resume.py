@@ -76,16 +76,28 @@ class Resume:
         self.rank = dist.get_rank(group)
         self.meta = meta
         self.skipped = skipped
+        # A read that failed after DCP had begun copying into the live state (the model's
+        # and optimizer's own tensors): (step, why).
+        self.overwritten: tuple[int, str] | None = None
 
     def newest_loadable(self) -> int:
         """Load the newest committed checkpoint that loads; skip damaged ones. Returns its
-        step (0: nothing usable). A checkpoint that failed on one rank leaves the others'
-        state half-restored; the next one loaded overwrites all of it, and a fresh start (0)
-        is only reached by a rank that loaded nothing."""
+        step (0: nothing usable). A read that failed part-way leaves the state partly
+        overwritten; the next checkpoint loaded overwrites all of it. If none does, the
+        process cannot start fresh from that state (part checkpoint, part initial weights):
+        it raises, to be restarted, and the next start tries that checkpoint again."""
         for step in self._candidates():
             if self._try_load(step):
                 return step
             self.skipped.append(step)
+        if self.overwritten is not None:
+            step, why = self.overwritten
+            raise PartlyLoadedError(
+                f"checkpoint step {step} under {self.root} failed while being read into this "
+                f"process's model and optimizer ({why}) and no older checkpoint loaded: their "
+                "state is part checkpoint, part initial, so training cannot start fresh from "
+                f"it; exiting to be restarted (step {step} is left in place and tried again)"
+            )
         return 0
 
     def _candidates(self) -> list[int]:
@@ -179,7 +191,10 @@ class Resume:
             failure, why = agree_failure(
                 _attempt(path, lambda: self.state.load(read, set(saved))), self.group
             )
+            if failure != OK:
+                self.overwritten = (step, why)
         if failure == OK:
+            self.overwritten = None  # all of it overwritten by this one
             return True
         if self.rank == 0:
             # One line naming the step and why, whichever rank saw it (its own line too).
@@ -227,6 +242,10 @@ class Resume:
         allowance = tolerate(saved, expected)  # what TrainState.load leaves out
         if allowance and self.rank == 0:
             log.warning("checkpoint step %d in %s: %s", step, self.root, allowance.describe())
+
+
+class PartlyLoadedError(RuntimeError):
+    """No checkpoint loaded, and a failed one left the state partly overwritten."""
 
 
 # A failed attempt, as every rank agrees on it (the worst any rank saw): OK; UNREADABLE (an
