@@ -5,6 +5,7 @@ a deadlock in DCP's collectives; and what two ranks saved resumes on one (anothe
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from pathlib import Path
 
@@ -49,6 +50,10 @@ def _rank_main(rank: int, uri: str, endpoint: str, port: int, results: str) -> N
         data[len(data) // 2] ^= 0xFF  # same size: only the hash can tell
         victim.write_atomic(bytes(data))
     dist.barrier()
+    # Rank 0's line names the step and the reason, though only rank 1 saw the damage.
+    logging.getLogger("finetune_trainer.dcp_resume").addHandler(
+        logging.FileHandler(Path(results, f"rank{rank}.log"))
+    )
     fresh = new_state()
     resumed = checkpointer(fresh, uri, group, object_store=object_store)
     step = resumed.load()
@@ -82,3 +87,5 @@ def test_damage_seen_by_one_rank_only_falls_back_on_both_then_resumes_at_world_o
     assert (results / "rank0").read_text() == "4 [6]"
     assert (results / "rank1").read_text() == "4 [6]"
     assert (results / "solo").read_text() == "4"
+    skip = (results / "rank0.log").read_text()
+    assert "skipped damaged checkpoint step 6" in skip and "rank 1: " in skip and "hash" in skip

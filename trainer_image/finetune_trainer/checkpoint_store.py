@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -106,21 +105,66 @@ def read_marker(path: Location) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def validate(path: Location) -> None:
+def read_commit_marker(path: Location) -> dict[str, Any]:
+    """The `COMMITTED` marker of a step listed as committed, strictly: absent, empty or not a
+    JSON object is damage (a marker that cannot be read vouches for nothing; before this, such
+    a step loaded as if it were of the older, manifest-less format). Other I/O errors (a
+    network, a throttled bucket) propagate: they say nothing about the checkpoint."""
+    try:
+        data = json.loads((path / CHECKPOINT_COMMITTED_MARKER).read_text())
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{path}: its {CHECKPOINT_COMMITTED_MARKER} is gone") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CorruptCheckpointError(
+            f"{path}: unreadable {CHECKPOINT_COMMITTED_MARKER} marker ({e})"
+        ) from e
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{path}: {CHECKPOINT_COMMITTED_MARKER} is not a record")
+    return data
+
+
+def check_marker_step(path: Location, marker: dict[str, Any], step: int) -> None:
+    """The marker names the step of its directory: a step directory copied or synced under
+    another step's name would resume with the step counter of one step and the sampler,
+    schedule and weights of the other."""
+    recorded = marker.get("step")
+    if recorded is not None and recorded != step:
+        raise CorruptCheckpointError(
+            f"{path}: its {CHECKPOINT_COMMITTED_MARKER} marker is step {recorded}'s"
+        )
+
+
+def read_dcp_metadata(path: Location) -> Any:
+    """DCP's `Metadata` of a checkpoint, through DCP's own storage reader (the one its load
+    uses). Missing or not unpicklable is damage; other I/O errors propagate (transient)."""
+    try:
+        return path.dcp_reader().read_metadata()
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{path}: no {DCP_METADATA_FILE}") from e
+    except OSError:
+        raise
+    except Exception as e:  # UnpicklingError, EOFError, ... on a garbled or empty file
+        raise CorruptCheckpointError(f"{path}: unreadable DCP metadata ({e!r})") from e
+
+
+def validate(
+    path: Location, metadata: Any | None = None, sizes: dict[str, int] | None = None
+) -> None:
     """Cheap structural check before loading: the DCP metadata unpickles and every byte range
     it points at exists. Catches truncated, missing and garbled files without touching the
-    model; it cannot see flipped bits inside a tensor (DCP stores no checksums)."""
+    model; it cannot see flipped bits inside a tensor (DCP stores no checksums). `metadata`
+    and `sizes` (the directory's listing): already read, so not read again."""
+    if metadata is None:
+        metadata = read_dcp_metadata(path)
     try:
-        with (path / DCP_METADATA_FILE).open("rb") as f:
-            metadata = pickle.load(f)
-        storage = metadata.storage_data
         ends: dict[str, int] = {}
-        for info in storage.values():
+        for info in metadata.storage_data.values():
             end = int(info.offset) + int(info.length)
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
     except Exception as e:
         raise CorruptCheckpointError(f"{path}: unreadable DCP metadata ({e!r})") from e
-    sizes = path.sizes()  # one listing, not a request per file
+    if sizes is None:
+        sizes = path.sizes()  # one listing, not a request per file
     for rel, end in ends.items():
         size = sizes.get(rel, -1)
         if size < end:
@@ -163,11 +207,18 @@ def manifest_of(marker: dict[str, Any] | None) -> dict[str, dict[str, Any]] | No
     return files if isinstance(files, dict) and files else None
 
 
-def verify_files(path: Location, manifest: dict[str, dict[str, Any]], names: Iterable[str]) -> None:
+def verify_files(
+    path: Location,
+    manifest: dict[str, dict[str, Any]],
+    names: Iterable[str],
+    sizes: dict[str, int] | None = None,
+) -> None:
     """Check the named manifest entries against the stored files: present, same size, same
-    hash. Sizes are checked before anything is hashed (cheap first)."""
+    hash. Sizes (`sizes`: a listing already made, else one now) are checked before anything
+    is hashed (cheap first)."""
     entries = [(n, manifest[n]) for n in names]
-    sizes = path.sizes()
+    if sizes is None:
+        sizes = path.sizes()
     for name, entry in entries:
         size = sizes.get(name, -1)
         if size != entry.get("size"):
@@ -202,25 +253,48 @@ def quarantine(path: Location) -> Location:
     return target
 
 
-def remove_partial(root: Location) -> list[Location]:
+def remove_partial(
+    root: Location, failed: list[tuple[Location, OSError]] | None = None
+) -> list[Location]:
     """Delete every uncommitted step directory (leftovers of saves that never finished).
-    Only safe while no save is in flight: at start, before anything is written."""
+    Only safe while no save is in flight: at start, before anything is written. With
+    `failed`, a directory that cannot be deleted is noted there and the others still are."""
     removed = []
     for c in list_checkpoints(root):
         if not c.committed:
-            c.path.remove()
+            try:
+                c.path.remove()
+            except OSError as e:
+                if failed is None:
+                    raise
+                failed.append((c.path, e))
+                continue
             removed.append(c.path)
     return removed
 
 
-def purge(root: Location, keep: int, *, below_step: int | None = None) -> list[Location]:
-    """Keep the newest `keep` committed checkpoints; delete older committed ones and
-    uncommitted ones older than `below_step` (the step just committed)."""
-    checkpoints = list_checkpoints(root)
-    committed = [c for c in checkpoints if c.committed]
+def purge_plan(
+    checkpoints: list[CheckpointDir], keep: int, *, below_step: int | None = None
+) -> list[CheckpointDir]:
+    """Pure: which of `checkpoints` (oldest first) a purge deletes. After committing
+    `below_step`: the committed ones older than the newest `keep` of those up to it, and the
+    uncommitted ones older than it. A committed step *newer* than `below_step` is never
+    deleted nor counted: it is one a resume skipped (unreadable then) and the run has not
+    reached again; counting it would delete the step just committed (keep 1) or the last one
+    a run loaded, for a checkpoint nobody could read."""
+    committed = [
+        c for c in checkpoints if c.committed and (below_step is None or c.step <= below_step)
+    ]
     doomed = committed[: max(0, len(committed) - keep)]
     if below_step is not None:
         doomed += [c for c in checkpoints if not c.committed and c.step < below_step]
+    return doomed
+
+
+def purge(root: Location, keep: int, *, below_step: int | None = None) -> list[Location]:
+    """Delete what `purge_plan` says: older committed checkpoints beyond `keep`, and
+    uncommitted ones older than `below_step` (the step just committed)."""
+    doomed = purge_plan(list_checkpoints(root), keep, below_step=below_step)
     for c in doomed:
         _uncommit(c.path)
         c.path.remove()

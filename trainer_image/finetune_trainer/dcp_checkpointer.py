@@ -19,8 +19,9 @@ out DCP's storage writer and reader: fsspec's for a bucket, DCP's os-based ones 
 everything else goes through the same interface, so every property here holds on both.
 
 Load path (`dcp_resume.Resume`): the newest committed checkpoint that every rank verifies and
-loads; a damaged one is skipped and moved aside, another model's refused
-(`checkpoint_compat`). `resumed_from_step` and `skipped` say what happened.
+loads, on the marker, metadata and listing rank 0 read; a damaged one is skipped and moved
+aside, one that failed to read without being found damaged skipped and left in place, another
+model's refused (`checkpoint_compat`). `resumed_from_step` and `skipped` say what happened.
 """
 
 from __future__ import annotations
@@ -232,9 +233,16 @@ class DcpCheckpointer:
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, described[0] if described else None, group=self.group)
         ok = ok and all(part is not None for part in gathered)
-        if ok and self.rank == 0:
-            manifest = {name: entry for part in gathered for name, entry in part.items()}
-            ok = self._attempt(step, "commit", lambda: self._mark_committed(step, manifest))
+        if ok:
+            committed = True
+            if self.rank == 0:
+                manifest = {name: entry for part in gathered for name, entry in part.items()}
+                committed = self._attempt(
+                    step, "commit", lambda: self._mark_committed(step, manifest)
+                )
+            # Rank 0's verdict for every rank: the others reported the step committed (and
+            # the final report's step) when rank 0 had failed to write its marker.
+            ok = agree(committed, self.group)
         if not ok:
             self.last_failed_step = max(self.last_failed_step, step)
             self.metrics.observe_checkpoint_failed(step)
@@ -261,8 +269,13 @@ class DcpCheckpointer:
         meta[store.HASH_KEY] = store.HASH_ALGORITHM
         meta[store.MANIFEST_KEY] = manifest
         store.write_marker(path, meta)
-        for old in store.purge(self.root, self.spec.keep, below_step=step):
-            log.info("purged checkpoint %s", old)
+        try:
+            for old in store.purge(self.root, self.spec.keep, below_step=step):
+                log.info("purged checkpoint %s", old)
+        except OSError as e:
+            # The step is committed (its marker is written): a delete that failed leaves an
+            # old checkpoint for the next purge, it does not fail this save.
+            log.warning("checkpoint step %d committed; purging older ones failed: %s", step, e)
 
     def wait_for_staging(self) -> None:
         """Before the optimizer step: the host copies are done and the GPU will run the

@@ -175,6 +175,10 @@ class Location:
         tmp = self.with_name(f".{self.name}{tmp_tag}.tmp").path
         with open(tmp, "wb") as f:
             f.write(data)
+            # On disk before the rename: a crash (a node lost) must not leave the new name
+            # over an empty file (delayed allocation; a COMMITTED marker vouching for nothing).
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
     def upload(self, source: Path) -> None:

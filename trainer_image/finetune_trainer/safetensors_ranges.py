@@ -195,7 +195,11 @@ class RangedSafetensorsReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The tensors of every file, read once per reader (a striped load's DCP loads reuse
-        them) and, `shared`, once per job (rank 0's, broadcast)."""
+        them) and, `shared`, once per job (rank 0's, broadcast). A failed read is not read
+        again by DCP's rank-local retry (`rank=`, which asks for a `__<rank>.metadata` no
+        safetensors model has): that would repeat it, and, shared, its broadcast."""
+        if kwargs.get("rank") is not None and self.failure is not None:
+            raise self.failure
         try:
             if self._metadata is None:
                 read = self._read_metadata
