@@ -421,7 +421,8 @@ def main() -> None:
     compared = [r for r in rows if not r["reference"]]
     worst = max(abs(r["ratio_total"] - 1) for r in compared)
     worst_cast = max(
-        abs(r["plan_cast_peak"] / r["cast_peak"] - 1) for r in compared if r["cast_peak"]
+        (abs(r["plan_cast_peak"] / r["cast_peak"] - 1) for r in compared if r["cast_peak"]),
+        default=float("nan"),  # offload only (--only): nothing cast on the device
     )
     lines = [
         f"# deepspeed {deepspeed.__version__}, torch {torch.__version__}, DS_ACCELERATOR=cpu (gloo)",
