@@ -14,9 +14,9 @@ Each rank fetches 1/W of the data; rank 0 the headers besides, for every rank.
 
 Memory: beside the replica, the stripes of one group of tensors (at most STRIPE_BYTES per
 rank, in the replica's dtype; a DCP load per group; the headers read once, by rank 0), plus
-the raw reads in flight during a load; the gathers are in place (`gather_rows`). A directory on a volume is read whole by every rank as
-before (finetune_trainer.pretrained: a node's page cache serves its ranks, and there is no
-egress); so is a one-rank job."""
+the raw reads in flight during a load; the gathers are in place (`gather_rows`). A directory
+on a volume is read whole by every rank as before (finetune_trainer.pretrained: a node's page
+cache serves its ranks, and there is no egress); so is a one-rank job."""
 
 from __future__ import annotations
 
@@ -139,7 +139,9 @@ def gather_rows(param: torch.Tensor, stripe: DTensor) -> None:
     del stripe
     n = param.shape[0]
     chunk = -(-n // world)
-    if not param.is_contiguous():  # not a layout the trainer builds: gathered beside it
+    if not param.is_contiguous():
+        # Not a layout the trainer builds (the materialised modules' parameters are
+        # contiguous); such a parameter is gathered beside it, which the plan does not count.
         _gather_padded(param, rows, chunk, world)
         return
     mine = min(rank * chunk, n)
