@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -189,6 +190,8 @@ def measure(cfg: Config, steps: int = 2) -> dict[str, Any]:
         "backward_paths": {f"{p}/{c}": sorted(set(v))[:6] for (p, c), v in backward.paths.items()},
         "cast_peak": max(casts, default=0),
         "rss_delta": rss - rss0,
+        # The process peak (VmHWM), runtime included: what a CPU job's memory must hold.
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "optimizer": f"{type(engine.optimizer).__name__}/{type(inner).__name__}",
     }
 
@@ -229,6 +232,19 @@ def planner_states(cfg: Config) -> dict[str, int]:
         ),
     )
     b = est.breakdown
+    # The same job on CPU (DS_ACCELERATOR=cpu, what this bench runs): the device total (its
+    # transients and the process runtime included) and the offloaded host buffers share the
+    # process's RAM (planner.search.evaluate adds them).
+    cpu = estimate_memory(
+        shape,
+        TrainingShape(micro_batch_size=1, seq_len=SEQ, precision=cfg.precision),  # type: ignore[arg-type]
+        Candidate(
+            f"zero{cfg.stage}",  # type: ignore[arg-type]
+            world_size=cfg.world,
+            offload=cfg.planner_offload,  # type: ignore[arg-type]
+            cuda=False,
+        ),
+    )
     e = 2 if cfg.precision in ("bf16", "fp16") else 4
     step = zero_states(
         cfg.stage, cfg.world, shape.total, 0, e, 12, fp32_master=True, offload=cfg.offload != "none"
@@ -240,6 +256,8 @@ def planner_states(cfg: Config) -> dict[str, int]:
         "device/optimizer": b.optimizer,
         "device": b.parameters + b.gradients + b.optimizer,
         "host": est.host_bytes,
+        "cpu_device_total": cpu.breakdown.total,
+        "cpu_host": cpu.host_bytes,
         # Model states at the step's cast to fp32: + the e-byte partition alive beside it.
         "cast_peak": b.parameters + b.gradients + b.optimizer + step.step_transient,
     }
@@ -299,6 +317,9 @@ def compare(cfg: Config, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "backward": meas["backward"],
                 "backward_paths": meas["backward_paths"],
                 "optimizer": meas["optimizer"],
+                "peak_rss": meas["peak_rss"],
+                "cpu_device_total": plan["cpu_device_total"],
+                "cpu_host": plan["cpu_host"],
             }
         )
     return rows
@@ -325,6 +346,18 @@ def _fmt_row(r: dict[str, Any]) -> str:
         f"{r['ratio_total']:6.3f} | {mib(r['cast_peak'])} {mib(r['plan_cast_peak'])} "
         f"{_fmt_ratio(_cast_ratio(r))} | {mib(r['ds_buffers'])} "
         f"{mib(r['ds_other'])} {r['rss_ratio']:5.2f}"
+    )
+
+
+def _fmt_cpu_need(r: dict[str, Any]) -> str:
+    """A CPU job's plan against the process's peak RSS: the device total plus the offloaded
+    host buffers (one RAM), beside the larger half (what checking the halves apart needed)."""
+    total, host = r["cpu_device_total"], r["cpu_host"]
+    return (
+        f"    CPU job: planned device total {total / MIB:.1f} + host {host / MIB:.1f} ="
+        f" {(total + host) / MIB:.1f} MiB (apart: {max(total, host) / MIB:.1f}); peak RSS"
+        f" {r['peak_rss'] / MIB:.1f} MiB; planned/peak {(total + host) / r['peak_rss']:.2f}"
+        f" (apart: {max(total, host) / r['peak_rss']:.2f})"
     )
 
 
@@ -379,6 +412,7 @@ def main() -> None:
         for row in compare(cfg, run_config(cfg)):
             rows.append(row)
             print(_fmt_row(row), flush=True)
+            print(_fmt_cpu_need(row), flush=True)
             if args.verbose:
                 for key, paths in sorted(row["paths"].items()):
                     print(f"    step {key}: {paths}", flush=True)
@@ -387,7 +421,8 @@ def main() -> None:
     compared = [r for r in rows if not r["reference"]]
     worst = max(abs(r["ratio_total"] - 1) for r in compared)
     worst_cast = max(
-        abs(r["plan_cast_peak"] / r["cast_peak"] - 1) for r in compared if r["cast_peak"]
+        (abs(r["plan_cast_peak"] / r["cast_peak"] - 1) for r in compared if r["cast_peak"]),
+        default=float("nan"),  # offload only (--only): nothing cast on the device
     )
     lines = [
         f"# deepspeed {deepspeed.__version__}, torch {torch.__version__}, DS_ACCELERATOR=cpu (gloo)",

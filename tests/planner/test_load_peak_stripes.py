@@ -1,6 +1,6 @@
 """plan.loadPeakBytes counts the stripes a replicated rank (DDP, ZeRO-1/2) holds while it
 reads pretrained weights from an object store (finetune_trainer.replica_loading): one DCP
-load's stripes, plus the raw reads in flight or one tensor gathered whole. The figure counted
+load's stripes, plus the raw reads in flight (the gathers are in place). The figure counted
 before (the replica plus one module's fp32 init) left them out."""
 
 from __future__ import annotations
@@ -18,17 +18,13 @@ MiB, GiB = 1 << 20, 1 << 30
 
 
 def test_striped_read_bytes() -> None:
-    # An 8B model's bf16 replica over 8 ranks, its 1 GiB embedding gathered whole: 256 MiB of
-    # stripes, the embedding beside them (larger than the reads in flight).
-    assert striped_read_bytes(16 * GiB, GiB, 8, element_bytes=2) == 2 * STRIPE_BYTES + GiB
+    # An 8B model's bf16 replica over 8 ranks (its 1 GiB embedding's stripe under the cap):
+    # 256 MiB of stripes, and the fp32 bytes of those stripes in flight, up to the batch cap.
+    assert striped_read_bytes(16 * GiB, GiB, 8, element_bytes=2) == STRIPE_BYTES + READ_BATCH_BYTES
     # A small fp32 replica: its whole stripe (1/4) is one load; raw reads as large.
-    assert striped_read_bytes(400 * MiB, 40 * MiB, 4, element_bytes=4) == 2 * 100 * MiB + 100 * MiB
-    # bf16 stripes of fp32 files: the raw reads are twice the stripes, up to the batch cap.
-    assert (
-        striped_read_bytes(64 * GiB, MiB, 2, element_bytes=2) == 2 * STRIPE_BYTES + READ_BATCH_BYTES
-    )
-    # One tensor's stripe larger than the cap goes alone.
-    assert striped_read_bytes(8 * GiB, 4 * GiB, 2, element_bytes=4) == 2 * 2 * GiB + 4 * GiB
+    assert striped_read_bytes(400 * MiB, 40 * MiB, 4, element_bytes=4) == 100 * MiB + 100 * MiB
+    # One tensor's stripe larger than the cap goes alone; the raw reads stay within the batch.
+    assert striped_read_bytes(8 * GiB, 4 * GiB, 2, element_bytes=4) == 2 * GiB + READ_BATCH_BYTES
     assert striped_read_bytes(16 * GiB, GiB, 1, element_bytes=2) == 0  # one rank reads whole
 
 

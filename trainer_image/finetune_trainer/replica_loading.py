@@ -14,11 +14,9 @@ Each rank fetches 1/W of the data; rank 0 the headers besides, for every rank.
 
 Memory: beside the replica, the stripes of one group of tensors (at most STRIPE_BYTES per
 rank, in the replica's dtype; a DCP load per group; the headers read once, by rank 0), plus
-the raw reads in flight during a load, or one tensor's padded gather buffer when its rows do
-not split evenly over the ranks (evenly split rows are gathered straight into the
-parameter). A directory on a volume is read whole by every rank as
-before (finetune_trainer.pretrained: a node's page cache serves its ranks, and there is no
-egress); so is a one-rank job."""
+the raw reads in flight during a load; the gathers are in place (`gather_rows`). A directory
+on a volume is read whole by every rank as before (finetune_trainer.pretrained: a node's page
+cache serves its ranks, and there is no egress); so is a one-rank job."""
 
 from __future__ import annotations
 
@@ -42,8 +40,8 @@ from finetune_trainer.safetensors_ranges import RangedSafetensorsReader, batches
 log = logging.getLogger(__name__)
 
 # STRIPE_BYTES: a rank's stripes of one DCP load at most (a larger tensor's stripe alone):
-# what the striped read holds beside the replica, besides the one tensor being gathered (the
-# planner counts both: planner.loading.striped_read_bytes). Each load reads the headers again
+# what the striped read holds beside the replica, with the raw reads in flight (the planner
+# counts both: planner.loading.striped_read_bytes). Each load reads the headers again
 # (kilobytes per file).
 
 
@@ -122,23 +120,50 @@ def _load_group(
 
 def gather_rows(param: torch.Tensor, stripe: DTensor) -> None:
     """All-gather every rank's rows of `stripe` (its Shard(0) chunk of `param`, torch.chunk's
-    split: ceil(n/W) rows each, the last ranks fewer) into `param`. When the rows split
-    evenly they are gathered straight into the parameter: no tensor beside it. Otherwise into
-    one padded buffer, then copied. (DTensor.full_tensor held the padded gather, its unpadded
-    copy and, on gloo, a concatenation besides: 3-4x the tensor, measured on the test model.)
-    The caller passes its only reference to `stripe`, so a padded copy replaces it."""
-    world = dist.get_world_size()
+    split: ceil(n/W) rows each, the last ranks fewer) into `param`, in place: this rank's rows
+    are copied into their place in the parameter and the stripe freed, then the collective
+    fills the other ranks' rows straight into the parameter (one all-gather when the rows
+    split evenly, else one broadcast per rank that has rows).
+
+    In place, not through a gather buffer, because the backend holds a collective's tensors
+    past its `wait()`: gloo's worker thread drops its work (and so its input and output
+    tensors) only after it has marked it complete (ProcessGroupGloo::runLoop), so on a busy
+    host a buffer handed to the last gather of one load outlived it beside the next load's
+    stripes (the 38 KB over one load's stripes that tests/trainer/test_zero3_loading.py saw in
+    about 1 run in 5 under load). Handed only views of the replica, the backend keeps nothing
+    alive that the replica does not. (DTensor.full_tensor held the padded gather, its
+    unpadded copy and, on gloo, a concatenation besides: 3-4x the tensor.) The caller passes
+    its only reference to `stripe`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     rows = stripe.to_local()
     del stripe
-    chunk = -(-param.shape[0] // world)
+    n = param.shape[0]
+    chunk = -(-n // world)
+    if not param.is_contiguous():
+        # Not a layout the trainer builds (the materialised modules' parameters are
+        # contiguous); such a parameter is gathered beside it, which the plan does not count.
+        _gather_padded(param, rows, chunk, world)
+        return
+    mine = min(rank * chunk, n)
+    param[mine : mine + rows.shape[0]].copy_(rows)
+    del rows
+    if n == chunk * world:
+        dist.all_gather_into_tensor(param, param[mine : mine + chunk])
+        return
+    for src in range(world):
+        first = min(src * chunk, n)
+        last = min(first + chunk, n)
+        if last > first:
+            dist.broadcast(param[first:last], src=src)
+
+
+def _gather_padded(param: torch.Tensor, rows: torch.Tensor, chunk: int, world: int) -> None:
+    """A non-contiguous parameter: gathered into one padded buffer, then copied."""
     if rows.shape[0] != chunk:  # a short last chunk (or none): padded to the others' rows
-        padded = torch.zeros((chunk, *param.shape[1:]), dtype=rows.dtype, device=rows.device)
+        padded = torch.zeros((chunk, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
         padded[: rows.shape[0]] = rows
         rows = padded
-    if param.shape[0] == chunk * world and param.is_contiguous():
-        dist.all_gather_into_tensor(param, rows.contiguous())
-        return
-    whole = torch.empty((chunk * world, *param.shape[1:]), dtype=rows.dtype, device=rows.device)
+    whole = torch.empty((chunk * world, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
     dist.all_gather_into_tensor(whole, rows.contiguous())
     param.copy_(whole[: param.shape[0]])
 

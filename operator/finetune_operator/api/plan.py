@@ -87,7 +87,7 @@ class Plan(ApiModel):
             "DeepSpeed ZeRO-3: partitions under zero.Init plus that module gathered; "
             "ZeRO-1/2: the whole replica, in the training dtype, plus that module; DDP and "
             "ZeRO-1/2 reading object-store weights in stripes: the replica plus the larger of "
-            "that module and two loads' stripes with the reads in flight or a tensor gathered)."
+            "that module and one load's stripes with the reads in flight)."
         ),
     )
     checkpoint_bytes: int = Field(

@@ -61,6 +61,14 @@ class Candidate:
         return STRATEGIES.canonical(self.strategy)
 
     @property
+    def offloads(self) -> bool:
+        """Whether `offload` moves states off the device as the trainer runs this candidate:
+        DeepSpeed on any device (on its CPU accelerator the offloaded states go to its host
+        buffers, in the same RAM), FSDP2 only from a GPU (finetune_trainer.parallelize gives a
+        CPU run no CPUOffloadPolicy: there is nowhere else to put them)."""
+        return self.offload != "none" and (self.cuda or self.row.backend == "deepspeed")
+
+    @property
     def shard_size(self) -> int:
         """Ranks a fully sharded state is split over (hybrid: within one node)."""
         if self.row.shard_within_node:

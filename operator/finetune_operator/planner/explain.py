@@ -142,7 +142,7 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
         )
     parts = [
         f"Nothing fits in {where} Tried world sizes {sizes} "
-        f"({configurations}); the smallest need was {_gib(sm.est.breakdown.total)} "
+        f"({configurations}); the smallest need was {_gib(sm.device_need)} "
         f"at {_count(sm.cand.world_size, 'rank')} with {_config(sm)} (peak at {sm.est.peak_phase})."
     ]
     if host is not None or sm.host_need > p.host_budget:
@@ -165,9 +165,9 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
             ev = _try(hint_problem, p, method=method)
             if ev is not None:
                 parts.append(f"{label} would fit on {ev.cand.world_size} x {p.acc.name}.")
-    need = sm.est.breakdown.total / (1 - MIN_HEADROOM)
+    need = sm.device_need / (1 - MIN_HEADROOM)
     if p.acc.cuda:
-        if sm.est.breakdown.total > limit:
+        if sm.device_need > limit:
             parts.append(f"A GPU with >= {_gib(need)} would fit the smallest configuration.")
     else:
         per_pod = need * p.spec.resources.gpus_per_node

@@ -20,14 +20,13 @@ DeepSpeed (finetune_trainer.deepspeed_loading, `zero_load_peak_bytes`):
 Pretrained weights on an object store, read by a replicated rank (DDP, ZeRO-1/2) of a job of
 more than one rank (finetune_trainer.replica_loading, `striped_read_bytes`): each rank reads
 a stripe of every tensor (1/N of its rows) in DCP loads of at most STRIPE_BYTES of stripes,
-then all-gathers each tensor whole into the replica. Beside the replica it holds one load's
-stripes (two are counted: `striped_read_bytes`), plus, during the load, the raw bytes of the ranged GETs in flight (at most
+then gathers each tensor whole into the replica in place (its own rows copied into the
+parameter, the others' received straight into it). Beside the replica it holds one load's
+stripes plus, during the load, the raw bytes of the ranged GETs in flight (at most
 READ_BATCH_BYTES, and at most those stripes' bytes as stored: fp32 files assumed, the widest
-the trainer reads into a float replica) or, during the gathers, one tensor whole (the padded
-gather buffer of a tensor whose rows do not split evenly; evenly split rows are gathered
-straight into the parameter, so this bounds it from above). At 256 MiB
-each that is up to ~1 GiB on top of the replica of a large model; the figure counted before
-(the replica plus one module's fp32 init) left it out.
+the trainer reads into a float replica); the gathers allocate nothing. At 256 MiB each that
+is up to 512 MiB on top of the replica of a large model; the figure counted before (the
+replica plus one module's fp32 init) left it out.
 
 A DeepSpeed resume (finetune_trainer.deepspeed_resume, `zero_resume_host_bytes`) reads the
 checkpoint's fp32 tensors into host memory one group at a time: at most
@@ -97,23 +96,22 @@ def striped_read_bytes(
 ) -> int:
     """Bytes a replicated rank holds beside its replica (`replica_bytes`, of elements of
     `element_bytes`) while reading it in stripes over `world` ranks (see the module
-    docstring): two DCP loads' stripes, plus the larger of the raw reads in flight and one
-    tensor gathered whole. Nothing on one rank: it reads whole, as from a volume.
+    docstring): one DCP load's stripes (at most `stripe_bytes`, or one larger tensor's stripe
+    alone) and the raw reads in flight. Nothing on one rank: it reads whole, as from a volume.
 
-    Two loads' stripes, not one: the test that measures this load
-    (tests/trainer/test_zero3_loading.py) saw, in 2 runs of about 10 (under load), 38 KB more
-    alive than one load's stripes allow (137,933 bytes beside the replica, against 99,912 in
-    the others, with 40 KiB stripes): the previous load's stripes, or part of them, outliving
-    it. Not pinned down (DCP's load keeping a reference until the collector runs is the likely
-    cause), so the plan counts the second load's stripes too."""
+    Exactly one load's stripes: the gathers hand the collectives only views of the replica
+    (finetune_trainer.replica_loading.gather_rows), so nothing the backend keeps past a
+    collective's wait outlives the load. (Through a gather buffer, gloo's worker thread kept
+    the last one alive beside the next load's stripes on a busy host: 137,933 bytes beside the
+    replica in tests/trainer/test_zero3_loading.py in about 1 run in 5, 99,912 in the others.)
+    """
     if world <= 1:
         return 0
     group = min(
         max(stripe_bytes, math.ceil(largest_tensor_bytes / world)),
         math.ceil(replica_bytes / world),
     )
-    raw = min(read_batch_bytes, group * FP32 // element_bytes)
-    return 2 * group + max(raw, largest_tensor_bytes)
+    return group + min(read_batch_bytes, group * FP32 // element_bytes)
 
 
 def replicated_load_peak_bytes(

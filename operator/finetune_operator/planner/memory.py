@@ -98,7 +98,7 @@ def _backward_tail(m: ModelShape, shape: TrainingShape, cand: Candidate) -> int:
     optimizer phase's resident states, so it is counted there (with fused AdamW it is that
     phase's only buffer). Traced (FSDPMemTracker, 8 ranks, s=4096, checkpointing): Llama-2-7B's
     peak of the step (here -0.9%), below Llama-3.1-8B's loss-phase peak (+1.6% if it were)."""
-    if shape.method != "full" or not cand.row.torch_fsdp or cand.offload != "none":
+    if shape.method != "full" or not cand.row.torch_fsdp or cand.offloads:
         return 0
     e = PRECISION_BYTES[shape.precision]
     root = (m.embedding + m.lm_head + m.arch.hidden_size) * e
@@ -135,7 +135,7 @@ def _optimizer_temp(shape: TrainingShape, cand: Candidate, st: ModelStates) -> i
     measured peak of a 3B full fine-tune fell from the optimizer phase to the loss phase);
     elsewhere torch's multi-tensor path allocates sqrt(v) (one state-sized tensor) during the
     step. DeepSpeed's fused Adam and CPU Adam (offload) allocate nothing on the GPU."""
-    if cand.row.backend == "deepspeed" or cand.offload != "none" or shape.optimizer != "adamw":
+    if cand.row.backend == "deepspeed" or cand.offloads or shape.optimizer != "adamw":
         return 0
     if cand.cuda:
         return 0

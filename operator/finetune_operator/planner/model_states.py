@@ -84,7 +84,7 @@ def model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> ModelS
             e,
             master + opt_b,
             fp32_master=mixed,
-            offload=cand.offload != "none",
+            offload=cand.offloads,
             grad_accumulation=shape.grad_accumulation,
             hpz=shape.hpz_partition_size,
         )
@@ -102,7 +102,7 @@ def model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> ModelS
     grads = shard * pe
     optim = int(shard * opt_b)
     host = 0
-    if cand.offload != "none":
+    if cand.offloads:
         # zero1/zero2 offload the optimizer (and ZeRO-2 its fp32 gradient partitions: sharded
         # gradients go with the optimizer that owns them); zero3 and FSDP's CPUOffloadPolicy
         # move params, grads and optimizer to the host.

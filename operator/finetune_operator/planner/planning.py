@@ -217,7 +217,7 @@ def _to_plan(
         activation_checkpointing=ev.shape.checkpointing,
         compiled_blocks=compiles_blocks(ev.shape, ev.cand),
         gpu_memory_bytes=p.acc.memory_bytes,
-        headroom=round(1 - b.total / p.acc.memory_bytes, 4),
+        headroom=round(1 - ev.device_need / p.acc.memory_bytes, 4),
         estimated_step_seconds=round(step, 6),
         tokens_per_second=round(tokens / step, 3) if step else 0.0,
         gpu_hours=round((tr.max_steps or 0) * step * launch_n / 3600, 6),

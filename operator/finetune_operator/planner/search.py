@@ -56,10 +56,19 @@ class Evaluated:
     # The process's runtime on the host (GPU jobs; on CPU it is in the device total).
     runtime_host_bytes: int = 0
     device_fits: bool = True  # the device holds it (fits also needs the host to)
+    # What the device must hold: the breakdown's total on a GPU; on CPU, where the device is
+    # the host, with the offloaded states and a resume's read group (0: the breakdown's total).
+    device_bytes: int = 0
+
+    @property
+    def device_need(self) -> int:
+        return self.device_bytes or self.est.breakdown.total
 
     @property
     def host_need(self) -> int:
-        return self.est.host_bytes + self.resume_host_bytes + self.runtime_host_bytes
+        # On CPU the offloaded states are in the device's need (evaluate): counted once.
+        offloaded = self.est.host_bytes if self.cand.cuda else 0
+        return offloaded + self.resume_host_bytes + self.runtime_host_bytes
 
 
 def memory_limit(acc: Accelerator) -> float:
@@ -126,20 +135,25 @@ def evaluate(
         else 0
     )
     b = est.breakdown
+    host = est.host_bytes
     if p.acc.cuda:
         device_need = b.total
     else:
-        # On CPU the resume's group sits in the device memory itself, beside the resident
-        # model states (it is freed before the first step, whose transients it never meets).
-        device_need = max(b.total, b.parameters + b.gradients + b.optimizer + resume)
-        resume = 0
+        # On CPU the device memory is the host's (one budget per process: resources.memory
+        # over its processes), so each byte is counted once, in it: the states DeepSpeed
+        # offloads to its host buffers (FSDP2 offloads nothing on CPU: Candidate.offloads)
+        # beside everything else, and the resume's group beside the resident model states (it
+        # is freed before the first step, whose transients it never meets). Checked apart, the
+        # two halves each fit the budget while their sum did not.
+        device_need = host + max(b.total, b.parameters + b.gradients + b.optimizer + resume)
+        host = resume = 0
     runtime = runtime_host_bytes(gpn) if p.acc.cuda else 0
     device_fits = device_need <= memory_limit(p.acc)
-    fits = device_fits and est.host_bytes + resume + runtime <= p.host_budget
+    fits = device_fits and host + resume + runtime <= p.host_budget
     run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * micro_batch_size)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
     placed = replace(cand, strategy=row.name)
-    return Evaluated(row, placed, shape, est, fits, step, resume, runtime, device_fits)
+    return Evaluated(row, placed, shape, est, fits, step, resume, runtime, device_fits, device_need)
 
 
 def micro_batch_sizes(p: Problem, per_rank: int) -> list[int]:
@@ -180,8 +194,8 @@ def search_at(
             for micro_batch_size in micro_batch_sizes(p, per_rank):
                 ev = evaluate(p, run_n, row, micro_batch_size, ckpt, mem_world or n)
                 result.evaluated += 1
-                total = ev.est.breakdown.total
-                if result.smallest is None or total < result.smallest.est.breakdown.total:
+                total = ev.device_need
+                if result.smallest is None or total < result.smallest.device_need:
                     result.smallest = ev
                 result.tried[n] = min(result.tried.get(n, total), total)
                 least = result.least_host

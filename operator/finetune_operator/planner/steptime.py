@@ -98,7 +98,7 @@ def step_seconds(
     else:
         comm = (intra + cross) / link
     offload = 0.0
-    if cand.offload != "none":
+    if cand.offloads:
         shard = m.total / cand.shard_size
         offload = 2 * shard * PRECISION_BYTES[shape.precision] / HOST_LINK_BW
         offload += shard / CPU_ADAM_PARAMS_PER_S

@@ -1,0 +1,82 @@
+"""`strategy.offload: cpu` counts each byte once, where it lives. On a GPU the device and the
+host are two memories: the offloaded states are host RAM only. On a CPU job they are one: the
+device is the process's share of resources.memory, which is also its host budget, so what
+DeepSpeed offloads to its host buffers adds to the device's need (checked apart, each half fit
+the budget while their sum did not), and FSDP2, which offloads nothing on CPU
+(finetune_trainer.parallelize), is planned with its states where the trainer keeps them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner_specs import make_spec
+
+from finetune_operator.planner import plan_job
+from finetune_operator.planner.configuration import Candidate
+from finetune_operator.planner.hardware import runtime_host_bytes
+from finetune_operator.planner.planning import build_problem
+from finetune_operator.planner.search import MIN_HEADROOM, Problem, evaluate, strategies_for
+
+TINY = {"name": "Qwen/Qwen2.5-0.5B"}
+CPU = {"device": "cpu", "gpu": {}, "memory": "64Gi", "gpusPerNode": 1, "maxGPUs": 1}
+SHORT = {"sequenceLength": 256, "globalBatchSize": 4, "maxSteps": 10}
+
+
+def _cpu_problem(strategy: dict[str, str]) -> Problem:
+    return build_problem(make_spec(model=TINY, training=SHORT, resources=CPU, strategy=strategy))
+
+
+def test_deepspeed_offload_on_cpu_adds_the_offloaded_states_to_the_device_need() -> None:
+    p = _cpu_problem({"type": "zero2", "backend": "deepspeed", "offload": "cpu"})
+    ev = evaluate(p, 1, strategies_for(p, 1)[0], 1, True)
+    b, host = ev.est.breakdown, ev.est.host_bytes
+    assert host > 0 and b.optimizer == 0  # DeepSpeed on CPU still moves them to host buffers
+    assert ev.device_need == b.total + host  # once, in the one memory both live in
+    assert ev.host_need == 0  # not a second time against the same budget
+    # A budget each half fits but their sum does not: refused (the halves were checked apart,
+    # against the same RAM, so it planned).
+    limit = ev.device_need - 1
+    tight = replace(p, acc=replace(p.acc, memory_bytes=int(limit / (1 - MIN_HEADROOM))))
+    tight = replace(tight, host_budget=tight.acc.memory_bytes)
+    assert b.total <= limit and host <= tight.host_budget
+    assert not evaluate(tight, 1, strategies_for(p, 1)[0], 1, True).fits
+    enough = replace(tight, acc=replace(tight.acc, memory_bytes=tight.acc.memory_bytes + 2))
+    assert evaluate(enough, 1, strategies_for(p, 1)[0], 1, True).fits
+
+
+def test_deepspeed_offload_on_a_gpu_keeps_device_and_host_apart() -> None:
+    p = build_problem(make_spec(strategy={"type": "zero2", "offload": "cpu"}))
+    ev = evaluate(p, 8, strategies_for(p, 8)[0], 1, True)
+    assert ev.est.host_bytes > 0
+    assert ev.device_need == ev.est.breakdown.total
+    assert ev.host_need == ev.est.host_bytes + ev.resume_host_bytes + runtime_host_bytes(8)
+
+
+def test_fsdp_offload_on_cpu_plans_the_states_where_the_trainer_keeps_them() -> None:
+    """No CPUOffloadPolicy on a CPU run: the same memory as without offload, nothing on the
+    host beside it."""
+    off = _cpu_problem({"type": "fsdp-full-shard", "offload": "cpu"})
+    ev = evaluate(off, 1, strategies_for(off, 1)[0], 1, True)
+    none = _cpu_problem({"type": "fsdp-full-shard"})
+    base = evaluate(none, 1, strategies_for(none, 1)[0], 1, True)
+    assert ev.est.host_bytes == 0 and ev.est.breakdown.optimizer > 0
+    assert ev.est.breakdown == base.est.breakdown and ev.device_need == base.device_need
+    assert not Candidate("fsdp-full-shard", offload="cpu", cuda=False).offloads
+    assert Candidate("fsdp-full-shard", offload="cpu", cuda=True).offloads
+    assert Candidate("zero2", offload="cpu", cuda=False).offloads
+
+
+def test_a_cpu_offload_plan_reports_the_headroom_of_everything_in_its_memory() -> None:
+    spec = make_spec(
+        model=TINY,
+        training=SHORT,
+        resources=CPU,
+        strategy={"type": "zero2", "backend": "deepspeed", "offload": "cpu"},
+    )
+    plan = plan_job(spec)
+    p = build_problem(spec)
+    ev = evaluate(p, 1, strategies_for(p, 1)[0], plan.micro_batch_size,
+                  plan.activation_checkpointing)  # fmt: skip
+    assert plan.fits and plan.memory == ev.est.breakdown
+    assert plan.headroom == round(1 - ev.device_need / plan.gpu_memory_bytes, 4)
+    assert plan.headroom < round(1 - plan.memory.total / plan.gpu_memory_bytes, 4)
