@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import platform
+import uuid
 from collections.abc import Mapping
 
 from finetune_local.podstatus import now
@@ -65,6 +67,10 @@ def node_allocatable(capacity: Mapping[str, str]) -> dict[str, str]:
     return allocatable
 
 
+def _node_id(name: str, kind: str) -> str:
+    return uuid.uuid5(uuid.NAMESPACE_DNS, f"{kind}.{name}.local-cluster").hex
+
+
 async def register_node(
     client: RestClient, name: str, labels: Mapping[str, str], capacity: Mapping[str, str]
 ) -> None:
@@ -100,11 +106,19 @@ async def register_node(
                 "lastTransitionTime": now(),
             }
         ],
+        # Every field a kubelet reports (the API's required ones: clients refuse a Node
+        # without them); the ids are made up, stable per node name.
         "nodeInfo": {
+            "machineID": _node_id(name, "machine"),
+            "systemUUID": _node_id(name, "system"),
+            "bootID": _node_id(name, "boot"),
+            "kernelVersion": platform.release(),
+            "osImage": "local processes",
+            "containerRuntimeVersion": "local://process",
             "kubeletVersion": "v1.32.0-local",
+            "kubeProxyVersion": "v1.32.0-local",
             "operatingSystem": "linux",
             "architecture": "amd64",
-            "containerRuntimeVersion": "local://process",
         },
     }
     await client.merge_patch(

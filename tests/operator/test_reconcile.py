@@ -218,9 +218,8 @@ def test_a_worker_no_node_can_take_is_reported() -> None:
         "status": {"phase": "Pending", "conditions": [unschedulable]},
     }
     assert observe_pod(raw).blocked == (
-        "Unschedulable: no node has room for the worker pod's request of nvidia.com/gpu "
-        "(spec.resources.gpusPerNode, or the planner's choice of GPUs per pod): lower it, or "
-        "free or add nodes with that much allocatable; "
+        "Unschedulable: no node has room for the worker's nvidia.com/gpu "
+        "(spec.resources.gpusPerNode): lower it or add node capacity; "
         "scheduler: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
     )
     pods = [pod("qs-rdzv", "Running", ready=True), observe_pod(raw), pod("qs-worker-1")]

@@ -22,7 +22,7 @@ PREEMPTION = (
     [
         (
             "0/4 nodes are available: 4 Insufficient ephemeral-storage." + PREEMPTION,
-            "ephemeral-storage 32Gi (spec.dataset.cacheSizeLimit, the data cache)",
+            "ephemeral-storage 32Gi (spec.dataset.cacheSizeLimit)",
         ),
         (
             "0/3 nodes are available: 1 Insufficient cpu, 2 Insufficient memory.",
@@ -30,14 +30,14 @@ PREEMPTION = (
         ),
         (
             "0/2 nodes are available: 2 Insufficient nvidia.com/gpu.",
-            "nvidia.com/gpu 8 (spec.resources.gpusPerNode, or the planner's choice",
+            "nvidia.com/gpu 8 (spec.resources.gpusPerNode",
         ),
     ],
 )
 def test_names_each_short_request_with_its_amount_and_field(message: str, expected: str) -> None:
     hint = explain_unschedulable(message, REQUESTS)
     assert hint is not None and expected in hint
-    assert hint.startswith("no node has room for the worker pod's request of ")
+    assert hint.startswith("no node has room for the worker's ")
 
 
 def test_pod_slots_and_other_reasons() -> None:
@@ -75,8 +75,7 @@ def test_a_worker_pod_says_which_request_to_change_before_the_schedulers_words()
     blocked = observe_pod(raw).blocked
     assert blocked is not None
     assert blocked.startswith(
-        "Unschedulable: no node has room for the worker pod's request of "
-        "memory 512Gi (spec.resources.memory)"
+        "Unschedulable: no node has room for the worker's memory 512Gi (spec.resources.memory)"
     )
     assert "scheduler: 0/4 nodes are available: 4 Insufficient memory." in blocked
     # the rendezvous pod's requests are the operator's own, not a spec field

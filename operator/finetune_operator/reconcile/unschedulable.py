@@ -17,10 +17,10 @@ from typing import Any
 REQUEST_FIELDS = {
     "cpu": "spec.resources.cpu",
     "memory": "spec.resources.memory",
-    "ephemeral-storage": "spec.dataset.cacheSizeLimit, the data cache",
+    "ephemeral-storage": "spec.dataset.cacheSizeLimit",
 }
 # Any other resource a worker requests is its accelerator.
-ACCELERATOR_FIELD = "spec.resources.gpusPerNode, or the planner's choice of GPUs per pod"
+ACCELERATOR_FIELD = "spec.resources.gpusPerNode"
 
 # "<count> Insufficient <resource>" in the scheduler's histogram: a resource name is a DNS
 # subdomain prefix and a name (nvidia.com/gpu), so it stops at the separator after it.
@@ -56,7 +56,4 @@ def explain_unschedulable(message: str, requests: Mapping[str, str]) -> str | No
         parts.append(f"{name}{asked} ({field})")
     if not parts:
         return None
-    return (
-        f"no node has room for the worker pod's request of {', '.join(parts)}: "
-        "lower it, or free or add nodes with that much allocatable"
-    )
+    return f"no node has room for the worker's {', '.join(parts)}: lower it or add node capacity"
