@@ -15,9 +15,10 @@ limit as its request at admission (:func:`finetune_local.apiadmission.default_re
 Kubernetes does. cpu is counted in millicores, every other resource in whole units (bytes for
 memory and ephemeral-storage), each rounded up as Kubernetes rounds a quantity.
 
-A node fits when, for every resource the pod requests, its ``status.allocatable`` is at least
-what its pods that still hold resources (bound and not Succeeded or Failed) request plus this
-pod's request; and it has room for one more pod under ``allocatable.pods``. A resource the node
+A node fits when, for cpu, memory, ephemeral-storage and every other resource the pod requests,
+its ``status.allocatable`` is at least what its pods that still hold resources (bound and not
+Succeeded or Failed) request plus this pod's request; and it has room for one more pod under
+``allocatable.pods``. A pod that requests nothing needs only the pod slot. A resource the node
 does not advertise counts as zero allocatable, so a pod asking for it fits nowhere. All the
 shortfalls of a node are reported (``Insufficient cpu``, ``Too many pods``...), as the
 scheduler counts each in its FailedScheduling message.
