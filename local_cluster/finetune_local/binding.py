@@ -5,11 +5,16 @@ Which scheduler places a pod is its ``spec.schedulerName``: ``default-scheduler`
 a gang scheduler only when the session installed it. A pod that names a scheduler that is not
 running stays Pending with no condition at all, as on a cluster without that scheduler. A
 gang pod whose PodGroup does not exist is not placed either (both schedulers wait for it).
+
+A pod that fits no node stays Pending with ``PodScheduled=False`` (reason ``Unschedulable``)
+and a Warning event ``FailedScheduling`` from its scheduler, both with the scheduler's message
+(``0/3 nodes are available: 3 Insufficient memory.``); each new message is one more event.
 """
 
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,6 +40,36 @@ async def _patch_status(
         )
 
 
+async def _failed_scheduling_event(
+    client: RestClient, pod: Mapping[str, Any], message: str
+) -> None:
+    """The scheduler's event, as ``kubectl describe pod`` and ``kubectl get events`` show it."""
+    ns, name = key_of(pod)
+    scheduler = pod.get("spec", {}).get("schedulerName") or DEFAULT_SCHEDULER
+    stamp = now()
+    event = {
+        "metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}", "namespace": ns},
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "namespace": ns,
+            "name": name,
+            "uid": pod["metadata"].get("uid", ""),
+        },
+        "reason": "FailedScheduling",
+        "message": message,
+        "type": "Warning",
+        "source": {"component": scheduler},
+        "reportingComponent": scheduler,
+        "action": "Scheduling",
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+    with contextlib.suppress(ApiStatusError):
+        await client.create(resource_path("v1", "events", ns), event)
+
+
 async def _unschedulable(
     client: RestClient, pods: Cache, pod: Mapping[str, Any], message: str
 ) -> None:
@@ -42,6 +77,7 @@ async def _unschedulable(
         (c for c in pod.get("status", {}).get("conditions", []) if c["type"] == "PodScheduled"), {}
     )
     if current.get("message") != message:
+        await _failed_scheduling_event(client, pod, message)
         await _patch_status(
             client,
             pods,

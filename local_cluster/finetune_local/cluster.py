@@ -37,6 +37,7 @@ from finetune_local.apiserver import ApiServer
 from finetune_local.kubeconfig import write_kubeconfig
 from finetune_local.kubelet import Kubelet, KubeletConfig
 from finetune_local.kueue import kueue_crds
+from finetune_local.nodes import DEFAULT_CAPACITY, check_node_resources
 from finetune_local.podgroups import GANG_SCHEDULERS
 from finetune_local.restclient import RestClient
 
@@ -53,8 +54,12 @@ class LocalCluster:
     :param nodes: how many virtual nodes (``local-node-0`` ... ``local-node-<n-1>``).
     :param crds_dir: directory of CRD YAML files to register; None registers none.
     :param node_labels: extra labels on every node.
-    :param node_capacity: capacity/allocatable of every node (e.g. ``{"nvidia.com/gpu": "1"}``
-        added to the default cpu/memory/pods).
+    :param node_capacity: capacity of every node over the default
+        (:data:`.nodes.DEFAULT_CAPACITY`: 8 cpu, 32Gi memory, 200Gi ephemeral-storage, 110
+        pods), e.g. ``{"nvidia.com/gpu": "1"}``; allocatable is capacity less the kubelet's
+        default hard-eviction thresholds (:func:`.nodes.node_allocatable`).
+    :param node_resources: per node name, capacity over ``node_capacity`` for that node only
+        (e.g. one GPU node among CPU ones).
     :param extra_env: environment added to every pod's processes.
     :param node_env: per node name, environment added to the processes of the pods it runs: a
         stand-in for that node's hardware (e.g. a slow GPU), so a pod rescheduled elsewhere
@@ -75,6 +80,7 @@ class LocalCluster:
         crds_dir: str | pathlib.Path | None = REPO_CRDS,
         node_labels: dict[str, str] | None = None,
         node_capacity: dict[str, str] | None = None,
+        node_resources: dict[str, dict[str, str]] | None = None,
         extra_env: dict[str, str] | None = None,
         kubelet: bool = True,
         keep_data: bool = False,
@@ -89,7 +95,9 @@ class LocalCluster:
         self._crds_dir = pathlib.Path(crds_dir) if crds_dir else None
         self._node_labels, self._extra_env = dict(node_labels or {}), dict(extra_env or {})
         self._node_env = {node: dict(env) for node, env in (node_env or {}).items()}
-        self._capacity = {"cpu": "8", "memory": "32Gi", "pods": "110", **(node_capacity or {})}
+        self._capacity = {**DEFAULT_CAPACITY, **(node_capacity or {})}
+        self._node_resources = {n: dict(c) for n, c in (node_resources or {}).items()}
+        check_node_resources(self.node_names, self._capacity, self._node_resources)
         self._with_kubelet, self._keep_data = kubelet, keep_data
         self._gangs = [GANG_SCHEDULERS[name] for name in gang_schedulers]
         self._kueue = kueue
@@ -222,6 +230,7 @@ class LocalCluster:
                             node_names=self.node_names,
                             node_labels=self._node_labels,
                             node_capacity=self._capacity,
+                            node_resources=self._node_resources,
                             extra_env=self._extra_env,
                             node_env=self._node_env,
                             gang_schedulers=self._gangs,

@@ -35,7 +35,7 @@ from finetune_local.addresses import AddressPool
 from finetune_local.binding import schedule_pod
 from finetune_local.informer import Cache, ObjectKey, list_and_watch, remember
 from finetune_local.mountpoints import MountPoints
-from finetune_local.nodes import register_node
+from finetune_local.nodes import DEFAULT_CAPACITY, register_node
 from finetune_local.podgroups import GangScheduler
 from finetune_local.podlaunch import PodRun, launch_spec, prepare_container
 from finetune_local.podspec import ConfigMissingError, ContainerConfigError, render_hosts
@@ -53,9 +53,9 @@ class KubeletConfig:
     api_url: str
     node_names: list[str]
     node_labels: dict[str, str] = field(default_factory=dict)
-    node_capacity: dict[str, str] = field(
-        default_factory=lambda: {"cpu": "8", "memory": "32Gi", "pods": "110"}
-    )
+    node_capacity: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_CAPACITY))
+    # Per node name: capacity over node_capacity (a bigger or a GPU node among the others).
+    node_resources: dict[str, dict[str, str]] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)
     # Per node name: environment its pods' processes get, standing for what that node's hardware
     # does to them (a slow GPU: FT_STEP_DELAY_SECONDS). A pod moved elsewhere runs normally.
@@ -85,9 +85,8 @@ class Kubelet:
         await podrunner.probe_isolation(self.config.data_dir / "kubelet")
         self.addresses = AddressPool.claim(self.config.address_scope)
         for name in self.config.node_names:
-            await register_node(
-                self.client, name, self.config.node_labels, self.config.node_capacity
-            )
+            capacity = {**self.config.node_capacity, **self.config.node_resources.get(name, {})}
+            await register_node(self.client, name, self.config.node_labels, capacity)
         for path, cache in (
             (resource_path("v1", "pods"), self.pods),
             (resource_path("v1", "services"), self.services),

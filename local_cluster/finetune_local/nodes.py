@@ -1,12 +1,74 @@
-"""The kubelet's Node objects: one per virtual node, registered Ready on start."""
+"""The kubelet's Node objects: one per virtual node, registered Ready on start, with the
+capacity and allocatable the scheduler places pods against (:mod:`.resourcefit`).
+
+A node's capacity is :data:`DEFAULT_CAPACITY` unless the cluster says otherwise
+(``LocalCluster(node_capacity=..., node_resources={node: ...})``). Its allocatable is what a
+kubelet with default flags reports: capacity less the hard-eviction thresholds it keeps back
+(``memory.available<100Mi``, ``nodefs.available<10%``) and no system or kube reservation.
+The figures are declared, not measured: the pods' processes share this machine whatever the
+nodes advertise, and nothing enforces them but the scheduler.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
+import platform
+import uuid
 from collections.abc import Mapping
 
 from finetune_local.podstatus import now
+from finetune_local.resourcefit import parse_quantity
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
+
+# A modest GPU-less cloud VM: room on each node for several of the operator's worker pods as
+# it sends them to a real cluster (the data cache requests 32Gi of ephemeral-storage by
+# default, `memory` what the job asks), so the shipped examples and the tests schedule.
+DEFAULT_CAPACITY: dict[str, str] = {
+    "cpu": "8",
+    "memory": "32Gi",
+    "ephemeral-storage": "200Gi",
+    "pods": "110",
+}
+# The kubelet's default --eviction-hard thresholds, subtracted from capacity into allocatable.
+EVICTION_HARD: dict[str, str] = {"memory": "100Mi", "ephemeral-storage": "10%"}
+
+
+def check_node_resources(
+    names: list[str], capacity: Mapping[str, str], per_node: Mapping[str, Mapping[str, str]]
+) -> None:
+    """Refuse a capacity that is no quantity, or a per-node one for a node that does not exist,
+    naming which (ValueError)."""
+    unknown = sorted(set(per_node) - set(names))
+    if unknown:
+        raise ValueError(f"node_resources names no such node: {unknown} (nodes are {names})")
+    for where, values in [("node_capacity", capacity)] + [
+        (f"node_resources[{n!r}]", v) for n, v in per_node.items()
+    ]:
+        for name, value in values.items():
+            try:
+                parse_quantity(value)
+            except ValueError as err:
+                raise ValueError(f"{where}[{name!r}]: {err}") from None
+
+
+def node_allocatable(capacity: Mapping[str, str]) -> dict[str, str]:
+    """Capacity less the kubelet's hard-eviction thresholds (a percentage is of capacity)."""
+    allocatable = dict(capacity)
+    for name, threshold in EVICTION_HARD.items():
+        if name not in capacity:
+            continue
+        total = parse_quantity(capacity[name])
+        if threshold.endswith("%"):
+            reserved = total * parse_quantity(threshold[:-1]) / 100
+        else:
+            reserved = parse_quantity(threshold)
+        allocatable[name] = str(max(math.floor(total - reserved), 0))
+    return allocatable
+
+
+def _node_id(name: str, kind: str) -> str:
+    return uuid.uuid5(uuid.NAMESPACE_DNS, f"{kind}.{name}.local-cluster").hex
 
 
 async def register_node(
@@ -29,7 +91,7 @@ async def register_node(
         await client.create(resource_path("v1", "nodes"), body)
     status = {
         "capacity": dict(capacity),
-        "allocatable": dict(capacity),
+        "allocatable": node_allocatable(capacity),
         "addresses": [
             {"type": "InternalIP", "address": "127.0.0.1"},
             {"type": "Hostname", "address": name},
@@ -44,11 +106,19 @@ async def register_node(
                 "lastTransitionTime": now(),
             }
         ],
+        # Every field a kubelet reports (the API's required ones: clients refuse a Node
+        # without them); the ids are made up, stable per node name.
         "nodeInfo": {
+            "machineID": _node_id(name, "machine"),
+            "systemUUID": _node_id(name, "system"),
+            "bootID": _node_id(name, "boot"),
+            "kernelVersion": platform.release(),
+            "osImage": "local processes",
+            "containerRuntimeVersion": "local://process",
             "kubeletVersion": "v1.32.0-local",
+            "kubeProxyVersion": "v1.32.0-local",
             "operatingSystem": "linux",
             "architecture": "amd64",
-            "containerRuntimeVersion": "local://process",
         },
     }
     await client.merge_patch(

@@ -23,6 +23,7 @@ from kubernetes.client.exceptions import ApiException
 
 from finetune_local.podrunner import IsolationUnavailableError
 from finetune_local.progress_lines import ProgressTracker, summarize
+from finetune_local.runfit import NodeCapacityError, check_node_capacity, too_big_for_a_node
 from finetune_local.session import LocalSession, default_data_dir, is_finished, phase_of
 from finetune_operator.api.manifest import ManifestError, load_manifest
 
@@ -77,7 +78,11 @@ def run_local(
     nodes: int = 4,
     keep: bool = False,
     out: TextIO = sys.stdout,
+    node_capacity: dict[str, str] | None = None,
 ) -> int:
+    """Run the job on a fresh local cluster of ``nodes`` nodes, each of the default capacity
+    (:data:`finetune_local.nodes.DEFAULT_CAPACITY`) with ``node_capacity`` over it."""
+    capacity = dict(node_capacity or {})
     try:
         manifest = load_manifest(manifest_path)
     except ManifestError as err:
@@ -90,6 +95,15 @@ def run_local(
             f"{manifest_path} here, or apply it to a cluster with GPUs",
             file=sys.stderr,
         )
+        return EXIT_REFUSED
+    try:
+        check_node_capacity(capacity)
+    except NodeCapacityError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_REFUSED
+    too_big = too_big_for_a_node(manifest.spec, capacity)
+    if too_big is not None:
+        print(f"error: {too_big}", file=sys.stderr)
         return EXIT_REFUSED
     # The object as the reader saw it (a `---` or a `kind: List` around it, timestamps kept
     # as strings), exactly what kubectl would send: never the file parsed a second way.
@@ -115,6 +129,7 @@ def run_local(
                 nodes,
                 keep or data_dir is not None,
                 out,
+                capacity,
             )
     except IsolationUnavailableError as err:  # not root: no pod could run (nothing started)
         print(f"error: {err}", file=sys.stderr)
@@ -141,8 +156,11 @@ def _run(
     nodes: int,
     keep: bool,
     out: TextIO,
+    node_capacity: dict[str, str],
 ) -> int:
-    with LocalSession(data_dir, nodes=nodes, namespaces=[namespace]) as session:
+    with LocalSession(
+        data_dir, nodes=nodes, namespaces=[namespace], node_capacity=node_capacity
+    ) as session:
         print(
             f"local cluster: {session.data_dir} (kubeconfig: {session.cluster.kubeconfig_path})",
             file=out,

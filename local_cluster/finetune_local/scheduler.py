@@ -2,9 +2,12 @@
 
 Filters: ``spec.nodeName`` (already bound), node ``unschedulable``, ``nodeSelector``, required
 node affinity (``In``, ``NotIn``, ``Exists``, ``DoesNotExist``, ``Gt``, ``Lt`` on labels;
-``matchFields`` on ``metadata.name``) and extended resources (e.g. ``nvidia.com/gpu``) against the
-node's allocatable minus what its pods request. Score: the node with the fewest pods, then name.
-Taints, inter-pod affinity and cpu/memory fit are not modelled.
+``matchFields`` on ``metadata.name``) and resource fit (NodeResourcesFit: cpu, memory,
+ephemeral-storage, extended resources such as ``nvidia.com/gpu`` and the pod count, against the
+node's allocatable minus what its pods request: :mod:`.resourcefit`). As in kube-scheduler, the
+first filter a node fails gives its reasons (resource fit gives all its shortfalls at once), and
+the FailedScheduling message counts the nodes per reason. Score: the node with the fewest pods,
+then name. Taints, inter-pod affinity, priorities and preemption are not modelled.
 """
 
 from __future__ import annotations
@@ -12,31 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-_BASIC = ("cpu", "memory", "ephemeral-storage", "pods")
+from finetune_local.resourcefit import holds_resources, insufficient, parse_quantity
 
 
 def quantity(value: Any) -> float:
     """A Kubernetes quantity (`500m`, `2Gi`, `1k`) as a number."""
-    text = str(value)
-    suffixes = {
-        "m": 1e-3,
-        "k": 1e3,
-        "M": 1e6,
-        "G": 1e9,
-        "T": 1e12,
-        "P": 1e15,
-        "E": 1e18,
-        "Ki": 2**10,
-        "Mi": 2**20,
-        "Gi": 2**30,
-        "Ti": 2**40,
-        "Pi": 2**50,
-        "Ei": 2**60,
-    }
-    for suffix, factor in sorted(suffixes.items(), key=lambda kv: -len(kv[0])):
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * factor
-    return float(text)
+    return float(parse_quantity(value))
 
 
 def pods_by_node(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
@@ -44,7 +28,7 @@ def pods_by_node(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[st
     placed: dict[str, list[Mapping[str, Any]]] = {}
     for pod in pods:
         node = pod.get("spec", {}).get("nodeName")
-        if node and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+        if node and holds_resources(pod):
             placed.setdefault(node, []).append(pod)
     return placed
 
@@ -81,44 +65,23 @@ def _term_matches(term: Mapping[str, Any], node: Mapping[str, Any]) -> bool:
     )
 
 
-def _extended_requests(pod: Mapping[str, Any]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for container in pod.get("spec", {}).get("containers", []):
-        resources = container.get("resources") or {}
-        requests = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
-        for name, value in requests.items():
-            if name not in _BASIC:
-                total[name] = total.get(name, 0.0) + quantity(value)
-    return total
-
-
-def unfit_reason(
+def unfit_reasons(
     pod: Mapping[str, Any], node: Mapping[str, Any], pods_on_node: list[Mapping[str, Any]]
-) -> str | None:
-    """Why ``pod`` cannot run on ``node`` (None if it can)."""
+) -> list[str]:
+    """Why ``pod`` cannot run on ``node`` (empty if it can)."""
     spec = pod.get("spec", {})
     labels = node.get("metadata", {}).get("labels") or {}
     if node.get("spec", {}).get("unschedulable"):
-        return "node(s) were unschedulable"
+        return ["node(s) were unschedulable"]
     if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
-        return "node(s) didn't match Pod's node affinity/selector"
+        return ["node(s) didn't match Pod's node affinity/selector"]
     required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
         "requiredDuringSchedulingIgnoredDuringExecution"
     ) or {}
     terms = required.get("nodeSelectorTerms")
     if terms and not any(_term_matches(t, node) for t in terms):
-        return "node(s) didn't match Pod's node affinity/selector"
-    allocatable = node.get("status", {}).get("allocatable") or {}
-    if "pods" in allocatable and len(pods_on_node) >= quantity(allocatable["pods"]):
-        return "Too many pods"
-    used: dict[str, float] = {}
-    for other in pods_on_node:
-        for name, amount in _extended_requests(other).items():
-            used[name] = used.get(name, 0.0) + amount
-    for name, amount in _extended_requests(pod).items():
-        if used.get(name, 0.0) + amount > quantity(allocatable.get(name, 0)):
-            return f"Insufficient {name}"
-    return None
+        return ["node(s) didn't match Pod's node affinity/selector"]
+    return insufficient(pod, node.get("status", {}).get("allocatable") or {}, pods_on_node)
 
 
 def pick_node(
@@ -126,21 +89,31 @@ def pick_node(
     nodes: list[Mapping[str, Any]],
     pods_by_node: Mapping[str, list[Mapping[str, Any]]],
 ) -> tuple[str | None, str]:
-    """The chosen node name, or None with a FailedScheduling-style message."""
+    """The chosen node name, or None with the FailedScheduling message (:func:`fit_error`)."""
     reasons: dict[str, int] = {}
     fitting: list[tuple[int, str]] = []
     for node in nodes:
         name = node["metadata"]["name"]
         placed = pods_by_node.get(name, [])
-        reason = unfit_reason(pod, node, placed)
-        if reason is None:
+        unfit = unfit_reasons(pod, node, placed)
+        if not unfit:
             fitting.append((len(placed), name))
-        else:
+        for reason in unfit:
             reasons[reason] = reasons.get(reason, 0) + 1
     if fitting:
         return min(fitting)[1], ""
+    return None, fit_error(len(nodes), reasons)
+
+
+def fit_error(node_count: int, reasons: Mapping[str, int]) -> str:
+    """kube-scheduler's FailedScheduling message: each reason with how many nodes gave it,
+    sorted by reason (``0/3 nodes are available: 1 Insufficient cpu, 2 Insufficient
+    memory.``). A node with several shortfalls counts under each. No node at all reads
+    ``no nodes available to schedule pods``."""
+    if node_count == 0:
+        return "no nodes available to schedule pods"
     details = ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items()))
-    return None, f"0/{len(nodes)} nodes are available: {details}."
+    return f"0/{node_count} nodes are available: {details}."
 
 
 def place_gang(

@@ -129,15 +129,17 @@ class LocalSession:
         node_capacity: dict[str, str] | None = None,
         kueue: bool = False,
         node_labels: dict[str, str] | None = None,
+        node_resources: dict[str, dict[str, str]] | None = None,
     ) -> None:
         # gang_schedulers: installed beside the default scheduler ("coscheduling", "volcano");
         # node_capacity: every node's capacity over the default (e.g. {"pods": "1"});
+        # node_resources: per node name, its own capacity over that (LocalCluster says more);
         # kueue: Kueue's Workload/ResourceFlavor CRDs served; node_labels: on every node.
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
         self.cluster = LocalCluster(
             self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env, node_env=node_env,
             gang_schedulers=gang_schedulers, node_capacity=node_capacity, kueue=kueue,
-            node_labels=node_labels,
+            node_labels=node_labels, node_resources=node_resources,
         )  # fmt: skip
         self._namespaces = list(namespaces)
         # `ftjob operator` flags, as the chart renders them; metrics_port opens the operator's

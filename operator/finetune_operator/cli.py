@@ -152,6 +152,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         timeout_seconds=args.timeout,
         nodes=args.nodes,
         keep=args.keep,
+        **({"node_capacity": dict(args.node_capacity)} if args.node_capacity else {}),
     )
 
 
@@ -204,6 +205,16 @@ def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
     return parse
 
 
+def _resource_quantity(text: str) -> tuple[str, str]:
+    """RESOURCE=QUANTITY (the quantity itself is checked by the local cluster)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected RESOURCE=QUANTITY (e.g. memory=64Gi), not {text!r}"
+        )
+    return name.strip(), value.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftjob", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -253,6 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(int),
         default=4,
         help="virtual nodes in the local cluster (default: %(default)s)",
+    )
+    run.add_argument(
+        "--node-capacity",
+        type=_resource_quantity,
+        action="append",
+        default=[],
+        metavar="RESOURCE=QUANTITY",
+        help="each virtual node's capacity of a resource, over the default 8 cpu, 32Gi memory, "
+        "200Gi ephemeral-storage, 110 pods (repeatable), e.g. memory=64Gi",
     )
     run.add_argument("--keep", action="store_true", help="keep the data dir afterwards")
     run.set_defaults(func=_cmd_run)

@@ -164,6 +164,39 @@ def test_required_node_anti_affinity_excludes_nodes(
     assert pending.status.phase == "Pending" and pending.spec.node_name is None
 
 
+def test_a_pod_no_node_has_room_for_stays_pending_with_kubes_reason_and_event(
+    cluster: LocalCluster, core: client.CoreV1Api
+) -> None:
+    """Each node advertises 8 cpu and 32Gi (less 100Mi) allocatable: a limit of 40Gi is a
+    request of 40Gi (defaulted), which no node fits; a FailedScheduling event says so."""
+    node = core.read_node(cluster.node_names[0])
+    assert node.status.capacity["ephemeral-storage"] == "200Gi"
+    assert int(node.status.allocatable["memory"]) == 32 * 2**30 - 100 * 2**20
+    name = _name("huge")
+    limits = {"cpu": "2", "memory": "40Gi"}
+    core.create_namespaced_pod(
+        "default", _pod(name, "true", container={"resources": {"limits": limits}})
+    )
+    pending = _wait_pod(
+        core,
+        name,
+        lambda p: any(
+            c.type == "PodScheduled" and c.status == "False" for c in p.status.conditions or []
+        ),
+    )
+    assert pending.spec.containers[0].resources.requests == limits
+    assert pending.status.qos_class == "Guaranteed"
+    condition = next(c for c in pending.status.conditions if c.type == "PodScheduled")
+    assert condition.reason == "Unschedulable"
+    assert condition.message == "0/3 nodes are available: 3 Insufficient memory."
+    events = core.list_namespaced_event("default").items
+    failed = [e for e in events if e.involved_object.name == name]
+    assert [(e.type, e.reason, e.message, e.source.component) for e in failed] == [
+        ("Warning", "FailedScheduling", condition.message, "default-scheduler")
+    ]
+    assert pending.status.phase == "Pending" and pending.spec.node_name is None
+
+
 def test_kill_pod_processes_gives_exit_137(cluster: LocalCluster, core: client.CoreV1Api) -> None:
     name = _name("kill")
     core.create_namespaced_pod("default", _pod(name, "sleep 60"))

@@ -203,3 +203,66 @@ def test_no_namespaces_is_one_line_and_exit_2_not_a_traceback(
     err = capsys.readouterr().err
     assert err == "error: the local kubelet needs mount and UTS namespaces\n"
     assert list((tmp_path / "runs").iterdir()) == []  # the run's own directory, removed
+
+
+@pytest.mark.parametrize(
+    ("changes", "flags", "said"),
+    [
+        (
+            {"memory": "64Gi"},
+            [],
+            "error: a worker pod requests memory 64Gi (spec.resources.memory), more than a "
+            "node's allocatable 31.9Gi: it would fit no local node and wait until --timeout. "
+            "Lower it, or give the nodes more (--node-capacity memory=...)",
+        ),
+        (
+            {"cpu": "12"},
+            [],
+            "cpu 12 (spec.resources.cpu), more than a node's allocatable 8",
+        ),
+        (
+            {},
+            ["--node-capacity", "ephemeral-storage=30Gi"],
+            "ephemeral-storage 32Gi (spec.dataset.cacheSizeLimit)",
+        ),
+        ({}, ["--node-capacity", "memory=lots"], "--node-capacity memory=lots: quantity 'lots'"),
+    ],
+    ids=["memory", "cpu", "small-disk", "bad-quantity"],
+)
+def test_a_worker_no_local_node_could_take_is_refused_at_once(
+    changes: dict[str, str],
+    flags: list[str],
+    said: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that would fit no node even empty would wait, Pending, until --timeout: it is
+    refused before any cluster starts, naming the request, its field and the flag."""
+    started: list[object] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    doc = yaml.safe_load(QUICKSTART)
+    doc["spec"]["resources"].update(changes)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    code = main(["run", "--local", str(path), "--data-dir", str(tmp_path / "c"), *flags])
+    err = capsys.readouterr().err
+    assert code == runner.EXIT_REFUSED and not started
+    assert err.startswith("error: ") and said in err
+
+
+def test_node_capacity_reaches_the_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    doc = yaml.safe_load(QUICKSTART)
+    doc["spec"]["resources"]["memory"] = "64Gi"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    argv = ["run", "--local", str(path), "--data-dir", str(tmp_path / "c")]
+    assert main([*argv, "--node-capacity", "memory=128Gi", "--node-capacity", "cpu=4"]) == 0
+    assert started[0][-1] == {"memory": "128Gi", "cpu": "4"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--node-capacity", "memory"])
+    assert "expected RESOURCE=QUANTITY" in capsys.readouterr().err

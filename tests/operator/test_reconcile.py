@@ -218,12 +218,15 @@ def test_a_worker_no_node_can_take_is_reported() -> None:
         "status": {"phase": "Pending", "conditions": [unschedulable]},
     }
     assert observe_pod(raw).blocked == (
-        "Unschedulable: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+        "Unschedulable: no node has room for the worker's nvidia.com/gpu "
+        "(spec.resources.gpusPerNode): lower it or add node capacity; "
+        "scheduler: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
     )
     pods = [pod("qs-rdzv", "Running", ready=True), observe_pod(raw), pod("qs-worker-1")]
     s1 = step(s0, pods, T0 + timedelta(seconds=1), ensured=1).status
     c = find(s1.conditions, COND_WORKERS_READY)
-    assert c is not None and "pod qs-worker-0 cannot start: Unschedulable: 0/4 nodes" in c.message
+    assert c is not None and "pod qs-worker-0 cannot start: Unschedulable: no node has" in c.message
+    assert "scheduler: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu." in c.message
     assert s1.phase == "Pending" and s1.restarts == 0
     # A long scheduler message (hundreds of nodes, taints listed) is cut: three such pods
     # still leave the condition message under 1 KiB.

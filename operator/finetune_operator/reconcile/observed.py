@@ -17,6 +17,7 @@ from finetune_operator.api.constants import (
     ROLE_WORKER,
 )
 from finetune_operator.reconcile.crash import REASON_OOM_KILLED, crash_cause
+from finetune_operator.reconcile.unschedulable import explain_unschedulable, worker_requests
 
 PENDING, RUNNING, SUCCEEDED, FAILED = "Pending", "Running", "Succeeded", "Failed"
 
@@ -133,12 +134,18 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_BLOCKED_CHARS else text[: MAX_BLOCKED_CHARS - 3] + "..."
 
 
-def _blocked(status: Mapping[str, Any]) -> str | None:
+def _blocked(status: Mapping[str, Any], worker_spec: Mapping[str, Any] | None) -> str | None:
     for c in status.get("conditions") or []:
         # The scheduler found no node (no free GPUs, taints, affinity, a gang that does not
-        # fit whole): the commonest reason a job waits, in the scheduler's own words.
+        # fit whole): the commonest reason a job waits, in the scheduler's own words; for a
+        # worker short of a resource, first which request and which spec field set it.
         if c.get("type") == "PodScheduled" and c.get("status") == "False":
             reason, message = c.get("reason") or "Unschedulable", c.get("message")
+            hint = None
+            if message and worker_spec is not None:
+                hint = explain_unschedulable(str(message), worker_requests(worker_spec))
+            if hint:
+                message = f"{hint}; scheduler: {message}"
             return _clip(f"{reason}: {message}" if message else str(reason))
     for cs in status.get("containerStatuses") or []:
         waiting = (cs.get("state") or {}).get("waiting") or {}
@@ -184,7 +191,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
         termination_message=term.get("message") or None,
         disruption=_disruption(status),
         created_at=parse_time(meta.get("creationTimestamp")),
-        blocked=_blocked(status),
+        blocked=_blocked(status, spec if labels.get(LABEL_ROLE) == ROLE_WORKER else None),
         memory_limit=_memory_limit(spec),
         restarts_before=_int((meta.get("annotations") or {}).get(ANNOTATION_RESTART_ATTEMPT), None),
     )

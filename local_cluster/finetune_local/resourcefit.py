@@ -1,0 +1,147 @@
+"""kube-scheduler's NodeResourcesFit filter, as pure functions: what a pod requests, and which
+resources a node lacks for it.
+
+A pod's request, per resource, is the larger of what its containers run with together and what
+its init containers need one at a time, plus its ``spec.overhead``:
+
+- app containers and restartable init containers (sidecars, ``restartPolicy: Always``) are
+  summed: they all run at once;
+- a regular init container runs alone beside the sidecars started before it, so its need is
+  its own request plus theirs; the pod needs the largest of those;
+- ``spec.overhead`` (the RuntimeClass's cost of the sandbox) is added on top.
+
+Only ``requests`` count: the API server gives a container with a limit but no request that
+limit as its request at admission (:func:`finetune_local.apiadmission.default_requests`), as
+Kubernetes does. cpu is counted in millicores, every other resource in whole units (bytes for
+memory and ephemeral-storage), each rounded up as Kubernetes rounds a quantity.
+
+A node fits when, for cpu, memory, ephemeral-storage and every other resource the pod requests,
+its ``status.allocatable`` is at least what its pods that still hold resources (bound and not
+Succeeded or Failed) request plus this pod's request; and it has room for one more pod under
+``allocatable.pods``. A pod that requests nothing needs only the pod slot. A resource the node
+does not advertise counts as zero allocatable, so a pod asking for it fits nowhere. All the
+shortfalls of a node are reported (``Insufficient cpu``, ``Too many pods``...), as the
+scheduler counts each in its FailedScheduling message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+_SUFFIXES = {
+    "Ki": Decimal(2**10),
+    "Mi": Decimal(2**20),
+    "Gi": Decimal(2**30),
+    "Ti": Decimal(2**40),
+    "Pi": Decimal(2**50),
+    "Ei": Decimal(2**60),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": Decimal("1e3"),
+    "M": Decimal("1e6"),
+    "G": Decimal("1e9"),
+    "T": Decimal("1e12"),
+    "P": Decimal("1e15"),
+    "E": Decimal("1e18"),
+}
+
+Requests = dict[str, int]
+
+
+def parse_quantity(value: Any) -> Decimal:
+    """A Kubernetes quantity (``500m``, ``2Gi``, ``1.5``, ``1e3``) as an exact number."""
+    text = str(value).strip()
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix):
+            number, factor = text[: -len(suffix)], _SUFFIXES[suffix]
+            break
+    else:
+        number, factor = text, Decimal(1)
+    try:
+        parsed = Decimal(number) * factor
+    except InvalidOperation:
+        parsed = Decimal("NaN")
+    if not parsed.is_finite():
+        raise ValueError(f"quantity {value!r} is not a Kubernetes quantity")
+    return parsed
+
+
+def amount(resource: str, value: Any) -> int:
+    """``value`` of ``resource`` in the scheduler's unit: millicores for cpu, else whole units,
+    rounded up (``0.1m`` of cpu is 1m, as Kubernetes rounds)."""
+    scale = 1000 if resource == "cpu" else 1
+    return math.ceil(parse_quantity(value) * scale)
+
+
+def _requests_of(container: Mapping[str, Any]) -> Requests:
+    requested = (container.get("resources") or {}).get("requests") or {}
+    return {name: amount(name, value) for name, value in requested.items()}
+
+
+def _add(total: Requests, more: Mapping[str, int]) -> Requests:
+    out = dict(total)
+    for name, value in more.items():
+        out[name] = out.get(name, 0) + value
+    return out
+
+
+def _maximum(one: Mapping[str, int], other: Mapping[str, int]) -> Requests:
+    return {name: max(one.get(name, 0), other.get(name, 0)) for name in {*one, *other}}
+
+
+def pod_requests(pod: Mapping[str, Any]) -> Requests:
+    """What ``pod`` requests of each resource (the module docstring says how)."""
+    spec = pod.get("spec") or {}
+    running: Requests = {}
+    for container in spec.get("containers") or []:
+        running = _add(running, _requests_of(container))
+    sidecars: Requests = {}
+    init_peak: Requests = {}
+    for container in spec.get("initContainers") or []:
+        own = _requests_of(container)
+        if container.get("restartPolicy") == "Always":
+            sidecars = _add(sidecars, own)
+            init_peak = _maximum(init_peak, sidecars)
+        else:
+            init_peak = _maximum(init_peak, _add(own, sidecars))
+    total = _maximum(_add(running, sidecars), init_peak)
+    overhead = {name: amount(name, value) for name, value in (spec.get("overhead") or {}).items()}
+    return {name: value for name, value in _add(total, overhead).items() if value}
+
+
+def holds_resources(pod: Mapping[str, Any]) -> bool:
+    """A bound pod keeps its node's resources until it ends (Succeeded or Failed); a pod being
+    deleted still holds them while its containers stop."""
+    return pod.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+
+
+def insufficient(
+    pod: Mapping[str, Any],
+    allocatable: Mapping[str, Any],
+    pods_on_node: Iterable[Mapping[str, Any]],
+) -> list[str]:
+    """The node's shortfalls for ``pod`` in the scheduler's words (empty when it fits), in the
+    scheduler's order: pods, cpu, memory, ephemeral-storage, then the other resources."""
+    placed = [p for p in pods_on_node if holds_resources(p)]
+    reasons: list[str] = []
+    if "pods" in allocatable and len(placed) + 1 > amount("pods", allocatable["pods"]):
+        reasons.append("Too many pods")
+    wanted = pod_requests(pod)
+    wanted.pop("pods", None)
+    if not wanted:
+        return reasons
+    used: Requests = {}
+    for other in placed:
+        used = _add(used, pod_requests(other))
+    # cpu, memory and ephemeral-storage are checked even when the pod asks for none of one (a
+    # node already over it fits nothing more); other resources only when requested.
+    basic = ("cpu", "memory", "ephemeral-storage")
+    for name in [*basic, *sorted(r for r in wanted if r not in basic)]:
+        free = amount(name, allocatable.get(name, 0)) - used.get(name, 0)
+        if wanted.get(name, 0) > free:
+            reasons.append(f"Insufficient {name}")
+    return reasons
