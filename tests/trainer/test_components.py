@@ -112,6 +112,16 @@ def test_jsonl_line_that_is_no_record_is_refused_naming_it(
         load_records(DatasetSpec(uri=str(tmp_path / "d.jsonl")))
 
 
+def test_jsonl_bad_line_error_says_where_on_the_line_and_what_to_do(tmp_path: Path) -> None:
+    # json's own message for a raw newline in a string is "Invalid control character at",
+    # which names no place: the error adds the column and the remedy.
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n{"text": "broken\tline"}\n')
+    with pytest.raises(UnsupportedConfigError) as caught:
+        load_records(DatasetSpec(uri=str(tmp_path / "d.jsonl")))
+    assert "line 2 is not JSON (Invalid control character at column 17)" in str(caught.value)
+    assert "fix or remove that line" in str(caught.value)
+
+
 def test_parquet_records(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -101,7 +101,10 @@ def _jsonl_rows(uri: str, paths: list[str]) -> Iterator[dict[str, Any]]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise UnsupportedConfigError(
-                        f"dataset.uri {uri!r}: {path} line {n} is not JSON ({e.msg})"
+                        # json's msg ("Invalid control character at") names no place:
+                        # the column does, and the user is told what to do with the line.
+                        f"dataset.uri {uri!r}: {path} line {n} is not JSON ({e.msg} column "
+                        f"{e.colno}); fix or remove that line (one JSON object per line)"
                     ) from None
                 if not isinstance(row, dict):
                     raise UnsupportedConfigError(
