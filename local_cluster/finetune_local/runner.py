@@ -1,7 +1,8 @@
 """`ftjob run --local job.yaml`: the job on the embedded cluster, with a progress display.
 
-Exit codes: 0 Succeeded, 1 Failed, 2 refused (invalid manifest), 3 timed out, 128 + N stopped
-by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129). On any of those signals the local cluster
+Exit codes: 0 Succeeded, 1 Failed, 2 refused (an invalid manifest, or one the operator would
+fail before making a pod), 3 timed out, 128 + N stopped by signal N (SIGINT 130, SIGTERM 143,
+SIGHUP 129). On any of those signals the local cluster
 is taken down (every pod process killed) before exiting; on the runner's own death (SIGKILL)
 the pods die with it (podinit's parent-death signal)."""
 
@@ -24,7 +25,8 @@ from kubernetes.client.exceptions import ApiException
 from finetune_local.podrunner import IsolationUnavailableError
 from finetune_local.progress_lines import ProgressTracker, summarize
 from finetune_local.session import LocalSession, default_data_dir, is_finished, phase_of
-from finetune_operator.api.manifest import ManifestError, load_manifest
+from finetune_operator.api.capabilities import trainer_refusals
+from finetune_operator.api.manifest import Manifest, ManifestError, load_manifest
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3
 
@@ -69,6 +71,25 @@ def stop_signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def operator_refusal(manifest: Manifest) -> str | None:
+    """Why the operator would end this job Failed before creating anything (InvalidSpec,
+    PlanInfeasible or Unsupported), found as `ftjob plan` finds it; None when it would run.
+
+    Without it a spec `ftjob plan` refuses (memory '16GB', a dataset on s3:// without
+    credentials, a pod too small) started a cluster, then ended Failed (exit 1) with a pod-log
+    path to a pod that was never made."""
+    from finetune_operator.planner import PlanningError, plan_job
+
+    try:
+        plan = plan_job(manifest.spec)
+    except PlanningError as err:
+        return str(err)  # "field: reason"
+    if not plan.fits:
+        return f"no configuration fits: {plan.reason}"
+    refusals = trainer_refusals(manifest.spec, plan)
+    return "the trainer cannot run this job: " + "; ".join(refusals) if refusals else None
+
+
 def run_local(
     manifest_path: str | Path,
     *,
@@ -90,6 +111,10 @@ def run_local(
             f"{manifest_path} here, or apply it to a cluster with GPUs",
             file=sys.stderr,
         )
+        return EXIT_REFUSED
+    refusal = operator_refusal(manifest)
+    if refusal:  # what the operator would fail at once: no cluster started to report it
+        print(f"error: {refusal}", file=sys.stderr)
         return EXIT_REFUSED
     # The object as the reader saw it (a `---` or a `kind: List` around it, timestamps kept
     # as strings), exactly what kubectl would send: never the file parsed a second way.
@@ -181,9 +206,12 @@ def _run(
             return EXIT_TIMEOUT
         print(summarize(job, session.data_dir / "shared"), file=out)
         failed = phase_of(job) != "Succeeded"
-        if failed:  # the operator deletes a failed job's pods; their logs stay on disk
+        pod_logs = session.data_dir / "pods" / namespace
+        # The operator deletes a failed job's pods; their logs stay on disk (a job refused
+        # before any pod was made has none to point at).
+        if failed and pod_logs.is_dir() and any(pod_logs.iterdir()):
             print(
-                f"pod logs: {session.data_dir / 'pods' / namespace}/<pod>-<uid>/*.log",
+                f"pod logs: {pod_logs}/<pod>-<uid>/*.log",
                 file=sys.stderr,
             )
         # A failed job's logs are what the user needs next: never removed.

@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a FineTuneJob",
         epilog="exit status: 0 Succeeded; 1 Failed (the cluster's directory and pod logs are "
-        "kept); 2 refused, naming the field; 3 timed out; "
+        "kept); 2 refused before any cluster starts, as `ftjob plan` refuses, naming the field; "
+        "3 timed out; "
         "128+N stopped by signal N (Ctrl-C: 130)",
     )
     run.add_argument("manifest", help="FineTuneJob YAML")

@@ -143,6 +143,33 @@ def test_a_gpu_job_is_refused_at_once_naming_the_field(
 
 
 @pytest.mark.parametrize(
+    ("old", "new", "says"),
+    [
+        # InvalidSpec: a memory size in another notation
+        ("memory: 2Gi", "memory: 16GB", "error: spec.resources.memory: '16GB' is not a Kubernetes"),
+        # InvalidSpec: object storage without credentials
+        ("uri: builtin://quickstart", "uri: s3://bucket/d.jsonl", "error: spec.dataset.uri: "),
+        # PlanInfeasible: a pod too small for its process
+        ("memory: 2Gi", "memory: 100Mi", "error: no configuration fits: Nothing fits in 100.0 MiB"),
+    ],
+    ids=["memory-unit", "s3-without-credentials", "nothing-fits"],
+)
+def test_what_plan_refuses_is_refused_before_a_cluster_starts(
+    old: str, new: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """These started a cluster, which then failed the job (exit 1, pointing at pod logs of
+    pods never made): `ftjob plan` refuses them (exit 2), and so does `run --local`, at once."""
+    started: list[object] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    path = tmp_path / "job.yaml"
+    path.write_text(QUICKSTART.replace(old, new))
+    assert runner.run_local(path, data_dir=tmp_path / "c") == runner.EXIT_REFUSED
+    assert not started and not (tmp_path / "c").exists()
+    assert capsys.readouterr().err.startswith(says)
+
+
+@pytest.mark.parametrize(
     ("message", "shown"),
     [
         # What every `ftjob run --local` printed among its progress lines.

@@ -51,12 +51,12 @@ def test_memory_quantities_the_api_server_refuses_are_refused(text: str) -> None
 @pytest.mark.parametrize(
     ("text", "hint"),
     [
-        ("16GB", "did you mean '16Gi' (16 x 1024^n bytes) or '16G' (x 1000^n)?"),
+        ("16GB", "did you mean '16Gi' (16 x 2^30 bytes) or '16G' (16 x 10^9)?"),
         ("16gb", "did you mean '16Gi'"),
         ("16GiB", "did you mean '16Gi'"),
         ("1 Gi", "did you mean '1Gi'"),
-        ("512mb", "did you mean '512Mi' (512 x 1024^n bytes) or '512M'"),
-        ("1K", "did you mean '1Ki' (1 x 1024^n bytes) or '1k' (x 1000^n)?"),
+        ("512mb", "did you mean '512Mi' (512 x 2^20 bytes) or '512M' (512 x 10^6)?"),
+        ("1K", "did you mean '1Ki' (1 x 2^10 bytes) or '1k' (1 x 10^3)?"),
     ],
 )
 def test_memory_in_another_notation_is_refused_saying_what_to_write(text: str, hint: str) -> None:

@@ -146,10 +146,11 @@ def _unit_hint(text: str) -> str:
     if not slip:
         return ""
     number, prefix = slip["number"], slip["prefix"].upper()
+    power = "KMGTPE".index(prefix) + 1
     decimal = "k" if prefix == "K" else prefix  # Kubernetes' decimal kilo is lower-case only
     return (
-        f"; did you mean '{number}{prefix}i' ({number} x 1024^n bytes) or '{number}{decimal}' "
-        f"(x 1000^n)?"
+        f"; did you mean '{number}{prefix}i' ({number} x 2^{10 * power} bytes) or "
+        f"'{number}{decimal}' ({number} x 10^{3 * power})?"
     )
 
 
