@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 from finetune_operator.api.constants import BYTE_TOKENIZER_VOCAB
 from finetune_operator.api.spec import DatasetSpec, MethodSpec, StrategySpec
 from finetune_trainer.data import build_dataset, load_records, pack, resolve_uri
+from finetune_trainer.data.records import dataset_files
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model, decoder_layers
@@ -84,6 +85,20 @@ def test_missing_dataset_file_is_refused_not_crashed(fmt: str, tmp_path: Path) -
     spec = DatasetSpec(uri=str(tmp_path / f"missing.{fmt}"), format=fmt)
     with pytest.raises(UnsupportedConfigError, match=r"dataset.uri '.*missing.*': no such file"):
         build_dataset(spec, build_byte_tokenizer(), 8)
+
+
+def test_missing_relative_dataset_names_the_directory_it_was_read_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative uri is read in the pod's working directory (`ftjob run --local`: its
+    cluster's shared/), not where the user ran ftjob: the error says which directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedConfigError) as caught:
+        dataset_files(DatasetSpec(uri="data/mine.jsonl"))
+    assert str(caught.value) == (
+        f"dataset.uri 'data/mine.jsonl': no such file in the working directory {tmp_path}: "
+        "use an absolute path on a volume of spec.storage"
+    )
 
 
 def test_jsonl_files_read_as_written_with_missing_columns_none(tmp_path: Path) -> None:

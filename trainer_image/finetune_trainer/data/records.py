@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import itertools
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,13 @@ def dataset_files(spec: DatasetSpec) -> list[str]:
     paths = sorted(glob.glob(path))
     if not paths:
         where = "" if path == spec.uri else f" ({path})"
+        if not os.path.isabs(path):
+            # Read in the pod's working directory, not where the user ran kubectl or ftjob
+            # (`ftjob run --local`: <its dir>/shared): say which, and what works everywhere.
+            where += (
+                f" in the working directory {os.getcwd()}: use an absolute path on a volume of "
+                "spec.storage"
+            )
         raise UnsupportedConfigError(f"dataset.uri {spec.uri!r}: no such file{where}")
     return paths
 
