@@ -9,6 +9,7 @@ the pods die with it (podinit's parent-death signal)."""
 from __future__ import annotations
 
 import contextlib
+import shlex
 import shutil
 import signal
 import sys
@@ -148,9 +149,13 @@ def run_local(
         return EXIT_REFUSED
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
+        # The checkpoints are in the directory: run again on it and the trainer resumes from
+        # the newest (a fresh directory would start over). Quoted: paths with spaces.
+        again = shlex.join(["ftjob", "run", "--local", "--data-dir", str(directory),
+                            str(manifest_path)])  # fmt: skip
         print(
             f"{name}: the local cluster and its pods were stopped; its state and pod logs "
-            f"are kept in {directory}",
+            f"are kept in {directory}; `{again}` resumes from its last checkpoint",
             file=sys.stderr,
         )
         return 128 + stop.signum

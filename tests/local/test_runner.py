@@ -4,6 +4,7 @@ job failed (no cluster is started here: the cluster part is the end-to-end tests
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,26 @@ def test_an_unusable_cluster_directory_exits_2_naming_it(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(a_file) in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and not started
+
+
+def test_a_stopped_run_says_how_to_resume_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C keeps the directory, checkpoints and all; running again on it resumes from the
+    newest, but only the --data-dir of the stopped run does that (a fresh one starts over), so
+    the message gives that command, quoted for a path with spaces."""
+
+    def interrupted(*_: object) -> int:
+        raise runner.Stopped(signal.SIGINT)
+
+    monkeypatch.setattr(runner, "_run", interrupted)
+    path = tmp_path / "my job.yaml"
+    path.write_text(QUICKSTART)
+    code = runner.run_local(path, data_dir=tmp_path / "c")
+    assert code == 130
+    err = capsys.readouterr().err
+    assert err.startswith("SIGINT: the local cluster and its pods were stopped; ")
+    assert f"`ftjob run --local --data-dir {tmp_path / 'c'} '{path}'` resumes" in err
 
 
 def test_a_timeout_shows_the_last_status_seen(
