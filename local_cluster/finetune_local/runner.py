@@ -9,6 +9,8 @@ the pods die with it (podinit's parent-death signal)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import shlex
 import shutil
 import signal
@@ -72,6 +74,32 @@ def stop_signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+LOCK_FILE = ".ftjob-run.lock"
+
+
+def _claim(directory: Path) -> TextIO | str:
+    """The directory's lock, held (flock: released by the kernel when this process dies,
+    however), or why it is not to be had. Two runs on one --data-dir both "succeeded" while
+    their pods wrote one checkpoint directory and one model, and the kubeconfig named only the
+    second cluster."""
+    lock = (directory / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        return (
+            f"--data-dir {directory}: another `ftjob run --local` (pid {holder}) is using it; "
+            "wait for it, or give this run another directory"
+        )
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 def operator_refusal(manifest: Manifest) -> str | None:
     """Why the operator would end this job Failed before creating anything (InvalidSpec,
     PlanInfeasible or Unsupported), found as `ftjob plan` finds it; None when it would run.
@@ -129,8 +157,12 @@ def run_local(
         why = "not a directory" if isinstance(err, FileExistsError) else err.strerror or str(err)
         print(f"error: {where} {err.filename or data_dir}: {why}", file=sys.stderr)
         return EXIT_REFUSED
+    lock = _claim(directory)
+    if isinstance(lock, str):
+        print(f"error: {lock}", file=sys.stderr)
+        return EXIT_REFUSED
     try:
-        with stop_signals_raise():
+        with lock, stop_signals_raise():
             return _run(
                 doc,
                 manifest_path,

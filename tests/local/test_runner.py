@@ -101,6 +101,32 @@ def test_a_stopped_run_says_how_to_resume_it(
     assert f"`ftjob run --local --data-dir {tmp_path / 'c'} '{path}'` resumes" in err
 
 
+def test_a_data_dir_in_use_by_another_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs on one --data-dir both ran to 'Succeeded', their pods writing one checkpoint
+    directory and one model: the second is refused while the first holds the directory, and
+    the directory is free again once that run ends."""
+    import fcntl
+
+    started: list[object] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    cluster = tmp_path / "c"
+    cluster.mkdir()
+    with (cluster / runner.LOCK_FILE).open("a+") as other:  # another run holds it
+        other.write("4242\n")
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_EX)
+        assert runner.run_local(EXAMPLES / "quickstart.yaml", data_dir=cluster) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"error: --data-dir {cluster}: another `ftjob run --local` (pid 4242)"
+        )
+        assert not started
+    assert runner.run_local(EXAMPLES / "quickstart.yaml", data_dir=cluster) == 0
+    assert len(started) == 1
+
+
 def test_a_timeout_shows_the_last_status_seen(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
