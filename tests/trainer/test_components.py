@@ -101,6 +101,25 @@ def test_missing_relative_dataset_names_the_directory_it_was_read_in(
     )
 
 
+def test_a_dataset_directory_reads_its_files_of_the_format(tmp_path: Path) -> None:
+    """dataset.uri may be a directory (the reference says so): it was opened as a file, an
+    IsADirectoryError that torchrun restarted until the budget ran out."""
+    corpus = tmp_path / "my corpus"
+    corpus.mkdir()
+    (corpus / "b.jsonl").write_text('{"text": "second"}\n')
+    (corpus / "a.jsonl").write_text('{"text": "first"}\n')
+    (corpus / "notes.txt").write_text("not data")
+    records = load_records(DatasetSpec(uri=str(corpus)))
+    assert records.column("text") == ["first", "second"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedConfigError) as caught:
+        load_records(DatasetSpec(uri=str(tmp_path / "empty")))
+    assert str(caught.value).endswith(
+        f"is a directory with no *.jsonl file in it: name the files (e.g. "
+        f"'{tmp_path / 'empty' / '*.jsonl'}') or set dataset.format"
+    )
+
+
 def test_jsonl_files_read_as_written_with_missing_columns_none(tmp_path: Path) -> None:
     """Read without `datasets`, as `datasets` 4 gives them: every column on every row (None
     where a row lacks it), nested values as written, files of a glob in name order."""

@@ -68,7 +68,22 @@ def dataset_files(spec: DatasetSpec) -> list[str]:
                 "spec.storage"
             )
         raise UnsupportedConfigError(f"dataset.uri {spec.uri!r}: no such file{where}")
-    return paths
+    # A directory (the reference allows one) is read as its *.<format> files: opened as a
+    # file it was an IsADirectoryError, a crash torchrun restarted in vain.
+    files: list[str] = []
+    for found in paths:
+        if not os.path.isdir(found):
+            files.append(found)
+            continue
+        inside = sorted(glob.glob(os.path.join(glob.escape(found), f"*.{spec.format}")))
+        if not inside:
+            raise UnsupportedConfigError(
+                f"dataset.uri {spec.uri!r}: {found} is a directory with no *.{spec.format} "
+                f"file in it: name the files (e.g. '{os.path.join(found, '*.' + spec.format)}') "
+                "or set dataset.format"
+            )
+        files += inside
+    return files
 
 
 @dataclass(frozen=True)
