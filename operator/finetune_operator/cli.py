@@ -242,7 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("manifest", help="FineTuneJob YAML")
     run.add_argument("--local", action="store_true", help="on the embedded local cluster")
-    run.add_argument("--data-dir", default=None, help="local cluster state (default: temp dir)")
+    run.add_argument(
+        "--data-dir",
+        default=None,
+        help="local cluster state, always kept; the same one again resumes the job from its "
+        "last checkpoint (default: a new .ftjob/run-* in the current directory, or in "
+        "$FTJOB_LOCAL_DIR, removed after a success unless --keep)",
+    )
     run.add_argument(
         "--timeout",
         type=_positive(float),
@@ -255,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="virtual nodes in the local cluster (default: %(default)s)",
     )
-    run.add_argument("--keep", action="store_true", help="keep the data dir afterwards")
+    run.add_argument(
+        "--keep", action="store_true", help="keep the default data dir after a success"
+    )
     run.set_defaults(func=_cmd_run)
 
     strag = sub.add_parser(
