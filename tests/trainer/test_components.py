@@ -120,6 +120,21 @@ def test_a_dataset_directory_reads_its_files_of_the_format(tmp_path: Path) -> No
     )
 
 
+@pytest.mark.parametrize("source", ["pvc", "uri"])
+def test_a_missing_model_directory_is_refused_naming_the_field(source: str, tmp_path: Path) -> None:
+    """The tokenizer is read before the model: for a path that is not there it raised
+    transformers' "Repo id must be in the form 'namespace/repo_name'", which torchrun restarted
+    until the budget ran out (BackoffLimitExceeded, 30 s, naming no field)."""
+    from finetune_operator.api.spec import ModelSpec
+    from finetune_trainer.tokenizer import build_tokenizer
+
+    missing = tmp_path / "models" / "nope"
+    spec = ModelSpec(name="tiny", source=source, path=str(missing))
+    with pytest.raises(UnsupportedConfigError) as caught:
+        build_tokenizer(spec)
+    assert str(caught.value).startswith(f"spec.model.path '{missing}': no such directory")
+
+
 def test_jsonl_files_read_as_written_with_missing_columns_none(tmp_path: Path) -> None:
     """Read without `datasets`, as `datasets` 4 gives them: every column on every row (None
     where a row lacks it), nested values as written, files of a glob in name order."""
