@@ -23,6 +23,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 import yaml
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from finetune_local.podrunner import IsolationUnavailableError
@@ -210,6 +211,13 @@ def _run(
             file=out,
         )
         try:
+            if namespace != "default":
+                # The cluster is this run's own: nobody else could create the namespace the
+                # manifest names (it was "namespaces 'team-a' not found", exit 2).
+                assert session.core is not None
+                session.core.create_namespace(
+                    client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
+                )
             session.submit(doc)
         except ApiException as err:
             print(

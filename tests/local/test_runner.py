@@ -127,6 +127,46 @@ def test_a_data_dir_in_use_by_another_run_is_refused(
     assert len(started) == 1
 
 
+def test_the_manifests_namespace_is_created_in_the_runs_own_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`metadata.namespace: team-a` was refused ("namespaces 'team-a' not found"): nobody
+    could have created it in a cluster that lives only for the run."""
+    calls: list[tuple[str, Any]] = []
+
+    class Core:
+        def create_namespace(self, body: Any) -> None:
+            calls.append(("namespace", body.metadata.name))
+
+    class Session:
+        data_dir = tmp_path / "cluster"
+        core = Core()
+
+        class cluster:  # attribute access as on LocalSession
+            kubeconfig_path = tmp_path / "cluster" / "kubeconfig"
+
+        def __init__(self, *_: object, namespaces: list[str], **__: object) -> None:
+            calls.append(("watched", namespaces))
+
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            return None
+
+        def submit(self, doc: dict[str, Any]) -> None:
+            calls.append(("job", doc["metadata"]["namespace"]))
+
+        def wait_for(self, *_: object, **__: object) -> None:
+            raise TimeoutError("stop here")
+
+    monkeypatch.setattr(runner, "LocalSession", Session)
+    path = tmp_path / "job.yaml"
+    path.write_text(QUICKSTART.replace("name: quickstart", "name: quickstart\n  namespace: team-a"))
+    assert runner.run_local(path, data_dir=tmp_path / "cluster") == runner.EXIT_TIMEOUT
+    assert calls == [("watched", ["team-a"]), ("namespace", "team-a"), ("job", "team-a")]
+
+
 def test_a_timeout_shows_the_last_status_seen(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
