@@ -232,6 +232,17 @@ def _run(
             line = tracker.observe(job, time.monotonic())
             if line:
                 print(line, file=out, flush=True)
+            if line and phase_of(job) == "Suspended":
+                # It waits (until --timeout, 30 minutes by default) for someone to resume it;
+                # without this line nobody is told who, or how.
+                patch = shlex.quote('{"spec":{"suspend":false}}')
+                print(
+                    f"  spec.suspend is true: kubectl --kubeconfig "
+                    f"{shlex.quote(str(session.cluster.kubeconfig_path))} -n {namespace} patch "
+                    f"ftj {name} --type=merge -p {patch} resumes it",
+                    file=out,
+                    flush=True,
+                )
 
         try:
             job = session.wait_for(

@@ -167,6 +167,47 @@ def test_the_manifests_namespace_is_created_in_the_runs_own_cluster(
     assert calls == [("watched", ["team-a"]), ("namespace", "team-a"), ("job", "team-a")]
 
 
+def test_a_suspended_job_says_how_to_resume_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`spec.suspend: true` waited until --timeout with only 'Suspended' on screen."""
+    suspended = {"metadata": {"name": "quickstart"}, "status": {"phase": "Suspended"}}
+
+    class Session:
+        data_dir = tmp_path / "cluster"
+
+        class cluster:  # attribute access as on LocalSession
+            kubeconfig_path = tmp_path / "cluster" / "kubeconfig"
+
+        def __init__(self, *_: object, **__: object) -> None:
+            pass
+
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            return None
+
+        def submit(self, doc: dict[str, Any]) -> None:
+            pass
+
+        def wait_for(self, name: str, until: Any, *, on_poll: Any, **_: Any) -> None:
+            on_poll(suspended)
+            on_poll(suspended)  # no change: said once
+            raise TimeoutError("stop here")
+
+    monkeypatch.setattr(runner, "LocalSession", Session)
+    code = runner.run_local(EXAMPLES / "quickstart.yaml", data_dir=tmp_path / "cluster",
+                            out=sys.stdout)  # fmt: skip
+    assert code == runner.EXIT_TIMEOUT
+    kubeconfig = tmp_path / "cluster" / "kubeconfig"
+    hint = (
+        f"  spec.suspend is true: kubectl --kubeconfig {kubeconfig} -n default patch ftj "
+        """quickstart --type=merge -p '{"spec":{"suspend":false}}' resumes it"""
+    )
+    assert capsys.readouterr().out.count(hint) == 1
+
+
 def test_a_timeout_shows_the_last_status_seen(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
