@@ -322,6 +322,8 @@ def test_run_help_states_the_defaults(capsys: pytest.CaptureFixture[str]) -> Non
         main(["run", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: 1800)" in out and "(default: 4)" in out
+    # It said "(default: temp dir)": the runs are under the current directory's .ftjob/.
+    assert "default: a new .ftjob/run-* in the current directory, or in $FTJOB_LOCAL_DIR" in out
 
 
 def test_plan_help_points_at_the_policy_flags_where_they_are(

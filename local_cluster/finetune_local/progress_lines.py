@@ -65,7 +65,21 @@ class ProgressTracker:
         if ckpt:
             parts.append(f"checkpoint step {ckpt.get('step')}")
         parts.append(f"restarts {status.get('restarts', 0)}")
+        blocked = _blocked_pod(status)
+        if blocked:
+            parts.append(f"waiting: {blocked}")
         return "  ".join(parts)
+
+
+def _blocked_pod(status: dict[str, Any]) -> str | None:
+    """The first 'pod x cannot start: why' of a False WorkersReady (a missing Secret, a pod
+    no node takes): the display said only 'Pending  workers 0/2' until --timeout (30 minutes
+    by default) printed the conditions."""
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "WorkersReady" and cond.get("status") == "False":
+            parts = str(cond.get("message", "")).split("; ")
+            return next((p for p in parts if " cannot start: " in p), None)
+    return None
 
 
 def _located(uri: str, workdir: Path | None) -> str:

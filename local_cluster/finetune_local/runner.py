@@ -1,13 +1,17 @@
 """`ftjob run --local job.yaml`: the job on the embedded cluster, with a progress display.
 
-Exit codes: 0 Succeeded, 1 Failed, 2 refused (invalid manifest), 3 timed out, 128 + N stopped
-by signal N (SIGINT 130, SIGTERM 143, SIGHUP 129). On any of those signals the local cluster
+Exit codes: 0 Succeeded, 1 Failed, 2 refused (an invalid manifest, or one the operator would
+fail before making a pod), 3 timed out, 128 + N stopped by signal N (SIGINT 130, SIGTERM 143,
+SIGHUP 129). On any of those signals the local cluster
 is taken down (every pod process killed) before exiting; on the runner's own death (SIGKILL)
 the pods die with it (podinit's parent-death signal)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
+import shlex
 import shutil
 import signal
 import sys
@@ -19,13 +23,15 @@ from types import FrameType
 from typing import Any, TextIO
 
 import yaml
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from finetune_local.podrunner import IsolationUnavailableError
 from finetune_local.progress_lines import ProgressTracker, summarize
 from finetune_local.runfit import NodeCapacityError, check_node_capacity, too_big_for_a_node
 from finetune_local.session import LocalSession, default_data_dir, is_finished, phase_of
-from finetune_operator.api.manifest import ManifestError, load_manifest
+from finetune_operator.api.capabilities import trainer_refusals
+from finetune_operator.api.manifest import Manifest, ManifestError, load_manifest
 
 EXIT_SUCCEEDED, EXIT_FAILED, EXIT_REFUSED, EXIT_TIMEOUT = 0, 1, 2, 3
 
@@ -70,6 +76,51 @@ def stop_signals_raise() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+LOCK_FILE = ".ftjob-run.lock"
+
+
+def _claim(directory: Path) -> TextIO | str:
+    """The directory's lock, held (flock: released by the kernel when this process dies,
+    however), or why it is not to be had. Two runs on one --data-dir both "succeeded" while
+    their pods wrote one checkpoint directory and one model, and the kubeconfig named only the
+    second cluster."""
+    lock = (directory / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        return (
+            f"--data-dir {directory}: another `ftjob run --local` (pid {holder}) is using it; "
+            "wait for it, or give this run another directory"
+        )
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
+def operator_refusal(manifest: Manifest) -> str | None:
+    """Why the operator would end this job Failed before creating anything (InvalidSpec,
+    PlanInfeasible or Unsupported), found as `ftjob plan` finds it; None when it would run.
+
+    Without it a spec `ftjob plan` refuses (memory '16GB', a dataset on s3:// without
+    credentials, a pod too small) started a cluster, then ended Failed (exit 1) with a pod-log
+    path to a pod that was never made."""
+    from finetune_operator.planner import PlanningError, plan_job
+
+    try:
+        plan = plan_job(manifest.spec)
+    except PlanningError as err:
+        return str(err)  # "field: reason"
+    if not plan.fits:
+        return f"no configuration fits: {plan.reason}"
+    refusals = trainer_refusals(manifest.spec, plan)
+    return "the trainer cannot run this job: " + "; ".join(refusals) if refusals else None
+
+
 def run_local(
     manifest_path: str | Path,
     *,
@@ -101,6 +152,10 @@ def run_local(
     except NodeCapacityError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_REFUSED
+    refusal = operator_refusal(manifest)
+    if refusal:  # what the operator would fail at once: no cluster started to report it
+        print(f"error: {refusal}", file=sys.stderr)
+        return EXIT_REFUSED
     too_big = too_big_for_a_node(manifest.spec, capacity)
     if too_big is not None:
         print(f"error: {too_big}", file=sys.stderr)
@@ -117,8 +172,12 @@ def run_local(
         why = "not a directory" if isinstance(err, FileExistsError) else err.strerror or str(err)
         print(f"error: {where} {err.filename or data_dir}: {why}", file=sys.stderr)
         return EXIT_REFUSED
+    lock = _claim(directory)
+    if isinstance(lock, str):
+        print(f"error: {lock}", file=sys.stderr)
+        return EXIT_REFUSED
     try:
-        with stop_signals_raise():
+        with lock, stop_signals_raise():
             return _run(
                 doc,
                 manifest_path,
@@ -138,9 +197,13 @@ def run_local(
         return EXIT_REFUSED
     except Stopped as stop:
         name = signal.Signals(stop.signum).name
+        # The checkpoints are in the directory: run again on it and the trainer resumes from
+        # the newest (a fresh directory would start over). Quoted: paths with spaces.
+        again = shlex.join(["ftjob", "run", "--local", "--data-dir", str(directory),
+                            str(manifest_path)])  # fmt: skip
         print(
             f"{name}: the local cluster and its pods were stopped; its state and pod logs "
-            f"are kept in {directory}",
+            f"are kept in {directory}; `{again}` resumes from its last checkpoint",
             file=sys.stderr,
         )
         return 128 + stop.signum
@@ -166,6 +229,13 @@ def _run(
             file=out,
         )
         try:
+            if namespace != "default":
+                # The cluster is this run's own: nobody else could create the namespace the
+                # manifest names (it was "namespaces 'team-a' not found", exit 2).
+                assert session.core is not None
+                session.core.create_namespace(
+                    client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
+                )
             session.submit(doc)
         except ApiException as err:
             print(
@@ -180,6 +250,17 @@ def _run(
             line = tracker.observe(job, time.monotonic())
             if line:
                 print(line, file=out, flush=True)
+            if line and phase_of(job) == "Suspended":
+                # It waits (until --timeout, 30 minutes by default) for someone to resume it;
+                # without this line nobody is told who, or how.
+                patch = shlex.quote('{"spec":{"suspend":false}}')
+                print(
+                    f"  spec.suspend is true: kubectl --kubeconfig "
+                    f"{shlex.quote(str(session.cluster.kubeconfig_path))} -n {namespace} patch "
+                    f"ftj {name} --type=merge -p {patch} resumes it",
+                    file=out,
+                    flush=True,
+                )
 
         try:
             job = session.wait_for(
@@ -199,9 +280,12 @@ def _run(
             return EXIT_TIMEOUT
         print(summarize(job, session.data_dir / "shared"), file=out)
         failed = phase_of(job) != "Succeeded"
-        if failed:  # the operator deletes a failed job's pods; their logs stay on disk
+        pod_logs = session.data_dir / "pods" / namespace
+        # The operator deletes a failed job's pods; their logs stay on disk (a job refused
+        # before any pod was made has none to point at).
+        if failed and pod_logs.is_dir() and any(pod_logs.iterdir()):
             print(
-                f"pod logs: {session.data_dir / 'pods' / namespace}/<pod>-<uid>/*.log",
+                f"pod logs: {pod_logs}/<pod>-<uid>/*.log",
                 file=sys.stderr,
             )
         # A failed job's logs are what the user needs next: never removed.

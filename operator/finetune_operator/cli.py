@@ -247,12 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run a FineTuneJob",
         epilog="exit status: 0 Succeeded; 1 Failed (the cluster's directory and pod logs are "
-        "kept); 2 refused, naming the field; 3 timed out; "
+        "kept); 2 refused before any cluster starts, as `ftjob plan` refuses, naming the field; "
+        "3 timed out; "
         "128+N stopped by signal N (Ctrl-C: 130)",
     )
     run.add_argument("manifest", help="FineTuneJob YAML")
     run.add_argument("--local", action="store_true", help="on the embedded local cluster")
-    run.add_argument("--data-dir", default=None, help="local cluster state (default: temp dir)")
+    run.add_argument(
+        "--data-dir",
+        default=None,
+        help="local cluster state, always kept; the same one again resumes the job from its "
+        "last checkpoint (default: a new .ftjob/run-* in the current directory, or in "
+        "$FTJOB_LOCAL_DIR, removed after a success unless --keep)",
+    )
     run.add_argument(
         "--timeout",
         type=_positive(float),
@@ -274,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="each virtual node's capacity of a resource, over the default 8 cpu, 32Gi memory, "
         "200Gi ephemeral-storage, 110 pods (repeatable), e.g. memory=64Gi",
     )
-    run.add_argument("--keep", action="store_true", help="keep the data dir afterwards")
+    run.add_argument(
+        "--keep", action="store_true", help="keep the default data dir after a success"
+    )
     run.set_defaults(func=_cmd_run)
 
     strag = sub.add_parser(

@@ -102,6 +102,16 @@ def test_invalid_manifest_names_field(
         ("spec.modle", "unknown field (did you mean model?)"),
         ("spec.resources.gpu.memoryGib", "unknown field (did you mean memoryGiB?)"),
         ("spec.training.banana", "unknown field"),  # nothing close: no guess
+        # PEFT's and transformers' names for the same settings
+        ("spec.method.lora.r", "unknown field (did you mean rank?)"),
+        ("spec.method.lora.lora_alpha", "unknown field (did you mean alpha?)"),
+        (
+            "spec.training.per_device_train_batch_size",
+            "unknown field (did you mean microBatchSize?)",
+        ),
+        ("spec.training.max_seq_length", "unknown field (did you mean sequenceLength?)"),
+        ("spec.training.lr", "unknown field (did you mean learningRate?)"),
+        ("spec.resources.r", "unknown field"),  # an alias only where its field is
     ],
 )
 def test_an_unknown_field_names_the_one_it_resembles(field: str, reason: str) -> None:

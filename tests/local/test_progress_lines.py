@@ -82,3 +82,20 @@ def test_summary_says_where_the_checkpoint_and_the_trained_model_are(
     assert f"trained model: {shown_output}\n" in summary
     job["status"]["phase"] = "Failed"  # nothing was exported
     assert "trained model" not in summarize(job, Path("/data/run-1/shared"))
+
+
+def test_a_pod_that_cannot_start_is_shown_while_the_job_waits() -> None:
+    waiting = (
+        'pod quickstart-worker-0 cannot start: CreateContainerConfigError: secret "s3" not found'
+    )
+    tracker = ProgressTracker(started=0.0)
+    ready = {"type": "WorkersReady", "status": "False", "reason": "WorkersNotReady"}
+    starting = _job(phase="Pending", conditions=[{**ready, "message": "0/2 worker pods ready"}])
+    line = tracker.observe(starting, 0.5)
+    assert line is not None and "waiting" not in line  # pods still starting: nothing to say
+    blocked = {
+        **ready,
+        "message": f"0/2 worker pods ready; {waiting}; pod quickstart-worker-1 cannot start: x",
+    }
+    line = tracker.observe(_job(phase="Pending", conditions=[blocked]), 2.5)
+    assert line is not None and line.endswith(f"restarts 0  waiting: {waiting}")

@@ -4,6 +4,7 @@ job failed (no cluster is started here: the cluster part is the end-to-end tests
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,133 @@ def test_an_unusable_cluster_directory_exits_2_naming_it(
     assert len(err.strip().splitlines()) == 1 and not started
 
 
+def test_a_stopped_run_says_how_to_resume_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C keeps the directory, checkpoints and all; running again on it resumes from the
+    newest, but only the --data-dir of the stopped run does that (a fresh one starts over), so
+    the message gives that command, quoted for a path with spaces."""
+
+    def interrupted(*_: object) -> int:
+        raise runner.Stopped(signal.SIGINT)
+
+    monkeypatch.setattr(runner, "_run", interrupted)
+    path = tmp_path / "my job.yaml"
+    path.write_text(QUICKSTART)
+    code = runner.run_local(path, data_dir=tmp_path / "c")
+    assert code == 130
+    err = capsys.readouterr().err
+    assert err.startswith("SIGINT: the local cluster and its pods were stopped; ")
+    assert f"`ftjob run --local --data-dir {tmp_path / 'c'} '{path}'` resumes" in err
+
+
+def test_a_data_dir_in_use_by_another_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs on one --data-dir both ran to 'Succeeded', their pods writing one checkpoint
+    directory and one model: the second is refused while the first holds the directory, and
+    the directory is free again once that run ends."""
+    import fcntl
+
+    started: list[object] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    cluster = tmp_path / "c"
+    cluster.mkdir()
+    with (cluster / runner.LOCK_FILE).open("a+") as other:  # another run holds it
+        other.write("4242\n")
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_EX)
+        assert runner.run_local(EXAMPLES / "quickstart.yaml", data_dir=cluster) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"error: --data-dir {cluster}: another `ftjob run --local` (pid 4242)"
+        )
+        assert not started
+    assert runner.run_local(EXAMPLES / "quickstart.yaml", data_dir=cluster) == 0
+    assert len(started) == 1
+
+
+def test_the_manifests_namespace_is_created_in_the_runs_own_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`metadata.namespace: team-a` was refused ("namespaces 'team-a' not found"): nobody
+    could have created it in a cluster that lives only for the run."""
+    calls: list[tuple[str, Any]] = []
+
+    class Core:
+        def create_namespace(self, body: Any) -> None:
+            calls.append(("namespace", body.metadata.name))
+
+    class Session:
+        data_dir = tmp_path / "cluster"
+        core = Core()
+
+        class cluster:  # attribute access as on LocalSession
+            kubeconfig_path = tmp_path / "cluster" / "kubeconfig"
+
+        def __init__(self, *_: object, namespaces: list[str], **__: object) -> None:
+            calls.append(("watched", namespaces))
+
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            return None
+
+        def submit(self, doc: dict[str, Any]) -> None:
+            calls.append(("job", doc["metadata"]["namespace"]))
+
+        def wait_for(self, *_: object, **__: object) -> None:
+            raise TimeoutError("stop here")
+
+    monkeypatch.setattr(runner, "LocalSession", Session)
+    path = tmp_path / "job.yaml"
+    path.write_text(QUICKSTART.replace("name: quickstart", "name: quickstart\n  namespace: team-a"))
+    assert runner.run_local(path, data_dir=tmp_path / "cluster") == runner.EXIT_TIMEOUT
+    assert calls == [("watched", ["team-a"]), ("namespace", "team-a"), ("job", "team-a")]
+
+
+def test_a_suspended_job_says_how_to_resume_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`spec.suspend: true` waited until --timeout with only 'Suspended' on screen."""
+    suspended = {"metadata": {"name": "quickstart"}, "status": {"phase": "Suspended"}}
+
+    class Session:
+        data_dir = tmp_path / "cluster"
+
+        class cluster:  # attribute access as on LocalSession
+            kubeconfig_path = tmp_path / "cluster" / "kubeconfig"
+
+        def __init__(self, *_: object, **__: object) -> None:
+            pass
+
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            return None
+
+        def submit(self, doc: dict[str, Any]) -> None:
+            pass
+
+        def wait_for(self, name: str, until: Any, *, on_poll: Any, **_: Any) -> None:
+            on_poll(suspended)
+            on_poll(suspended)  # no change: said once
+            raise TimeoutError("stop here")
+
+    monkeypatch.setattr(runner, "LocalSession", Session)
+    code = runner.run_local(EXAMPLES / "quickstart.yaml", data_dir=tmp_path / "cluster",
+                            out=sys.stdout)  # fmt: skip
+    assert code == runner.EXIT_TIMEOUT
+    kubeconfig = tmp_path / "cluster" / "kubeconfig"
+    hint = (
+        f"  spec.suspend is true: kubectl --kubeconfig {kubeconfig} -n default patch ftj "
+        """quickstart --type=merge -p '{"spec":{"suspend":false}}' resumes it"""
+    )
+    assert capsys.readouterr().out.count(hint) == 1
+
+
 def test_a_timeout_shows_the_last_status_seen(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,6 +268,33 @@ def test_a_gpu_job_is_refused_at_once_naming_the_field(
     err = capsys.readouterr().err
     assert code == runner.EXIT_REFUSED and not started
     assert err.startswith("error: spec.resources.device: ") and "no GPUs" in err
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "says"),
+    [
+        # InvalidSpec: a memory size in another notation
+        ("memory: 2Gi", "memory: 16GB", "error: spec.resources.memory: '16GB' is not a Kubernetes"),
+        # InvalidSpec: object storage without credentials
+        ("uri: builtin://quickstart", "uri: s3://bucket/d.jsonl", "error: spec.dataset.uri: "),
+        # PlanInfeasible: a pod too small for its process
+        ("memory: 2Gi", "memory: 100Mi", "error: no configuration fits: Nothing fits in 100.0 MiB"),
+    ],
+    ids=["memory-unit", "s3-without-credentials", "nothing-fits"],
+)
+def test_what_plan_refuses_is_refused_before_a_cluster_starts(
+    old: str, new: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """These started a cluster, which then failed the job (exit 1, pointing at pod logs of
+    pods never made): `ftjob plan` refuses them (exit 2), and so does `run --local`, at once."""
+    started: list[object] = []
+    monkeypatch.setattr(runner, "_run", lambda *args: started.append(args) or 0)
+    path = tmp_path / "job.yaml"
+    path.write_text(QUICKSTART.replace(old, new))
+    assert runner.run_local(path, data_dir=tmp_path / "c") == runner.EXIT_REFUSED
+    assert not started and not (tmp_path / "c").exists()
+    assert capsys.readouterr().err.startswith(says)
 
 
 @pytest.mark.parametrize(

@@ -174,3 +174,19 @@ def test_final_report_resume_fields(report: str, resumed: int | None, skipped: i
 
     p = parse_termination_message(report)
     assert (p.resumed_from_step, p.skipped_checkpoint) == (resumed, skipped)
+
+
+def test_an_epochs_job_gets_its_total_steps_from_the_trainers() -> None:
+    """With `epochs` and no `maxSteps` only the trainer knows the step count (from the data):
+    status.totalSteps stayed unset and `ftjob run --local` said "step 198/?" to the end."""
+    page = RANK0 + (
+        "# TYPE finetune_trainer_total_steps gauge\n"
+        'finetune_trainer_total_steps{finetunejob="qs",rank="0"} 198.0\n'
+    )
+    progress = combine_progress([parse_trainer_metrics(page), parse_trainer_metrics(RANK1)])
+    assert progress.total_steps == 198
+    status = merge_progress(FineTuneJobStatus(), progress, "checkpoints/qs")
+    assert (status.step, status.total_steps) == (43, 198)
+    # maxSteps, written from the spec, is never replaced by a scrape.
+    pinned = merge_progress(FineTuneJobStatus(total_steps=60), progress, "checkpoints/qs")
+    assert pinned.total_steps == 60

@@ -48,6 +48,30 @@ def test_memory_quantities_the_api_server_refuses_are_refused(text: str) -> None
         parse_quantity(text, "spec.resources.memory")
 
 
+@pytest.mark.parametrize(
+    ("text", "hint"),
+    [
+        ("16GB", "did you mean '16Gi' (16 x 2^30 bytes) or '16G' (16 x 10^9)?"),
+        ("16gb", "did you mean '16Gi'"),
+        ("16GiB", "did you mean '16Gi'"),
+        ("1 Gi", "did you mean '1Gi'"),
+        ("512mb", "did you mean '512Mi' (512 x 2^20 bytes) or '512M' (512 x 10^6)?"),
+        ("1K", "did you mean '1Ki' (1 x 2^10 bytes) or '1k' (1 x 10^3)?"),
+    ],
+)
+def test_memory_in_another_notation_is_refused_saying_what_to_write(text: str, hint: str) -> None:
+    with pytest.raises(PlanningError, match="is not a Kubernetes quantity") as caught:
+        parse_quantity(text, "spec.resources.memory")
+    assert hint in str(caught.value)
+
+
+@pytest.mark.parametrize("text", ["thirty", "1.2.3Gi", "1e3Gi", "-2Gi"])
+def test_memory_that_is_no_size_gets_no_guess(text: str) -> None:
+    with pytest.raises(PlanningError) as caught:
+        parse_quantity(text, "spec.resources.memory")
+    assert "did you mean" not in str(caught.value)
+
+
 @pytest.mark.parametrize("text", ["8", "500m", "1.5", "2e3", "+1", "1E", "100n"])
 def test_cpu_quantities_the_api_server_accepts_pass(text: str) -> None:
     check_cpu_quantity(text, "spec.resources.cpu")

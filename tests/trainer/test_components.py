@@ -14,6 +14,7 @@ from prometheus_client import generate_latest
 from finetune_operator.api.constants import BYTE_TOKENIZER_VOCAB
 from finetune_operator.api.spec import DatasetSpec, MethodSpec, StrategySpec
 from finetune_trainer.data import build_dataset, load_records, pack, resolve_uri
+from finetune_trainer.data.records import dataset_files
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model, decoder_layers
@@ -86,6 +87,54 @@ def test_missing_dataset_file_is_refused_not_crashed(fmt: str, tmp_path: Path) -
         build_dataset(spec, build_byte_tokenizer(), 8)
 
 
+def test_missing_relative_dataset_names_the_directory_it_was_read_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative uri is read in the pod's working directory (`ftjob run --local`: its
+    cluster's shared/), not where the user ran ftjob: the error says which directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedConfigError) as caught:
+        dataset_files(DatasetSpec(uri="data/mine.jsonl"))
+    assert str(caught.value) == (
+        f"dataset.uri 'data/mine.jsonl': no such file in the working directory {tmp_path}: "
+        "use an absolute path on a volume of spec.storage"
+    )
+
+
+def test_a_dataset_directory_reads_its_files_of_the_format(tmp_path: Path) -> None:
+    """dataset.uri may be a directory (the reference says so): it was opened as a file, an
+    IsADirectoryError that torchrun restarted until the budget ran out."""
+    corpus = tmp_path / "my corpus"
+    corpus.mkdir()
+    (corpus / "b.jsonl").write_text('{"text": "second"}\n')
+    (corpus / "a.jsonl").write_text('{"text": "first"}\n')
+    (corpus / "notes.txt").write_text("not data")
+    records = load_records(DatasetSpec(uri=str(corpus)))
+    assert records.column("text") == ["first", "second"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UnsupportedConfigError) as caught:
+        load_records(DatasetSpec(uri=str(tmp_path / "empty")))
+    assert str(caught.value).endswith(
+        f"is a directory with no *.jsonl file in it: name the files (e.g. "
+        f"'{tmp_path / 'empty' / '*.jsonl'}') or set dataset.format"
+    )
+
+
+@pytest.mark.parametrize("source", ["pvc", "uri"])
+def test_a_missing_model_directory_is_refused_naming_the_field(source: str, tmp_path: Path) -> None:
+    """The tokenizer is read before the model: for a path that is not there it raised
+    transformers' "Repo id must be in the form 'namespace/repo_name'", which torchrun restarted
+    until the budget ran out (BackoffLimitExceeded, 30 s, naming no field)."""
+    from finetune_operator.api.spec import ModelSpec
+    from finetune_trainer.tokenizer import build_tokenizer
+
+    missing = tmp_path / "models" / "nope"
+    spec = ModelSpec(name="tiny", source=source, path=str(missing))
+    with pytest.raises(UnsupportedConfigError) as caught:
+        build_tokenizer(spec)
+    assert str(caught.value).startswith(f"spec.model.path '{missing}': no such directory")
+
+
 def test_jsonl_files_read_as_written_with_missing_columns_none(tmp_path: Path) -> None:
     """Read without `datasets`, as `datasets` 4 gives them: every column on every row (None
     where a row lacks it), nested values as written, files of a glob in name order."""
@@ -110,6 +159,16 @@ def test_jsonl_line_that_is_no_record_is_refused_naming_it(
     (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
     with pytest.raises(UnsupportedConfigError, match=rf"dataset.uri .*d.jsonl line 2 {why}"):
         load_records(DatasetSpec(uri=str(tmp_path / "d.jsonl")))
+
+
+def test_jsonl_bad_line_error_says_where_on_the_line_and_what_to_do(tmp_path: Path) -> None:
+    # json's own message for a raw newline in a string is "Invalid control character at",
+    # which names no place: the error adds the column and the remedy.
+    (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n{"text": "broken\tline"}\n')
+    with pytest.raises(UnsupportedConfigError) as caught:
+        load_records(DatasetSpec(uri=str(tmp_path / "d.jsonl")))
+    assert "line 2 is not JSON (Invalid control character at column 17)" in str(caught.value)
+    assert "fix or remove that line" in str(caught.value)
 
 
 def test_parquet_records(tmp_path: Path) -> None:

@@ -65,6 +65,14 @@ def build_tokenizer(
     where = (
         model_files(remote, weights_field(spec), cache_dir) if remote else spec.weights_location()
     )
+    if not remote and spec.source != "hub":
+        from finetune_trainer.model import weights_dir
+
+        # The tokenizer is read first: a missing model directory was transformers' "Repo id
+        # must be in the form 'namespace/repo_name'" (it took the path for a hub id), a crash
+        # torchrun restarted maxRestarts times; refused here naming the field, as the model's
+        # own read would.
+        where = weights_dir(spec)
     # A hub model's tokenizer files are a download; the start-up barrier judges its progress.
     with downloading(spec.name) if spec.source == "hub" else phase("tokenizer"):
         tok = AutoTokenizer.from_pretrained(where, revision=spec.revision)

@@ -133,6 +133,25 @@ def _metadata_problems(metadata: Any) -> list[tuple[str, str]]:
     return problems
 
 
+# The names PEFT's LoraConfig and transformers' TrainingArguments give the same settings
+# (lower-case, without underscores): a user coming from them writes these, and no spelling
+# distance leads from `r` to `rank` or from `per_device_train_batch_size` to `microBatchSize`.
+_ALIASES: dict[str, str] = {
+    "r": "rank",
+    "loraalpha": "alpha",
+    "loradropout": "dropout",
+    "lr": "learningRate",
+    "perdevicetrainbatchsize": "microBatchSize",
+    "maxseqlength": "sequenceLength",
+    "maxseqlen": "sequenceLength",
+    "maxlength": "sequenceLength",
+    "numtrainepochs": "epochs",
+    "lrschedulertype": "schedule",
+    "torchdtype": "precision",
+    "mixedprecision": "precision",
+}
+
+
 def _did_you_mean(path: str, schema: dict[str, Any]) -> str:
     """' (did you mean sequenceLength?)' for a key that is a misspelling, another case or the
     snake_case of a field beside it; '' when none is close. (kubectl names the field only.)"""
@@ -147,7 +166,11 @@ def _did_you_mean(path: str, schema: dict[str, Any]) -> str:
             return ""
     names = {name.lower(): name for name in node.get("properties", {})}
     last = parts[-1] if parts and not path.endswith(".") else ""  # a key "" ends in "."
-    close = difflib.get_close_matches(last.replace("_", "").lower(), list(names), n=1, cutoff=0.75)
+    key = last.replace("_", "").lower()
+    alias = _ALIASES.get(key)
+    if alias and alias.lower() in names:  # an HF/PEFT name of a field this mapping has
+        return f" (did you mean {alias}?)"
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.75)
     # The path is read back from text: a key with a point in it ("training.sequenceLength:"
     # under spec) reads as a path whose last part is a real field; naming it back would be no
     # help, and "" would suggest the mapping's own name.

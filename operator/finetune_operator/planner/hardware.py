@@ -132,11 +132,35 @@ MAX_QUANTITY_BYTES = (1 << 63) - 1
 _UNITS: dict[str, float] = {**UNITS, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
+# What people write for a memory size that Kubernetes spells otherwise: "16GB", "16gb", "16GiB",
+# "16 Gi", "1K" (one number, one size prefix, an optional "i" and "B").
+_UNIT_SLIP = re.compile(
+    r"^\s*(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(?P<prefix>[kmgtpe])(?:i?b|i)?\s*$", re.I
+)
+
+
+def _unit_hint(text: str) -> str:
+    """'; did you mean '16Gi' (...) or '16G'?' for a memory size in another notation: the
+    refusal then says what to write, not only that it is wrong."""
+    slip = _UNIT_SLIP.match(text)
+    if not slip:
+        return ""
+    number, prefix = slip["number"], slip["prefix"].upper()
+    power = "KMGTPE".index(prefix) + 1
+    decimal = "k" if prefix == "K" else prefix  # Kubernetes' decimal kilo is lower-case only
+    return (
+        f"; did you mean '{number}{prefix}i' ({number} x 2^{10 * power} bytes) or "
+        f"'{number}{decimal}' ({number} x 10^{3 * power})?"
+    )
+
+
 def parse_quantity(text: str, field: str) -> int:
     """A Kubernetes memory quantity ('2Gi', '512M', '1e9') in bytes."""
     match = _QUANTITY.match(text)
     if not match:
-        raise PlanningError(field, f"{text!r} is not a Kubernetes quantity such as 2Gi")
+        raise PlanningError(
+            field, f"{text!r} is not a Kubernetes quantity such as 2Gi{_unit_hint(text)}"
+        )
     number, exponent, suffix = match.group("number", "exponent", "suffix")
     value = float(number + (exponent or "")) * _UNITS[suffix or ""]
     if not value <= MAX_QUANTITY_BYTES:  # also infinity ("1e999")

@@ -31,6 +31,8 @@ RESUMED = mn.TRAINER_RESUMED_FROM_STEP.name
 MAX_SKIPPED = 10  # status keeps the newest few
 SKIPPED = mn.TRAINER_SKIPPED_CHECKPOINT_STEP.name
 TOKENS = mn.TRAINER_TOKENS.name
+# The trainer's own count: with `epochs` instead of `maxSteps` only it knows (from the data).
+TOTAL = mn.TRAINER_TOTAL_STEPS.name
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class TrainerProgress:
     checkpoint_failed_step: int | None = None
     resumed_from_step: int | None = None  # where the running trainers started (0: fresh)
     skipped_checkpoint: int | None = None  # newest checkpoint they found unusable
+    total_steps: int | None = None
 
 
 def scrape_targets(pods: Sequence[PodView], processes_per_pod: int) -> list[ScrapeTarget]:
@@ -81,7 +84,7 @@ def _max(a: Num | None, b: Num | None) -> Num | None:
 
 # The gauges whose highest value over the ranks is the job's.
 _HIGHEST = frozenset(
-    {STEP, CKPT_STEP, CKPT_TIME, CKPT_FAILURES, CKPT_FAILED_STEP, RESUMED, SKIPPED}
+    {STEP, CKPT_STEP, CKPT_TIME, CKPT_FAILURES, CKPT_FAILED_STEP, RESUMED, SKIPPED, TOTAL}
 )
 
 
@@ -110,7 +113,7 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         loss = loss_rank = None
     step, ckpt_step, ckpt_time = top.get(STEP), top.get(CKPT_STEP), top.get(CKPT_TIME)
     failures, failed_step = top.get(CKPT_FAILURES), top.get(CKPT_FAILED_STEP)
-    resumed, skipped = top.get(RESUMED), top.get(SKIPPED)
+    resumed, skipped, total = top.get(RESUMED), top.get(SKIPPED), top.get(TOTAL)
     return TrainerProgress(
         step=int(step) if step is not None else None,
         loss=loss,
@@ -121,6 +124,7 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         checkpoint_failures=int(failures) if failures is not None else None,
         checkpoint_failed_step=int(failed_step) if failed_step else None,
         resumed_from_step=int(resumed) if resumed is not None and resumed >= 0 else None,
+        total_steps=int(total) if total is not None and total > 0 else None,
         skipped_checkpoint=int(skipped) if skipped else None,
     )
 
@@ -194,6 +198,7 @@ def combine_progress(parts: Iterable[TrainerProgress]) -> TrainerProgress:
             checkpoint_failed_step=_max(out.checkpoint_failed_step, p.checkpoint_failed_step),
             resumed_from_step=_max(out.resumed_from_step, p.resumed_from_step),
             skipped_checkpoint=_max(out.skipped_checkpoint, p.skipped_checkpoint),
+            total_steps=_max(out.total_steps, p.total_steps),
         )
     return out
 
@@ -205,6 +210,10 @@ def merge_progress(
     update: dict[str, object] = {}
     if progress.step is not None:
         update["step"] = progress.step
+    if progress.total_steps is not None and status.total_steps is None:
+        # An `epochs` job: its status said "step 198/?" to the end (maxSteps, when set, is
+        # written from the spec and stays).
+        update["total_steps"] = progress.total_steps
     if progress.loss is not None and math.isfinite(progress.loss):
         update["loss"] = progress.loss
     if progress.checkpoint_step is not None:

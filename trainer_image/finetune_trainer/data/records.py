@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import itertools
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,8 +60,30 @@ def dataset_files(spec: DatasetSpec) -> list[str]:
     paths = sorted(glob.glob(path))
     if not paths:
         where = "" if path == spec.uri else f" ({path})"
+        if not os.path.isabs(path):
+            # Read in the pod's working directory, not where the user ran kubectl or ftjob
+            # (`ftjob run --local`: <its dir>/shared): say which, and what works everywhere.
+            where += (
+                f" in the working directory {os.getcwd()}: use an absolute path on a volume of "
+                "spec.storage"
+            )
         raise UnsupportedConfigError(f"dataset.uri {spec.uri!r}: no such file{where}")
-    return paths
+    # A directory (the reference allows one) is read as its *.<format> files: opened as a
+    # file it was an IsADirectoryError, a crash torchrun restarted in vain.
+    files: list[str] = []
+    for found in paths:
+        if not os.path.isdir(found):
+            files.append(found)
+            continue
+        inside = sorted(glob.glob(os.path.join(glob.escape(found), f"*.{spec.format}")))
+        if not inside:
+            raise UnsupportedConfigError(
+                f"dataset.uri {spec.uri!r}: {found} is a directory with no *.{spec.format} "
+                f"file in it: name the files (e.g. '{os.path.join(found, '*.' + spec.format)}') "
+                "or set dataset.format"
+            )
+        files += inside
+    return files
 
 
 @dataclass(frozen=True)
@@ -101,7 +124,10 @@ def _jsonl_rows(uri: str, paths: list[str]) -> Iterator[dict[str, Any]]:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise UnsupportedConfigError(
-                        f"dataset.uri {uri!r}: {path} line {n} is not JSON ({e.msg})"
+                        # json's msg ("Invalid control character at") names no place:
+                        # the column does, and the user is told what to do with the line.
+                        f"dataset.uri {uri!r}: {path} line {n} is not JSON ({e.msg} column "
+                        f"{e.colno}); fix or remove that line (one JSON object per line)"
                     ) from None
                 if not isinstance(row, dict):
                     raise UnsupportedConfigError(
