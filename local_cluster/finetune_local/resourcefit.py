@@ -15,7 +15,7 @@ limit as its request at admission (:func:`finetune_local.apiadmission.default_re
 Kubernetes does. cpu is counted in millicores, every other resource in whole units (bytes for
 memory and ephemeral-storage), each rounded up as Kubernetes rounds a quantity.
 
-A node fits when, for cpu, memory, ephemeral-storage and every other resource the pod requests,
+A node fits when, for every resource the pod requests (more than zero of),
 its ``status.allocatable`` is at least what its pods that still hold resources (bound and not
 Succeeded or Failed) request plus this pod's request; and it has room for one more pod under
 ``allocatable.pods``. A pod that requests nothing needs only the pod slot. A resource the node
@@ -137,11 +137,12 @@ def insufficient(
     used: Requests = {}
     for other in placed:
         used = _add(used, pod_requests(other))
-    # cpu, memory and ephemeral-storage are checked even when the pod asks for none of one (a
-    # node already over it fits nothing more); other resources only when requested.
+    # Only what the pod requests is checked, as kube-scheduler's fitsRequest does (its
+    # `podRequest.MilliCPU > 0 && ...`): a pod asking no cpu fits a node whose cpu is already
+    # over-committed (pods bound by nodeName, an allocatable that shrank).
     basic = ("cpu", "memory", "ephemeral-storage")
     for name in [*basic, *sorted(r for r in wanted if r not in basic)]:
         free = amount(name, allocatable.get(name, 0)) - used.get(name, 0)
-        if wanted.get(name, 0) > free:
+        if wanted.get(name, 0) > 0 and wanted[name] > free:
             reasons.append(f"Insufficient {name}")
     return reasons

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from finetune_local.nodes import DEFAULT_CAPACITY, node_allocatable
 from finetune_local.resourcefit import amount, parse_quantity
 from finetune_operator.api.spec import FineTuneJobSpec
+from finetune_operator.reconcile.unschedulable import ACCELERATOR_FIELD, REQUEST_FIELDS
+from finetune_operator.resources.worker import pod_resources
 
 
 class NodeCapacityError(ValueError):
@@ -25,14 +27,14 @@ def check_node_capacity(capacity: Mapping[str, str]) -> None:
 
 
 def worker_requests(spec: FineTuneJobSpec) -> dict[str, tuple[str, str]]:
-    """What each worker pod of a CPU job requests, with the spec field behind it, as the
-    operator builds it (resources/worker.py: worker_resources)."""
-    wanted = {"ephemeral-storage": (spec.dataset.cache_size_limit, "spec.dataset.cacheSizeLimit")}
-    if spec.resources.cpu:
-        wanted["cpu"] = (str(spec.resources.cpu), "spec.resources.cpu")
-    if spec.resources.memory:
-        wanted["memory"] = (str(spec.resources.memory), "spec.resources.memory")
-    return wanted
+    """What each worker pod of a CPU job requests, with the spec field behind it: the
+    operator's own `pod_resources` (what it sends the scheduler) and the fields its
+    unschedulable hint names, so the refusal here and the job's status never disagree."""
+    requests = pod_resources(spec, gpus_per_node=1).get("requests", {})
+    return {
+        name: (value, REQUEST_FIELDS.get(name, ACCELERATOR_FIELD))
+        for name, value in requests.items()
+    }
 
 
 def _readable(name: str, value: str) -> str:

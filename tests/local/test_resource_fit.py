@@ -197,3 +197,15 @@ def test_qos_class(resources: dict[str, Any], qos: str) -> None:
     spec = {"containers": [{"name": "c", "resources": resources}]}
     default_requests(spec)
     assert qos_class(spec) == qos
+
+
+def test_a_resource_the_pod_does_not_request_is_not_checked_on_an_overcommitted_node() -> None:
+    """kube-scheduler's fitsRequest checks cpu, memory and ephemeral-storage only when the pod
+    requests more than zero of each: a node whose cpu is already over-committed (a pod bound
+    by nodeName, an allocatable that shrank) still takes a pod that asks for memory only."""
+    node = {"cpu": "1", "memory": "4Gi", "pods": "10"}
+    over = [_pod(_container({"cpu": "2"}), name="bound-by-name")]
+    assert insufficient(_pod(_container({"memory": "1Gi"})), node, over) == []
+    assert insufficient(_pod(_container({"cpu": "1m", "memory": "1Gi"})), node, over) == [
+        "Insufficient cpu"
+    ]

@@ -421,3 +421,26 @@ def test_node_capacity_reaches_the_cluster(
     with pytest.raises(SystemExit):
         main([*argv, "--node-capacity", "memory"])
     assert "expected RESOURCE=QUANTITY" in capsys.readouterr().err
+
+
+def test_the_early_refusal_reads_the_operators_worker_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal does not re-derive a worker's requests: a request the operator adds to
+    its worker pods (here a made-up one no node advertises) is one the refusal names."""
+    from finetune_local import runfit
+    from finetune_operator.resources import worker
+
+    def with_extra(spec: Any, gpus_per_node: int) -> dict[str, dict[str, str]]:
+        out = worker.pod_resources(spec, gpus_per_node)
+        out["requests"]["example.com/widget"] = "1"
+        return out
+
+    monkeypatch.setattr(runfit, "pod_resources", with_extra)
+    monkeypatch.setattr(runner, "_run", lambda *args: 0)
+    path = tmp_path / "job.yaml"
+    path.write_text(QUICKSTART)
+    code = main(["run", "--local", str(path), "--data-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert code == runner.EXIT_REFUSED
+    assert "example.com/widget 1 (spec.resources.gpusPerNode)" in err

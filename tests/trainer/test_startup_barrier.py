@@ -358,6 +358,35 @@ def test_a_rank_that_never_beat_costs_a_request_per_read_not_one_per_rank(
     assert counting.requests <= 3  # then: the missing key looked for, the others read in one
 
 
+def test_a_probe_that_raises_does_not_stop_the_beat(store: TCPStore) -> None:
+    """A phase's probe failing with something other than an OSError (an import missing, a
+    helper renamed) reads as no progress from the probe; it must not end the beat thread,
+    or the peers would fail a rank that works, as lost, after the stale time."""
+
+    def broken() -> int:
+        raise ImportError("cannot import name 'repo_folder_name'")
+
+    early = Rank(store, 0, 2, stale_after=0.5).start()
+    late = Rank(client(store), 1, 2, stale_after=0.5).start()
+    with late.progress.phase("hub download", broken):  # its beat thread samples it
+        waited: list[float] = []
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                waited.append(early.arrive(limit=30.0))
+            except CollectiveTimeoutError as e:
+                failed.append(e)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        threading.Event().wait(1.2)  # over twice the stale time, progressing by `advance`
+        assert not failed, failed
+        late.arrive(limit=30.0)
+    t.join(10)
+    assert waited and not failed and not late.ended
+
+
 def test_a_peer_that_stops_beating_is_a_lost_peer(store: TCPStore) -> None:
     early = Rank(store, 0, 2, stale_after=0.5).start()
     dead = Rank(client(store), 1, 2, stale_after=0.5).start()

@@ -38,7 +38,9 @@ never compared, only what they published):
   in large steps) is stuck: a hung download socket, a deadlocked tokenizer worker, an NFS
   mount that blocks. Its own beat thread sees it first (the same count, its own clock) and
   ends its process with a `StartupStalledError` in its error file, naming the phase and where
-  its main thread is: its pod fails for a cause of its own, and is restarted for it. Its
+  its main thread is: the failure is its own (not a lost peer's), and torchrun restarts the
+  group in place, on the same nodes, as for any rank's failure (one restart of
+  `--max-restarts`; the pod fails only once those are spent). Its
   peers wait two heartbeats longer (its last beat reaches them up to one later) and then fail
   as for a lost peer, naming it, its phase and its last progress. (A hang that holds the GIL
   stops the beat thread too: that rank reads as lost, after the same startup timeout.)
@@ -215,7 +217,7 @@ class StartupBarrier:
                     f"rank {self.rank} made no start-up progress for {limit:.0f}s in phase "
                     f"{sample.phase!r} (progress count {sample.progress}; main thread "
                     f"{_main_thread_at()}): stuck (a download, a read or a worker that never "
-                    "returns); this rank ends so that its pod restarts"
+                    "returns); this rank ends so that torchrun restarts the group"
                 ))  # fmt: skip
                 return
 

@@ -17,11 +17,14 @@ the barrier. No torch here: the data modules import it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 Probe = Callable[[], int]
 
@@ -66,6 +69,7 @@ class StartupProgress:
         self._lock = threading.Lock()
         self._probed = 0
         self._echo: Path | None = None
+        self._probe_failed = False
 
     def advance(self, amount: int = 1) -> None:
         """Work was done (records tokenized, another pod's build advanced)."""
@@ -102,11 +106,20 @@ class StartupProgress:
 
     def sample(self) -> Sample:
         """Now (called from the beat thread). A probe that fails reads as its last value:
-        no progress, never an error in the beat thread."""
+        no progress, never an error in the beat thread. Whatever it raises: an exception
+        escaping here would end the beat thread, and the peers would read a rank that is
+        working as a lost one (and it would no longer judge itself stuck)."""
         name, probe, extra_s = self._phase
         if probe is not None:
-            with contextlib.suppress(OSError):
+            try:
                 self._probed = probe()
+            except OSError:
+                pass  # the directory went away, a file vanished: no progress this time
+            except Exception as e:  # a probe's own bug (an import, a renamed helper)
+                if not self._probe_failed:
+                    log.warning("start-up progress probe of phase %r failed (%r): its "
+                                "progress reads as its last value", name, e)  # fmt: skip
+                    self._probe_failed = True
         else:
             self._probed = 0
         return Sample(name, self._count + self._probed, extra_s)

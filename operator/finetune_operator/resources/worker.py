@@ -142,12 +142,19 @@ def object_store_env(spec: FineTuneJobSpec) -> list[dict[str, Any]]:
 
 
 def worker_resources(spec: FineTuneJobSpec, plan: Plan) -> dict[str, dict[str, str]]:
+    """The worker container's requests and limits (`pod_resources` for the plan's GPUs)."""
+    return pod_resources(spec, plan.gpus_per_node)
+
+
+def pod_resources(spec: FineTuneJobSpec, gpus_per_node: int) -> dict[str, dict[str, str]]:
+    """A worker container's requests and limits with `gpus_per_node` accelerators (unused
+    on cpu): what the scheduler places it by. `ftjob run --local` refuses early from it."""
     res = spec.resources
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if res.device != "cpu":
         # Extended resources must have requests == limits.
-        requests[res.gpu.resource_name] = limits[res.gpu.resource_name] = str(plan.gpus_per_node)
+        requests[res.gpu.resource_name] = limits[res.gpu.resource_name] = str(gpus_per_node)
     if res.cpu:
         # A request without a limit: CFS throttling would slow data loading and NCCL progress
         # threads and manufacture exactly the stragglers we try to detect.
