@@ -56,6 +56,7 @@ beaten yet.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -309,15 +310,28 @@ def _main_thread_at() -> str:
     return f"at {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
+# How long a stuck rank's exit may take its logging and flushing before it is forced.
+STUCK_EXIT_GRACE_S = 10.0
+
+
 def end_stuck_rank(error: StartupStalledError) -> None:
     """End this process with `error` in its error file (torchrun reports it as this rank's
     failure). From the beat thread: the main thread is the one that is stuck, so raising
-    there is impossible; `exit_process` does not wait for it."""
-    log.error("start-up: %s", error)
+    there is impossible; `exit_process` does not wait for it.
+
+    The stuck main thread may hold a lock this path needs: a logging handler's, blocked
+    writing to a full stderr pipe or a hung log volume (logging and `exit_process`'s flush
+    would wait on it forever, and the peers would call this rank lost, not stuck). So the
+    error file is written first, and a timer ends the process `STUCK_EXIT_GRACE_S` later
+    whatever the rest does."""
+    watchdog = threading.Timer(STUCK_EXIT_GRACE_S, os._exit, args=(1,))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         raise error
     except StartupStalledError as e:  # recorded with a traceback, as `record` would
         record_exception(e)
+    log.error("start-up: %s", error)
     exit_process(1)
 
 
