@@ -19,6 +19,37 @@ from tests.conftest import EXAMPLES
 QUICKSTART = (EXAMPLES / "quickstart.yaml").read_text()
 
 
+def stand_in_session(tmp_path: Path, polls: list[dict[str, Any]], error: str = "stop here") -> type:
+    """A stand-in for LocalSession (what is under test is the runner's report, not the
+    cluster): its wait shows the runner `polls`, then times out with `error` (`{name}`: the
+    job's name)."""
+
+    class Session:
+        data_dir = tmp_path / "cluster"
+
+        class cluster:  # attribute access as on LocalSession
+            kubeconfig_path = tmp_path / "cluster" / "kubeconfig"
+
+        def __init__(self, *_: object, **__: object) -> None:
+            pass
+
+        def __enter__(self) -> Session:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            return None
+
+        def submit(self, doc: dict[str, Any]) -> None:
+            pass
+
+        def wait_for(self, name: str, until: Any, *, on_poll: Any, **_: Any) -> None:
+            for status in polls:
+                on_poll(status)
+            raise TimeoutError(error.format(name=name))
+
+    return Session
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -173,30 +204,8 @@ def test_a_suspended_job_says_how_to_resume_it(
     """`spec.suspend: true` waited until --timeout with only 'Suspended' on screen."""
     suspended = {"metadata": {"name": "quickstart"}, "status": {"phase": "Suspended"}}
 
-    class Session:
-        data_dir = tmp_path / "cluster"
-
-        class cluster:  # attribute access as on LocalSession
-            kubeconfig_path = tmp_path / "cluster" / "kubeconfig"
-
-        def __init__(self, *_: object, **__: object) -> None:
-            pass
-
-        def __enter__(self) -> Session:
-            return self
-
-        def __exit__(self, *_: object) -> None:
-            return None
-
-        def submit(self, doc: dict[str, Any]) -> None:
-            pass
-
-        def wait_for(self, name: str, until: Any, *, on_poll: Any, **_: Any) -> None:
-            on_poll(suspended)
-            on_poll(suspended)  # no change: said once
-            raise TimeoutError("stop here")
-
-    monkeypatch.setattr(runner, "LocalSession", Session)
+    # The same status twice (no change): said once.
+    monkeypatch.setattr(runner, "LocalSession", stand_in_session(tmp_path, [suspended] * 2))
     code = runner.run_local(EXAMPLES / "quickstart.yaml", data_dir=tmp_path / "cluster",
                             out=sys.stdout)  # fmt: skip
     assert code == runner.EXIT_TIMEOUT
@@ -225,29 +234,8 @@ def test_a_timeout_shows_the_last_status_seen(
         },
     }  # fmt: skip
 
-    class Session:
-        data_dir = tmp_path / "cluster"
-
-        class cluster:  # attribute access as on LocalSession
-            kubeconfig_path = tmp_path / "cluster" / "kubeconfig"
-
-        def __init__(self, *_: object, **__: object) -> None:
-            pass
-
-        def __enter__(self) -> Session:
-            return self
-
-        def __exit__(self, *_: object) -> None:
-            return None
-
-        def submit(self, doc: dict[str, Any]) -> None:
-            pass
-
-        def wait_for(self, name: str, until: Any, *, on_poll: Any, **_: Any) -> None:
-            on_poll(pending)
-            raise TimeoutError(f"default/{name}: condition not reached in 60 s")
-
-    monkeypatch.setattr(runner, "LocalSession", Session)
+    session = stand_in_session(tmp_path, [pending], "default/{name}: condition not reached in 60 s")
+    monkeypatch.setattr(runner, "LocalSession", session)
     code = runner.run_local(EXAMPLES / "quickstart.yaml", data_dir=tmp_path / "cluster",
                             timeout_seconds=60, out=sys.stdout)  # fmt: skip
     out = capsys.readouterr()
