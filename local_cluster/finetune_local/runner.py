@@ -290,11 +290,46 @@ def _run(
             )
         # A failed job's logs are what the user needs next: never removed.
         kept = keep or failed
+        # The trained model a successful run names is what it was run for: never removed.
+        model = None if kept else trained_model_inside(job, session.data_dir)
         print(
             f"cluster state, pod logs and checkpoints: {session.data_dir}"
             + ("" if kept else " (removed now; --keep keeps them)"),
             file=out,
         )
+        if model is not None:
+            print(f"trained model kept: {model}", file=out)
     if not kept:
-        shutil.rmtree(session.data_dir, ignore_errors=True)
+        remove_all_but(session.data_dir, model)
     return EXIT_SUCCEEDED if phase_of(job) == "Succeeded" else EXIT_FAILED
+
+
+def trained_model_inside(job: dict[str, Any], data_dir: Path) -> Path | None:
+    """Where a Succeeded job's exported model is, when the run's directory holds it (a
+    relative `spec.output.uri` resolves in the pods' working directory, `<dir>/shared`);
+    None for an object store, a path elsewhere, or no model written."""
+    uri = (job.get("spec", {}).get("output") or {}).get("uri")
+    if phase_of(job) != "Succeeded" or not uri or "://" in str(uri):
+        return None
+    path = (data_dir / "shared" / str(uri)).resolve()  # an absolute uri replaces the base
+    root = data_dir.resolve()
+    if path == root or not path.is_relative_to(root) or not path.exists():
+        return None
+    return path
+
+
+def remove_all_but(root: Path, keep: Path | None) -> None:
+    """Remove `root`, or, with `keep` (a path inside it), everything in it but `keep`."""
+    if keep is None:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    here = root.resolve()
+    for part in keep.relative_to(here).parts:
+        for child in here.iterdir():
+            if child.name == part:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+        here = here / part

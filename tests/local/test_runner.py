@@ -19,10 +19,15 @@ from tests.conftest import EXAMPLES
 QUICKSTART = (EXAMPLES / "quickstart.yaml").read_text()
 
 
-def stand_in_session(tmp_path: Path, polls: list[dict[str, Any]], error: str = "stop here") -> type:
+def stand_in_session(
+    tmp_path: Path,
+    polls: list[dict[str, Any]],
+    error: str = "stop here",
+    finished: dict[str, Any] | None = None,
+) -> type:
     """A stand-in for LocalSession (what is under test is the runner's report, not the
-    cluster): its wait shows the runner `polls`, then times out with `error` (`{name}`: the
-    job's name)."""
+    cluster): its wait shows the runner `polls`, then returns `finished` or, without one,
+    times out with `error` (`{name}`: the job's name)."""
 
     class Session:
         data_dir = tmp_path / "cluster"
@@ -30,8 +35,9 @@ def stand_in_session(tmp_path: Path, polls: list[dict[str, Any]], error: str = "
         class cluster:  # attribute access as on LocalSession
             kubeconfig_path = tmp_path / "cluster" / "kubeconfig"
 
-        def __init__(self, *_: object, **__: object) -> None:
-            pass
+        def __init__(self, data_dir: Path | None = None, *_: object, **__: object) -> None:
+            if data_dir is not None:
+                self.data_dir = data_dir
 
         def __enter__(self) -> Session:
             return self
@@ -42,10 +48,12 @@ def stand_in_session(tmp_path: Path, polls: list[dict[str, Any]], error: str = "
         def submit(self, doc: dict[str, Any]) -> None:
             pass
 
-        def wait_for(self, name: str, until: Any, *, on_poll: Any, **_: Any) -> None:
+        def wait_for(self, name: str, until: Any, *, on_poll: Any, **_: Any) -> dict[str, Any]:
             for status in polls:
                 on_poll(status)
-            raise TimeoutError(error.format(name=name))
+            if finished is None:
+                raise TimeoutError(error.format(name=name))
+            return finished
 
     return Session
 
@@ -432,3 +440,48 @@ def test_the_early_refusal_reads_the_operators_worker_requests(
     err = capsys.readouterr().err
     assert code == runner.EXIT_REFUSED
     assert "example.com/widget 1 (spec.resources.gpusPerNode)" in err
+
+
+def test_a_default_run_that_succeeded_keeps_the_trained_model_it_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The summary named the trained model, then the run deleted it with its directory: a new
+    user's quickstart ended with nothing to show. Now the rest goes, the model stays."""
+    monkeypatch.setenv("FTJOB_LOCAL_DIR", str(tmp_path / "runs"))
+    job = yaml.safe_load(QUICKSTART)
+    job["status"] = {"phase": "Succeeded"}
+    uri = job["spec"]["output"]["uri"]
+    made: list[Path] = []
+
+    def session(data_dir: Path, **kwargs: Any) -> Any:
+        made.append(data_dir)
+        (data_dir / "shared" / uri).mkdir(parents=True)
+        (data_dir / "shared" / uri / "model.safetensors").write_bytes(b"weights")
+        (data_dir / "shared" / "checkpoints" / "step-60").mkdir(parents=True)
+        (data_dir / "pods").mkdir()
+        (data_dir / "kubeconfig").write_text("")
+        return stand_in_session(tmp_path, [], finished=job)(data_dir, **kwargs)
+
+    monkeypatch.setattr(runner, "LocalSession", session)
+    assert runner.run_local(EXAMPLES / "quickstart.yaml", out=sys.stdout) == runner.EXIT_SUCCEEDED
+    (run,) = made
+    model = (run / "shared" / uri).resolve()
+    assert f"trained model kept: {model}" in capsys.readouterr().out
+    assert (model / "model.safetensors").read_bytes() == b"weights"
+    # Nothing else is left: no checkpoints, pod logs, kubeconfig or lock file.
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    assert uri == "output/quickstart"
+    assert left == ["shared", "shared/output", "shared/output/quickstart",
+                    "shared/output/quickstart/model.safetensors"]  # fmt: skip
+
+
+def test_trained_model_inside_only_a_succeeded_jobs_local_model_in_the_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "shared" / "out").mkdir(parents=True)
+    job: dict[str, Any] = {"spec": {"output": {"uri": "out"}}, "status": {"phase": "Succeeded"}}
+    assert runner.trained_model_inside(job, run) == (run / "shared" / "out").resolve()
+    for output, phase in [("out", "Failed"), ("s3://b/out", "Succeeded"),
+                          (str(tmp_path), "Succeeded"), ("missing", "Succeeded"),
+                          ("../..", "Succeeded")]:  # fmt: skip
+        job = {"spec": {"output": {"uri": output}}, "status": {"phase": phase}}
+        assert runner.trained_model_inside(job, run) is None, output
