@@ -222,29 +222,25 @@ def planner_states(cfg: Config) -> dict[str, int]:
     from finetune_operator.planner.zero import zero_states
 
     shape = shape_of(ModelArchitecture.model_validate(MODELS[cfg.model]))
-    est = estimate_memory(
-        shape,
-        TrainingShape(micro_batch_size=1, seq_len=SEQ, precision=cfg.precision),  # type: ignore[arg-type]
-        Candidate(
-            f"zero{cfg.stage}",  # type: ignore[arg-type]
-            world_size=cfg.world,
-            offload=cfg.planner_offload,  # type: ignore[arg-type]
-        ),
-    )
+
+    def estimate(cuda: bool) -> Any:
+        return estimate_memory(
+            shape,
+            TrainingShape(micro_batch_size=1, seq_len=SEQ, precision=cfg.precision),  # type: ignore[arg-type]
+            Candidate(
+                f"zero{cfg.stage}",  # type: ignore[arg-type]
+                world_size=cfg.world,
+                offload=cfg.planner_offload,  # type: ignore[arg-type]
+                cuda=cuda,
+            ),
+        )
+
+    est = estimate(cuda=True)
     b = est.breakdown
     # The same job on CPU (DS_ACCELERATOR=cpu, what this bench runs): the device total (its
     # transients and the process runtime included) and the offloaded host buffers share the
     # process's RAM (planner.search.evaluate adds them).
-    cpu = estimate_memory(
-        shape,
-        TrainingShape(micro_batch_size=1, seq_len=SEQ, precision=cfg.precision),  # type: ignore[arg-type]
-        Candidate(
-            f"zero{cfg.stage}",  # type: ignore[arg-type]
-            world_size=cfg.world,
-            offload=cfg.planner_offload,  # type: ignore[arg-type]
-            cuda=False,
-        ),
-    )
+    cpu = estimate(cuda=False)
     e = 2 if cfg.precision in ("bf16", "fp16") else 4
     step = zero_states(
         cfg.stage, cfg.world, shape.total, 0, e, 12, fp32_master=True, offload=cfg.offload != "none"
