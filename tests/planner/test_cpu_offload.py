@@ -80,3 +80,20 @@ def test_a_cpu_offload_plan_reports_the_headroom_of_everything_in_its_memory() -
     assert plan.fits and plan.memory == ev.est.breakdown
     assert plan.headroom == round(1 - ev.device_need / plan.gpu_memory_bytes, 4)
     assert plan.headroom < round(1 - plan.memory.total / plan.gpu_memory_bytes, 4)
+
+
+def test_a_cpu_offload_plans_reason_states_the_need_its_headroom_is_of() -> None:
+    """The reason's "Needs X of Y" and its headroom are one figure: the offloaded states in
+    the process's memory (it said the breakdown alone, 3.3 of 32 GiB, beside a 61% headroom)."""
+    spec = make_spec(
+        model=TINY,
+        training=SHORT,
+        resources=CPU,
+        strategy={"type": "zero2", "backend": "deepspeed", "offload": "cpu"},
+    )
+    plan = plan_job(spec)
+    p = build_problem(spec)
+    ev = evaluate(p, 1, strategies_for(p, 1)[0], plan.micro_batch_size,
+                  plan.activation_checkpointing)  # fmt: skip
+    assert ev.device_need > plan.memory.total + 2**30  # the two figures differ here
+    assert f"Needs {ev.device_need / 2**30:.1f} GiB of 64.0 GiB" in plan.reason, plan.reason
