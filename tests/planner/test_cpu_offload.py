@@ -15,6 +15,7 @@ from finetune_operator.planner import plan_job
 from finetune_operator.planner.configuration import Candidate
 from finetune_operator.planner.hardware import runtime_host_bytes
 from finetune_operator.planner.planning import build_problem
+from finetune_operator.planner.report import render_plan
 from finetune_operator.planner.search import MIN_HEADROOM, Problem, evaluate, strategies_for
 
 TINY = {"name": "Qwen/Qwen2.5-0.5B"}
@@ -80,3 +81,40 @@ def test_a_cpu_offload_plan_reports_the_headroom_of_everything_in_its_memory() -
     assert plan.fits and plan.memory == ev.est.breakdown
     assert plan.headroom == round(1 - ev.device_need / plan.gpu_memory_bytes, 4)
     assert plan.headroom < round(1 - plan.memory.total / plan.gpu_memory_bytes, 4)
+
+
+def test_a_cpu_offload_plans_reason_states_the_need_its_headroom_is_of() -> None:
+    """The reason's "Needs X of Y" and its headroom are one figure: the offloaded states in
+    the process's memory (it said the breakdown alone, 3.3 of 32 GiB, beside a 61% headroom)."""
+    spec = make_spec(
+        model=TINY,
+        training=SHORT,
+        resources=CPU,
+        strategy={"type": "zero2", "backend": "deepspeed", "offload": "cpu"},
+    )
+    plan = plan_job(spec)
+    p = build_problem(spec)
+    ev = evaluate(p, 1, strategies_for(p, 1)[0], plan.micro_batch_size,
+                  plan.activation_checkpointing)  # fmt: skip
+    assert ev.device_need > plan.memory.total + 2**30  # the two figures differ here
+    assert f"Needs {ev.device_need / 2**30:.1f} GiB of 64.0 GiB" in plan.reason, plan.reason
+
+
+def test_the_plan_table_states_the_need_its_headroom_is_of() -> None:
+    """`ftjob plan`'s memory row: the same need as the headroom beside it (it showed the
+    breakdown alone, 3.30 GiB of 32.00 GiB beside a 60.9% headroom)."""
+    spec = make_spec(
+        model=TINY,
+        training=SHORT,
+        resources=CPU,
+        strategy={"type": "zero2", "backend": "deepspeed", "offload": "cpu"},
+    )
+    plan = plan_job(spec)
+    need = (1 - plan.headroom) * plan.gpu_memory_bytes / 2**30
+    row = next(line for line in render_plan(plan).splitlines() if "headroom)" in line)
+    shown = float(row.split()[3])
+    assert abs(shown - need) < 0.01, row
+    assert shown > plan.memory.total / 2**30 + 1  # the offloaded states are in it
+    gpu = plan_job(make_spec(strategy={"type": "zero2", "offload": "cpu"}))
+    row = next(line for line in render_plan(gpu).splitlines() if "headroom)" in line)
+    assert f"{gpu.memory.total / 2**30:.2f} GiB of" in row  # a GPU's: its breakdown, unchanged

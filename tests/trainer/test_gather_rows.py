@@ -64,6 +64,16 @@ def _worker(rank: int, port: int, out: Path) -> None:
         mine = param.untyped_storage().data_ptr()
         rows.append({"equal": torch.equal(param, whole), "handed": len(handed),
                      "views_of_param": all(p == mine for p in handed)})  # fmt: skip
+    # A non-contiguous parameter (a transposed view; not a layout the trainer builds) takes
+    # the padded gather buffer instead: still every row, uneven split included.
+    whole = torch.arange(15, dtype=torch.float32).reshape(5, 3)
+    chunks = torch.chunk(whole, WORLD)
+    stripe = DTensor.from_local(chunks[rank].clone(), mesh, [Shard(0)], run_check=False,
+                                shape=whole.shape, stride=whole.stride())  # fmt: skip
+    param = torch.full((3, 5), -1.0).t()
+    assert not param.is_contiguous()
+    gather_rows(param, stripe)
+    rows.append({"equal": torch.equal(param, whole), "handed": 1, "views_of_param": True})
     (out / f"{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -72,6 +82,7 @@ def test_rows_are_gathered_in_place_into_the_parameter(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(free_port(), tmp_path), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         rows = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert rows.pop()["equal"], (rank, "non-contiguous")
         for shape, row in zip(SHAPES, rows, strict=True):
             assert row["equal"], (rank, shape)
             assert row["handed"] >= 1 and row["views_of_param"], (rank, shape, row)

@@ -180,6 +180,9 @@ class Location:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        # The rename on disk too before the caller goes on (a commit reported, older steps
+        # purged): it lives in the directory, which only the directory's fsync makes durable.
+        _fsync_directory(os.path.dirname(self.path))
 
     def upload(self, source: Path) -> None:
         """Copy a local file here."""
@@ -301,3 +304,18 @@ def locate(
     except ImportError as e:
         raise UnsupportedConfigError(f"{field} {uri!r}: s3fs is not installed ({e})") from e
     return Location(fs, str(path), options)
+
+
+def _fsync_directory(path: str) -> None:
+    """fsync a directory (its entries: a rename into it). A filesystem that cannot open or
+    sync a directory (some FUSE and network mounts refuse) keeps the rename's own ordering."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

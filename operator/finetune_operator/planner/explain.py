@@ -77,7 +77,9 @@ def explain_choice(
     elastic = res.min_nodes is not None and best.cand.world_size != plan.world_size
     lines = [
         f"{plan.world_size} x {_device(p)}: {_plan_config(plan)}; "
-        f"modelled {plan.estimated_step_seconds:.3g} s/step. Needs {_gib(plan.memory.total)} "
+        # The need the headroom is of (on a CPU job with DeepSpeed offload, the offloaded
+        # states too: the breakdown's total alone left them out).
+        f"modelled {plan.estimated_step_seconds:.3g} s/step. Needs {_gib(best.device_need)} "
         f"of {_gib(mem)} {_per(p)} ({plan.headroom:.0%} headroom, peak at "
         f"{best.est.peak_phase})"
         + (

@@ -51,6 +51,13 @@ def render_plan(plan: Plan, width: int = 88) -> str:
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     per = "Memory per GPU" if plan.device == "gpu" else "Memory per process"
     ga = plan.gradient_accumulation_steps
+    # The need the headroom is of: on a CPU job, with the states DeepSpeed offloads to its
+    # host buffers (the same RAM) or a resume's read group, which the breakdown leaves out.
+    # (Past the headroom's rounding only: a plan without either shows its total as before.)
+    need = plan.memory.total
+    with_host = round(plan.gpu_memory_bytes * (1 - plan.headroom))
+    if plan.device != "gpu" and with_host - need > plan.gpu_memory_bytes * 1e-4:
+        need = with_host
     facts = [
         ("Verdict", verdict),
         ("World size", f"{plan.world_size} ({plan.nodes} nodes x {plan.gpus_per_node})"),
@@ -60,8 +67,7 @@ def render_plan(plan: Plan, width: int = 88) -> str:
         ("Activation checkpointing", "full" if plan.activation_checkpointing else "none"),
         (
             per,
-            f"{_gib(plan.memory.total)} of {_gib(plan.gpu_memory_bytes)} "
-            f"({plan.headroom:.1%} headroom)",
+            f"{_gib(need)} of {_gib(plan.gpu_memory_bytes)} ({plan.headroom:.1%} headroom)",
         ),
         ("Step time", f"{plan.estimated_step_seconds:.3f} s (modelled)"),
         ("Throughput", f"{plan.tokens_per_second:,.0f} tokens/s"),
