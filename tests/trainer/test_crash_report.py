@@ -22,6 +22,7 @@ from finetune_trainer.crash import (
     KIND_PEER_LOST,
     KIND_SIGNAL,
     MAX_REPORT_BYTES,
+    OWN_RESTARTS_ENV,
     RankFailure,
     crash_report,
     failure_from_process,
@@ -374,6 +375,108 @@ def test_an_own_failure_torch_restarted_as_a_membership_change_still_counts(
     assert own_failure_restarts(tmp_path, len(reused)) == 2
     assert own_failure_restarts(tmp_path) == 1  # what the attempts left on disk say alone
     assert DefaultLogsSpecs.reify is reify  # torch's own again once torchrun returned
+
+
+def test_each_group_started_is_told_the_pods_own_failures_so_far(tmp_path: Path) -> None:
+    """The count the trainers export while they run (finetune_trainer_own_failure_restarts,
+    the operator's live feed): set in the environment torch's agent starts each worker group
+    with, from the attempts before it and the ones torch restarted as membership changes."""
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path))
+    told: list[str] = []
+
+    def start(k: int) -> Path:
+        envs = {r: {"TORCHELASTIC_RUN_ID": "job-uid", "TORCHELASTIC_RESTART_COUNT": str(k)}
+                for r in (0, 1)}  # fmt: skip
+        where = Path(specs.reify(envs).error_files[1]).parent
+        assert envs[0][OWN_RESTARTS_ENV] == envs[1][OWN_RESTARTS_ENV]  # every local rank
+        told.append(envs[0][OWN_RESTARTS_ENV])
+        return where
+
+    peer = RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1")
+    with reused_attempts():
+        _error_file(start(0), ValueError("bad row"))  # raised: restarted as a membership change
+        _error_file(start(0), ValueError("bad row"))  # raised again: a failure, count 1
+        start(1)  # killed: no error file, a failure of its own
+        _error_file(start(2), peer)  # only lost a peer: restarted, not its own
+        start(3)  # the group that runs now
+    assert told == ["0", "1", "2", "3", "3"]
+
+
+@pytest.mark.parametrize("end", ["SIGTERM", "RendezvousClosed"])
+def test_the_launcher_carries_its_own_failures_out_when_the_pod_ends_another_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """A pod that failed twice of its own, then was preempted (SIGTERM: torchrun's real
+    SignalException) or found the rendezvous shut down by an agent that gave up: no crash
+    report, but its 2 restarts go to the termination log beside the trainer's final report,
+    for the job's one budget; its end is still a stop (143, no crash) or torchrun's error."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    from finetune_trainer import launch
+
+    log = tmp_path / "termination-log"
+    log.touch()
+    monkeypatch.setattr(launch, "refused", lambda _: None)  # no worker refused its config
+    monkeypatch.setenv("FT_TERMINATION_LOG", str(log))
+    peer = RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1")
+
+    def torchrun(args: list[str]) -> None:
+        log_dir = Path(next(a for a in args if a.startswith("--log-dir=")).split("=", 1)[1])
+        _attempt(log_dir, 0, {0: ValueError("bad row")})  # its own: restarted
+        _attempt(log_dir, 1, {0: peer})  # a peer left: restarted, not counted
+        _attempt(log_dir, 2, {0: None, 1: ValueError("bad row")})  # its own again
+        _attempt(log_dir, 3, {0: None})  # the running group, stopped: not restarted
+        if end == "SIGTERM":
+            write_final_report(step=7, loss=1.5, checkpoint_step=6, rank=0, stop_reason="Signal")
+            raise SignalException("stopped", signal.SIGTERM)
+        raise RendezvousClosedError()
+
+    monkeypatch.setattr(launch, "torchrun_main", torchrun)
+    argv = ["--nnodes=1:2", "--max-restarts=3", "-m", "finetune_trainer", "--config", "/none"]
+    if end == "SIGTERM":
+        assert launch.main(argv) == 143
+        report = json.loads(log.read_text())
+        assert report == {
+            "step": 7, "rank": 0, "loss": 1.5, "checkpointStep": 6,
+            "stopReason": "Signal", "restarts": 2,
+        }  # fmt: skip
+    else:
+        with pytest.raises(RendezvousClosedError):
+            launch.main(argv)
+        assert json.loads(log.read_text()) == {"restarts": 2, "rendezvousClosed": True}
+
+    # No failure of its own before the stop: nothing written (a preemption as before).
+    log.write_text("")
+
+    def quiet(args: list[str]) -> None:
+        log_dir = Path(next(a for a in args if a.startswith("--log-dir=")).split("=", 1)[1])
+        _attempt(log_dir, 0, {0: peer})
+        _attempt(log_dir, 1, {0: None})
+        raise SignalException("stopped", signal.SIGTERM)
+
+    monkeypatch.setattr(launch, "torchrun_main", quiet)
+    assert launch.main(argv) == 143
+    assert log.read_text() == ""
+
+
+def test_the_carried_restarts_stay_within_the_limit_and_never_beside_a_crash(
+    tmp_path: Path,
+) -> None:
+    from finetune_trainer.termination_log import MAX_BYTES, write_restarts
+
+    log = tmp_path / "termination-log"
+    log.write_text(json.dumps({"step": 3, "rank": 0, "output": "x" * 5000}))
+    assert write_restarts(4, path=str(log))
+    text = log.read_text()
+    assert len(text.encode()) <= MAX_BYTES and json.loads(text)["restarts"] == 4
+    crash = {"crash": {"rank": 0, "kind": KIND_EXCEPTION, "message": "m", "restarts": 1}}
+    log.write_text(json.dumps(crash))
+    assert not write_restarts(4, path=str(log))
+    assert json.loads(log.read_text()) == crash
+    assert not write_restarts(4, path=str(tmp_path / "absent"))
 
 
 def test_the_launcher_gives_torchrun_a_log_dir_of_its_own() -> None:

@@ -36,6 +36,11 @@ KIND_EXCEPTION = "Exception"
 KIND_EXIT = "Exit"
 KIND_PEER_LOST = "PeerLost"
 
+# The launcher tells each trainer it starts how many of its torchrun's restarts so far followed
+# a failure of the pod's own (launch.reused_attempts); the trainer exports it on its metrics
+# (finetune_trainer_own_failure_restarts), where the operator counts it (reconcile/budget.py).
+OWN_RESTARTS_ENV = "FT_OWN_FAILURE_RESTARTS"
+
 MAX_REPORT_BYTES = 4096  # what the kubelet keeps of a termination message
 MAX_FAILED_RANKS = 16
 TRACEBACK_FRAMES = 2  # the last frames kept: where it was raised, and its caller

@@ -8,7 +8,9 @@ torchrun turns SIGTERM (every graceful pod delete, drain or preemption) into a
 exception escape: a traceback in the pod's log and exit code 1 for what is an orderly stop.
 Here that stop ends with one log line and 128 + the signal (143 for SIGTERM), the code the
 trainer itself exits with when stopped (`finish.EXIT_STOPPED`) and that
-`reconcile/disposition.py` reads as a preemption.
+`reconcile/disposition.py` reads as a preemption. Restarts torchrun made after failures of the
+pod's own before the stop go to the termination log (`carry_restarts`): they spend the job's
+one restart budget however the pod ends (a RendezvousClosedError's too).
 
 A failed worker group ends torchrun with a `ChildFailedError` carrying each failed rank's
 error file (the trainer runs under torchelastic's `record`) or the signal that killed it.
@@ -34,11 +36,13 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.run import main as torchrun_main
 
 from finetune_trainer.crash import (
     KIND_EXIT,
     KIND_PEER_LOST,
+    OWN_RESTARTS_ENV,
     PEER_LOSS_MARKERS,
     RankFailure,
     crash_report,
@@ -47,7 +51,7 @@ from finetune_trainer.crash import (
 )
 from finetune_trainer.distributed import COLLECTIVE_TIMEOUT_MARKERS
 from finetune_trainer.refusal import EXIT_CONFIG_ERROR, arm, disarm, refused
-from finetune_trainer.termination_log import write_crash_report
+from finetune_trainer.termination_log import write_crash_report, write_restarts
 
 EXIT_FAILED = 1  # what torchrun exits with on a failed worker group
 
@@ -147,11 +151,26 @@ def _raised_of_its_own(attempt: Path) -> bool:
     return any(text and _counted(text) for text in messages)
 
 
+def _own_before(run_dir: Path, count: int) -> int:
+    """Attempts before `count` in which this pod's group failed of its own (each was
+    restarted: the restart count rises only on a restart)."""
+    return sum(
+        1
+        for path in run_dir.glob("attempt_*")
+        if path.is_dir()
+        and (m := _ATTEMPT.fullmatch(path.name))
+        and int(m[1]) < count
+        and _own_failure(path)
+    )
+
+
 @contextmanager
 def reused_attempts() -> Iterator[list[int]]:
     """The attempts that failed of this pod's own but that torch restarted as a membership
     change, whose error files it then wiped: their restart counts, collected while torchrun
-    runs in this process.
+    runs in this process. Each worker group started meanwhile is told how many restarts
+    followed a failure of the pod's own so far (`OWN_RESTARTS_ENV`: its trainers export it,
+    so the operator counts a restart while the pod runs, not only once it gives up).
 
     torch's agent decides on its group's state at each monitor tick: a rank that raised but has
     not exited yet (it is tearing its process group down) leaves the group HEALTHY, and when a
@@ -169,6 +188,9 @@ def reused_attempts() -> Iterator[list[int]]:
             attempt = Path(run_dir) / f"attempt_{count}"
             if attempt.is_dir() and _raised_of_its_own(attempt):
                 reused.append(int(count))
+        own = len(reused) + (_own_before(Path(run_dir), int(count)) if run_dir and count else 0)
+        for env in envs.values():  # the dicts the workers are started with, after this call
+            env[OWN_RESTARTS_ENV] = str(own)
         return original(self, envs)
 
     DefaultLogsSpecs.reify = reify  # type: ignore[method-assign]
@@ -191,6 +213,21 @@ def own_failure_restarts(log_dir: Path, reused: int = 0) -> int | None:
     if not attempts:
         return None
     return reused + sum(1 for _, path in attempts[:-1] if _own_failure(path))
+
+
+def carry_restarts(
+    log_dir: Path | None, reused: int = 0, *, rendezvous_closed: bool = False
+) -> int:
+    """The pod ends without a crash report (stopped by a signal, or the rendezvous shut down by
+    another agent): its restarts after failures of its own still happened and spend the job's
+    budget, so they go to the termination log (reconcile/budget.py `restarts_made`); the
+    pod's end stays what it was (a preemption, RendezvousClosed). The last attempt is the one
+    stopped: only those before it were restarted. Nothing written when there were none (the
+    log's tail stays the message: FallbackToLogsOnError). Returns the count."""
+    own = own_failure_restarts(log_dir, reused) if log_dir is not None else None
+    if own:
+        write_restarts(own, rendezvous_closed=rendezvous_closed)
+    return own or 0
 
 
 def report_crash(
@@ -275,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             return EXIT_CONFIG_ERROR
+        carry_restarts(log_dir, len(reused))
         name = signal.Signals(e.sigval).name
         # torchrun already logged the signal and shut its workers down, waiting for them.
         print(f"torchrun stopped by {name}: worker group shut down", file=sys.stderr, flush=True)
@@ -287,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         if line:
             print(line, file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except RendezvousClosedError:
+        # Another agent gave up and shut the rendezvous down: torchrun's own error, unchanged.
+        carry_restarts(log_dir, len(reused), rendezvous_closed=True)
+        raise
     finally:
         disarm(refusal)
         if log_dir is not None:

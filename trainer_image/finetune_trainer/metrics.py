@@ -64,7 +64,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 class TrainerMetrics:
     def __init__(
-        self, *, job: str, rank: int, device: torch.device, reforms: int, total_steps: int
+        self,
+        *,
+        job: str,
+        rank: int,
+        device: torch.device,
+        reforms: int,
+        total_steps: int,
+        own_restarts: int = 0,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.device = device
@@ -106,6 +113,9 @@ class TrainerMetrics:
         )
         self.last_failed_ckpt_step = gauge(mn.TRAINER_LAST_FAILED_CHECKPOINT_STEP)
         self.reforms.set(reforms)
+        # The pod's restarts after failures of its own (its launcher's count): every rank
+        # exports it, so one scraped rank is enough for the operator's restart ledger.
+        gauge(mn.TRAINER_OWN_FAILURE_RESTARTS).set(own_restarts)
         self.total_steps.set(total_steps)
         # Save durations for the run's final summary line (bench/gpu.py reads it).
         self._commit_seconds: list[float] = []

@@ -177,6 +177,7 @@ class Trainer:
             device=self.device,
             reforms=env.restart_count,
             total_steps=self.total_steps,
+            own_restarts=env.own_restarts,
         )
         self.state = self.parallel.state_type(
             self.model,

@@ -58,6 +58,13 @@ TRAINER_REFORMS: Final = _trainer(
     "(TORCHELASTIC_RESTART_COUNT): a worker failed in its pod, or a peer left (its "
     "collectives failed); a peer joining does not count.",
 )
+TRAINER_OWN_FAILURE_RESTARTS: Final = _trainer(
+    "own_failure_restarts",
+    GAUGE,
+    "Times torchrun restarted this pod's worker group after a failure of the pod's own (a "
+    "rank here raised or was killed; a peer that left is not one), as its launcher read "
+    "torchelastic's error files: the operator adds it to status.restarts (restartLedger).",
+)
 TRAINER_LAST_CHECKPOINT_STEP: Final = _trainer(
     "last_checkpoint_step", GAUGE, "Step of the last committed checkpoint."
 )
@@ -147,7 +154,7 @@ OPERATOR_RESTARTS: Final = Metric(
     COUNTER,
     JOB_LABELS,
     "Failure restarts (failed pods replaced, hang restarts, torchrun's restarts inside a pod "
-    "once the pod gives up): the increments of status.restarts, counted against "
+    "after failures of the pod's own, as its trainers or its end report them): the increments of status.restarts, counted against "
     "faultTolerance.maxRestarts.",
 )
 OPERATOR_PREEMPTIONS: Final = Metric(
@@ -183,6 +190,7 @@ TRAINER_METRICS: Final = (
     TRAINER_RESUMED_FROM_STEP,
     TRAINER_SKIPPED_CHECKPOINT_STEP,
     TRAINER_REFORMS,
+    TRAINER_OWN_FAILURE_RESTARTS,
     TRAINER_PEAK_MEMORY,
     TRAINER_HEARTBEAT,
     TRAINER_PROCESS_START,

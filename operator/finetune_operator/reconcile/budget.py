@@ -10,35 +10,41 @@ counted.
 Two layers, one count (`status.restarts`):
 
 - A worker pod is made with torchrun's `--max-restarts` set to the budget the job has left then
-  (`in_pod_budget`), and annotated with the job's restarts then (`PodView.restarts_before`).
-  So its torchrun gives up no later than at the job's failure maxRestarts + 1, whether or not
-  the operator ever saw its restarts: the total is bounded even if every scrape is missed.
-- A pod whose torchrun gave up says in its crash report how many of its restarts followed a
-  failure of its own (`restarts`: finetune_trainer/launch.py reads the attempts' error files;
-  torch also restarts, and counts, a group whose peer left). Its end is then the job's
-  failure number `restarts_before + restarts + 1` (`failure_number`): its restarts inside the
-  pod show in `status.restarts` and spend the budget, the peers that left do not.
+  (`in_pod_budget`), and annotated with the job's restarts then (`restart-attempt`). So its
+  torchrun gives up no later than at the job's failure maxRestarts + 1, whether or not the
+  operator ever sees its restarts: the total is bounded even if every scrape is missed.
+- Each worker pod says how many of its torchrun's restarts followed a failure of its own (a
+  rank of the pod raised or was killed; torch also restarts, and counts, a group whose peer
+  left: finetune_trainer/launch.py reads the attempts' error files): live, on its trainers'
+  metrics (`finetune_trainer_own_failure_restarts`, scraped each pass); in its crash report
+  when its torchrun gives up; in its termination log when it is stopped (SIGTERM: preempted,
+  evicted, drained) or finds the rendezvous closed. The count only grows over a pod's life.
+- The restart ledger (`status.restartLedger`, `fold_ledger`) keeps, per pod (by uid), the
+  count already added to `status.restarts`; each pass adds what a pod reports beyond it. So
+  the same restart seen live and again at the pod's end is counted once, and failures that
+  alternate between pods are each counted (the sum over pods, not the highest). Entries of
+  pods that no longer exist are dropped once folded: their restarts stay in the total.
+- A pod's end is one more failure when it is its own (`counts_end`): its group failed of its
+  own (a crash report other than a lost peer; a collective that timed out is its own), or it
+  left no report (OOMKilled, killed from outside, an agent's error). It is counted when the
+  pod is replaced (assess.py). A pod whose ranks only lost a peer, a preemption, a closed
+  rendezvous: the end counts nothing, the restarts the pod made before still do.
 
-One failure is seen by every pod: a rank that raises makes its peers' collectives fail, so
-every agent restarts its group (or gives up) on the same event. Numbering each pod's failures
-on the job's count, from the count when the pod was made, gives the same event the same number
-in every pod: it is counted once (the highest number, not a sum over pods). A pod whose ranks
-only lost a peer (crash kind `PeerLost`) has no failure of its own at its end: the failure is
-the peer pod's (numbered there) or the peer was taken away (not counted); the restarts its
-torchrun made after its own earlier failures still happened (`restarts_made`). torch counts a peer's
-departure as a failed group too, so a pod may have spent its `--max-restarts` on preemptions
-and give up with budget left: it is replaced, the departures spend nothing. A pod that left no crash report (its container
-killed from outside: OOMKilled, a SIGKILL of the pod; an older trainer image) is one more
-failure: the next number.
+A failure that several pods hit of their own at once (every rank raising at the same step)
+counts once per pod: nothing a pod reports tells one event seen by two pods from two events
+(README "Not done yet"). A peer that only lost it counts nothing (PeerLost).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+from finetune_operator.api.status import PodRestarts
 from finetune_operator.reconcile.crash import (
+    carried_restarts,
     has_crash_report,
     is_collective_timeout,
     is_peer_loss,
-    reported_restarts,
 )
 from finetune_operator.reconcile.observed import PodView
 
@@ -60,35 +66,37 @@ def in_pod_budget(max_restarts: int, restarts: int) -> int:
     return max(0, max_restarts - restarts)
 
 
-def restarts_made(pod: PodView) -> int | None:
-    """The job's failure restarts that had happened once `pod`'s torchrun made its restarts
-    after failures of the pod's own (its `restart-attempt` + its report's `restarts`), however
-    the pod then ended: a pod whose last attempt only lost a peer still restarted after its
-    own earlier failures. None: no report or no annotation."""
-    in_pod = reported_restarts(pod.termination_message)
-    if in_pod is None or pod.restarts_before is None:
-        return None
-    return pod.restarts_before + in_pod
+def own_restarts(pod: PodView, live: Mapping[str, int]) -> int | None:
+    """The restarts of `pod`'s torchrun that followed failures of the pod's own, as far as
+    anything says now: its trainers' last scrape (`live`, by pod uid), its crash report, or
+    what its launcher carried out when it was stopped. None: nothing says (no scrape yet, no
+    report, an older trainer image)."""
+    said = (live.get(pod.uid), carried_restarts(pod.termination_message))
+    return max((v for v in said if v is not None), default=None)
 
 
-def failure_number(pod: PodView, restarts: int) -> int | None:
-    """Which of the job's failures `pod`'s end is, counting from 1; `restarts`: the job's
-    failure restarts counted so far. None: a consequence of another pod's failure or of a
-    membership change (its ranks only lost a peer), never counted; but a peer lost by a
-    collective timing out is counted (a hang: crash.is_collective_timeout)."""
+def fold_ledger(
+    ledger: Sequence[PodRestarts], pods: Sequence[PodView], live: Mapping[str, int]
+) -> tuple[list[PodRestarts], int]:
+    """The ledger after this pass, and how many restarts it adds to `status.restarts`: per
+    worker pod, what it reports beyond its entry (never less: a count seen once stays
+    counted). Only the pods in `pods` keep an entry: a pod gone has nothing more to report."""
+    before = {e.uid: e for e in ledger}
+    out: list[PodRestarts] = []
+    added = 0
+    for pod in sorted((p for p in pods if p.is_worker), key=lambda p: (p.name, p.uid)):
+        entry = before.get(pod.uid)
+        counted = entry.restarts if entry is not None else 0
+        now = max(counted, own_restarts(pod, live) or 0)
+        added += now - counted
+        if entry is not None or now:
+            out.append(PodRestarts(pod=pod.name, uid=pod.uid, restarts=now))
+    return out, added
+
+
+def counts_end(pod: PodView) -> bool:
+    """`pod`'s end (a counted disposition: disposition.py) is one more failure of its own,
+    not the consequence of another's: a peer lost is counted only when a collective timed out
+    (a hang: crash.is_collective_timeout, which nothing else would ever count)."""
     message = pod.termination_message
-    if is_peer_loss(message) and not is_collective_timeout(message):
-        return None
-    made = restarts_made(pod)
-    if made is None:
-        return restarts + 1
-    # The same event seen by several pods gets the same number: max() in the caller.
-    return made + 1
-
-
-def restarts_after(restarts: int, number: int | None, *, replaced: bool) -> int:
-    """The job's failure restarts once `number` is known: the restarts inside the pod before
-    it gave up have happened (number - 1); its replacement is one more (number)."""
-    if number is None:
-        return restarts
-    return max(restarts, number if replaced else number - 1)
+    return not is_peer_loss(message) or is_collective_timeout(message)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TypeVar
@@ -39,6 +39,7 @@ class ScrapeTarget:
     url: str
     local_rank: int
     node: str | None = None
+    uid: str = ""  # the pod's: a replacement keeps the name
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class TrainerProgress:
 def scrape_targets(pods: Sequence[PodView], processes_per_pod: int) -> list[ScrapeTarget]:
     """Every local rank's endpoint (port 9400 + local rank) of each running worker pod."""
     return [
-        ScrapeTarget(p.name, f"http://{p.ip}:{METRICS_BASE_PORT + r}/metrics", r, p.node)
+        ScrapeTarget(p.name, f"http://{p.ip}:{METRICS_BASE_PORT + r}/metrics", r, p.node, p.uid)
         for p in pods
         if p.is_worker and p.phase == RUNNING and p.ip and not p.terminating
         for r in range(processes_per_pod)
@@ -123,6 +124,30 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         resumed_from_step=int(resumed) if resumed is not None and resumed >= 0 else None,
         skipped_checkpoint=int(skipped) if skipped else None,
     )
+
+
+OWN_RESTARTS = mn.TRAINER_OWN_FAILURE_RESTARTS.name
+
+
+def parse_own_restarts(text: str) -> int | None:
+    """The pod's restarts after failures of its own that one metrics page reports (every rank
+    of a pod exports its launcher's count; the highest), None when the page has none."""
+    try:
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except (ValueError, TypeError, IndexError):
+        return None
+    values = [int(s.value) for s in samples if s.name == OWN_RESTARTS and math.isfinite(s.value)]
+    return max((v for v in values if v >= 0), default=None)
+
+
+def own_restarts_by_pod(pages: Mapping[ScrapeTarget, str]) -> dict[str, int]:
+    """Each scraped pod's restarts of its own (the highest over its ranks' pages), by uid."""
+    out: dict[str, int] = {}
+    for target, text in pages.items():
+        value = parse_own_restarts(text)
+        if value is not None and target.uid:
+            out[target.uid] = max(out.get(target.uid, 0), value)
+    return out
 
 
 def parse_termination_message(text: str | None) -> TrainerProgress:
