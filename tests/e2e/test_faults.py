@@ -48,7 +48,9 @@ def test_fault_sequence_on_one_long_job(
     job = session.wait_for(FAULTS_JOB, is_finished, timeout=300)
     status = job["status"]
     assert phase_of(job) == "Succeeded", status
-    assert status["restarts"] == 1 and status["step"] == FAULTS_STEPS, status
+    # The drills' failures: three trainers killed or stopped inside their pods (worker-1, then
+    # worker-0 twice: each counted, tests/e2e/faults.py) and one pod killed.
+    assert status["restarts"] == 4 and status["step"] == FAULTS_STEPS, status
     assert status["preemptions"] >= 1, status
     root = session.data_dir / "shared" / "checkpoints" / FAULTS_JOB
     assert committed_steps(root)[-1] == FAULTS_STEPS

@@ -220,7 +220,7 @@ def carry_restarts(
 ) -> int:
     """The pod ends without a crash report (stopped by a signal, or the rendezvous shut down by
     another agent): its restarts after failures of its own still happened and spend the job's
-    budget, so they go to the termination log (reconcile/budget.py `restarts_made`); the
+    budget, so they go to the termination log (reconcile/budget.py `fold_ledger`); the
     pod's end stays what it was (a preemption, RendezvousClosed). The last attempt is the one
     stopped: only those before it were restarted. Nothing written when there were none (the
     log's tail stays the message: FallbackToLogsOnError). Returns the count."""
