@@ -54,8 +54,9 @@ class Recovery:
     preemptions: int
 
 
-# How long a counted fault may take to show in status.restarts once training goes on: the
-# operator's next scrape (every 2 s in the e2e sessions, 10 s by default).
+# How long a counted fault may take to show in status.restarts once training goes on (the
+# operator's next scrape: every 2 s in the e2e sessions, 10 s by default), and a failed pod's
+# replacement to be made (its backoff: 1 s doubled per failure counted before).
 COUNT_TIMEOUT = 60
 
 
@@ -153,12 +154,15 @@ class FaultRunner:
                    detail=lambda: str(_status(self.job())))  # fmt: skip
         seconds = time.monotonic() - t0
 
-        def counted() -> bool:
-            added = int(_status(self.job()).get("restarts") or 0) - int(before.get("restarts") or 0)
-            return added >= counts
+        def settled() -> bool:
+            # A failed pod's replacement waits its backoff, doubled for every failure counted
+            # before (in-pod restarts included): the survivors may train on before it is made.
+            job = self.job()
+            added = int(_status(job).get("restarts") or 0) - int(before.get("restarts") or 0)
+            return added >= counts and phase_of(job) == "Running"
 
-        wait_until(counted, f"{counts} restarts counted after: {fault}", COUNT_TIMEOUT, 0.25,
-                   detail=lambda: str(_status(self.job())))  # fmt: skip
+        wait_until(settled, f"{counts} restarts counted, Running again after: {fault}",
+                   COUNT_TIMEOUT, 0.25, detail=lambda: str(_status(self.job())))  # fmt: skip
         resumed = min(self.resumes_since(resumes_before))
         after = _status(self.job())
         result = Recovery(
