@@ -28,6 +28,7 @@ from finetune_trainer.crash import (
     failure_from_process,
     fit_report,
     locate,
+    record_peer_stop,
     root_cause,
 )
 from finetune_trainer.launch import (
@@ -375,6 +376,24 @@ def test_an_own_failure_torch_restarted_as_a_membership_change_still_counts(
     assert own_failure_restarts(tmp_path, len(reused)) == 2
     assert own_failure_restarts(tmp_path) == 1  # what the attempts left on disk say alone
     assert DefaultLogsSpecs.reify is reify  # torch's own again once torchrun returned
+
+
+def test_a_rank_that_stopped_for_a_peer_is_not_a_failure_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank whose peer was told to stop exits 75 with no exception: the error file it now
+    writes (record_peer_stop, the real ErrorHandler) makes its attempt a peer's departure, not
+    a kill (no file) of the pod's own; seen in the fault suite, where it counted a preemption
+    of the other pod as a failure of this one."""
+    where = tmp_path / "run_x" / "attempt_0" / "0"
+    where.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(where / "error.json"))
+    record_peer_stop()
+    assert "PeerStopped" in json.loads((where / "error.json").read_text())["message"]["message"]
+    (tmp_path / "run_x" / "attempt_1" / "0").mkdir(parents=True)  # the running group
+    assert own_failure_restarts(tmp_path) == 0
+    (where / "error.json").unlink()  # without it: a kill, its own
+    assert own_failure_restarts(tmp_path) == 1
 
 
 def test_each_group_started_is_told_the_pods_own_failures_so_far(tmp_path: Path) -> None:

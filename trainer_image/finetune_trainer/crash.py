@@ -55,6 +55,8 @@ PEER_LOSS_MARKERS = (
     "DistStoreError",
     "NCCL communicator was aborted",
     "Broken pipe",
+    # A rank that stopped with a peer that was told to stop (PeerStopped, below).
+    "PeerStopped",
     # A collective that waited past its timeout: a peer stopped answering without closing its
     # connections (gloo's message; the trainer's CollectiveTimeoutError carries it).
     "Timed out waiting",
@@ -252,6 +254,24 @@ def recorded(fn: Callable[P, R]) -> Callable[P, R | None]:
         return record(fn)(*args, **kwargs)
 
     return wrapper
+
+
+class PeerStopped(Exception):
+    """This rank stopped because a peer was told to stop (its pod is going away), and exits
+    non-zero (finish.EXIT_PEER_STOPPED) so that torchrun re-forms the group without it."""
+
+
+def record_peer_stop() -> None:
+    """Say in this rank's error file that it stopped for a peer: an exit without an
+    exception leaves none, and an attempt without one reads as a kill, a failure of the pod's
+    own (launch._own_failure), which would spend the job's restart budget on a departure."""
+    try:
+        raise PeerStopped(
+            "a peer was told to stop (its pod is going away); this rank stopped with it after "
+            "the final checkpoint, so that torchrun re-forms the group without the peer"
+        )
+    except PeerStopped as e:
+        record_exception(e)
 
 
 def record_exception(error: BaseException) -> None:
