@@ -116,7 +116,7 @@ def _walk_failures(
         own = counts_end(pod)
         if own and restarts + 1 > ft.max_restarts:
             # maxRestarts + 1 attempts have failed: the restarts made are all there were.
-            return replace_now, waiting, max(restarts, ft.max_restarts), pod
+            return replace_now, waiting, restarts, pod
         due = _backoff_due(pod, ft.backoff_seconds, doubling, now)
         if waiting or now < due:
             waiting.append((pod, due))
