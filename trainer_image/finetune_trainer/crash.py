@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, ParamSpec, TypeVar
 
 KIND_OUT_OF_MEMORY = "OutOfMemory"
@@ -40,6 +41,15 @@ KIND_PEER_LOST = "PeerLost"
 # a failure of the pod's own (launch.reused_attempts); the trainer exports it on its metrics
 # (finetune_trainer_own_failure_restarts), where the operator counts it (reconcile/budget.py).
 OWN_RESTARTS_ENV = "FT_OWN_FAILURE_RESTARTS"
+# ... and which rendezvous rounds those failures happened in (comma-separated round ids, at
+# most MAX_ROUNDS, the newest): a failure that every pod of a round hits of its own is one
+# restart of the job, not one per pod (reconcile/budget.py counts each round id once).
+OWN_ROUNDS_ENV = "FT_OWN_FAILURE_ROUNDS"
+MAX_ROUNDS = 32  # a job fails at maxRestarts + 1 failed rounds; more never matter
+# The round id a trainer writes next to its error file (`<attempt>/<local rank>/round_id`),
+# where the launcher reads it for each attempt (launch.attempt_round).
+ROUND_FILE = "round_id"
+ROUND_ID_RE = re.compile(r"[0-9A-Za-z_.:-]{1,64}")
 
 MAX_REPORT_BYTES = 4096  # what the kubelet keeps of a termination message
 MAX_FAILED_RANKS = 16
@@ -272,6 +282,27 @@ def record_peer_stop() -> None:
         )
     except PeerStopped as e:
         record_exception(e)
+
+
+def write_round_id(round_id: str, error_file: str | None = None) -> bool:
+    """Leave this worker group's round id (startup_barrier.agree_round_id) next to this rank's
+    torchelastic error file, where its launcher reads it once the attempt failed; never raises
+    (no error file set: not under torchrun, nothing to tell)."""
+    target = error_file or os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not target:
+        return False
+    try:
+        path = Path(target).parent / ROUND_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(round_id)
+    except OSError:
+        return False
+    return True
+
+
+def parse_rounds(raw: str | None) -> tuple[str, ...]:
+    """Pure: `OWN_ROUNDS_ENV`'s value as round ids (anything malformed dropped)."""
+    return tuple(r for r in (raw or "").split(",") if ROUND_ID_RE.fullmatch(r))[-MAX_ROUNDS:]
 
 
 def record_exception(error: BaseException) -> None:

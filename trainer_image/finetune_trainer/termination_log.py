@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import MutableMapping, MutableSequence
+from collections.abc import MutableMapping, MutableSequence, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +152,9 @@ def write_crash_report(report: dict[str, Any], path: str | None = None) -> bool:
     return True
 
 
-def write_restarts(count: int, *, rendezvous_closed: bool = False, path: str | None = None) -> bool:
+def write_restarts(
+    rounds: Sequence[str], *, rendezvous_closed: bool = False, path: str | None = None
+) -> bool:
     """Add the pod's own-failure restarts to what the log holds, when the pod ends without a
     crash report (reconcile/budget.py: the operator counts them however the pod ended); never
     raises. A crash report or a configuration error already there is left alone."""
@@ -163,7 +165,8 @@ def write_restarts(count: int, *, rendezvous_closed: bool = False, path: str | N
         report = _read_report(target)
         if "error" in report or "crash" in report:
             return False
-        report["restarts"] = count
+        report["restarts"] = len(rounds)
+        report["rounds"] = list(rounds)
         if rendezvous_closed:
             report["rendezvousClosed"] = True
         target.write_text(fit_json(report))  # a final report near the limit loses string tails

@@ -21,6 +21,7 @@ LABEL_FINETUNEJOB: Final = "finetunejob"
 LABEL_NAMESPACE: Final = "namespace"
 LABEL_RANK: Final = "rank"
 LABEL_STATE: Final = "state"
+LABEL_ROUND: Final = "round"
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,15 @@ TRAINER_OWN_FAILURE_RESTARTS: Final = _trainer(
     "Times torchrun restarted this pod's worker group after a failure of the pod's own (a "
     "rank here raised or was killed; a peer that left is not one), as its launcher read "
     "torchelastic's error files: the operator adds it to status.restarts (restartLedger).",
+)
+TRAINER_OWN_FAILURE_ROUND: Final = Metric(
+    "finetune_trainer_own_failure_round",
+    GAUGE,
+    (*TRAINER_LABELS, LABEL_ROUND),
+    "1 per rendezvous round (worker-group incarnation, `round`: its id, the same in every pod "
+    "of the round) in which this pod's group failed of its own and torchrun restarted it: "
+    "the operator counts each round once in status.restarts (restartLedger), however many "
+    "pods failed in it.",
 )
 TRAINER_LAST_CHECKPOINT_STEP: Final = _trainer(
     "last_checkpoint_step", GAUGE, "Step of the last committed checkpoint."
@@ -191,6 +201,7 @@ TRAINER_METRICS: Final = (
     TRAINER_SKIPPED_CHECKPOINT_STEP,
     TRAINER_REFORMS,
     TRAINER_OWN_FAILURE_RESTARTS,
+    TRAINER_OWN_FAILURE_ROUND,
     TRAINER_PEAK_MEMORY,
     TRAINER_HEARTBEAT,
     TRAINER_PROCESS_START,

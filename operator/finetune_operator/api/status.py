@@ -46,21 +46,6 @@ class StragglerState(ApiModel):
     confirmed: bool = Field(False, description="streak reached consecutiveWindows.")
 
 
-class PodRestarts(ApiModel):
-    """One worker pod's failures of its own already counted in status.restarts: the restart
-    ledger (reconcile/budget.py) adds only what a pod reports beyond it."""
-
-    pod: str = Field(..., description="The worker pod's name.")
-    uid: str = Field(..., description="The pod's uid (a replacement keeps the name).")
-    restarts: int = Field(
-        0,
-        ge=0,
-        description="Failures of this pod's own counted so far: torchrun's restarts of its "
-        "worker group after a rank of this pod raised or was killed (peers that left are not "
-        "among them).",
-    )
-
-
 class FineTuneJobStatus(ApiModel):
     conditions: list[Condition] = Field(default_factory=list)
     phase: str | None = Field(None, description="Derived from conditions, for kubectl get.")
@@ -85,16 +70,18 @@ class FineTuneJobStatus(ApiModel):
         ge=0,
         description="Failure restarts counted against faultTolerance.maxRestarts: failed pods "
         "replaced, hang restarts, and the restarts torchrun made inside a pod after a failure "
-        "of the pod's own (its trainers export the count while they run, its crash report "
-        "says it when it gives up, its launcher when it is stopped). Summed over the pods "
-        "(restartLedger): a failure in each of two pods counts twice; peers that left and "
-        "preemptions are not counted.",
+        "of the pod's own (its trainers export them while they run, its crash report says "
+        "them when it gives up, its launcher when it is stopped). Each failed rendezvous "
+        "round counts once (restartLedger): a failure every pod hits at once is one restart, "
+        "failures in different rounds (alternating between pods) are each counted; peers "
+        "that left and preemptions are not counted. Never lowered.",
     )
-    restart_ledger: list[PodRestarts] = Field(
+    restart_ledger: list[str] = Field(
         default_factory=list,
-        description="Per worker pod of the job (only pods that still exist), the failures of "
-        "its own already counted in restarts, so that a pod's count seen again (on the next "
-        "scrape, or in its crash report) adds only what is new.",
+        description="The ids of the failed rendezvous rounds (worker-group incarnations) "
+        "already counted in restarts, so that a round reported again (by another pod, on the "
+        "next scrape, or in a pod's crash report) adds nothing. At most maxRestarts + 1 ids: "
+        "each spends the budget.",
     )
     preemptions: int = Field(
         0,

@@ -354,7 +354,7 @@ def decide_actions(
     now: datetime,
     *,
     ensured_generation: int | None = None,
-    own: Mapping[str, int] | None = None,
+    own: Mapping[str, frozenset[str]] | None = None,
 ) -> Actions:
     """Actions that move the cluster toward the job's desired state.
 
@@ -362,7 +362,7 @@ def decide_actions(
     `ensured_generation` is the generation whose ConfigMap and Services were last applied
     (None: unknown, apply them again - harmless, an update with the same content).
     Idempotent: on a state that already has every object it returns no creates. `own`: what
-    this pass scraped of the pods' restarts of their own (assess.assess).
+    this pass scraped of the pods' failed rounds (assess.assess).
     """
     a = assess(ev, status, pods, now, own)
     if a.mode is Mode.ACTIVE:

@@ -17,9 +17,9 @@ from finetune_operator.api.constants import (
     REASON_QUEUED,
     REASON_TRAINER_REFUSED,
 )
-from finetune_operator.api.status import FineTuneJobStatus, PodRestarts
+from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.admission import FAILED_TO_START
-from finetune_operator.reconcile.budget import counts_end, fold_ledger
+from finetune_operator.reconcile.budget import counts_end, end_round_of, fold_ledger
 from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
@@ -51,8 +51,8 @@ class Assessment:
     # Failure restarts counted against maxRestarts, in the pods (torchrun) and of pods
     # (replace_now included): budget.py
     restarts: int = 0
-    # Per worker pod, its failures of its own counted in `restarts` (budget.fold_ledger).
-    ledger: tuple[PodRestarts, ...] = ()
+    # The failed rendezvous rounds counted in `restarts` (budget.fold_ledger).
+    ledger: tuple[str, ...] = ()
     # Pods that ended without being at fault (disposition.py): replaced at once, not counted.
     preempted_now: tuple[tuple[PodView, Verdict], ...] = ()
     preemptions: int = 0  # including preempted_now
@@ -92,6 +92,7 @@ def _walk_failures(
     failed: Sequence[PodView],
     now: datetime,
     restarts: int,
+    ledger: list[str],
 ) -> tuple[list[PodView], list[tuple[PodView, datetime]], int, PodView | None]:
     """Count the failed pods' ends on the job's failures (budget.py: `restarts` has every
     pod's restarts of its own already) and schedule their replacements: oldest failure first,
@@ -100,7 +101,8 @@ def _walk_failures(
     stays observed (and named in the Restarting condition) for as long as any pod it took
     down still waits. The group is whole again no later than in finish order: the last one
     due waits the same doubled backoff. An end of a pod's own is counted when the pod is
-    replaced (a pod that waits is not counted yet, and counted once: it is deleted then).
+    replaced (a pod that waits is not counted yet, and counted once: it is deleted then), by
+    its round: pods that gave up in the same round count once (its id goes to `ledger`).
     Returns the pods to replace now, those waiting (and when they are due), the job's failure
     restarts, and the pod whose failure is beyond the budget (None while there is budget)."""
     assert ev.spec is not None
@@ -113,7 +115,8 @@ def _walk_failures(
         key=lambda p: (not is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name),
     )
     for pod in order:
-        own = counts_end(pod)
+        round_id = end_round_of(pod)
+        own = counts_end(pod) and round_id not in ledger
         if own and restarts + 1 > ft.max_restarts:
             # maxRestarts + 1 attempts have failed: the restarts made are all there were.
             return replace_now, waiting, restarts, pod
@@ -123,7 +126,9 @@ def _walk_failures(
         else:
             replace_now.append(pod)
             doubling += 1
-            restarts += 1 if own else 0
+            if own:
+                restarts += 1
+                ledger.append(round_id)
     return replace_now, waiting, restarts, None
 
 
@@ -150,24 +155,19 @@ def queued_reason(ev: Evaluation) -> str:
 
 
 def _fold(
-    status: FineTuneJobStatus, pods: Sequence[PodView], own: Mapping[str, int]
-) -> tuple[int, tuple[PodRestarts, ...]]:
+    status: FineTuneJobStatus, pods: Sequence[PodView], own: Mapping[str, frozenset[str]]
+) -> tuple[int, list[str], dict[str, list[str]]]:
     ledger, added = fold_ledger(status.restart_ledger, pods, own)
-    return status.restarts + added, tuple(ledger)
+    return status.restarts + sum(map(len, added.values())), ledger, added
 
 
-def _exhausted_live(
-    ev: Evaluation, status: FineTuneJobStatus, ledger: Sequence[PodRestarts], restarts: int
-) -> str:
-    """Why the job failed when the pods' restarts of their own, summed, went beyond the
-    budget while they still run: the pods whose count grew this pass, most first."""
+def _exhausted_live(ev: Evaluation, added: Mapping[str, Sequence[str]], restarts: int) -> str:
+    """Why the job failed when the failed rounds the pods report, while they still run, went
+    beyond the budget: the pods that reported new ones this pass, most first."""
     assert ev.spec is not None
     used = ev.spec.fault_tolerance.max_restarts
-    before = {e.uid: e.restarts for e in status.restart_ledger}
-    grew = sorted(ledger, key=lambda e: (before.get(e.uid, 0) - e.restarts, e.pod))
-    pods = ", ".join(
-        f"{e.pod} ({e.restarts} in all)" for e in grew if e.restarts > before.get(e.uid, 0)
-    )
+    grew = sorted(added.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    pods = ", ".join(f"{name} ({len(ids)} new)" for name, ids in grew)
     return shorten(
         f"trainers failed of their own and were restarted by torchrun in their pods ({pods}): "
         f"{restarts} failures; all {used} restarts allowed are used ({used + 1} attempts "
@@ -181,11 +181,12 @@ def assess(
     status: FineTuneJobStatus,
     pods: Sequence[PodView],
     now: datetime,
-    own: Mapping[str, int] | None = None,
+    own: Mapping[str, frozenset[str]] | None = None,
 ) -> Assessment:
-    """`own`: each running worker pod's restarts after failures of its own, by pod uid, as
-    its trainers' metrics said on this pass's scrape (budget.py); None: not scraped."""
-    restarts, ledger = _fold(status, pods, own or {})
+    """`own`: each running worker pod's failed rounds that its torchrun restarted after, by
+    pod uid, as its trainers' metrics said on this pass's scrape (budget.py); None: not
+    scraped."""
+    restarts, ledger, added = _fold(status, pods, own or {})
     live = [p for p in pods if not p.terminating]
     workers = {p.index: p for p in live if p.is_worker and p.index is not None}
     seen = Assessment(
@@ -194,7 +195,7 @@ def assess(
         rendezvous=next((p for p in live if p.is_rendezvous), None),
         terminating=frozenset(p.name for p in pods if p.terminating),
         restarts=restarts,
-        ledger=ledger,
+        ledger=tuple(ledger),
         preemptions=status.preemptions,
         ready=sum(1 for p in workers.values() if p.ready and p.phase == RUNNING),
         any_worker_succeeded=any(p.phase == SUCCEEDED for p in workers.values()),
@@ -206,14 +207,13 @@ def assess(
     sticky = _sticky_mode(status)
     if sticky is not None:
         mode, reason = sticky
-        # Over: nothing more is counted; entries of pods gone are dropped.
-        kept = tuple(e for e in ledger if e.uid in {p.uid for p in pods})
+        # Over: nothing more is counted.
         return replace(
             seen,
             mode=mode,
             failure_reason=reason or seen.failure_reason,
             restarts=status.restarts,
-            ledger=kept,
+            ledger=tuple(status.restart_ledger),
         )
     if ev.spec.suspend:
         return replace(seen, mode=Mode.SUSPENDED)
@@ -264,17 +264,22 @@ def assess(
     seen = replace(seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted))
     failed = [p for p, v in verdicts if v.disposition.counted]
     used = ev.spec.fault_tolerance.max_restarts
-    replace_now, waiting, counted, exhausted = _walk_failures(ev, failed, now, restarts)
+    replace_now, waiting, counted, exhausted = _walk_failures(ev, failed, now, restarts, ledger)
     if exhausted is not None or restarts > used:
         if not failed:
             # Restarts inside pods that still run (failures alternating between them).
-            msg = _exhausted_live(ev, status, ledger, restarts)
-            return replace(seen, mode=Mode.FAILED, restarts=used, message=msg)
+            msg = _exhausted_live(ev, added, restarts)
+            return replace(seen, mode=Mode.FAILED, restarts=max(used, status.restarts), message=msg)
         # Say the root cause: a pod whose ranks only lost their peer is a consequence of
         # another's failure (finished at the same moment, in any order).
         culprit = root_cause_first(failed)[0]
         spent = f"all {used} restarts allowed are used ({used + 1} attempts failed)"
         msg = shorten(f"{culprit.describe_failure()}; {spent}", 1000)
-        return replace(seen, mode=Mode.FAILED, restarts=used, message=msg)
-    restarts = counted
-    return replace(seen, replace_now=tuple(replace_now), waiting=tuple(waiting), restarts=restarts)
+        return replace(seen, mode=Mode.FAILED, restarts=max(used, status.restarts), message=msg)
+    return replace(
+        seen,
+        replace_now=tuple(replace_now),
+        waiting=tuple(waiting),
+        restarts=counted,
+        ledger=tuple(ledger),
+    )

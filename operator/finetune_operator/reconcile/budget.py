@@ -13,35 +13,42 @@ Two layers, one count (`status.restarts`):
   (`in_pod_budget`), and annotated with the job's restarts then (`restart-attempt`). So its
   torchrun gives up no later than at the job's failure maxRestarts + 1, whether or not the
   operator ever sees its restarts: the total is bounded even if every scrape is missed.
-- Each worker pod says how many of its torchrun's restarts followed a failure of its own (a
-  rank of the pod raised or was killed; torch also restarts, and counts, a group whose peer
-  left: finetune_trainer/launch.py reads the attempts' error files): live, on its trainers'
-  metrics (`finetune_trainer_own_failure_restarts`, scraped each pass); in its crash report
-  when its torchrun gives up; in its termination log when it is stopped (SIGTERM: preempted,
-  evicted, drained) or finds the rendezvous closed. The count only grows over a pod's life.
-- The restart ledger (`status.restartLedger`, `fold_ledger`) keeps, per pod (by uid), the
-  count already added to `status.restarts`; each pass adds what a pod reports beyond it. So
-  the same restart seen live and again at the pod's end is counted once, and failures that
-  alternate between pods are each counted (the sum over pods, not the highest). Entries of
-  pods that no longer exist are dropped once folded: their restarts stay in the total.
+- Each failure of a pod's own (a rank of the pod raised or was killed; torch also restarts,
+  and counts, a group whose peer left: finetune_trainer/launch.py reads the attempts' error
+  files) is named by the rendezvous round it happened in: an id the round's ranks agree on
+  when the group forms (finetune_trainer/startup_barrier.py), the same in every pod of the
+  round; a group whose ranks died before that gets an id of its pod's alone. Each pod says
+  the rounds its torchrun restarted after: live, on its trainers' metrics
+  (`finetune_trainer_own_failure_round`, scraped each pass); in its crash report when its
+  torchrun gives up (with the round that ended it); in its termination log when it is
+  stopped (SIGTERM: preempted, evicted, drained) or finds the rendezvous closed.
+- The restart ledger (`status.restartLedger`, `fold_ledger`) is the set of round ids already
+  counted in `status.restarts`; each pass adds one restart per id not in it yet. So a
+  failure every pod hits at once (every rank raising at the same step: a bad batch, an OOM
+  everywhere, a code bug) is one restart, failures that alternate between pods (different
+  rounds) are each counted, and the same round seen live and again at a pod's end is counted
+  once. Every id added spends the budget and the job fails past maxRestarts, so the ledger
+  holds at most maxRestarts + 1 ids (no pruning). `status.restarts` only grows: an old status
+  without a ledger keeps its number, and ids add to it.
 - A pod's end is one more failure when it is its own (`counts_end`): its group failed of its
   own (a crash report other than a lost peer; a collective that timed out is its own), or it
-  left no report (OOMKilled, killed from outside, an agent's error). It is counted when the
-  pod is replaced (assess.py). A pod whose ranks only lost a peer, a preemption, a closed
+  left no report (OOMKilled, killed from outside, an agent's error). It is counted, by its
+  round (`end_round_of`: every pod that gave up in that round names it), when the pod is
+  replaced (assess.py). A pod whose ranks only lost a peer, a preemption, a closed
   rendezvous: the end counts nothing, the restarts the pod made before still do.
 
-A failure that several pods hit of their own at once (every rank raising at the same step)
-counts once per pod: nothing a pod reports tells one event seen by two pods from two events
-(README "Not done yet"). A peer that only lost it counts nothing (PeerLost).
+A trainer image that reports only counts (no rounds) is read as that many rounds of its pod's
+alone: counted once per pod, as before rounds were named.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from finetune_operator.api.status import PodRestarts
 from finetune_operator.reconcile.crash import (
     carried_restarts,
+    carried_rounds,
+    end_round,
     has_crash_report,
     is_collective_timeout,
     is_peer_loss,
@@ -66,32 +73,42 @@ def in_pod_budget(max_restarts: int, restarts: int) -> int:
     return max(0, max_restarts - restarts)
 
 
-def own_restarts(pod: PodView, live: Mapping[str, int]) -> int | None:
-    """The restarts of `pod`'s torchrun that followed failures of the pod's own, as far as
+def own_rounds(pod: PodView, live: Mapping[str, frozenset[str]]) -> frozenset[str]:
+    """The rounds of the failures of `pod`'s own that its torchrun restarted after, as far as
     anything says now: its trainers' last scrape (`live`, by pod uid), its crash report, or
-    what its launcher carried out when it was stopped. None: nothing says (no scrape yet, no
-    report, an older trainer image)."""
-    said = (live.get(pod.uid), carried_restarts(pod.termination_message))
-    return max((v for v in said if v is not None), default=None)
+    what its launcher carried out when it was stopped. A report with a count and no rounds
+    (an older trainer image): that many rounds of the pod's alone."""
+    message = pod.termination_message
+    rounds = set(live.get(pod.uid, ()))
+    carried = carried_rounds(message)
+    if carried is not None:
+        rounds.update(carried)
+    else:
+        rounds.update(f"{pod.uid}/{k}" for k in range(carried_restarts(message) or 0))
+    return frozenset(rounds)
+
+
+def end_round_of(pod: PodView) -> str:
+    """The round of the failure that ended `pod` (its crash report names it); a pod that
+    left none (killed from outside, an older image): one of its own, counted alone."""
+    return end_round(pod.termination_message) or f"{pod.uid}/end"
 
 
 def fold_ledger(
-    ledger: Sequence[PodRestarts], pods: Sequence[PodView], live: Mapping[str, int]
-) -> tuple[list[PodRestarts], int]:
-    """The ledger after this pass, and how many restarts it adds to `status.restarts`: per
-    worker pod, what it reports beyond its entry (never less: a count seen once stays
-    counted). Only the pods in `pods` keep an entry: a pod gone has nothing more to report."""
-    before = {e.uid: e for e in ledger}
-    out: list[PodRestarts] = []
-    added = 0
+    ledger: Sequence[str], pods: Sequence[PodView], live: Mapping[str, frozenset[str]]
+) -> tuple[list[str], dict[str, list[str]]]:
+    """The ledger after this pass (the round ids counted, oldest first), and the rounds it
+    adds, by the name of the worker pod that reported each first: each adds one restart to
+    `status.restarts` (a round several pods report is one)."""
+    counted = list(dict.fromkeys(ledger))
+    seen = set(counted)
+    added: dict[str, list[str]] = {}
     for pod in sorted((p for p in pods if p.is_worker), key=lambda p: (p.name, p.uid)):
-        entry = before.get(pod.uid)
-        counted = entry.restarts if entry is not None else 0
-        now = max(counted, own_restarts(pod, live) or 0)
-        added += now - counted
-        if entry is not None or now:
-            out.append(PodRestarts(pod=pod.name, uid=pod.uid, restarts=now))
-    return out, added
+        for round_id in sorted(own_rounds(pod, live) - seen):
+            seen.add(round_id)
+            counted.append(round_id)
+            added.setdefault(pod.name, []).append(round_id)
+    return counted, added
 
 
 def counts_end(pod: PodView) -> bool:

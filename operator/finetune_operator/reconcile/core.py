@@ -102,7 +102,7 @@ def reconcile_job(
     if queue is not None:
         # Also for an invalid spec: its Workload is deactivated, giving the quota back.
         ev = replace(ev, queue=_with_sync(ev, queue) if ev.ok else queue)
-    own = health.own_restarts if health is not None else None
+    own = health.own_rounds if health is not None else None
     new_status = compute_status(ev, status, seen, now, own)
     new_status = note_queue_label(new_status, label, now, job.generation)
     actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation, own=own)

@@ -132,6 +132,32 @@ def carried_restarts(message: str | None) -> int | None:
     return reported_restarts(message)
 
 
+_ROUND_ID = re.compile(r"[0-9A-Za-z_.:-]{1,64}")
+MAX_ROUNDS = 32  # the launcher's bound (finetune_trainer.crash.MAX_ROUNDS)
+
+
+def _round_ids(value: object) -> tuple[str, ...] | None:
+    if not isinstance(value, list):
+        return None
+    return tuple(v for v in value if isinstance(v, str) and _ROUND_ID.fullmatch(v))[-MAX_ROUNDS:]
+
+
+def carried_rounds(message: str | None) -> tuple[str, ...] | None:
+    """The rendezvous rounds of the failures of the pod's own its torchrun restarted after
+    (`rounds` at the report's top level when the pod ended another way, else in its crash
+    report: finetune_trainer/launch.py); None when the report names none (no report, or a
+    trainer image that says only the count: `carried_restarts`)."""
+    top = _round_ids((_report(message) or {}).get("rounds"))
+    return top if top is not None else _round_ids((_crash(message) or {}).get("rounds"))
+
+
+def end_round(message: str | None) -> str | None:
+    """The round of the failure that ended the pod (`round` in its crash report), None when
+    its report names none."""
+    value = (_crash(message) or {}).get("round")
+    return value if isinstance(value, str) and _ROUND_ID.fullmatch(value) else None
+
+
 def describe_oom_kill(memory_limit: str | None) -> str:
     limit = f" ({memory_limit})" if memory_limit else ""
     return f"{REASON_OOM_KILLED}: the pod exceeded resources.memory{limit}"

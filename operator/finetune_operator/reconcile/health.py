@@ -51,9 +51,9 @@ class HealthInput:
 
     samples: tuple[RankSample, ...] = ()
     buffer: RecordBuffer | None = None
-    # Each running worker pod's restarts after failures of its own, by pod uid (the highest
+    # Each running worker pod's failed rounds its torchrun restarted after, by pod uid (all
     # its ranks' pages said): the restart ledger's live feed (reconcile/budget.py).
-    own_restarts: Mapping[str, int] = field(default_factory=dict)
+    own_rounds: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def assess_health(
 ) -> Health:
     """Status and actions with the straggler and hang decisions added."""
     buffer = seen.buffer or RecordBuffer(carried={s.rank: s for s in before.stragglers})
-    a = assess(ev, before, pods, now, seen.own_restarts)
+    a = assess(ev, before, pods, now, seen.own_rounds)
     if a.mode is not Mode.ACTIVE or ev.spec is None:
         cleared = status.model_copy(update={"stragglers": [], "last_progress_time": None})
         return Health(cleared, actions, buffer=RecordBuffer())

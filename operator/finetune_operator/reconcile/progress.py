@@ -126,27 +126,27 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
     )
 
 
-OWN_RESTARTS = mn.TRAINER_OWN_FAILURE_RESTARTS.name
+OWN_ROUND = mn.TRAINER_OWN_FAILURE_ROUND.name
 
 
-def parse_own_restarts(text: str) -> int | None:
-    """The pod's restarts after failures of its own that one metrics page reports (every rank
-    of a pod exports its launcher's count; the highest), None when the page has none."""
+def parse_own_rounds(text: str) -> frozenset[str] | None:
+    """The failed rounds one metrics page reports (every rank of a pod exports its launcher's
+    list: `round` labels of the samples at 1), None when the page has none."""
     try:
         samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
     except (ValueError, TypeError, IndexError):
         return None
-    values = [int(s.value) for s in samples if s.name == OWN_RESTARTS and math.isfinite(s.value)]
-    return max((v for v in values if v >= 0), default=None)
+    rounds = [s.labels.get(mn.LABEL_ROUND) for s in samples if s.name == OWN_ROUND and s.value]
+    return frozenset(r for r in rounds if r) or None
 
 
-def own_restarts_by_pod(pages: Mapping[ScrapeTarget, str]) -> dict[str, int]:
-    """Each scraped pod's restarts of its own (the highest over its ranks' pages), by uid."""
-    out: dict[str, int] = {}
+def own_rounds_by_pod(pages: Mapping[ScrapeTarget, str]) -> dict[str, frozenset[str]]:
+    """Each scraped pod's failed rounds (the union over its ranks' pages), by uid."""
+    out: dict[str, frozenset[str]] = {}
     for target, text in pages.items():
-        value = parse_own_restarts(text)
-        if value is not None and target.uid:
-            out[target.uid] = max(out.get(target.uid, 0), value)
+        rounds = parse_own_rounds(text)
+        if rounds and target.uid:
+            out[target.uid] = out.get(target.uid, frozenset()) | rounds
     return out
 
 

@@ -191,10 +191,10 @@ def compute_status(
     status: FineTuneJobStatus,
     pods: Sequence[PodView],
     now: datetime,
-    own: Mapping[str, int] | None = None,
+    own: Mapping[str, frozenset[str]] | None = None,
 ) -> FineTuneJobStatus:
     """The new status; equal to `status` when nothing changed (so no patch is needed).
-    `own`: what this pass scraped of each pod's restarts of its own (assess.assess)."""
+    `own`: what this pass scraped of each pod's failed rounds (assess.assess)."""
     a = assess(ev, status, pods, now, own)
     conds = _conditions(status.conditions, _wants(ev, a), now, ev.job.generation)
     update: dict[str, object] = {
