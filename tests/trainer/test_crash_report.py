@@ -22,7 +22,6 @@ from finetune_trainer.crash import (
     KIND_PEER_LOST,
     KIND_SIGNAL,
     MAX_REPORT_BYTES,
-    OWN_RESTARTS_ENV,
     OWN_ROUNDS_ENV,
     ROUND_FILE,
     RankFailure,
@@ -30,6 +29,7 @@ from finetune_trainer.crash import (
     failure_from_process,
     fit_report,
     locate,
+    parse_rounds,
     record_peer_stop,
     root_cause,
 )
@@ -429,16 +429,16 @@ def test_each_group_started_is_told_the_pods_own_failures_so_far(tmp_path: Path)
     from finetune_trainer import launch
 
     specs = DefaultLogsSpecs(log_dir=str(tmp_path))
-    told: list[str] = []
+    told: list[int] = []
     rounds: list[str] = []
 
     def start(k: int) -> Path:
         envs = {r: {"TORCHELASTIC_RUN_ID": "job-uid", "TORCHELASTIC_RESTART_COUNT": str(k)}
                 for r in (0, 1)}  # fmt: skip
         where = Path(specs.reify(envs).error_files[1]).parent
-        assert envs[0][OWN_RESTARTS_ENV] == envs[1][OWN_RESTARTS_ENV]  # every local rank
-        told.append(envs[0][OWN_RESTARTS_ENV])
+        assert envs[0][OWN_ROUNDS_ENV] == envs[1][OWN_ROUNDS_ENV]  # every local rank
         rounds.append(envs[0][OWN_ROUNDS_ENV])
+        told.append(len(parse_rounds(rounds[-1])))  # what the trainer exports as the count
         return where
 
     peer = RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1")
@@ -452,7 +452,7 @@ def test_each_group_started_is_told_the_pods_own_failures_so_far(tmp_path: Path)
         start(1)  # killed before its group agreed on a round: a failure of its own, alone
         _error_file(start(2), peer)  # only lost a peer: restarted, not its own
         start(3)  # the group that runs now
-    assert told == ["0", "1", "2", "3", "3"]
+    assert told == [0, 1, 2, 3, 3]
     alone = f"p{launch._LAUNCH_ID}-1"
     assert rounds == ["", "ra", "ra,rb", f"ra,rb,{alone}", f"ra,rb,{alone}"]
 

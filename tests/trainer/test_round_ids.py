@@ -1,5 +1,5 @@
 """Failures counted by rendezvous round, under real torchrun (reconcile/budget.py): two
-"pods" (two launchers, one rank each, through the operator's rendezvous store) whose ranks
+"pods" (two launchers, one rank each, one c10d rendezvous) whose ranks
 both raise at the same step at every attempt: each pod's crash report names the same rounds,
 so the operator counts one restart per round, not one per pod."""
 
@@ -16,14 +16,7 @@ from finetune_operator.api.status import FineTuneJobStatus
 from tests.operator.test_budget import _run, _start
 from tests.operator.test_disposition import ended
 from tests.operator.test_reconcile import deleted
-from tests.trainer.conftest import (
-    FAST_RDZV_CONF,
-    LAUNCHER,
-    Proc,
-    start_rendezvous_store,
-    tail,
-    trainer_env,
-)
+from tests.trainer.conftest import LAUNCHER, Proc, free_port, tail, trainer_env
 
 # Every rank raises at the same step, after its group agreed on the round's id (as the
 # trainer does right after the process group forms: trainer.py).
@@ -54,14 +47,14 @@ def test_a_failure_every_pod_hits_at_once_is_one_restart_per_round(
     tmp_path: Path, procs: list[Proc]
 ) -> None:
     (tmp_path / "roundworker.py").write_text(WORKER)
-    port = start_rendezvous_store(tmp_path, procs)
+    port = free_port()  # pod 0's agent hosts the rendezvous (no store process to start)
     pods = []
     for n in (0, 1):
         log = tmp_path / f"termination-log-{n}"
         log.touch()
         args = [*LAUNCHER, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=rounds",
-                f"--rdzv-conf={FAST_RDZV_CONF}", "--max-restarts=1",
+                "--max-restarts=1",
                 "--local-addr=127.0.0.1", "-m", "roundworker"]  # fmt: skip
         env = trainer_env("127.0.0.1", FT_TERMINATION_LOG=str(log), PYTHONPATH=":".join(sys.path))
         pods.append((Proc(args, cwd=tmp_path, log=tmp_path / f"pod-{n}.log", env=env), log))

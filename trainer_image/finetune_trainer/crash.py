@@ -37,13 +37,11 @@ KIND_EXCEPTION = "Exception"
 KIND_EXIT = "Exit"
 KIND_PEER_LOST = "PeerLost"
 
-# The launcher tells each trainer it starts how many of its torchrun's restarts so far followed
-# a failure of the pod's own (launch.reused_attempts); the trainer exports it on its metrics
-# (finetune_trainer_own_failure_restarts), where the operator counts it (reconcile/budget.py).
-OWN_RESTARTS_ENV = "FT_OWN_FAILURE_RESTARTS"
-# ... and which rendezvous rounds those failures happened in (comma-separated round ids, at
-# most MAX_ROUNDS, the newest): a failure that every pod of a round hits of its own is one
-# restart of the job, not one per pod (reconcile/budget.py counts each round id once).
+# The launcher tells each trainer it starts which rendezvous rounds its torchrun's restarts so
+# far followed a failure of the pod's own in (launch.reused_attempts: comma-separated round
+# ids, at most MAX_ROUNDS, the newest); the trainer exports them on its metrics
+# (finetune_trainer_own_failure_round, and their count), where the operator counts each round
+# once, however many pods failed in it (reconcile/budget.py).
 OWN_ROUNDS_ENV = "FT_OWN_FAILURE_ROUNDS"
 MAX_ROUNDS = 32  # a job fails at maxRestarts + 1 failed rounds; more never matter
 # The round id a trainer writes next to its error file (`<attempt>/<local rank>/round_id`),

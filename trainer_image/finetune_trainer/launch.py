@@ -44,7 +44,6 @@ from finetune_trainer.crash import (
     KIND_EXIT,
     KIND_PEER_LOST,
     MAX_ROUNDS,
-    OWN_RESTARTS_ENV,
     OWN_ROUNDS_ENV,
     PEER_LOSS_MARKERS,
     ROUND_FILE,
@@ -215,7 +214,6 @@ def reused_attempts() -> Iterator[list[str]]:
                 reused.append(attempt_round(attempt, f"r{len(reused)}"))
         own = reused + (_own_before(Path(run_dir), int(count)) if run_dir and count else [])
         for env in envs.values():  # the dicts the workers are started with, after this call
-            env[OWN_RESTARTS_ENV] = str(len(own))
             env[OWN_ROUNDS_ENV] = ",".join(own[-MAX_ROUNDS:])
         return original(self, envs)
 
