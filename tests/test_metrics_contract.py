@@ -10,11 +10,12 @@ import inspect
 import pkgutil
 
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from finetune_operator import handlers
 from finetune_operator import metrics as operator_metrics
 from finetune_operator.api import metricnames as mn
+from finetune_operator.reconcile.progress import parse_own_rounds
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from tests.chart.metrics_contract import COUNTER, OPERATOR_METRICS, TRAINER_METRICS
 
@@ -48,7 +49,14 @@ def test_labels_are_the_declared_ones_and_never_job() -> None:
 def test_every_trainer_series_is_set_by_the_loop() -> None:
     """What the loop calls (observe_step, beat, the checkpoint hooks, serve) sets every series
     to a value that means something (a histogram observed, a gauge moved off its zero)."""
-    m = TrainerMetrics(job="j", rank=0, device=torch.device("cpu"), reforms=1, total_steps=10)
+    m = TrainerMetrics(
+        job="j",
+        rank=0,
+        device=torch.device("cpu"),
+        reforms=1,
+        total_steps=10,
+        own_rounds=("r1", "r2"),
+    )
     m.serve(None, None)
     m.observe_step(StepStats(3, 2.5, 1e-3, 512, 0.3, 0.2, 0.1), world_size=2)
     m.beat()
@@ -69,6 +77,8 @@ def test_every_trainer_series_is_set_by_the_loop() -> None:
                 values[s.name.removesuffix("_count")] = s.value
     unset = [x.name for x in mn.TRAINER_METRICS if not values.get(x.name)]
     assert not unset, f"declared but never set: {unset}"
+    # The operator reads the launcher's rounds back from the page (its restart ledger's feed).
+    assert parse_own_rounds(generate_latest(m.registry).decode()) == {"r1", "r2"}
 
 
 def _metric_objects() -> dict[str, str]:

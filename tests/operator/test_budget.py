@@ -9,14 +9,24 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from finetune_operator.api.constants import ANNOTATION_RESTART_ATTEMPT
+from finetune_operator.api import metricnames as mn
+from finetune_operator.api.constants import ANNOTATION_RESTART_ATTEMPT, COND_FAILED
 from finetune_operator.api.status import FineTuneJobStatus
-from finetune_operator.reconcile import PodView
-from finetune_operator.reconcile.budget import failure_number, in_pod_budget, restarts_after
+from finetune_operator.reconcile import (
+    HealthInput,
+    PodView,
+    ScrapeTarget,
+    own_rounds_by_pod,
+    reconcile_job,
+)
+from finetune_operator.reconcile.budget import counts_end, fold_ledger, in_pod_budget
+from finetune_operator.reconcile.conditions import find
 from finetune_operator.reconcile.disposition import Disposition, classify_exit
+from tests.operator.factories import make_plan, quickstart_raw
 from tests.operator.test_disposition import STORE_START, ended
-from tests.operator.test_reconcile import T0, deleted, running, step
+from tests.operator.test_reconcile import JOB, T0, deleted, running, step
 
 BUDGET = 3  # the quickstart's maxRestarts
 LATER = T0 + timedelta(hours=1)  # every backoff has elapsed
@@ -26,21 +36,40 @@ def crashed(
     name: str,
     kind: str | None,
     *,
-    before: int | None = 0,
     restarts: int | None = None,
+    rounds: list[str] | None = None,
+    end: str | None = None,
     exit_code: int = 1,
     message: str | None = None,
+    uid: str | None = None,
 ) -> PodView:
     """A worker pod that ended: its crash report's kind (None: no report, the container was
-    killed from outside) and how often its torchrun restarted the group first; `before`: the
-    job's restarts when the operator made it (its annotation; None: no annotation)."""
+    killed from outside), the rounds whose failures of the pod's own its torchrun restarted
+    after (`rounds`; `restarts` alone: an image that says only the count) and the round that
+    ended it (`end`)."""
     report: dict[str, Any] | None = None
     if kind is not None:
         report = {"crash": {"rank": 0, "kind": kind, "message": message or f"{kind} here"}}
-        if restarts is not None:
+        if rounds is not None:
+            report["crash"].update(restarts=len(rounds), rounds=rounds)
+        elif restarts is not None:
             report["crash"]["restarts"] = restarts
+        if end is not None:
+            report["crash"]["round"] = end
     pod = ended(name, exit_code=exit_code, report=report)
-    return dataclasses.replace(pod, restarts_before=before)
+    return dataclasses.replace(pod, uid=uid) if uid else pod
+
+
+def carried(
+    name: str, report: dict[str, Any] | None, *, exit_code: int = 143, uid: str | None = None
+) -> PodView:
+    """A worker pod that ended without a crash report, its launcher's `restarts` (its own
+    failures restarted in the pod) beside whatever else it left; made after the current
+    store (it joined that store)."""
+    pod = ended(
+        name, exit_code=exit_code, report=report, started=STORE_START + timedelta(seconds=1)
+    )
+    return dataclasses.replace(pod, uid=uid) if uid else pod
 
 
 def store() -> PodView:
@@ -52,32 +81,6 @@ def store() -> PodView:
 )
 def test_in_pod_budget_is_what_the_job_has_left(max_restarts: int, used: int, left: int) -> None:
     assert in_pod_budget(max_restarts, used) == left
-
-
-@pytest.mark.parametrize(
-    ("pod", "restarts", "number"),
-    [
-        # Gave up after 2 restarts inside a pod made at the job's restart 1: failure 4.
-        pytest.param(crashed("qs-worker-0", "Exception", before=1, restarts=2), 1, 4, id="report"),
-        # Its ranks only lost a peer: the peer's failure, or a peer taken away.
-        pytest.param(crashed("qs-worker-0", "PeerLost", restarts=3), 0, None, id="peer-lost"),
-        # No report (OOMKilled, a SIGKILL of the pod): one more failure.
-        pytest.param(crashed("qs-worker-0", None, exit_code=137), 2, 3, id="killed-outside"),
-        # A report but no annotation (a pod made by an older operator): one more failure.
-        pytest.param(
-            crashed("qs-worker-0", "Exception", before=None, restarts=2), 2, 3, id="no-annotation"
-        ),
-    ],
-)
-def test_failure_number(pod: PodView, restarts: int, number: int | None) -> None:
-    assert failure_number(pod, restarts) == number
-
-
-def test_restarts_after_counts_the_pods_restarts_and_its_replacement() -> None:
-    assert restarts_after(1, 4, replaced=False) == 3  # restarted 3 times in all so far
-    assert restarts_after(1, 4, replaced=True) == 4
-    assert restarts_after(5, 4, replaced=True) == 5  # already counted (another pod)
-    assert restarts_after(2, None, replaced=True) == 2
 
 
 def _run(status: FineTuneJobStatus, pods: list[PodView]) -> Any:
@@ -97,29 +100,45 @@ CASES = [
         # A trainer SIGKILLed once: its torchrun restarted it (budget 3), then the same pod
         # crashed for good with its 2 remaining restarts spent. All 3 in-pod restarts count:
         # the fourth failure is beyond the budget.
-        [crashed("qs-worker-1", "Signal", restarts=3), *running("qs-worker-0")],
+        [crashed("qs-worker-1", "Signal", rounds=["a", "b", "c"], end="d"),
+         *running("qs-worker-0")],
         0, True, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
         id="transient-kill-then-crash",
     ),
     pytest.param(
         # One transient kill inside a pod made with 1 restart left, then a crash: failures
         # 3 (in the pod) and 4: beyond the budget.
-        [crashed("qs-worker-1", "Exception", before=2, restarts=1), *running("qs-worker-0")],
+        [crashed("qs-worker-1", "Exception", rounds=["a"], end="b"), *running("qs-worker-0")],
         2, True, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
         id="kill-in-a-replacement-spends-what-was-left",
     ),
     pytest.param(
-        # Every rank raises at step N, every time: both pods gave up after 3 restarts on the
-        # same 4 failures. Counted once (3 restarts, 4 attempts), not pods x events.
-        [crashed("qs-worker-0", "Exception", restarts=3),
-         crashed("qs-worker-1", "Exception", restarts=3)],
+        # Every rank raises at step N, every time: both pods gave up after 3 restarts, in
+        # the same rounds: 3 + the end, counted once each: beyond the budget at attempt 4.
+        [crashed("qs-worker-0", "Exception", rounds=["a", "b", "c"], end="d"),
+         crashed("qs-worker-1", "Exception", rounds=["a", "b", "c"], end="d")],
         0, True, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
         id="deterministic-crash-every-rank",
     ),
     pytest.param(
-        # One rank raises every time; its peer's ranks only lost it.
-        [crashed("qs-worker-0", "PeerLost", restarts=3),
-         crashed("qs-worker-1", "Exception", restarts=3)],
+        # The same in pods made with 2 restarts left: 2 rounds restarted + the round that
+        # ended both = 3, one per round (not one per pod: 6, Failed), within the budget.
+        [crashed("qs-worker-0", "Exception", rounds=["a", "b"], end="c"),
+         crashed("qs-worker-1", "Exception", rounds=["a", "b"], end="c")],
+        0, False, 3, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
+        id="simultaneous-failures-count-once-per-round",
+    ),
+    pytest.param(
+        # An image that says only its counts: each pod's failures counted as its own.
+        [crashed("qs-worker-0", "Exception", restarts=1),
+         crashed("qs-worker-1", "Exception", restarts=1)],
+        0, True, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
+        id="counts-without-rounds-count-per-pod",
+    ),
+    pytest.param(
+        # One rank raises every time; its peer's ranks only lost it (none of its own).
+        [crashed("qs-worker-0", "PeerLost", restarts=0),
+         crashed("qs-worker-1", "Exception", rounds=["a", "b", "c"], end="d")],
         0, True, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
         id="deterministic-crash-one-rank",
     ),
@@ -127,19 +146,18 @@ CASES = [
         # Its torchrun spent its restarts on peers that left (deleted, preempted: torch
         # counts a peer's departure as a failed group, the launcher does not: restarts 0):
         # replaced with the rendezvous it shut down, nothing counted.
-        [crashed("qs-worker-1", "PeerLost", restarts=0), *running("qs-worker-0")],
+        [crashed("qs-worker-1", "PeerLost", rounds=[], end="x"), *running("qs-worker-0")],
         1, False, 1, ["qs-worker-1", "qs-rdzv"],
         id="peer-lost",
     ),
     pytest.param(
         # Pods made at the job's restart 1 (2 left): worker-0 raised twice (its torchrun
         # restarted twice), then worker-1 raised once and both gave up, worker-0's last
-        # attempt only losing its peer. worker-0's own restarts still happened: 3, not the
-        # 2 that worker-1's number alone says (the true count, 4 failures, is one more: the
-        # undercount of failures alternating between pods, README "Not done yet").
-        [crashed("qs-worker-0", "PeerLost", before=1, restarts=2),
-         crashed("qs-worker-1", "Exception", before=1, restarts=0)],
-        1, False, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
+        # attempt only losing its peer. Every failed round counts, whichever pod had it:
+        # 1 + 2 (worker-0's) + 1 (worker-1's end) = 4, beyond the budget.
+        [crashed("qs-worker-0", "PeerLost", rounds=["a", "b"], end="c"),
+         crashed("qs-worker-1", "Exception", rounds=[], end="c")],
+        1, True, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
         id="own-restarts-then-peer-lost",
     ),
     pytest.param(
@@ -147,8 +165,9 @@ CASES = [
         # CollectiveTimeoutError, a PeerLost report), the hung pod's agent restarts it as a
         # membership change; no rank ever raises of its own. The timeouts are the failures
         # (4 of them, as the launcher counts them): Failed, not re-formed forever.
-        [crashed("qs-worker-0", "PeerLost", restarts=3, message=TIMED_OUT),
-         crashed("qs-worker-1", "PeerLost", restarts=0)],
+        [crashed("qs-worker-0", "PeerLost", rounds=["a", "b", "c"], end="d",
+                 message=TIMED_OUT),
+         crashed("qs-worker-1", "PeerLost", rounds=[], end="d")],
         0, True, BUDGET, ["qs-worker-0", "qs-worker-1", "qs-rdzv"],
         id="hang-every-attempt",
     ),
@@ -202,7 +221,7 @@ def test_a_failure_outlives_the_store_it_closed() -> None:
     """The store replaced after an agent gave up: a pod that failed of its own before is still
     counted (its report says its group failed), one that died of the store is not."""
     fresh = dataclasses.replace(store(), created_at=LATER - timedelta(seconds=1))
-    raised = crashed("qs-worker-1", "Exception", restarts=1, before=1)
+    raised = crashed("qs-worker-1", "Exception", rounds=["a"], end="b")
     lost = crashed("qs-worker-0", None)  # its agent lost the closed store: no report
     status = step(FineTuneJobStatus(), [], T0).status.model_copy(update={"restarts": 1})
     out = step(status, [fresh, raised, lost], LATER, ensured=1)
@@ -248,8 +267,178 @@ def test_missed_scrapes_still_bound_the_attempts() -> None:
     assert (left, before) == (BUDGET - 1, 1)
     # Attempts 2-4: the replacement's trainer raises each time; its torchrun restarts it
     # `left` times, then gives up and says so.
-    end = crashed("qs-worker-1", "Exception", before=before, restarts=left)
+    rounds = [f"r{k}" for k in range(left)]
+    end = crashed("qs-worker-1", "Exception", rounds=rounds, end="last", uid="uid-replacement")
     out = step(out.status, [store(), *running("qs-worker-0"), end], LATER, ensured=1)
     attempts = 1 + left + 1
     assert out.status.phase == "Failed" and attempts == BUDGET + 1
     assert out.status.restarts == BUDGET  # every restart shown, the ones inside the pod too
+
+
+# --- the restart ledger: each failed round counted once, live and at a pod's end ----------
+
+
+def page(rounds: list[str]) -> str:
+    """A trainer's metrics page as it exports its launcher's failed rounds
+    (finetune_trainer/metrics.py)."""
+    registry = CollectorRegistry()
+    m = mn.TRAINER_OWN_FAILURE_ROUND
+    gauge = Gauge(m.family, m.help, m.labels, registry=registry)
+    for r in rounds:
+        gauge.labels("qs", "0", r).set(1)
+    return generate_latest(registry).decode()
+
+
+def _scraped(status: FineTuneJobStatus, pods: list[PodView], own: dict[str, list[str]]) -> Any:
+    """A pass that scraped the running workers (by name here): their pages' rounds."""
+    by_name = {p.name: p for p in pods}
+    pages = {
+        ScrapeTarget(name, f"http://{name}/metrics", 0, uid=by_name[name].uid): page(rounds)
+        for name, rounds in own.items()
+    }
+    health = HealthInput(own_rounds=own_rounds_by_pod(pages))
+    return reconcile_job(
+        JOB, quickstart_raw(), status, [store(), *pods], LATER,
+        planner=lambda _: make_plan(2), ensured_generation=1, health=health,
+    )  # fmt: skip
+
+
+def _start(restarts: int = 0) -> FineTuneJobStatus:
+    return step(FineTuneJobStatus(), [], T0).status.model_copy(update={"restarts": restarts})
+
+
+def test_a_failure_in_every_pod_at_once_is_one_restart() -> None:
+    """Every rank raised at the same step (both pods' torchruns restarted their groups after a
+    failure of their own, in the same round): one restart, not one per pod; the next round's
+    failure is one more."""
+    pods = running("qs-worker-0", "qs-worker-1")
+    out = _scraped(_start(), pods, {"qs-worker-0": ["r1"], "qs-worker-1": ["r1"]})
+    assert (out.status.restarts, out.status.restart_ledger) == (1, ["r1"])
+    out = _scraped(out.status, pods, {"qs-worker-0": ["r1", "r2"], "qs-worker-1": ["r1"]})
+    assert (out.status.restarts, out.status.restart_ledger) == (2, ["r1", "r2"])
+    out = _scraped(out.status, pods, {"qs-worker-0": ["r1", "r2"], "qs-worker-1": ["r1", "r2"]})
+    assert (out.status.restarts, out.status.phase) == (2, "Running")
+
+
+def test_a_restart_seen_live_then_in_the_crash_report_is_counted_once() -> None:
+    """worker-1's trainer was killed twice (torchrun restarted it, its trainers say so), then
+    it raised with no restart left: its crash report names the same 2 rounds, and its end's
+    round is one more."""
+    pods = running("qs-worker-0", "qs-worker-1")
+    live = _scraped(_start(), pods, {"qs-worker-1": ["a", "b"]})
+    assert (live.status.restarts, live.status.restart_ledger) == (2, ["a", "b"])
+    again = _scraped(live.status, pods, {"qs-worker-1": ["a", "b"]})
+    assert again.status.restarts == 2  # the next scrape adds nothing
+    end = crashed("qs-worker-1", "Exception", rounds=["a", "b"], end="c")
+    out = _run(again.status, [end, *running("qs-worker-0")])
+    assert (out.status.restarts, out.status.restart_ledger) == (3, ["a", "b", "c"])
+    assert sorted(deleted(out)) == ["qs-rdzv", "qs-worker-1"]
+
+
+def test_failures_alternating_between_pods_are_each_counted_and_end_the_job() -> None:
+    """A kill in worker-0, then in worker-1, then in each again (each restarted by its own
+    torchrun, its peer only losing it): 4 rounds failed, beyond maxRestarts 3 while both pods
+    still run."""
+    pods = running("qs-worker-0", "qs-worker-1")
+    out = _scraped(_start(), pods, {"qs-worker-0": ["a"], "qs-worker-1": []})
+    out = _scraped(out.status, pods, {"qs-worker-0": ["a"], "qs-worker-1": ["b"]})
+    assert (out.status.restarts, out.status.phase) == (2, "Running")
+    # A replacement made now gets what is left: 1.
+    replaced = _run(out.status, [crashed("qs-worker-1", None, exit_code=137), pods[0]])
+    assert replaced.status.restarts == 3  # the kill from outside: one more, a round alone
+    out = _scraped(out.status, pods, {"qs-worker-0": ["a", "c"], "qs-worker-1": ["b"]})
+    assert (out.status.restarts, out.status.phase) == (3, "Running")
+    out = _scraped(out.status, pods, {"qs-worker-0": ["a", "c"], "qs-worker-1": ["b", "d"]})
+    assert (out.status.phase, out.status.restarts) == ("Failed", BUDGET), out.status
+    failed = find(out.status.conditions, COND_FAILED)
+    assert failed is not None and failed.reason == "BackoffLimitExceeded"
+    assert "qs-worker-1 (1 new)" in failed.message and "4 failures" in failed.message
+    assert sorted(deleted(out)) == ["qs-rdzv", "qs-worker-0", "qs-worker-1"]
+
+
+def test_a_kill_before_the_round_had_an_id_counts_alone() -> None:
+    """A trainer killed before its group agreed on a round id: its launcher names the attempt
+    itself (finetune_trainer/launch.attempt_round), so it is counted beside the round its
+    peer failed in, not merged with it."""
+    pods = running("qs-worker-0", "qs-worker-1")
+    out = _scraped(_start(), pods, {"qs-worker-0": ["r1"], "qs-worker-1": ["p1a2b3c4d-0"]})
+    assert out.status.restarts == 2
+
+
+def test_an_old_status_without_a_ledger_keeps_its_count() -> None:
+    """A status written before the ledger (restarts 2, no ids): its count is the floor that
+    new rounds add to, and nothing lowers it."""
+    pods = running("qs-worker-0", "qs-worker-1")
+    out = _scraped(_start(2), pods, {"qs-worker-0": ["a"], "qs-worker-1": ["a"]})
+    assert (out.status.restarts, out.status.restart_ledger) == (3, ["a"])
+    out = _scraped(out.status, pods, {})
+    assert out.status.restarts == 3
+
+
+def test_new_pods_get_the_budget_left() -> None:
+    pods = running("qs-worker-0")
+    out = _scraped(_start(), pods, {"qs-worker-0": ["a", "b"]})  # worker-1 is gone: made again
+    assert _made(out, "qs-worker-1") == (BUDGET - 2, 2)
+
+
+@pytest.mark.parametrize("scraped", [True, False], ids=["seen-live", "never-scraped"])
+def test_a_kill_then_a_sigterm_of_the_pod_counts_the_kill(scraped: bool) -> None:
+    """worker-1's trainer was SIGKILLed (torchrun spent a restart on it: a failure of the
+    pod's own), then the pod was stopped (SIGTERM: preempted, drained): the stop is a
+    preemption, the kill counts once whether or not a scrape saw it (its launcher carries it
+    out in the termination log)."""
+    status = _start()
+    if scraped:
+        status = _scraped(
+            status, running("qs-worker-0", "qs-worker-1"), {"qs-worker-1": ["k"]}
+        ).status
+        assert status.restarts == 1
+    report = {"step": 5, "stopReason": "Signal", "restarts": 1, "rounds": ["k"]}
+    stopped = carried("qs-worker-1", report)
+    assert classify_exit(stopped, STORE_START).disposition is Disposition.PREEMPTED
+    out = _run(status, [stopped, *running("qs-worker-0")])
+    assert (out.status.restarts, out.status.preemptions) == (1, 1), out.status
+    assert deleted(out) == ["qs-worker-1"]
+    # Seen again (the pass's status read back, as after an operator restart): no more.
+    again = _run(out.status, [stopped, *running("qs-worker-0")])
+    assert again.status.restarts == 1
+
+
+def test_a_closed_rendezvous_end_counts_nothing_but_keeps_the_earlier_own_failures() -> None:
+    """Two failures of worker-0's own restarted in the pod, then its peer gave up first and
+    shut the rendezvous down: RendezvousClosed (not counted, the store renewed), the 2 kept."""
+    report = {"restarts": 2, "rounds": ["a", "b"], "rendezvousClosed": True}
+    closed = carried("qs-worker-0", report, exit_code=1)
+    assert classify_exit(closed, STORE_START).disposition is Disposition.RENDEZVOUS_CLOSED
+    out = _run(_start(1), [closed, *running("qs-worker-1")])
+    assert (out.status.restarts, out.status.preemptions) == (3, 1), out.status
+    assert sorted(deleted(out)) == ["qs-rdzv", "qs-worker-0"]
+
+
+def test_a_pod_gone_keeps_its_rounds_counted() -> None:
+    """worker-1 restarted twice after its own failures, then was deleted (evicted): its rounds
+    stay in the ledger (a peer that reports the same rounds later adds nothing); its
+    replacement (same name, a new uid) adds only rounds of its own."""
+    out = _scraped(_start(), running("qs-worker-0", "qs-worker-1"), {"qs-worker-1": ["a", "b"]})
+    out = _scraped(out.status, running("qs-worker-0"), {"qs-worker-0": ["b"]})
+    assert (out.status.restarts, out.status.restart_ledger) == (2, ["a", "b"])
+    new = dataclasses.replace(running("qs-worker-1")[0], uid="uid-new")
+    out = _scraped(out.status, [*running("qs-worker-0"), new], {"qs-worker-1": ["c"]})
+    assert (out.status.restarts, out.status.restart_ledger) == (3, ["a", "b", "c"])
+
+
+def test_fold_ledger_adds_each_round_once() -> None:
+    """Pure: a round reported by two pods is added once (by the first pod by name), a round
+    already in the ledger not at all, and a page that says less takes nothing back; only
+    workers are read."""
+    pods = [*running("qs-worker-0", "qs-worker-1"), store()]
+    live = {"uid-qs-worker-0": frozenset({"a", "b"}), "uid-qs-worker-1": frozenset({"b", "c"})}
+    ledger, added = fold_ledger(["z"], pods, live)
+    assert ledger == ["z", "a", "b", "c"] and added == {
+        "qs-worker-0": ["a", "b"],
+        "qs-worker-1": ["c"],
+    }
+    assert fold_ledger(ledger, pods, {}) == (ledger, {})
+    assert counts_end(crashed("qs-worker-0", "Exception")) and not counts_end(
+        crashed("qs-worker-0", "PeerLost")
+    )

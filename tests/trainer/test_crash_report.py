@@ -22,17 +22,22 @@ from finetune_trainer.crash import (
     KIND_PEER_LOST,
     KIND_SIGNAL,
     MAX_REPORT_BYTES,
+    OWN_ROUNDS_ENV,
+    ROUND_FILE,
     RankFailure,
     crash_report,
     failure_from_process,
     fit_report,
     locate,
+    parse_rounds,
+    record_peer_stop,
     root_cause,
 )
 from finetune_trainer.launch import (
+    attempt_round,
     config_path,
     max_restarts,
-    own_failure_restarts,
+    own_failure_rounds,
     reused_attempts,
     with_log_dir,
 )
@@ -327,6 +332,12 @@ def _attempt(log_dir: Path, k: int, errors: dict[int, BaseException | None]) -> 
             _error_file(where, error)
 
 
+def _own(log_dir: Path, reused: list[str] | None = None) -> int | None:
+    """How many of the pod's failures of its own torchrun restarted after (their rounds)."""
+    rounds = own_failure_rounds(log_dir, reused or [])
+    return None if rounds is None else len(rounds)
+
+
 def test_own_failure_restarts_leave_out_the_peers_that_left(tmp_path: Path) -> None:
     """torch restarts (and counts against --max-restarts) a group whose peer left as one that
     failed: only the attempts that failed of this pod's own are the job's failures."""
@@ -336,8 +347,25 @@ def test_own_failure_restarts_leave_out_the_peers_that_left(tmp_path: Path) -> N
     _attempt(tmp_path, 2, {0: peer, 1: ValueError("bad row")})  # one local rank raised
     _attempt(tmp_path, 3, {0: peer})  # the peer left again
     _attempt(tmp_path, 4, {0: ValueError("bad row")})  # the last: the report's own kind
-    assert own_failure_restarts(tmp_path) == 2
-    assert own_failure_restarts(tmp_path / "absent") is None
+    assert _own(tmp_path) == 2
+    assert _own(tmp_path / "absent") is None
+
+
+def test_an_attempt_is_named_by_its_round_else_by_the_launcher_alone(tmp_path: Path) -> None:
+    """The id the round's trainers left (the same in every pod of the round: one restart of
+    the job however many pods failed in it); an attempt whose ranks died before the group
+    agreed on one (or left a malformed id) gets one of this launcher's and attempt's alone."""
+    from finetune_trainer import launch
+
+    for pod in ("pod-a", "pod-b"):
+        _attempt(tmp_path / pod, 0, {0: ValueError("bad row"), 1: None})
+        (tmp_path / pod / "job-uid_abc" / "attempt_0" / "1" / ROUND_FILE).write_text("9f3c\n")
+    rounds = {attempt_round(tmp_path / p / "job-uid_abc" / "attempt_0") for p in ("pod-a", "pod-b")}
+    assert rounds == {"9f3c"}
+    _attempt(tmp_path, 1, {0: None})
+    assert attempt_round(tmp_path / "job-uid_abc" / "attempt_1") == f"p{launch._LAUNCH_ID}-1"
+    (tmp_path / "job-uid_abc" / "attempt_1" / "0" / ROUND_FILE).write_text("not an id!")
+    assert attempt_round(tmp_path / "job-uid_abc" / "attempt_1") == f"p{launch._LAUNCH_ID}-1"
 
 
 def test_a_collective_timeout_counts_as_the_pods_failure(tmp_path: Path) -> None:
@@ -348,7 +376,7 @@ def test_a_collective_timeout_counts_as_the_pods_failure(tmp_path: Path) -> None
     _attempt(tmp_path, 0, {0: timed_out})
     _attempt(tmp_path, 1, {0: RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1")})
     _attempt(tmp_path, 2, {0: timed_out})  # the last: torchrun gave up
-    assert own_failure_restarts(tmp_path) == 1
+    assert _own(tmp_path) == 1
 
 
 def test_an_own_failure_torch_restarted_as_a_membership_change_still_counts(
@@ -370,10 +398,146 @@ def test_an_own_failure_torch_restarted_as_a_membership_change_still_counts(
         _error_file(start(0), ValueError("bad row"))  # raised again: a failure, count 1
         start(1)  # a real membership change: the group stopped, no error file: not counted
         _error_file(start(1), ValueError("bad row"))  # raised: torchrun gave up
-    assert reused == [0]
-    assert own_failure_restarts(tmp_path, len(reused)) == 2
-    assert own_failure_restarts(tmp_path) == 1  # what the attempts left on disk say alone
+    assert len(reused) == 1 and reused[0].endswith("-0r0")  # no round file: its own id
+    assert _own(tmp_path, reused) == 2
+    assert _own(tmp_path) == 1  # what the attempts left on disk say alone
     assert DefaultLogsSpecs.reify is reify  # torch's own again once torchrun returned
+
+
+def test_a_rank_that_stopped_for_a_peer_is_not_a_failure_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank whose peer was told to stop exits 75 with no exception: the error file it now
+    writes (record_peer_stop, the real ErrorHandler) makes its attempt a peer's departure, not
+    a kill (no file) of the pod's own; seen in the fault suite, where it counted a preemption
+    of the other pod as a failure of this one."""
+    where = tmp_path / "run_x" / "attempt_0" / "0"
+    where.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(where / "error.json"))
+    record_peer_stop()
+    assert "PeerStopped" in json.loads((where / "error.json").read_text())["message"]["message"]
+    (tmp_path / "run_x" / "attempt_1" / "0").mkdir(parents=True)  # the running group
+    assert _own(tmp_path) == 0
+    (where / "error.json").unlink()  # without it: a kill, its own
+    assert _own(tmp_path) == 1
+
+
+def test_each_group_started_is_told_the_pods_own_failures_so_far(tmp_path: Path) -> None:
+    """The count and the rounds the trainers export while they run (the operator's live
+    feed): set in the environment torch's agent starts each worker group with, from the
+    attempts before it and the ones torch restarted as membership changes."""
+    from finetune_trainer import launch
+
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path))
+    told: list[int] = []
+    rounds: list[str] = []
+
+    def start(k: int) -> Path:
+        envs = {r: {"TORCHELASTIC_RUN_ID": "job-uid", "TORCHELASTIC_RESTART_COUNT": str(k)}
+                for r in (0, 1)}  # fmt: skip
+        where = Path(specs.reify(envs).error_files[1]).parent
+        assert envs[0][OWN_ROUNDS_ENV] == envs[1][OWN_ROUNDS_ENV]  # every local rank
+        rounds.append(envs[0][OWN_ROUNDS_ENV])
+        told.append(len(parse_rounds(rounds[-1])))  # what the trainer exports as the count
+        return where
+
+    peer = RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1")
+    with reused_attempts():
+        first = start(0)
+        (first / ROUND_FILE).write_text("ra")  # the round's id, as the trainer leaves it
+        _error_file(first, ValueError("bad row"))  # raised: restarted as a membership change
+        again = start(0)
+        (again / ROUND_FILE).write_text("rb")
+        _error_file(again, ValueError("bad row"))  # raised again: a failure, count 1
+        start(1)  # killed before its group agreed on a round: a failure of its own, alone
+        _error_file(start(2), peer)  # only lost a peer: restarted, not its own
+        start(3)  # the group that runs now
+    assert told == [0, 1, 2, 3, 3]
+    alone = f"p{launch._LAUNCH_ID}-1"
+    assert rounds == ["", "ra", "ra,rb", f"ra,rb,{alone}", f"ra,rb,{alone}"]
+
+
+@pytest.mark.parametrize("end", ["SIGTERM", "RendezvousClosed"])
+def test_the_launcher_carries_its_own_failures_out_when_the_pod_ends_another_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """A pod that failed twice of its own, then was preempted (SIGTERM: torchrun's real
+    SignalException) or found the rendezvous shut down by an agent that gave up: no crash
+    report, but its 2 restarts go to the termination log beside the trainer's final report,
+    for the job's one budget; its end is still a stop (143, no crash) or torchrun's error."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    from finetune_trainer import launch
+
+    log = tmp_path / "termination-log"
+    log.touch()
+    monkeypatch.setattr(launch, "refused", lambda _: None)  # no worker refused its config
+    monkeypatch.setenv("FT_TERMINATION_LOG", str(log))
+    peer = RuntimeError("[gloo] Connection closed by peer [10.0.0.2]:1")
+
+    def torchrun(args: list[str]) -> None:
+        log_dir = Path(next(a for a in args if a.startswith("--log-dir=")).split("=", 1)[1])
+        _attempt(log_dir, 0, {0: ValueError("bad row")})  # its own: restarted
+        _attempt(log_dir, 1, {0: peer})  # a peer left: restarted, not counted
+        _attempt(log_dir, 2, {0: None, 1: ValueError("bad row")})  # its own again
+        _attempt(log_dir, 3, {0: None})  # the running group, stopped: not restarted
+        (log_dir / "job-uid_abc" / "attempt_2" / "1" / ROUND_FILE).write_text("r2")
+        if end == "SIGTERM":
+            write_final_report(step=7, loss=1.5, checkpoint_step=6, rank=0, stop_reason="Signal")
+            raise SignalException("stopped", signal.SIGTERM)
+        raise RendezvousClosedError()
+
+    monkeypatch.setattr(launch, "torchrun_main", torchrun)
+    argv = ["--nnodes=1:2", "--max-restarts=3", "-m", "finetune_trainer", "--config", "/none"]
+    # attempt 0's ranks died before their group agreed on a round id: the launcher's own.
+    rounds = [f"p{launch._LAUNCH_ID}-0", "r2"]
+    if end == "SIGTERM":
+        assert launch.main(argv) == 143
+        report = json.loads(log.read_text())
+        assert report == {
+            "step": 7, "rank": 0, "loss": 1.5, "checkpointStep": 6,
+            "stopReason": "Signal", "restarts": 2, "rounds": rounds,
+        }  # fmt: skip
+    else:
+        with pytest.raises(RendezvousClosedError):
+            launch.main(argv)
+        assert json.loads(log.read_text()) == {
+            "restarts": 2, "rounds": rounds, "rendezvousClosed": True,
+        }  # fmt: skip
+
+    # No failure of its own before the stop: nothing written (a preemption as before).
+    log.write_text("")
+
+    def quiet(args: list[str]) -> None:
+        log_dir = Path(next(a for a in args if a.startswith("--log-dir=")).split("=", 1)[1])
+        _attempt(log_dir, 0, {0: peer})
+        _attempt(log_dir, 1, {0: None})
+        raise SignalException("stopped", signal.SIGTERM)
+
+    monkeypatch.setattr(launch, "torchrun_main", quiet)
+    assert launch.main(argv) == 143
+    assert log.read_text() == ""
+
+
+def test_the_carried_restarts_stay_within_the_limit_and_never_beside_a_crash(
+    tmp_path: Path,
+) -> None:
+    from finetune_trainer.termination_log import MAX_BYTES, write_restarts
+
+    log = tmp_path / "termination-log"
+    log.write_text(json.dumps({"step": 3, "rank": 0, "output": "x" * 5000}))
+    assert write_restarts(["a", "b", "c", "d"], path=str(log))
+    text = log.read_text()
+    assert len(text.encode()) <= MAX_BYTES and json.loads(text)["restarts"] == 4
+    assert json.loads(text)["rounds"] == ["a", "b", "c", "d"]
+    crash = {"crash": {"rank": 0, "kind": KIND_EXCEPTION, "message": "m", "restarts": 1}}
+    log.write_text(json.dumps(crash))
+    assert not write_restarts(["a"], path=str(log))
+    assert json.loads(log.read_text()) == crash
+    assert not write_restarts(["a"], path=str(tmp_path / "absent"))
 
 
 def test_the_launcher_gives_torchrun_a_log_dir_of_its_own() -> None:

@@ -17,12 +17,18 @@ from torch.distributed.elastic.multiprocessing.api import ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
 
 from finetune_operator.api.training_spec import DatasetSpec
-from finetune_trainer.crash import KIND_PEER_LOST, crash_report, failure_from_process
+from finetune_trainer.crash import (
+    KIND_PEER_LOST,
+    crash_report,
+    failure_from_process,
+    write_round_id,
+)
 from finetune_trainer.data.dataset import build_dataset
 from finetune_trainer.data.records import load_records
 from finetune_trainer.distributed import CollectiveTimeoutError
 from finetune_trainer.faults import FaultConfig, build_faults
 from finetune_trainer.hub_snapshot import HUB_STALL_EXTRA_S, snapshot_bytes
+from finetune_trainer.launch import attempt_round
 from finetune_trainer.startup_barrier import (
     HUB_SNAPSHOT_ALLOWANCE_S,
     BarrierStore,
@@ -312,6 +318,28 @@ def test_a_restarted_round_on_the_same_store_waits_again(store: TCPStore) -> Non
     late.arrive(limit=30.0)
     t.join(10)
     assert waited and waited[0] > 0.4
+
+
+def test_the_ranks_of_a_round_agree_on_its_id_and_the_next_round_has_another(
+    store: TCPStore, tmp_path: Path
+) -> None:
+    """Rank 1 asks before rank 0 has made the id (its get waits for it); both get the same
+    one, left next to each rank's error file for the launcher (crash.write_round_id); the
+    next round's id differs: a failure is counted once per round (reconcile/budget.py)."""
+    ids: list[str] = []
+    waiter = StartupBarrier(client(store), 1, 2, stale_after=5.0)
+    t = threading.Thread(target=lambda: ids.append(waiter.agree_round_id()))
+    t.start()
+    threading.Event().wait(0.2)
+    assert t.is_alive()  # waits for rank 0's id
+    ids.insert(0, StartupBarrier(store, 0, 2, stale_after=5.0).agree_round_id())
+    t.join(10)
+    assert len(ids) == 2 and ids[0] == ids[1] and ids[0]
+    for rank, round_id in enumerate(ids):
+        assert write_round_id(round_id, str(tmp_path / "attempt_0" / str(rank) / "error.json"))
+    assert attempt_round(tmp_path / "attempt_0") == ids[0]
+    following = StartupBarrier(store, 0, 2, stale_after=5.0, round_id=1).agree_round_id()
+    assert following != ids[0]
 
 
 class CountingStore:

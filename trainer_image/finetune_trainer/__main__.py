@@ -12,7 +12,7 @@ import time
 
 from finetune_operator.api.constants import CONFIG_PATH
 from finetune_trainer.config import RuntimeEnv, load_job_config
-from finetune_trainer.crash import record_exception, recorded
+from finetune_trainer.crash import record_exception, record_peer_stop, recorded
 from finetune_trainer.distributed import describe_failure, destroy_distributed, exit_process
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.refusal import EXIT_CONFIG_ERROR, refuse
@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = Trainer(load_job_config(args.config), env)
         code = trainer.train()
+        from finetune_trainer.finish import EXIT_PEER_STOPPED
+
+        if code == EXIT_PEER_STOPPED:
+            record_peer_stop()
     except UnsupportedConfigError as e:
         log.error("unsupported job configuration: %s", e)
         write_error_report(str(e), rank=env.rank)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from finetune_operator.api.constants import FINAL_SAVE_GRACE_SECONDS, METRICS_BASE_PORT
 from finetune_operator.api.jobconfig import JobConfig
+from finetune_trainer.crash import OWN_ROUNDS_ENV, parse_rounds
 from finetune_trainer.faults import FaultConfig, env_number
 
 
@@ -66,6 +67,9 @@ class RuntimeEnv:
     # The workers share their agent's store, the same in every rendezvous round
     # (TORCHELASTIC_USE_AGENT_STORE; finetune_trainer.startup_barrier.round_name).
     agent_store: bool = False
+    # The rendezvous rounds whose failure of the pod's own torchrun restarted the group
+    # after (finetune_trainer.crash.OWN_ROUNDS_ENV, set by the launcher).
+    own_rounds: tuple[str, ...] = ()
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> RuntimeEnv:
@@ -77,6 +81,7 @@ class RuntimeEnv:
             world_size=world,
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            own_rounds=parse_rounds(env.get(OWN_ROUNDS_ENV)),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             pod_ip=env.get("POD_IP") or None,
             pod_name=env.get("POD_NAME") or None,

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, ParamSpec, TypeVar
 
 KIND_OUT_OF_MEMORY = "OutOfMemory"
@@ -35,6 +36,18 @@ KIND_SIGNAL = "Signal"
 KIND_EXCEPTION = "Exception"
 KIND_EXIT = "Exit"
 KIND_PEER_LOST = "PeerLost"
+
+# The launcher tells each trainer it starts which rendezvous rounds its torchrun's restarts so
+# far followed a failure of the pod's own in (launch.reused_attempts: comma-separated round
+# ids, at most MAX_ROUNDS, the newest); the trainer exports them on its metrics
+# (finetune_trainer_own_failure_round, and their count), where the operator counts each round
+# once, however many pods failed in it (reconcile/budget.py).
+OWN_ROUNDS_ENV = "FT_OWN_FAILURE_ROUNDS"
+MAX_ROUNDS = 32  # a job fails at maxRestarts + 1 failed rounds; more never matter
+# The round id a trainer writes next to its error file (`<attempt>/<local rank>/round_id`),
+# where the launcher reads it for each attempt (launch.attempt_round).
+ROUND_FILE = "round_id"
+ROUND_ID_RE = re.compile(r"[0-9A-Za-z_.:-]{1,64}")
 
 MAX_REPORT_BYTES = 4096  # what the kubelet keeps of a termination message
 MAX_FAILED_RANKS = 16
@@ -50,6 +63,8 @@ PEER_LOSS_MARKERS = (
     "DistStoreError",
     "NCCL communicator was aborted",
     "Broken pipe",
+    # A rank that stopped with a peer that was told to stop (PeerStopped, below).
+    "PeerStopped",
     # A collective that waited past its timeout: a peer stopped answering without closing its
     # connections (gloo's message; the trainer's CollectiveTimeoutError carries it).
     "Timed out waiting",
@@ -248,6 +263,45 @@ def recorded(fn: Callable[P, R]) -> Callable[P, R | None]:
         return record(fn)(*args, **kwargs)
 
     return wrapper
+
+
+class PeerStopped(Exception):
+    """This rank stopped because a peer was told to stop (its pod is going away), and exits
+    non-zero (finish.EXIT_PEER_STOPPED) so that torchrun re-forms the group without it."""
+
+
+def record_peer_stop() -> None:
+    """Say in this rank's error file that it stopped for a peer: an exit without an
+    exception leaves none, and an attempt without one reads as a kill, a failure of the pod's
+    own (launch._own_failure), which would spend the job's restart budget on a departure."""
+    try:
+        raise PeerStopped(
+            "a peer was told to stop (its pod is going away); this rank stopped with it after "
+            "the final checkpoint, so that torchrun re-forms the group without the peer"
+        )
+    except PeerStopped as e:
+        record_exception(e)
+
+
+def write_round_id(round_id: str, error_file: str | None = None) -> bool:
+    """Leave this worker group's round id (startup_barrier.agree_round_id) next to this rank's
+    torchelastic error file, where its launcher reads it once the attempt failed; never raises
+    (no error file set: not under torchrun, nothing to tell)."""
+    target = error_file or os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not target:
+        return False
+    try:
+        path = Path(target).parent / ROUND_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(round_id)
+    except OSError:
+        return False
+    return True
+
+
+def parse_rounds(raw: str | None) -> tuple[str, ...]:
+    """Pure: `OWN_ROUNDS_ENV`'s value as round ids (anything malformed dropped)."""
+    return tuple(r for r in (raw or "").split(",") if ROUND_ID_RE.fullmatch(r))[-MAX_ROUNDS:]
 
 
 def record_exception(error: BaseException) -> None:

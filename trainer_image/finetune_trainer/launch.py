@@ -8,7 +8,9 @@ torchrun turns SIGTERM (every graceful pod delete, drain or preemption) into a
 exception escape: a traceback in the pod's log and exit code 1 for what is an orderly stop.
 Here that stop ends with one log line and 128 + the signal (143 for SIGTERM), the code the
 trainer itself exits with when stopped (`finish.EXIT_STOPPED`) and that
-`reconcile/disposition.py` reads as a preemption.
+`reconcile/disposition.py` reads as a preemption. Restarts torchrun made after failures of the
+pod's own before the stop go to the termination log (`carry_restarts`): they spend the job's
+one restart budget however the pod ends (a RendezvousClosedError's too).
 
 A failed worker group ends torchrun with a `ChildFailedError` carrying each failed rank's
 error file (the trainer runs under torchelastic's `record`) or the signal that killed it.
@@ -27,19 +29,25 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.run import main as torchrun_main
 
 from finetune_trainer.crash import (
     KIND_EXIT,
     KIND_PEER_LOST,
+    MAX_ROUNDS,
+    OWN_ROUNDS_ENV,
     PEER_LOSS_MARKERS,
+    ROUND_FILE,
+    ROUND_ID_RE,
     RankFailure,
     crash_report,
     failure_from_process,
@@ -47,9 +55,12 @@ from finetune_trainer.crash import (
 )
 from finetune_trainer.distributed import COLLECTIVE_TIMEOUT_MARKERS
 from finetune_trainer.refusal import EXIT_CONFIG_ERROR, arm, disarm, refused
-from finetune_trainer.termination_log import write_crash_report
+from finetune_trainer.termination_log import write_crash_report, write_restarts
 
 EXIT_FAILED = 1  # what torchrun exits with on a failed worker group
+# Names this launcher's attempts that have no round id (their ranks died before the group
+# agreed on one): each such failure is this pod's alone, and counts alone.
+_LAUNCH_ID = uuid.uuid4().hex[:8]
 
 
 def config_path(argv: list[str]) -> str:
@@ -96,7 +107,7 @@ _ATTEMPT = re.compile(r"attempt_(\d+)")
 
 def with_log_dir(argv: list[str]) -> tuple[list[str], Path | None]:
     """torchrun's arguments with a `--log-dir` of our own, so that the attempts' error files
-    can be read once it gives up (`own_failure_restarts`); unchanged when one is given or
+    can be read once it gives up (`own_failure_rounds`); unchanged when one is given or
     the program is not a module (`-m`: the flag must come before it)."""
     if "-m" not in argv:
         return argv, None
@@ -147,11 +158,42 @@ def _raised_of_its_own(attempt: Path) -> bool:
     return any(text and _counted(text) for text in messages)
 
 
+def attempt_round(attempt: Path, suffix: str = "") -> str:
+    """The rendezvous round `attempt` ran in: the id its trainers agreed on and left next to
+    their error files (startup_barrier.agree_round_id, crash.write_round_id), the same in
+    every pod of the round. An attempt whose ranks died before that gets an id of this
+    launcher's and this attempt's alone: its failure counts alone."""
+    for path in sorted(attempt.glob(f"*/{ROUND_FILE}")):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if ROUND_ID_RE.fullmatch(text):
+            return text
+    return f"p{_LAUNCH_ID}-{attempt.name.removeprefix('attempt_')}{suffix}"
+
+
+def _attempts(run_dir: Path) -> list[tuple[int, Path]]:
+    return sorted(
+        (int(m[1]), path)
+        for path in run_dir.glob("attempt_*")
+        if path.is_dir() and (m := _ATTEMPT.fullmatch(path.name))
+    )
+
+
+def _own_before(run_dir: Path, count: int) -> list[str]:
+    """The rounds of the attempts before `count` in which this pod's group failed of its own
+    (each was restarted: the restart count rises only on a restart)."""
+    return [attempt_round(p) for k, p in _attempts(run_dir) if k < count and _own_failure(p)]
+
+
 @contextmanager
-def reused_attempts() -> Iterator[list[int]]:
+def reused_attempts() -> Iterator[list[str]]:
     """The attempts that failed of this pod's own but that torch restarted as a membership
-    change, whose error files it then wiped: their restart counts, collected while torchrun
-    runs in this process.
+    change, whose error files it then wiped: their rounds (`attempt_round`), collected while
+    torchrun runs in this process. Each worker group started meanwhile is told the rounds of
+    the failures of the pod's own so far (`OWN_ROUNDS_ENV`: its trainers export them, so the
+    operator counts a restart while the pod runs, not only once it gives up).
 
     torch's agent decides on its group's state at each monitor tick: a rank that raised but has
     not exited yet (it is tearing its process group down) leaves the group HEALTHY, and when a
@@ -160,7 +202,7 @@ def reused_attempts() -> Iterator[list[int]]:
     count stays, and DefaultLogsSpecs.reify wipes `attempt_<count>` (the raising rank's error
     file in it) before it starts the new group there. Read before it is wiped."""
     original = DefaultLogsSpecs.reify
-    reused: list[int] = []
+    reused: list[str] = []
 
     def reify(self: DefaultLogsSpecs, envs: dict[int, dict[str, str]]) -> Any:
         run_dir = getattr(self, "_run_log_dir", None)
@@ -168,7 +210,11 @@ def reused_attempts() -> Iterator[list[int]]:
         if run_dir and count is not None:
             attempt = Path(run_dir) / f"attempt_{count}"
             if attempt.is_dir() and _raised_of_its_own(attempt):
-                reused.append(int(count))
+                # Its directory is reused: a later failure at this count is another round.
+                reused.append(attempt_round(attempt, f"r{len(reused)}"))
+        own = reused + (_own_before(Path(run_dir), int(count)) if run_dir and count else [])
+        for env in envs.values():  # the dicts the workers are started with, after this call
+            env[OWN_ROUNDS_ENV] = ",".join(own[-MAX_ROUNDS:])
         return original(self, envs)
 
     DefaultLogsSpecs.reify = reify  # type: ignore[method-assign]
@@ -178,23 +224,49 @@ def reused_attempts() -> Iterator[list[int]]:
         DefaultLogsSpecs.reify = original  # type: ignore[method-assign]
 
 
-def own_failure_restarts(log_dir: Path, reused: int = 0) -> int | None:
-    """torchrun's restarts in this pod that followed a failure of the pod's own, out of all
-    of them (torch also restarts, and counts against --max-restarts, a group whose peer left):
-    one per attempt before the last that failed of its own, plus `reused`: own failures torch
-    restarted as membership changes (`reused_attempts`). None: no attempt found."""
-    attempts = sorted(
-        (int(m[1]), path)
-        for path in log_dir.glob("*/attempt_*")
-        if path.is_dir() and (m := _ATTEMPT.fullmatch(path.name))
-    )
+def _all_attempts(log_dir: Path) -> list[tuple[int, Path]]:
+    return sorted(a for run in log_dir.iterdir() if run.is_dir() for a in _attempts(run))
+
+
+def own_failure_rounds(log_dir: Path, reused: Sequence[str] = ()) -> list[str] | None:
+    """The rounds of torchrun's restarts in this pod that followed a failure of the pod's own,
+    out of all of them (torch also restarts, and counts against --max-restarts, a group whose
+    peer left): one per attempt before the last that failed of its own, after `reused`: own
+    failures torch restarted as membership changes (`reused_attempts`). The newest
+    MAX_ROUNDS. None: no attempt found."""
+    attempts = _all_attempts(log_dir) if log_dir.is_dir() else []
     if not attempts:
         return None
-    return reused + sum(1 for _, path in attempts[:-1] if _own_failure(path))
+    own = [*reused, *(attempt_round(p) for _, p in attempts[:-1] if _own_failure(p))]
+    return own[-MAX_ROUNDS:]
+
+
+def last_round(log_dir: Path | None) -> str | None:
+    """The round of the pod's last attempt (the one that ended the pod)."""
+    attempts = _all_attempts(log_dir) if log_dir is not None and log_dir.is_dir() else []
+    return attempt_round(attempts[-1][1]) if attempts else None
+
+
+def carry_restarts(
+    log_dir: Path | None, reused: Sequence[str] = (), *, rendezvous_closed: bool = False
+) -> int:
+    """The pod ends without a crash report (stopped by a signal, or the rendezvous shut down by
+    another agent): its restarts after failures of its own still happened and spend the job's
+    budget, so they go to the termination log (reconcile/budget.py `fold_ledger`); the
+    pod's end stays what it was (a preemption, RendezvousClosed). The last attempt is the one
+    stopped: only those before it were restarted. Nothing written when there were none (the
+    log's tail stays the message: FallbackToLogsOnError). Returns the count."""
+    own = own_failure_rounds(log_dir, reused) if log_dir is not None else None
+    if own:
+        write_restarts(own, rendezvous_closed=rendezvous_closed)
+    return len(own or ())
 
 
 def report_crash(
-    error: ChildFailedError, argv: list[str], log_dir: Path | None = None, reused: int = 0
+    error: ChildFailedError,
+    argv: list[str],
+    log_dir: Path | None = None,
+    reused: Sequence[str] = (),
 ) -> str | None:
     """Write the root cause to the termination log; the line for the pod's log, None when the
     report would say less than the log (`KIND_EXIT`)."""
@@ -208,10 +280,19 @@ def report_crash(
     # where a worker wedged in D-state made the agent drop its restarts: the count errs high).
     # A group that only lost a peer at the end claims none without the files: the operator
     # counts what a PeerLost pod reports too, and its restarts may all be peers that left.
-    own = own_failure_restarts(log_dir, reused) if log_dir is not None else None
+    # Each with the round it failed in (`rounds`), and the round of the failure that ends the
+    # pod (`round`): the operator counts a round once, however many pods failed in it.
+    own = own_failure_rounds(log_dir, reused) if log_dir is not None else None
     if own is None:
-        own = 0 if report["crash"].get("kind") == KIND_PEER_LOST else max_restarts(argv)
-    report["crash"]["restarts"] = own
+        report["crash"]["restarts"] = (
+            0 if report["crash"].get("kind") == KIND_PEER_LOST else max_restarts(argv)
+        )
+    else:
+        report["crash"]["restarts"] = len(own)
+        report["crash"]["rounds"] = own
+    end = last_round(log_dir)
+    if end is not None:
+        report["crash"]["round"] = end
     # No error file and no signal: a trainer that failed before `record` ran (an import
     # error: the log's tail has it, FallbackToLogsOnError) or that exited with a code of its
     # own after writing its own report. Either says more than "exited with code N".
@@ -258,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     refusal = arm()
     run_args, log_dir = with_log_dir(args)
-    reused: list[int] = []
+    reused: list[str] = []
     try:
         with reused_attempts() as reused:
             torchrun_main(run_args)
@@ -275,18 +356,23 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             return EXIT_CONFIG_ERROR
+        carry_restarts(log_dir, reused)
         name = signal.Signals(e.sigval).name
         # torchrun already logged the signal and shut its workers down, waiting for them.
         print(f"torchrun stopped by {name}: worker group shut down", file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        line = report_crash(e, args, log_dir, len(reused))
+        line = report_crash(e, args, log_dir, reused)
         # torchrun's own summary (each failed rank's traceback, its pick of the root cause),
         # as it would print it, without the launcher's frames around it; then ours, last.
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if line:
             print(line, file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except RendezvousClosedError:
+        # Another agent gave up and shut the rendezvous down: torchrun's own error, unchanged.
+        carry_restarts(log_dir, reused, rendezvous_closed=True)
+        raise
     finally:
         disarm(refusal)
         if log_dir is not None:

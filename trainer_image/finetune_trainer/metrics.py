@@ -10,6 +10,7 @@ import logging
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 class TrainerMetrics:
     def __init__(
-        self, *, job: str, rank: int, device: torch.device, reforms: int, total_steps: int
+        self,
+        *,
+        job: str,
+        rank: int,
+        device: torch.device,
+        reforms: int,
+        total_steps: int,
+        own_rounds: Sequence[str] = (),
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.device = device
@@ -106,6 +114,14 @@ class TrainerMetrics:
         )
         self.last_failed_ckpt_step = gauge(mn.TRAINER_LAST_FAILED_CHECKPOINT_STEP)
         self.reforms.set(reforms)
+        # The pod's restarts after failures of its own (its launcher's), and the rounds they
+        # failed in: every rank exports them, so one scraped rank is enough for the
+        # operator's restart ledger (which counts each round once, whatever pods report it).
+        gauge(mn.TRAINER_OWN_FAILURE_RESTARTS).set(len(own_rounds))
+        r = mn.TRAINER_OWN_FAILURE_ROUND
+        rounds = Gauge(r.family, r.help, r.labels, registry=self.registry)
+        for round_id in own_rounds:
+            rounds.labels(**labels, **{mn.LABEL_ROUND: round_id}).set(1)
         self.total_steps.set(total_steps)
         # Save durations for the run's final summary line (bench/gpu.py reads it).
         self._commit_seconds: list[float] = []

@@ -60,6 +60,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Protocol, Self
 
@@ -104,6 +105,7 @@ class BarrierStore(Protocol):
     def set(self, key: str, value: str) -> None: ...
     def check(self, keys: list[str]) -> bool: ...
     def multi_get(self, keys: list[str]) -> list[bytes]: ...
+    def get(self, key: str) -> bytes: ...
 
 
 def heartbeat_seconds(stale_after: float) -> float:
@@ -205,6 +207,18 @@ class StartupBarrier:
         beat = Beat(self._count, sample.phase, sample.progress, limit)
         self.store.set(self._beat_key(self.rank), encode_beat(beat))
         return sample, limit
+
+    def agree_round_id(self) -> str:
+        """This worker group's id, the same on every rank of the round and new each round:
+        rank 0 makes a random one, the others read it (a blocking get: rank 0 sets it as soon
+        as the group is formed). The launcher counts a failure of the pod's own by the round
+        it happened in (launch.attempt_round), so a failure every pod hits at once is one
+        restart of the job (reconcile/budget.py). Not torch's rendezvous round number: torch
+        keeps it in private attributes of its rendezvous handler."""
+        key = f"{self._prefix}/round_id"
+        if self.rank == 0:
+            self.store.set(key, uuid.uuid4().hex[:16])
+        return self.store.get(key).decode()
 
     def _run(self) -> None:
         while not self._stop.wait(self.heartbeat_s):

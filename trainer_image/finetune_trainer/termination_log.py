@@ -9,14 +9,17 @@ at start), stopReason? ("Signal": the trainer stopped because it was told to, e.
 being preempted; the operator does not count that as a failure), error? (a configuration error,
 `UnsupportedConfigError`: the operator fails the job with it instead of restarting pods that
 would refuse again), crash? (a failed worker group's root cause, written by the launcher:
-finetune_trainer/crash.py). Readers ignore keys they do not know."""
+finetune_trainer/crash.py), restarts? (how often torchrun restarted the group after a failure of
+the pod's own before the pod ended another way: stopped by a signal, or the rendezvous shut
+down, with rendezvousClosed: true; written by the launcher, never with a crash, which carries
+its own). Readers ignore keys they do not know."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-from collections.abc import MutableMapping, MutableSequence
+from collections.abc import MutableMapping, MutableSequence, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +148,30 @@ def write_crash_report(report: dict[str, Any], path: str | None = None) -> bool:
         target.write_text(fit_json(json.loads(text)))
     except OSError as e:
         log.warning("could not write the crash report to %s: %s", target, e)
+        return False
+    return True
+
+
+def write_restarts(
+    rounds: Sequence[str], *, rendezvous_closed: bool = False, path: str | None = None
+) -> bool:
+    """Add the pod's own-failure restarts to what the log holds, when the pod ends without a
+    crash report (reconcile/budget.py: the operator counts them however the pod ended); never
+    raises. A crash report or a configuration error already there is left alone."""
+    target = Path(path or os.environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG))
+    if not target.exists():
+        return False
+    try:
+        report = _read_report(target)
+        if "error" in report or "crash" in report:
+            return False
+        report["restarts"] = len(rounds)
+        report["rounds"] = list(rounds)
+        if rendezvous_closed:
+            report["rendezvousClosed"] = True
+        target.write_text(fit_json(report))  # a final report near the limit loses string tails
+    except OSError as e:
+        log.warning("could not write the restarts to %s: %s", target, e)
         return False
     return True
 

@@ -15,6 +15,7 @@ from finetune_operator.api.jobconfig import JobConfig
 from finetune_trainer.checkpointer import build_checkpointer
 from finetune_trainer.collective_timeout import TrainingTimeout
 from finetune_trainer.config import RuntimeEnv
+from finetune_trainer.crash import write_round_id
 from finetune_trainer.data import CacheSettings, build_dataset
 from finetune_trainer.data.remote import stage_dataset
 from finetune_trainer.data.shared import shared_cache_for
@@ -112,6 +113,9 @@ class Trainer:
             default_store(), self.dist.rank, self.dist.world_size, timeouts.startup,
             round_id=round_name(env.restart_count, agent_store=env.agent_store),
         ).start()  # fmt: skip
+        # The round's id next to this rank's error file: the launcher counts the attempt's
+        # failure by it, once for every pod of the round (crash.write_round_id).
+        write_round_id(barrier.agree_round_id())
         self.startup.mark("group")
         world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
         self.grad_accum = gradient_accumulation(
@@ -177,6 +181,7 @@ class Trainer:
             device=self.device,
             reforms=env.restart_count,
             total_steps=self.total_steps,
+            own_rounds=env.own_rounds,
         )
         self.state = self.parallel.state_type(
             self.model,

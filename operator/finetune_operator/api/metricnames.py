@@ -21,6 +21,7 @@ LABEL_FINETUNEJOB: Final = "finetunejob"
 LABEL_NAMESPACE: Final = "namespace"
 LABEL_RANK: Final = "rank"
 LABEL_STATE: Final = "state"
+LABEL_ROUND: Final = "round"
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,22 @@ TRAINER_REFORMS: Final = _trainer(
     "Times torchrun restarted this rank's worker group after a failed group "
     "(TORCHELASTIC_RESTART_COUNT): a worker failed in its pod, or a peer left (its "
     "collectives failed); a peer joining does not count.",
+)
+TRAINER_OWN_FAILURE_RESTARTS: Final = _trainer(
+    "own_failure_restarts",
+    GAUGE,
+    "Times torchrun restarted this pod's worker group after a failure of the pod's own (a "
+    "rank here raised or was killed; a peer that left is not one), as its launcher read "
+    "torchelastic's error files: the operator adds it to status.restarts (restartLedger).",
+)
+TRAINER_OWN_FAILURE_ROUND: Final = Metric(
+    "finetune_trainer_own_failure_round",
+    GAUGE,
+    (*TRAINER_LABELS, LABEL_ROUND),
+    "1 per rendezvous round (worker-group incarnation, `round`: its id, the same in every pod "
+    "of the round) in which this pod's group failed of its own and torchrun restarted it: "
+    "the operator counts each round once in status.restarts (restartLedger), however many "
+    "pods failed in it.",
 )
 TRAINER_LAST_CHECKPOINT_STEP: Final = _trainer(
     "last_checkpoint_step", GAUGE, "Step of the last committed checkpoint."
@@ -147,7 +164,7 @@ OPERATOR_RESTARTS: Final = Metric(
     COUNTER,
     JOB_LABELS,
     "Failure restarts (failed pods replaced, hang restarts, torchrun's restarts inside a pod "
-    "once the pod gives up): the increments of status.restarts, counted against "
+    "after failures of the pod's own, as its trainers or its end report them): the increments of status.restarts, counted against "
     "faultTolerance.maxRestarts.",
 )
 OPERATOR_PREEMPTIONS: Final = Metric(
@@ -183,6 +200,8 @@ TRAINER_METRICS: Final = (
     TRAINER_RESUMED_FROM_STEP,
     TRAINER_SKIPPED_CHECKPOINT_STEP,
     TRAINER_REFORMS,
+    TRAINER_OWN_FAILURE_RESTARTS,
+    TRAINER_OWN_FAILURE_ROUND,
     TRAINER_PEAK_MEMORY,
     TRAINER_HEARTBEAT,
     TRAINER_PROCESS_START,

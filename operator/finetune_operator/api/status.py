@@ -70,8 +70,18 @@ class FineTuneJobStatus(ApiModel):
         ge=0,
         description="Failure restarts counted against faultTolerance.maxRestarts: failed pods "
         "replaced, hang restarts, and the restarts torchrun made inside a pod after a failure "
-        "of its own (its crash report says how many when it gives up). One failure seen by "
-        "every pod is counted once; peers that left are not.",
+        "of the pod's own (its trainers export them while they run, its crash report says "
+        "them when it gives up, its launcher when it is stopped). Each failed rendezvous "
+        "round counts once (restartLedger): a failure every pod hits at once is one restart, "
+        "failures in different rounds (alternating between pods) are each counted; peers "
+        "that left and preemptions are not counted. Never lowered.",
+    )
+    restart_ledger: list[str] = Field(
+        default_factory=list,
+        description="The ids of the failed rendezvous rounds (worker-group incarnations) "
+        "already counted in restarts, so that a round reported again (by another pod, on the "
+        "next scrape, or in a pod's crash report) adds nothing. At most maxRestarts + 1 ids: "
+        "each spends the budget.",
     )
     preemptions: int = Field(
         0,

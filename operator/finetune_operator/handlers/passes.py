@@ -26,6 +26,7 @@ from finetune_operator.reconcile import (
     merge_progress,
     note_apply_errors,
     note_checkpoint_health,
+    own_rounds_by_pod,
     parse_rank_samples,
     parse_termination_message,
     parse_trainer_metrics,
@@ -156,7 +157,8 @@ async def _scrape(
 
 def _health_input(pages: dict[ScrapeTarget, str], records: RecordBuffer | None) -> HealthInput:
     samples = [s for t, text in pages.items() for s in parse_rank_samples(text, t.pod, t.node)]
-    return HealthInput(samples=tuple(samples), buffer=records)
+    own = own_rounds_by_pod(pages)
+    return HealthInput(samples=tuple(samples), buffer=records, own_rounds=own)
 
 
 def _with_progress(status: Any, out: Outcome, pods: list[PodView], pages: dict[ScrapeTarget, str]) -> Any:  # fmt: skip

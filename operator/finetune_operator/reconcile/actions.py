@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -354,15 +354,17 @@ def decide_actions(
     now: datetime,
     *,
     ensured_generation: int | None = None,
+    own: Mapping[str, frozenset[str]] | None = None,
 ) -> Actions:
     """Actions that move the cluster toward the job's desired state.
 
     `status` is the status *before* compute_status (both read the same inputs, so they agree);
     `ensured_generation` is the generation whose ConfigMap and Services were last applied
     (None: unknown, apply them again - harmless, an update with the same content).
-    Idempotent: on a state that already has every object it returns no creates.
+    Idempotent: on a state that already has every object it returns no creates. `own`: what
+    this pass scraped of the pods' failed rounds (assess.assess).
     """
-    a = assess(ev, status, pods, now)
+    a = assess(ev, status, pods, now, own)
     if a.mode is Mode.ACTIVE:
         return _active(ev, status, a, ensured_generation, now)
     if a.mode is Mode.SUCCEEDED:

@@ -4,7 +4,7 @@ status written and the actions taken always agree."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
@@ -19,7 +19,7 @@ from finetune_operator.api.constants import (
 )
 from finetune_operator.api.status import FineTuneJobStatus
 from finetune_operator.reconcile.admission import FAILED_TO_START
-from finetune_operator.reconcile.budget import failure_number, restarts_after, restarts_made
+from finetune_operator.reconcile.budget import counts_end, end_round_of, fold_ledger
 from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
@@ -51,6 +51,8 @@ class Assessment:
     # Failure restarts counted against maxRestarts, in the pods (torchrun) and of pods
     # (replace_now included): budget.py
     restarts: int = 0
+    # The failed rendezvous rounds counted in `restarts` (budget.fold_ledger).
+    ledger: tuple[str, ...] = ()
     # Pods that ended without being at fault (disposition.py): replaced at once, not counted.
     preempted_now: tuple[tuple[PodView, Verdict], ...] = ()
     preemptions: int = 0  # including preempted_now
@@ -87,25 +89,25 @@ def _backoff_due(pod: PodView, base: float, k: int, now: datetime) -> datetime:
 
 def _walk_failures(
     ev: Evaluation,
-    status: FineTuneJobStatus,
     failed: Sequence[PodView],
     now: datetime,
-    made: int = 0,
+    restarts: int,
+    ledger: list[str],
 ) -> tuple[list[PodView], list[tuple[PodView, datetime]], int, PodView | None]:
-    """Number the failed pods on the job's count of failures (budget.py) and schedule their
-    replacements: oldest failure first, but a pod whose ranks only lost a peer before any that
-    failed of its own: each replacement doubles the next one's backoff, so the root cause's
-    pod is replaced last and stays observed (and named in the Restarting condition) for as
-    long as any pod it took down still waits. The group is whole again no later than in
-    finish order: the last one due waits the same doubled backoff. Returns the pods to
-    replace now, those waiting (and when they are due), the job's failure restarts, and the
-    pod whose failure is beyond the budget (None while there is budget left)."""
+    """Count the failed pods' ends on the job's failures (budget.py: `restarts` has every
+    pod's restarts of its own already) and schedule their replacements: oldest failure first,
+    but a pod whose ranks only lost a peer before any that failed of its own: each
+    replacement doubles the next one's backoff, so the root cause's pod is replaced last and
+    stays observed (and named in the Restarting condition) for as long as any pod it took
+    down still waits. The group is whole again no later than in finish order: the last one
+    due waits the same doubled backoff. An end of a pod's own is counted when the pod is
+    replaced (a pod that waits is not counted yet, and counted once: it is deleted then), by
+    its round: pods that gave up in the same round count once (its id goes to `ledger`).
+    Returns the pods to replace now, those waiting (and when they are due), the job's failure
+    restarts, and the pod whose failure is beyond the budget (None while there is budget)."""
     assert ev.spec is not None
     ft = ev.spec.fault_tolerance
-    # `made`: restarts the ended pods' torchruns made after failures of their own, whatever
-    # each pod's end was (a pod whose last attempt only lost a peer included).
-    restarts = max(status.restarts, made)
-    doubling = status.restarts  # the backoff's exponent
+    doubling = restarts  # the backoff's exponent
     replace_now: list[PodView] = []
     waiting: list[tuple[PodView, datetime]] = []
     order = sorted(
@@ -113,20 +115,20 @@ def _walk_failures(
         key=lambda p: (not is_peer_loss(p.termination_message), p.finished_at or EPOCH, p.name),
     )
     for pod in order:
-        number = failure_number(pod, restarts)
-        if number is not None and number > ft.max_restarts:
+        round_id = end_round_of(pod)
+        own = counts_end(pod) and round_id not in ledger
+        if own and restarts + 1 > ft.max_restarts:
             # maxRestarts + 1 attempts have failed: the restarts made are all there were.
-            return replace_now, waiting, max(restarts, ft.max_restarts), pod
-        if number is not None:
-            doubling = max(doubling, number - 1)
+            return replace_now, waiting, restarts, pod
         due = _backoff_due(pod, ft.backoff_seconds, doubling, now)
         if waiting or now < due:
             waiting.append((pod, due))
-            restarts = restarts_after(restarts, number, replaced=False)
         else:
             replace_now.append(pod)
             doubling += 1
-            restarts = restarts_after(restarts, number, replaced=True)
+            if own:
+                restarts += 1
+                ledger.append(round_id)
     return replace_now, waiting, restarts, None
 
 
@@ -152,9 +154,39 @@ def queued_reason(ev: Evaluation) -> str:
     return REASON_EVICTED if q is not None and q.evicted is not None else REASON_QUEUED
 
 
+def _fold(
+    status: FineTuneJobStatus, pods: Sequence[PodView], own: Mapping[str, frozenset[str]]
+) -> tuple[int, list[str], dict[str, list[str]]]:
+    ledger, added = fold_ledger(status.restart_ledger, pods, own)
+    return status.restarts + sum(map(len, added.values())), ledger, added
+
+
+def _exhausted_live(ev: Evaluation, added: Mapping[str, Sequence[str]], restarts: int) -> str:
+    """Why the job failed when the failed rounds the pods report, while they still run, went
+    beyond the budget: the pods that reported new ones this pass, most first."""
+    assert ev.spec is not None
+    used = ev.spec.fault_tolerance.max_restarts
+    grew = sorted(added.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    pods = ", ".join(f"{name} ({len(ids)} new)" for name, ids in grew)
+    return shorten(
+        f"trainers failed of their own and were restarted by torchrun in their pods ({pods}): "
+        f"{restarts} failures; all {used} restarts allowed are used ({used + 1} attempts "
+        "failed); each pod's log has the tracebacks",
+        1000,
+    )
+
+
 def assess(
-    ev: Evaluation, status: FineTuneJobStatus, pods: Sequence[PodView], now: datetime
+    ev: Evaluation,
+    status: FineTuneJobStatus,
+    pods: Sequence[PodView],
+    now: datetime,
+    own: Mapping[str, frozenset[str]] | None = None,
 ) -> Assessment:
+    """`own`: each running worker pod's failed rounds that its torchrun restarted after, by
+    pod uid, as its trainers' metrics said on this pass's scrape (budget.py); None: not
+    scraped."""
+    restarts, ledger, added = _fold(status, pods, own or {})
     live = [p for p in pods if not p.terminating]
     workers = {p.index: p for p in live if p.is_worker and p.index is not None}
     seen = Assessment(
@@ -162,7 +194,8 @@ def assess(
         workers=workers,
         rendezvous=next((p for p in live if p.is_rendezvous), None),
         terminating=frozenset(p.name for p in pods if p.terminating),
-        restarts=status.restarts,
+        restarts=restarts,
+        ledger=tuple(ledger),
         preemptions=status.preemptions,
         ready=sum(1 for p in workers.values() if p.ready and p.phase == RUNNING),
         any_worker_succeeded=any(p.phase == SUCCEEDED for p in workers.values()),
@@ -174,7 +207,14 @@ def assess(
     sticky = _sticky_mode(status)
     if sticky is not None:
         mode, reason = sticky
-        return replace(seen, mode=mode, failure_reason=reason or seen.failure_reason)
+        # Over: nothing more is counted.
+        return replace(
+            seen,
+            mode=mode,
+            failure_reason=reason or seen.failure_reason,
+            restarts=status.restarts,
+            ledger=tuple(status.restart_ledger),
+        )
     if ev.spec.suspend:
         return replace(seen, mode=Mode.SUSPENDED)
     if ev.queue is not None:
@@ -223,14 +263,23 @@ def assess(
     preempted = tuple((p, v) for p, v in verdicts if not v.disposition.counted)
     seen = replace(seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted))
     failed = [p for p, v in verdicts if v.disposition.counted]
-    made = max((r for p in ended if p.is_worker and (r := restarts_made(p))), default=0)
-    replace_now, waiting, restarts, exhausted = _walk_failures(ev, status, failed, now, made)
-    if exhausted is not None:
-        used = ev.spec.fault_tolerance.max_restarts
+    used = ev.spec.fault_tolerance.max_restarts
+    replace_now, waiting, counted, exhausted = _walk_failures(ev, failed, now, restarts, ledger)
+    if exhausted is not None or restarts > used:
+        if not failed:
+            # Restarts inside pods that still run (failures alternating between them).
+            msg = _exhausted_live(ev, added, restarts)
+            return replace(seen, mode=Mode.FAILED, restarts=max(used, status.restarts), message=msg)
         # Say the root cause: a pod whose ranks only lost their peer is a consequence of
         # another's failure (finished at the same moment, in any order).
         culprit = root_cause_first(failed)[0]
         spent = f"all {used} restarts allowed are used ({used + 1} attempts failed)"
         msg = shorten(f"{culprit.describe_failure()}; {spent}", 1000)
-        return replace(seen, mode=Mode.FAILED, restarts=restarts, message=msg)
-    return replace(seen, replace_now=tuple(replace_now), waiting=tuple(waiting), restarts=restarts)
+        return replace(seen, mode=Mode.FAILED, restarts=max(used, status.restarts), message=msg)
+    return replace(
+        seen,
+        replace_now=tuple(replace_now),
+        waiting=tuple(waiting),
+        restarts=counted,
+        ledger=tuple(ledger),
+    )

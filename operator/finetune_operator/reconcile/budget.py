@@ -10,35 +10,48 @@ counted.
 Two layers, one count (`status.restarts`):
 
 - A worker pod is made with torchrun's `--max-restarts` set to the budget the job has left then
-  (`in_pod_budget`), and annotated with the job's restarts then (`PodView.restarts_before`).
-  So its torchrun gives up no later than at the job's failure maxRestarts + 1, whether or not
-  the operator ever saw its restarts: the total is bounded even if every scrape is missed.
-- A pod whose torchrun gave up says in its crash report how many of its restarts followed a
-  failure of its own (`restarts`: finetune_trainer/launch.py reads the attempts' error files;
-  torch also restarts, and counts, a group whose peer left). Its end is then the job's
-  failure number `restarts_before + restarts + 1` (`failure_number`): its restarts inside the
-  pod show in `status.restarts` and spend the budget, the peers that left do not.
+  (`in_pod_budget`), and annotated with the job's restarts then (`restart-attempt`). So its
+  torchrun gives up no later than at the job's failure maxRestarts + 1, whether or not the
+  operator ever sees its restarts: the total is bounded even if every scrape is missed.
+- Each failure of a pod's own (a rank of the pod raised or was killed; torch also restarts,
+  and counts, a group whose peer left: finetune_trainer/launch.py reads the attempts' error
+  files) is named by the rendezvous round it happened in: an id the round's ranks agree on
+  when the group forms (finetune_trainer/startup_barrier.py), the same in every pod of the
+  round; a group whose ranks died before that gets an id of its pod's alone. Each pod says
+  the rounds its torchrun restarted after: live, on its trainers' metrics
+  (`finetune_trainer_own_failure_round`, scraped each pass); in its crash report when its
+  torchrun gives up (with the round that ended it); in its termination log when it is
+  stopped (SIGTERM: preempted, evicted, drained) or finds the rendezvous closed.
+- The restart ledger (`status.restartLedger`, `fold_ledger`) is the set of round ids already
+  counted in `status.restarts`; each pass adds one restart per id not in it yet. So a
+  failure every pod hits at once (every rank raising at the same step: a bad batch, an OOM
+  everywhere, a code bug) is one restart, failures that alternate between pods (different
+  rounds) are each counted, and the same round seen live and again at a pod's end is counted
+  once. Every id added spends the budget and the job fails past maxRestarts, so the ledger
+  holds at most maxRestarts + 1 ids (no pruning). `status.restarts` only grows: an old status
+  without a ledger keeps its number, and ids add to it.
+- A pod's end is one more failure when it is its own (`counts_end`): its group failed of its
+  own (a crash report other than a lost peer; a collective that timed out is its own), or it
+  left no report (OOMKilled, killed from outside, an agent's error). It is counted, by its
+  round (`end_round_of`: every pod that gave up in that round names it), when the pod is
+  replaced (assess.py). A pod whose ranks only lost a peer, a preemption, a closed
+  rendezvous: the end counts nothing, the restarts the pod made before still do.
 
-One failure is seen by every pod: a rank that raises makes its peers' collectives fail, so
-every agent restarts its group (or gives up) on the same event. Numbering each pod's failures
-on the job's count, from the count when the pod was made, gives the same event the same number
-in every pod: it is counted once (the highest number, not a sum over pods). A pod whose ranks
-only lost a peer (crash kind `PeerLost`) has no failure of its own at its end: the failure is
-the peer pod's (numbered there) or the peer was taken away (not counted); the restarts its
-torchrun made after its own earlier failures still happened (`restarts_made`). torch counts a peer's
-departure as a failed group too, so a pod may have spent its `--max-restarts` on preemptions
-and give up with budget left: it is replaced, the departures spend nothing. A pod that left no crash report (its container
-killed from outside: OOMKilled, a SIGKILL of the pod; an older trainer image) is one more
-failure: the next number.
+A trainer image that reports only counts (no rounds) is read as that many rounds of its pod's
+alone: counted once per pod, as before rounds were named.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from finetune_operator.reconcile.crash import (
+    carried_restarts,
+    carried_rounds,
+    end_round,
     has_crash_report,
     is_collective_timeout,
     is_peer_loss,
-    reported_restarts,
 )
 from finetune_operator.reconcile.observed import PodView
 
@@ -60,35 +73,47 @@ def in_pod_budget(max_restarts: int, restarts: int) -> int:
     return max(0, max_restarts - restarts)
 
 
-def restarts_made(pod: PodView) -> int | None:
-    """The job's failure restarts that had happened once `pod`'s torchrun made its restarts
-    after failures of the pod's own (its `restart-attempt` + its report's `restarts`), however
-    the pod then ended: a pod whose last attempt only lost a peer still restarted after its
-    own earlier failures. None: no report or no annotation."""
-    in_pod = reported_restarts(pod.termination_message)
-    if in_pod is None or pod.restarts_before is None:
-        return None
-    return pod.restarts_before + in_pod
-
-
-def failure_number(pod: PodView, restarts: int) -> int | None:
-    """Which of the job's failures `pod`'s end is, counting from 1; `restarts`: the job's
-    failure restarts counted so far. None: a consequence of another pod's failure or of a
-    membership change (its ranks only lost a peer), never counted; but a peer lost by a
-    collective timing out is counted (a hang: crash.is_collective_timeout)."""
+def own_rounds(pod: PodView, live: Mapping[str, frozenset[str]]) -> frozenset[str]:
+    """The rounds of the failures of `pod`'s own that its torchrun restarted after, as far as
+    anything says now: its trainers' last scrape (`live`, by pod uid), its crash report, or
+    what its launcher carried out when it was stopped. A report with a count and no rounds
+    (an older trainer image): that many rounds of the pod's alone."""
     message = pod.termination_message
-    if is_peer_loss(message) and not is_collective_timeout(message):
-        return None
-    made = restarts_made(pod)
-    if made is None:
-        return restarts + 1
-    # The same event seen by several pods gets the same number: max() in the caller.
-    return made + 1
+    rounds = set(live.get(pod.uid, ()))
+    carried = carried_rounds(message)
+    if carried is not None:
+        rounds.update(carried)
+    else:
+        rounds.update(f"{pod.uid}/{k}" for k in range(carried_restarts(message) or 0))
+    return frozenset(rounds)
 
 
-def restarts_after(restarts: int, number: int | None, *, replaced: bool) -> int:
-    """The job's failure restarts once `number` is known: the restarts inside the pod before
-    it gave up have happened (number - 1); its replacement is one more (number)."""
-    if number is None:
-        return restarts
-    return max(restarts, number if replaced else number - 1)
+def end_round_of(pod: PodView) -> str:
+    """The round of the failure that ended `pod` (its crash report names it); a pod that
+    left none (killed from outside, an older image): one of its own, counted alone."""
+    return end_round(pod.termination_message) or f"{pod.uid}/end"
+
+
+def fold_ledger(
+    ledger: Sequence[str], pods: Sequence[PodView], live: Mapping[str, frozenset[str]]
+) -> tuple[list[str], dict[str, list[str]]]:
+    """The ledger after this pass (the round ids counted, oldest first), and the rounds it
+    adds, by the name of the worker pod that reported each first: each adds one restart to
+    `status.restarts` (a round several pods report is one)."""
+    counted = list(dict.fromkeys(ledger))
+    seen = set(counted)
+    added: dict[str, list[str]] = {}
+    for pod in sorted((p for p in pods if p.is_worker), key=lambda p: (p.name, p.uid)):
+        for round_id in sorted(own_rounds(pod, live) - seen):
+            seen.add(round_id)
+            counted.append(round_id)
+            added.setdefault(pod.name, []).append(round_id)
+    return counted, added
+
+
+def counts_end(pod: PodView) -> bool:
+    """`pod`'s end (a counted disposition: disposition.py) is one more failure of its own,
+    not the consequence of another's: a peer lost is counted only when a collective timed out
+    (a hang: crash.is_collective_timeout, which nothing else would ever count)."""
+    message = pod.termination_message
+    return not is_peer_loss(message) or is_collective_timeout(message)

@@ -102,9 +102,10 @@ def reconcile_job(
     if queue is not None:
         # Also for an invalid spec: its Workload is deactivated, giving the quota back.
         ev = replace(ev, queue=_with_sync(ev, queue) if ev.ok else queue)
-    new_status = compute_status(ev, status, seen, now)
+    own = health.own_rounds if health is not None else None
+    new_status = compute_status(ev, status, seen, now, own)
     new_status = note_queue_label(new_status, label, now, job.generation)
-    actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation)
+    actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation, own=own)
     extra: tuple[EventSpec, ...] = ()
     buffer, ratios = None, {}
     if health is not None:

@@ -103,8 +103,11 @@ def has_crash_report(message: str | None) -> bool:
 def rendezvous_closed(message: str | None) -> bool:
     """The pod's torchrun ended because the job's rendezvous was shut down (another agent gave
     up: reconcile/budget.py): its log's last exception is torch's RendezvousClosedError."""
-    if _report(message) is not None:
-        return False
+    report = _report(message)
+    if report is not None:
+        # A launcher that had restarted after failures of its own says so in a report of its
+        # own, which hides the log's tail (FallbackToLogsOnError): it names the error too.
+        return report.get("rendezvousClosed") is True
     line = describe_log_tail(message or "", last_line=False) or ""
     return line.split(":", 1)[0].endswith("RendezvousClosedError")
 
@@ -115,6 +118,44 @@ def reported_restarts(message: str | None) -> int | None:
     the pod left no crash report (killed from outside, or an older trainer image)."""
     value = (_crash(message) or {}).get("restarts")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def carried_restarts(message: str | None) -> int | None:
+    """How many times the pod's torchrun restarted its worker group after a failure of its own
+    before the pod ended another way (preempted, stopped by a signal, the rendezvous closed:
+    `restarts` at the report's top level, finetune_trainer/launch.py), else its crash report's
+    count (`reported_restarts`); None when it says neither (it never restarted after a failure
+    of its own, or an older trainer image)."""
+    value = (_report(message) or {}).get("restarts")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return reported_restarts(message)
+
+
+_ROUND_ID = re.compile(r"[0-9A-Za-z_.:-]{1,64}")
+MAX_ROUNDS = 32  # the launcher's bound (finetune_trainer.crash.MAX_ROUNDS)
+
+
+def _round_ids(value: object) -> tuple[str, ...] | None:
+    if not isinstance(value, list):
+        return None
+    return tuple(v for v in value if isinstance(v, str) and _ROUND_ID.fullmatch(v))[-MAX_ROUNDS:]
+
+
+def carried_rounds(message: str | None) -> tuple[str, ...] | None:
+    """The rendezvous rounds of the failures of the pod's own its torchrun restarted after
+    (`rounds` at the report's top level when the pod ended another way, else in its crash
+    report: finetune_trainer/launch.py); None when the report names none (no report, or a
+    trainer image that says only the count: `carried_restarts`)."""
+    top = _round_ids((_report(message) or {}).get("rounds"))
+    return top if top is not None else _round_ids((_crash(message) or {}).get("rounds"))
+
+
+def end_round(message: str | None) -> str | None:
+    """The round of the failure that ended the pod (`round` in its crash report), None when
+    its report names none."""
+    value = (_crash(message) or {}).get("round")
+    return value if isinstance(value, str) and _ROUND_ID.fullmatch(value) else None
 
 
 def describe_oom_kill(memory_limit: str | None) -> str:

@@ -18,7 +18,8 @@ The evidence, strongest first:
    even though the store was replaced since (the operator replaces it because such an
    agent shuts the rendezvous down: reconcile/actions.py);
 5. a worker that joined the current store and whose agent then found its rendezvous shut
-   down (torch's RendezvousClosedError, in its log's tail): another agent gave up, and that
+   down (torch's RendezvousClosedError, in its log's tail, or `rendezvousClosed` in the report
+   its launcher left with its restarts: launch.carry_restarts): another agent gave up, and that
    one's failure is counted; the store is replaced. Workers are never created while the store's pod
    is going away (actions.py), so one created after the current store joined that store.
 """

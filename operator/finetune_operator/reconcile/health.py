@@ -9,7 +9,7 @@ counts as one restart: the group restarts from the last committed checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -51,6 +51,9 @@ class HealthInput:
 
     samples: tuple[RankSample, ...] = ()
     buffer: RecordBuffer | None = None
+    # Each running worker pod's failed rounds its torchrun restarted after, by pod uid (all
+    # its ranks' pages said): the restart ledger's live feed (reconcile/budget.py).
+    own_rounds: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def assess_health(
 ) -> Health:
     """Status and actions with the straggler and hang decisions added."""
     buffer = seen.buffer or RecordBuffer(carried={s.rank: s for s in before.stragglers})
-    a = assess(ev, before, pods, now)
+    a = assess(ev, before, pods, now, seen.own_rounds)
     if a.mode is not Mode.ACTIVE or ev.spec is None:
         cleared = status.model_copy(update={"stragglers": [], "last_progress_time": None})
         return Health(cleared, actions, buffer=RecordBuffer())

@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from finetune_operator.api.constants import (
-    ANNOTATION_RESTART_ATTEMPT,
     LABEL_JOB,
     LABEL_ROLE,
     LABEL_WORKER_INDEX,
@@ -47,9 +46,6 @@ class PodView:
     # it is merely being scheduled or created.
     blocked: str | None = None
     memory_limit: str | None = None  # the container's resources.limits.memory, for OOMKilled
-    # The job's failure restarts when the operator made this pod (its restart-attempt
-    # annotation): where the pod's own torchrun restarts start on the job's count (budget.py).
-    restarts_before: int | None = None
 
     @property
     def is_worker(self) -> bool:
@@ -193,7 +189,6 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
         created_at=parse_time(meta.get("creationTimestamp")),
         blocked=_blocked(status, spec if labels.get(LABEL_ROLE) == ROLE_WORKER else None),
         memory_limit=_memory_limit(spec),
-        restarts_before=_int((meta.get("annotations") or {}).get(ANNOTATION_RESTART_ATTEMPT), None),
     )
 
 

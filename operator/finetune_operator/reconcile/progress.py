@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TypeVar
@@ -41,6 +41,7 @@ class ScrapeTarget:
     url: str
     local_rank: int
     node: str | None = None
+    uid: str = ""  # the pod's: a replacement keeps the name
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class TrainerProgress:
 def scrape_targets(pods: Sequence[PodView], processes_per_pod: int) -> list[ScrapeTarget]:
     """Every local rank's endpoint (port 9400 + local rank) of each running worker pod."""
     return [
-        ScrapeTarget(p.name, f"http://{p.ip}:{METRICS_BASE_PORT + r}/metrics", r, p.node)
+        ScrapeTarget(p.name, f"http://{p.ip}:{METRICS_BASE_PORT + r}/metrics", r, p.node, p.uid)
         for p in pods
         if p.is_worker and p.phase == RUNNING and p.ip and not p.terminating
         for r in range(processes_per_pod)
@@ -127,6 +128,30 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
         total_steps=int(total) if total is not None and total > 0 else None,
         skipped_checkpoint=int(skipped) if skipped else None,
     )
+
+
+OWN_ROUND = mn.TRAINER_OWN_FAILURE_ROUND.name
+
+
+def parse_own_rounds(text: str) -> frozenset[str] | None:
+    """The failed rounds one metrics page reports (every rank of a pod exports its launcher's
+    list: `round` labels of the samples at 1), None when the page has none."""
+    try:
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except (ValueError, TypeError, IndexError):
+        return None
+    rounds = [s.labels.get(mn.LABEL_ROUND) for s in samples if s.name == OWN_ROUND and s.value]
+    return frozenset(r for r in rounds if r) or None
+
+
+def own_rounds_by_pod(pages: Mapping[ScrapeTarget, str]) -> dict[str, frozenset[str]]:
+    """Each scraped pod's failed rounds (the union over its ranks' pages), by uid."""
+    out: dict[str, frozenset[str]] = {}
+    for target, text in pages.items():
+        rounds = parse_own_rounds(text)
+        if rounds and target.uid:
+            out[target.uid] = out.get(target.uid, frozenset()) | rounds
+    return out
 
 
 def parse_termination_message(text: str | None) -> TrainerProgress:

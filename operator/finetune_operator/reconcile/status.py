@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 from finetune_operator.api.constants import (
@@ -187,15 +187,21 @@ def _workload_of(ev: Evaluation, status: FineTuneJobStatus) -> str | None:
 
 
 def compute_status(
-    ev: Evaluation, status: FineTuneJobStatus, pods: Sequence[PodView], now: datetime
+    ev: Evaluation,
+    status: FineTuneJobStatus,
+    pods: Sequence[PodView],
+    now: datetime,
+    own: Mapping[str, frozenset[str]] | None = None,
 ) -> FineTuneJobStatus:
-    """The new status; equal to `status` when nothing changed (so no patch is needed)."""
-    a = assess(ev, status, pods, now)
+    """The new status; equal to `status` when nothing changed (so no patch is needed).
+    `own`: what this pass scraped of each pod's failed rounds (assess.assess)."""
+    a = assess(ev, status, pods, now, own)
     conds = _conditions(status.conditions, _wants(ev, a), now, ev.job.generation)
     update: dict[str, object] = {
         "conditions": conds,
         "phase": derive_phase(conds),
         "restarts": a.restarts,
+        "restart_ledger": list(a.ledger),
         "preemptions": a.preemptions,
         "ready_workers": a.ready,
         "observed_generation": ev.job.generation,
