@@ -144,7 +144,10 @@ async def _schedule_group(
         and _active(p)
     ]
     pending = [p for p in members if not p.get("spec", {}).get("nodeName")]
-    bound = len(members) - len(pending)
+    # Coscheduling counts the members its snapshot has on a node: one bound to a node that is
+    # gone (deleted, its pods not yet collected) runs nowhere and holds no place in the gang.
+    names = {n["metadata"]["name"] for n in nodes}
+    bound = sum(1 for p in members if p.get("spec", {}).get("nodeName") in names)
     min_member = int(pod_group.get("spec", {}).get("minMember") or 1)
     chosen, why = place_gang(pending, bound, min_member, nodes, pods_by_node(pods.values()))
     for pod in pending:
