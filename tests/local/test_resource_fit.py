@@ -316,3 +316,64 @@ def test_the_api_servers_resource_validation(
     assert resource_errors(spec) == [
         (f"spec.containers[0].resources.{field}", message) for field, message in errors
     ]
+
+
+def _tainted(name: str, *taints: dict[str, str], unschedulable: bool = False) -> dict[str, Any]:
+    node = _node(name, cpu="4")
+    node["spec"] = {"taints": list(taints), "unschedulable": unschedulable}
+    return node
+
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize(
+    ("tolerations", "fits"),
+    [
+        ([], False),
+        ([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}], True),
+        ([{"key": "nvidia.com/gpu", "operator": "Equal", "value": "present"}], True),
+        ([{"key": "nvidia.com/gpu", "value": "absent"}], False),
+        ([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute"}], False),
+        ([{"operator": "Exists"}], True),  # no key: every taint
+        ([{"key": "other", "operator": "Exists"}], False),
+    ],
+)
+def test_a_noschedule_taint_needs_a_matching_toleration(
+    tolerations: list[dict[str, str]], fits: bool
+) -> None:
+    pod = _pod(_container({"cpu": "1"}))
+    pod["spec"]["tolerations"] = tolerations
+    node, message = pick_node(pod, [_tainted("gpu-0", GPU_TAINT)], {})
+    assert (node == "gpu-0") is fits
+    if not fits:
+        assert message == (
+            "0/1 nodes are available: 1 node(s) had untolerated taint {nvidia.com/gpu: present}."
+        )
+
+
+def test_taints_are_filtered_before_resources_and_prefer_no_schedule_only_scores() -> None:
+    evict = {"key": "spot", "value": "reclaimed", "effect": "NoExecute"}
+    soft = {"key": "soft", "value": "", "effect": "PreferNoSchedule"}
+    nodes = [_tainted("a", evict), _tainted("b", soft), _node("c", cpu="1")]
+    pod = _pod(_container({"cpu": "2"}))
+    assert pick_node(pod, nodes, {})[0] == "b"
+    big = _pod(_container({"cpu": "8"}))
+    assert pick_node(big, nodes, {}) == (
+        None,
+        "0/3 nodes are available: 2 Insufficient cpu, 1 node(s) had untolerated taint "
+        "{spot: reclaimed}.",
+    )
+
+
+def test_a_cordoned_node_takes_a_pod_that_tolerates_unschedulable() -> None:
+    cordoned = _tainted("a", unschedulable=True)
+    pod = _pod(_container({"cpu": "1"}))
+    assert pick_node(pod, [cordoned], {}) == (
+        None,
+        "0/1 nodes are available: 1 node(s) were unschedulable.",
+    )
+    pod["spec"]["tolerations"] = [
+        {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert pick_node(pod, [cordoned], {})[0] == "a"
