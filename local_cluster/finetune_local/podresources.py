@@ -4,7 +4,8 @@ default each missing request from its limit, validate them, and compute the pod'
 - Decoding: a value that is no quantity is a 400 naming its field.
 - Defaulting: a container's limit with no request of the same resource becomes its request.
 - Validation (a 422 with every cause, named by its field as the API server names it,
-  ``spec.containers[0].resources.requests[cpu]``): no quantity below zero; an extended resource
+  ``spec.containers[0].resources.requests[cpu]``): no quantity below zero (overhead
+  too); an extended resource
   (a name with a domain other than ``kubernetes.io``, such as ``nvidia.com/gpu``) in whole
   units, with a limit, and requested exactly at its limit (it cannot be overcommitted); a
   request of any other resource at most its limit.
@@ -97,6 +98,8 @@ def resource_errors(spec: dict[str, Any]) -> list[tuple[str, str]]:
     """What the API server's validation says of the pod's requests and limits (after
     defaulting): (field, message) per fault, empty when they are valid."""
     errors: list[tuple[str, str]] = []
+    for name, value in (spec.get("overhead") or {}).items():
+        errors += _value_errors(f"spec.overhead[{name}]", name, value)
     for path, container in _containers(spec):
         resources = container.get("resources") or {}
         limits, requests = resources.get("limits") or {}, resources.get("requests") or {}

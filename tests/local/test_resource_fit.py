@@ -377,3 +377,10 @@ def test_a_cordoned_node_takes_a_pod_that_tolerates_unschedulable() -> None:
         {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"}
     ]
     assert pick_node(pod, [cordoned], {})[0] == "a"
+
+
+def test_a_negative_overhead_is_refused() -> None:
+    spec = {"containers": [{"name": "c"}], "overhead": {"memory": "-64Mi"}}
+    assert resource_errors(spec) == [
+        ("spec.overhead[memory]", 'Invalid value: "-64Mi": must be greater than or equal to 0')
+    ]
