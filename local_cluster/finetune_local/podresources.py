@@ -4,11 +4,10 @@ default each missing request from its limit, validate them, and compute the pod'
 - Decoding: a value that is no quantity is a 400 naming its field.
 - Defaulting: a container's limit with no request of the same resource becomes its request.
 - Validation (a 422 with every cause, named by its field as the API server names it,
-  ``spec.containers[0].resources.requests[cpu]``): no quantity below zero (overhead
-  too); an extended resource
-  (a name with a domain other than ``kubernetes.io``, such as ``nvidia.com/gpu``) in whole
-  units, with a limit, and requested exactly at its limit (it cannot be overcommitted); a
-  request of any other resource at most its limit.
+  ``spec.containers[0].resources.requests[cpu]``): no quantity below zero (overhead too); an
+  extended resource (a name with a domain other than ``kubernetes.io``, such as
+  ``nvidia.com/gpu``) in whole units, with a limit, and requested exactly at its limit (it
+  cannot be overcommitted); a request of any other resource at most its limit.
 - QoS class (``status.qosClass``), over init and app containers: only cpu and memory count,
   and only quantities above zero. BestEffort when no container requests or limits either;
   Guaranteed when every container limits both cpu and memory and the pod's requests equal its
