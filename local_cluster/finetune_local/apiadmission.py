@@ -1,7 +1,8 @@
 """What the API server checks and fills in on an object before it stores it.
 
 Decisions only, no store: metadata types and names, server-owned fields, the defaults the
-built-in kinds get (Pod, Service, Namespace), CRD schemas of custom resources, the status a
+built-in kinds get (Pod, Service, Namespace; a pod's requests, limits and QoS class are
+:mod:`.podresources`), CRD schemas of custom resources, the status a
 new CRD is given, and what ``generation`` tracks. :mod:`.apiobjects` applies them on create
 and update.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from finetune_local.apiresources import ResourceType
 from finetune_local.apistore import bad_request, invalid
-from finetune_local.resourcefit import parse_quantity
+from finetune_local.podresources import default_requests, qos_class, validate_resources
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -93,64 +94,6 @@ def validate_name(rtype: ResourceType, name: Any) -> None:
         )
 
 
-def _containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
-
-
-_QUANTITY_RULE = (
-    "quantities must match the regular expression '^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$'"
-)
-
-
-def _check_quantities(spec: dict[str, Any]) -> None:
-    """A request, limit or overhead that is no quantity is refused (400), as the API server's
-    decoding refuses it; named by its field here."""
-    fields = [("spec.overhead", spec.get("overhead") or {})]
-    for kind in ("initContainers", "containers"):
-        for i, container in enumerate(spec.get(kind) or []):
-            resources = container.get("resources") or {}
-            for which in ("requests", "limits"):
-                fields.append((f"spec.{kind}[{i}].resources.{which}", resources.get(which) or {}))
-    for field, values in fields:
-        for name, value in values.items():
-            try:
-                parse_quantity(value)
-            except ValueError:
-                raise bad_request(f"{field}[{name}]: {value!r}: {_QUANTITY_RULE}") from None
-
-
-def default_requests(spec: dict[str, Any]) -> None:
-    """A container's limit with no request of the same resource becomes its request, as the
-    API server's defaulting does: the scheduler then reserves what the container may use."""
-    _check_quantities(spec)
-    for container in _containers(spec):
-        resources = container.get("resources") or {}
-        limits = resources.get("limits") or {}
-        if limits:
-            requests = resources.setdefault("requests", {})
-            for name, value in limits.items():
-                requests.setdefault(name, value)
-            container["resources"] = resources
-
-
-def qos_class(spec: dict[str, Any]) -> str:
-    """The pod's QoS class from its cpu and memory: BestEffort with no request or limit on
-    either, Guaranteed when every container limits both to what it requests, else Burstable."""
-    pairs = []
-    for container in _containers(spec):
-        resources = container.get("resources") or {}
-        requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
-        pairs.append({r: (requests.get(r), limits.get(r)) for r in ("cpu", "memory")})
-    if all(v == (None, None) for pair in pairs for v in pair.values()):
-        return "BestEffort"
-    guaranteed = all(
-        limit is not None and parse_quantity(request or limit) == parse_quantity(limit)
-        for pair in pairs
-        for request, limit in pair.values()
-    )
-    return "Guaranteed" if guaranteed else "Burstable"
-
-
 def apply_builtin_defaults(rtype: ResourceType, obj: dict[str, Any], serial: int) -> None:
     """Defaults of the built-in kinds; ``serial`` (the next resourceVersion) picks a Service's
     cluster IP."""
@@ -163,6 +106,7 @@ def apply_builtin_defaults(rtype: ResourceType, obj: dict[str, Any], serial: int
         spec.setdefault("dnsPolicy", "ClusterFirst")
         spec.setdefault("schedulerName", "default-scheduler")
         default_requests(spec)
+        validate_resources(rtype, obj["metadata"].get("name", ""), spec)
         obj["status"] = {"phase": "Pending", "qosClass": qos_class(spec)}
     elif rtype.kind == "Service":
         spec = obj.setdefault("spec", {})

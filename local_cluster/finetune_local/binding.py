@@ -8,7 +8,10 @@ gang pod whose PodGroup does not exist is not placed either (both schedulers wai
 
 A pod that fits no node stays Pending with ``PodScheduled=False`` (reason ``Unschedulable``)
 and a Warning event ``FailedScheduling`` from its scheduler, both with the scheduler's message
-(``0/3 nodes are available: 3 Insufficient memory.``); each new message is one more event.
+(``0/3 nodes are available: 3 Insufficient memory.``). The event is recorded on each failed
+attempt (each kubelet pass, at least once a second, where kube-scheduler retries after a 1 to
+10 s backoff or on a cluster change) through :class:`.events.EventRecorder`, which aggregates
+the repeats into one Event with a ``series`` as the real scheduler's recorder does.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from finetune_local.events import EventRecorder
 from finetune_local.informer import Cache, key_of, remember
 from finetune_local.podgroups import GangScheduler, scheduler_for
 from finetune_local.podstatus import now
@@ -41,7 +45,7 @@ async def _patch_status(
 
 
 async def _failed_scheduling_event(
-    client: RestClient, pod: Mapping[str, Any], message: str
+    events: EventRecorder, pod: Mapping[str, Any], message: str
 ) -> None:
     """The scheduler's event, as ``kubectl describe pod`` and ``kubectl get events`` show it."""
     ns, name = key_of(pod)
@@ -66,18 +70,19 @@ async def _failed_scheduling_event(
         "lastTimestamp": stamp,
         "count": 1,
     }
-    with contextlib.suppress(ApiStatusError):
-        await client.create(resource_path("v1", "events", ns), event)
+    await events.record(event)
 
 
 async def _unschedulable(
-    client: RestClient, pods: Cache, pod: Mapping[str, Any], message: str
+    client: RestClient, events: EventRecorder, pods: Cache, pod: Mapping[str, Any], message: str
 ) -> None:
+    # Each failed attempt is an event, as kube-scheduler's; its recorder makes the repeats one
+    # series. The condition is written when its message changes (the same one is a no-op).
+    await _failed_scheduling_event(events, pod, message)
     current: Mapping[str, Any] = next(
         (c for c in pod.get("status", {}).get("conditions", []) if c["type"] == "PodScheduled"), {}
     )
     if current.get("message") != message:
-        await _failed_scheduling_event(client, pod, message)
         await _patch_status(
             client,
             pods,
@@ -121,6 +126,7 @@ def _active(pod: Mapping[str, Any]) -> bool:
 
 async def _schedule_group(
     client: RestClient,
+    events: EventRecorder,
     pods: Cache,
     nodes: list[Mapping[str, Any]],
     gang: GangScheduler,
@@ -144,18 +150,22 @@ async def _schedule_group(
         and _active(p)
     ]
     pending = [p for p in members if not p.get("spec", {}).get("nodeName")]
-    bound = len(members) - len(pending)
+    # Coscheduling counts the members its snapshot has on a node: one bound to a node that is
+    # gone (deleted, its pods not yet collected) runs nowhere and holds no place in the gang.
+    names = {n["metadata"]["name"] for n in nodes}
+    bound = sum(1 for p in members if p.get("spec", {}).get("nodeName") in names)
     min_member = int(pod_group.get("spec", {}).get("minMember") or 1)
     chosen, why = place_gang(pending, bound, min_member, nodes, pods_by_node(pods.values()))
     for pod in pending:
         if pod["metadata"]["name"] in chosen:
             await _bind(client, pods, pod, chosen[pod["metadata"]["name"]])
         else:
-            await _unschedulable(client, pods, pod, why or "0 nodes fit the pod")
+            await _unschedulable(client, events, pods, pod, why or "0 nodes fit the pod")
 
 
 async def schedule_pod(
     client: RestClient,
+    events: EventRecorder,
     pods: Cache,
     nodes: list[Mapping[str, Any]],
     pod: Mapping[str, Any],
@@ -169,12 +179,12 @@ async def schedule_pod(
     if gang is not None:
         group = gang.group_of(dict(current))
         if group:
-            await _schedule_group(client, pods, nodes, gang, key_of(current)[0], group)
+            await _schedule_group(client, events, pods, nodes, gang, key_of(current)[0], group)
             return
     elif (current.get("spec", {}).get("schedulerName") or DEFAULT_SCHEDULER) != DEFAULT_SCHEDULER:
         return  # no such scheduler runs here
     node, message = pick_node(current, nodes, pods_by_node(pods.values()))
     if node is None:
-        await _unschedulable(client, pods, current, message)
+        await _unschedulable(client, events, pods, current, message)
     else:
         await _bind(client, pods, current, node)

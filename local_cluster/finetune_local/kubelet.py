@@ -33,6 +33,7 @@ from typing import Any
 from finetune_local import emptydir, podrunner
 from finetune_local.addresses import AddressPool
 from finetune_local.binding import schedule_pod
+from finetune_local.events import EventRecorder
 from finetune_local.informer import Cache, ObjectKey, list_and_watch, remember
 from finetune_local.mountpoints import MountPoints
 from finetune_local.nodes import DEFAULT_CAPACITY, register_node
@@ -71,6 +72,7 @@ class Kubelet:
         self.pods: Cache = {}
         self.services: Cache = {}
         self.nodes: Cache = {}
+        self.events = EventRecorder(client)  # the scheduler's
         self.runs: dict[PodKey, PodRun] = {}
         self.mountpoints = MountPoints()
         self.addresses: AddressPool | None = None
@@ -168,6 +170,7 @@ class Kubelet:
                 self._spawn_step(key, self._start(key, pod))
         self._refresh_hosts_files()
         self._enforce_size_limits()
+        await self.events.flush()
 
     def _spawn_step(self, key: PodKey, step: Any) -> None:
         self._busy.add(key)
@@ -224,7 +227,12 @@ class Kubelet:
 
     async def _schedule(self, pod: dict[str, Any]) -> None:
         await schedule_pod(
-            self.client, self.pods, list(self.nodes.values()), pod, self.config.gang_schedulers
+            self.client,
+            self.events,
+            self.pods,
+            list(self.nodes.values()),
+            pod,
+            self.config.gang_schedulers,
         )
 
     # ------------------------------------------------------------------ pods

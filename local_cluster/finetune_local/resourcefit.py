@@ -11,7 +11,7 @@ its init containers need one at a time, plus its ``spec.overhead``:
 - ``spec.overhead`` (the RuntimeClass's cost of the sandbox) is added on top.
 
 Only ``requests`` count: the API server gives a container with a limit but no request that
-limit as its request at admission (:func:`finetune_local.apiadmission.default_requests`), as
+limit as its request at admission (:func:`finetune_local.podresources.default_requests`), as
 Kubernetes does. cpu is counted in millicores, every other resource in whole units (bytes for
 memory and ephemeral-storage), each rounded up as Kubernetes rounds a quantity.
 
@@ -19,7 +19,8 @@ A node fits when, for every resource the pod requests (more than zero of),
 its ``status.allocatable`` is at least what its pods that still hold resources (bound and not
 Succeeded or Failed) request plus this pod's request; and it has room for one more pod under
 ``allocatable.pods``. A pod that requests nothing needs only the pod slot. A resource the node
-does not advertise counts as zero allocatable, so a pod asking for it fits nowhere. All the
+does not advertise counts as zero allocatable, ``pods`` included: a pod asking for it fits
+nowhere, and a node with no ``allocatable.pods`` takes no pod. All the
 shortfalls of a node are reported (``Insufficient cpu``, ``Too many pods``...), as the
 scheduler counts each in its FailedScheduling message.
 """
@@ -128,7 +129,8 @@ def insufficient(
     scheduler's order: pods, cpu, memory, ephemeral-storage, then the other resources."""
     placed = [p for p in pods_on_node if holds_resources(p)]
     reasons: list[str] = []
-    if "pods" in allocatable and len(placed) + 1 > amount("pods", allocatable["pods"]):
+    # A node that advertises no `pods` has room for none, as for any resource it does not list.
+    if len(placed) + 1 > amount("pods", allocatable.get("pods", 0)):
         reasons.append("Too many pods")
     wanted = pod_requests(pod)
     wanted.pop("pods", None)

@@ -1,13 +1,16 @@
 """Pod placement onto virtual nodes: a pure function, like a scheduler's filter + score phases.
 
-Filters: ``spec.nodeName`` (already bound), node ``unschedulable``, ``nodeSelector``, required
+Filters, in kube-scheduler's order: ``spec.nodeName`` (already bound), node ``unschedulable``
+(unless tolerated), taints (TaintToleration: a ``NoSchedule`` or ``NoExecute`` taint the pod's
+``tolerations`` do not tolerate; ``PreferNoSchedule`` only scores), ``nodeSelector``, required
 node affinity (``In``, ``NotIn``, ``Exists``, ``DoesNotExist``, ``Gt``, ``Lt`` on labels;
 ``matchFields`` on ``metadata.name``) and resource fit (NodeResourcesFit: cpu, memory,
 ephemeral-storage, extended resources such as ``nvidia.com/gpu`` and the pod count, against the
 node's allocatable minus what its pods request: :mod:`.resourcefit`). As in kube-scheduler, the
 first filter a node fails gives its reasons (resource fit gives all its shortfalls at once), and
 the FailedScheduling message counts the nodes per reason. Score: the node with the fewest pods,
-then name. Taints, inter-pod affinity, priorities and preemption are not modelled.
+then name. Inter-pod affinity, priorities and preemption are not modelled, nor the taint
+manager's eviction of running pods from a node tainted ``NoExecute`` later.
 """
 
 from __future__ import annotations
@@ -65,14 +68,47 @@ def _term_matches(term: Mapping[str, Any], node: Mapping[str, Any]) -> bool:
     )
 
 
+_UNSCHEDULABLE_TAINT = {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+
+
+def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """Whether ``toleration`` tolerates ``taint`` (the core API's rule): same effect, or none
+    named; ``Exists`` with no key tolerates every key; ``Equal`` (the default) needs the value."""
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("key") and toleration["key"] != taint.get("key"):
+        return False
+    if (toleration.get("operator") or "Equal") == "Exists":
+        return True
+    return (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def untolerated_taint(pod: Mapping[str, Any], node: Mapping[str, Any]) -> str:
+    """TaintToleration's reason for the node's first NoSchedule/NoExecute taint the pod does not
+    tolerate (empty when none), in kube-scheduler's words."""
+    tolerations = pod.get("spec", {}).get("tolerations") or []
+    for taint in node.get("spec", {}).get("taints") or []:
+        if taint.get("effect") not in ("NoSchedule", "NoExecute"):
+            continue
+        if not any(tolerates(t, taint) for t in tolerations):
+            return f"node(s) had untolerated taint {{{taint.get('key', '')}: {taint.get('value', '')}}}"
+    return ""
+
+
 def unfit_reasons(
     pod: Mapping[str, Any], node: Mapping[str, Any], pods_on_node: list[Mapping[str, Any]]
 ) -> list[str]:
     """Why ``pod`` cannot run on ``node`` (empty if it can)."""
     spec = pod.get("spec", {})
     labels = node.get("metadata", {}).get("labels") or {}
-    if node.get("spec", {}).get("unschedulable"):
+    tolerations = spec.get("tolerations") or []
+    if node.get("spec", {}).get("unschedulable") and not any(
+        tolerates(t, _UNSCHEDULABLE_TAINT) for t in tolerations
+    ):
         return ["node(s) were unschedulable"]
+    taint = untolerated_taint(pod, node)
+    if taint:
+        return [taint]
     if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
         return ["node(s) didn't match Pod's node affinity/selector"]
     required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(

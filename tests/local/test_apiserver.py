@@ -360,3 +360,24 @@ def test_strict_field_validation_refuses_unknown_fields(custom: client.CustomObj
     )
     created = custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, body)
     assert "colour" not in created["spec"]  # without Strict: pruned, as before
+
+
+def test_a_pod_with_a_negative_or_over_limit_request_is_refused_naming_the_field(
+    core: client.CoreV1Api,
+) -> None:
+    """As the real API server's pod validation: every fault is a cause, named by its field."""
+    resources = {"requests": {"cpu": "-1", "memory": "2Gi"}, "limits": {"memory": "1Gi"}}
+    pod = {
+        "metadata": {"name": _name("neg")},
+        "spec": {"containers": [{"name": "c", "image": "x", "resources": resources}]},
+    }
+    with pytest.raises(client.ApiException) as refused:
+        core.create_namespaced_pod("default", pod)
+    status = _status_of(refused.value)
+    assert refused.value.status == 422 and status["reason"] == "Invalid"
+    assert [c["field"] for c in status["details"]["causes"]] == [
+        "spec.containers[0].resources.requests[cpu]",
+        "spec.containers[0].resources.requests[memory]",
+    ]
+    assert "must be greater than or equal to 0" in status["message"]
+    assert "must be less than or equal to memory limit of 1Gi" in status["message"]

@@ -252,3 +252,31 @@ def test_each_scheduler_reads_its_own_membership(
     assert scheduler_for(pod, list(GANG_SCHEDULERS.values())) is gang
     assert gang.group_of(pod) == group
     assert scheduler_for({"metadata": meta, "spec": {}}, list(GANG_SCHEDULERS.values())) is None
+
+
+@pytest.mark.slow
+def test_a_member_bound_to_a_node_that_is_gone_does_not_count_as_bound(
+    gang_cluster: LocalCluster, new_api_client: Callable[[LocalCluster], Any]
+) -> None:
+    """Coscheduling counts the members on the nodes it knows: one bound to a deleted node
+    (not yet collected) runs nowhere, so a lone new member of a 2-pod gang is not placed."""
+    core = client.CoreV1Api(new_api_client(gang_cluster))
+    group = f"gone-{uuid.uuid4().hex[:5]}"
+    _custom(gang_cluster, new_api_client).create_namespaced_custom_object(
+        COSCHEDULING.group, COSCHEDULING.version, "default", "podgroups", _pod_group(group, 2)
+    )
+    orphan = _pod(f"{group}-orphan", group, 0)
+    orphan["spec"]["nodeName"] = "a-deleted-node"
+    core.create_namespaced_pod("default", orphan)
+    core.create_namespaced_pod("default", _pod(f"{group}-0", group, 0))
+
+    def condition() -> Any:
+        pod = core.read_namespaced_pod(f"{group}-0", "default")
+        return next((c for c in pod.status.conditions or [] if c.type == "PodScheduled"), None)
+
+    cond = wait_until(condition, "the new member's PodScheduled condition", 30)
+    assert cond.reason == "Unschedulable"
+    assert "the pod group has 1 pods, fewer than its minMember 2" in cond.message
+    assert core.read_namespaced_pod(f"{group}-0", "default").spec.node_name is None
+    for name in (f"{group}-orphan", f"{group}-0"):
+        core.delete_namespaced_pod(name, "default", grace_period_seconds=0)

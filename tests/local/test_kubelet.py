@@ -189,11 +189,20 @@ def test_a_pod_no_node_has_room_for_stays_pending_with_kubes_reason_and_event(
     condition = next(c for c in pending.status.conditions if c.type == "PodScheduled")
     assert condition.reason == "Unschedulable"
     assert condition.message == "0/3 nodes are available: 3 Insufficient memory."
-    events = core.list_namespaced_event("default").items
-    failed = [e for e in events if e.involved_object.name == name]
-    assert [(e.type, e.reason, e.message, e.source.component) for e in failed] == [
+
+    # Each retry is one more FailedScheduling; the recorder makes them one Event whose
+    # series counts from the second attempt (about a second later), as on a real cluster.
+    def failed() -> list[Any]:
+        events = core.list_namespaced_event("default").items
+        return [e for e in events if e.involved_object.name == name]
+
+    repeated = wait_until(
+        lambda: [e for e in failed() if e.series is not None] or None, "an event series", 10
+    )
+    assert [(e.type, e.reason, e.message, e.source.component) for e in failed()] == [
         ("Warning", "FailedScheduling", condition.message, "default-scheduler")
     ]
+    assert repeated[0].series.count == 2 and repeated[0].series.last_observed_time
     assert pending.status.phase == "Pending" and pending.spec.node_name is None
 
 

@@ -1,5 +1,6 @@
 """The local scheduler's NodeResourcesFit (resourcefit.py, scheduler.py), the node's
-allocatable (nodes.py) and the API server's request defaulting (apiadmission.py): pure, quick."""
+allocatable (nodes.py) and the API server's request defaulting, validation and QoS class
+(podresources.py): pure, quick."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from finetune_local.apiadmission import default_requests, qos_class
 from finetune_local.apistore import ApiError
 from finetune_local.nodes import DEFAULT_CAPACITY, check_node_resources, node_allocatable
+from finetune_local.podresources import default_requests, qos_class, resource_errors
 from finetune_local.resourcefit import amount, insufficient, pod_requests
 from finetune_local.scheduler import fit_error, pick_node
 
@@ -34,6 +35,7 @@ def _pod(
 
 
 def _node(name: str, **allocatable: str) -> dict[str, Any]:
+    allocatable.setdefault("pods", "110")
     return {"metadata": {"name": name, "labels": {}}, "status": {"allocatable": allocatable}}
 
 
@@ -191,6 +193,10 @@ def test_a_limit_without_a_request_becomes_the_request() -> None:
         ),
         ({"requests": {"memory": "1Gi"}}, "Burstable"),
         ({"limits": {"nvidia.com/gpu": "1"}}, "BestEffort"),
+        ({"requests": {"cpu": "0", "memory": "0"}}, "BestEffort"),  # zero is no request
+        ({"requests": {"cpu": "0"}, "limits": {"cpu": "1", "memory": "1Gi"}}, "Burstable"),
+        ({"limits": {"cpu": "1", "memory": "1Gi", "nvidia.com/gpu": "1"}}, "Guaranteed"),
+        ({"limits": {"cpu": "1", "memory": "0"}}, "Burstable"),
     ],
 )
 def test_qos_class(resources: dict[str, Any], qos: str) -> None:
@@ -208,4 +214,173 @@ def test_a_resource_the_pod_does_not_request_is_not_checked_on_an_overcommitted_
     assert insufficient(_pod(_container({"memory": "1Gi"})), node, over) == []
     assert insufficient(_pod(_container({"cpu": "1m", "memory": "1Gi"})), node, over) == [
         "Insufficient cpu"
+    ]
+
+
+def test_a_node_that_advertises_no_pod_count_takes_no_pod() -> None:
+    """kube-scheduler reads a missing ``allocatable.pods`` as 0, as any resource not listed."""
+    assert insufficient(_pod(_container()), {"cpu": "4"}, []) == ["Too many pods"]
+    bare = {"metadata": {"name": "bare", "labels": {}}, "status": {"allocatable": {"cpu": "4"}}}
+    assert pick_node(_pod(_container()), [bare], {}) == (
+        None,
+        "0/1 nodes are available: 1 Too many pods.",
+    )
+
+
+def _guaranteed() -> dict[str, Any]:
+    return {"name": "c", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}}}
+
+
+def test_qos_class_counts_init_containers() -> None:
+    """Guaranteed needs every container, init ones included, to limit cpu and memory."""
+    spec: dict[str, Any] = {
+        "initContainers": [{"name": "i", "resources": {"limits": {"cpu": "1"}}}],
+        "containers": [_guaranteed()],
+    }
+    default_requests(spec)
+    assert qos_class(spec) == "Burstable"
+    both: dict[str, Any] = {"initContainers": [_guaranteed()], "containers": [_guaranteed()]}
+    default_requests(both)
+    assert qos_class(both) == "Guaranteed"
+    best: dict[str, Any] = {
+        "initContainers": [{"name": "i", "resources": {"requests": {"memory": "1Mi"}}}],
+        "containers": [{"name": "c"}],
+    }
+    assert qos_class(best) == "Burstable"
+
+
+@pytest.mark.parametrize(
+    ("resources", "errors"),
+    [
+        ({"requests": {"cpu": "1"}, "limits": {"cpu": "2"}}, []),
+        (
+            {"requests": {"cpu": "-1"}},
+            [("requests[cpu]", 'Invalid value: "-1": must be greater than or equal to 0')],
+        ),
+        (
+            {"limits": {"memory": "-1Gi"}, "requests": {"memory": "1Gi"}},
+            [
+                ("limits[memory]", 'Invalid value: "-1Gi": must be greater than or equal to 0'),
+                # the API server compares the request with the limit all the same
+                (
+                    "requests[memory]",
+                    'Invalid value: "1Gi": must be less than or equal to memory limit of -1Gi',
+                ),
+            ],
+        ),
+        (
+            {"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}},
+            [
+                (
+                    "requests[cpu]",
+                    'Invalid value: "2": must be less than or equal to cpu limit of 1500m',
+                )
+            ],
+        ),
+        (
+            {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "2"}},
+            [
+                (
+                    "requests[nvidia.com/gpu]",
+                    'Invalid value: "1": must be equal to nvidia.com/gpu limit of 2',
+                )
+            ],
+        ),
+        (
+            {"requests": {"nvidia.com/gpu": "1"}},
+            [("limits", "Required value: Limit must be set for non overcommitable resources")],
+        ),
+        (
+            {"limits": {"nvidia.com/gpu": "0.5"}},
+            [
+                ("limits[nvidia.com/gpu]", 'Invalid value: "0.5": must be an integer'),
+                ("requests[nvidia.com/gpu]", 'Invalid value: "0.5": must be an integer'),
+            ],
+        ),
+    ],
+    ids=[
+        "valid",
+        "negative-request",
+        "negative-limit",
+        "over-limit",
+        "gpu-unequal",
+        "gpu-no-limit",
+        "gpu-fraction",
+    ],
+)
+def test_the_api_servers_resource_validation(
+    resources: dict[str, Any], errors: list[tuple[str, str]]
+) -> None:
+    spec = {"containers": [{"name": "c", "resources": resources}]}
+    default_requests(spec)
+    assert resource_errors(spec) == [
+        (f"spec.containers[0].resources.{field}", message) for field, message in errors
+    ]
+
+
+def _tainted(name: str, *taints: dict[str, str], unschedulable: bool = False) -> dict[str, Any]:
+    node = _node(name, cpu="4")
+    node["spec"] = {"taints": list(taints), "unschedulable": unschedulable}
+    return node
+
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+
+@pytest.mark.parametrize(
+    ("tolerations", "fits"),
+    [
+        ([], False),
+        ([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}], True),
+        ([{"key": "nvidia.com/gpu", "operator": "Equal", "value": "present"}], True),
+        ([{"key": "nvidia.com/gpu", "value": "absent"}], False),
+        ([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute"}], False),
+        ([{"operator": "Exists"}], True),  # no key: every taint
+        ([{"key": "other", "operator": "Exists"}], False),
+    ],
+)
+def test_a_noschedule_taint_needs_a_matching_toleration(
+    tolerations: list[dict[str, str]], fits: bool
+) -> None:
+    pod = _pod(_container({"cpu": "1"}))
+    pod["spec"]["tolerations"] = tolerations
+    node, message = pick_node(pod, [_tainted("gpu-0", GPU_TAINT)], {})
+    assert (node == "gpu-0") is fits
+    if not fits:
+        assert message == (
+            "0/1 nodes are available: 1 node(s) had untolerated taint {nvidia.com/gpu: present}."
+        )
+
+
+def test_taints_are_filtered_before_resources_and_prefer_no_schedule_only_scores() -> None:
+    evict = {"key": "spot", "value": "reclaimed", "effect": "NoExecute"}
+    soft = {"key": "soft", "value": "", "effect": "PreferNoSchedule"}
+    nodes = [_tainted("a", evict), _tainted("b", soft), _node("c", cpu="1")]
+    pod = _pod(_container({"cpu": "2"}))
+    assert pick_node(pod, nodes, {})[0] == "b"
+    big = _pod(_container({"cpu": "8"}))
+    assert pick_node(big, nodes, {}) == (
+        None,
+        "0/3 nodes are available: 2 Insufficient cpu, 1 node(s) had untolerated taint "
+        "{spot: reclaimed}.",
+    )
+
+
+def test_a_cordoned_node_takes_a_pod_that_tolerates_unschedulable() -> None:
+    cordoned = _tainted("a", unschedulable=True)
+    pod = _pod(_container({"cpu": "1"}))
+    assert pick_node(pod, [cordoned], {}) == (
+        None,
+        "0/1 nodes are available: 1 node(s) were unschedulable.",
+    )
+    pod["spec"]["tolerations"] = [
+        {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert pick_node(pod, [cordoned], {})[0] == "a"
+
+
+def test_a_negative_overhead_is_refused() -> None:
+    spec = {"containers": [{"name": "c"}], "overhead": {"memory": "-64Mi"}}
+    assert resource_errors(spec) == [
+        ("spec.overhead[memory]", 'Invalid value: "-64Mi": must be greater than or equal to 0')
     ]
