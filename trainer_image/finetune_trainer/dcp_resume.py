@@ -39,6 +39,7 @@ from finetune_trainer.checkpoint_compat import (
     refusal_message,
     tolerate,
 )
+from finetune_trainer.checkpoint_fence import claim_epoch
 from finetune_trainer.location import Location
 from finetune_trainer.state import TrainState
 
@@ -79,6 +80,7 @@ class Resume:
         # A read that failed after DCP had begun copying into the live state (the model's
         # and optimizer's own tensors): (step, why).
         self.overwritten: tuple[int, str] | None = None
+        self.epoch = 0  # rank 0: the epoch this incarnation claimed (checkpoint_fence)
 
     def newest_loadable(self) -> int:
         """Load the newest committed checkpoint that loads; skip damaged ones. Returns its
@@ -108,6 +110,8 @@ class Resume:
         error: Exception | None = None
         if self.rank == 0:
             try:
+                # Before the cleanup: every writer that started earlier is fenced from here.
+                self.epoch = claim_epoch(self.root)
                 self._remove_partial()
                 box[0] = [c.step for c in store.committed_newest_first(self.root)]
             except Exception as e:
@@ -124,8 +128,14 @@ class Resume:
         """A partial save that cannot be deleted (a bucket policy without DeleteObject, a
         read-only snapshot) is never loaded anyway: it must not stop the resume."""
         failed: list[tuple[Location, OSError]] = []
-        for path in store.remove_partial(self.root, failed):
+        spared: list[Location] = []
+        for path in store.remove_partial(self.root, failed, spared):
             log.warning("removed uncommitted checkpoint %s", path)
+        for path in spared:
+            log.warning(
+                "kept checkpoint %s: listed uncommitted, but its marker opens (a lagging view "
+                "of the volume)", path,
+            )  # fmt: skip
         for path, e in failed:
             log.warning("could not remove uncommitted checkpoint %s (never loaded): %s", path, e)
 

@@ -1,0 +1,175 @@
+"""Checkpoint folder hygiene and fencing (gloo, world 1, real DCP checkpoints of a tiny model):
+a lagging view of the volume never makes the start-up cleanup or a purge delete a committed
+checkpoint; quarantined `step-N.corrupt` folders are bounded; a writer of an earlier
+incarnation (a pod left running on a cut-off node) neither saves, commits nor purges once a
+newer incarnation has claimed the root."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from finetune_trainer import checkpoint_store as store
+from finetune_trainer.checkpoint_fence import (
+    EPOCH_KEY,
+    check_fence,
+    claim_epoch,
+    fenced_by,
+    read_epoch,
+)
+from finetune_trainer.checkpoint_store import CheckpointDir
+from finetune_trainer.location import Location
+from tests.trainer.test_checkpoint_store import make
+from tests.trainer.test_checkpointer import L, _saved_six, checkpointer, new_state, train_steps
+
+
+def _dirs(*steps: tuple[int, bool]) -> list[CheckpointDir]:
+    return [CheckpointDir(s, L(Path(f"/x/step-{s:08d}")), c) for s, c in steps]
+
+
+def _lagging_markers(monkeypatch: pytest.MonkeyPatch, hidden: set[str]) -> None:
+    """The view an NFS client's attribute cache gives: `stat` (the listing's `is_file`) says
+    the markers of the `hidden` steps are absent; opening them finds them."""
+    real = Location.is_file
+
+    def lagging(self: Location) -> bool:
+        if self.name == "COMMITTED" and self.parent.name in hidden:
+            return False
+        return real(self)
+
+    monkeypatch.setattr(Location, "is_file", lagging)
+
+
+def test_the_cleanup_plan_never_takes_a_step_newer_than_the_newest_committed() -> None:
+    plan = store.cleanup_plan(_dirs((2, False), (4, True), (6, False), (8, False)))
+    assert [c.step for c in plan] == [2]
+    assert store.cleanup_plan(_dirs((2, False), (4, False))) == []  # nothing committed seen
+
+
+def test_a_lagging_view_at_start_deletes_no_committed_checkpoint(
+    tmp_path: Path,
+    ckpt_group: dist.ProcessGroup,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Steps 2, 4, 6 committed; this node's view hides the markers of 6 (written moments
+    before by the previous incarnation's rank 0 on another node) and of 2. Before: the
+    start-up cleanup took both for partial saves and deleted them."""
+    _saved_six(tmp_path, ckpt_group)
+    partial = tmp_path / "step-00000003"
+    partial.mkdir()  # a real partial save, older than a committed one: still removed
+    _lagging_markers(monkeypatch, {"step-00000006", "step-00000002"})
+    fresh = new_state()
+    resumed = checkpointer(fresh, tmp_path, ckpt_group, keep=3)
+    with caplog.at_level(logging.WARNING):
+        assert resumed.load() == 4  # 6 looks uncommitted from here: not loaded, not deleted
+    resumed.close()
+    for step in (2, 6):
+        assert (tmp_path / f"step-{step:08d}" / "COMMITTED").is_file()
+    assert not partial.exists()
+    assert "step-00000002: listed uncommitted, but its marker opens" in caplog.text
+
+
+def test_a_purge_with_a_lagging_view_keeps_a_committed_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = L(tmp_path)
+    for s in (10, 20, 30):
+        make(root, s)
+    make(root, 15, committed=False)
+    _lagging_markers(monkeypatch, {"step-00000020"})
+    removed = store.purge(root, keep=3, below_step=30)
+    assert removed == [store.step_dir(root, 15)]  # the real partial one only
+    assert (tmp_path / "step-00000020" / "COMMITTED").is_file()
+
+
+def test_the_corrupt_plan_keeps_the_newest_few_and_needs_a_newer_commit() -> None:
+    assert store.corrupt_plan([10, 30, 20, 40], newest_committed=50, keep=2) == [10, 20]
+    assert store.corrupt_plan([10, 30, 20, 40], newest_committed=15, keep=2) == [10]
+    assert store.corrupt_plan([10, 20], newest_committed=50, keep=2) == []
+    assert store.corrupt_plan([10, 20, 30], newest_committed=5, keep=2) == []
+
+
+def test_quarantined_folders_are_bounded_after_a_commit(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: `step-N.corrupt` folders were never deleted (one whole checkpoint each)."""
+    for s in (1, 3, 5):
+        (tmp_path / f"step-{s:08d}.corrupt").mkdir()
+        (tmp_path / f"step-{s:08d}.corrupt" / "__0_0.distcp").write_bytes(b"x")
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=3)
+    with caplog.at_level(logging.INFO):
+        train_steps(state, 2, ckpt)  # commits step 2
+        assert ckpt.finish(timeout=30)
+    ckpt.close()
+    left = sorted(p.name for p in tmp_path.glob("*.corrupt"))
+    assert left == ["step-00000003.corrupt", "step-00000005.corrupt"]
+    assert "purged checkpoint" in caplog.text and "step-00000001.corrupt" in caplog.text
+
+
+def test_epochs_are_claimed_in_order_and_fence_older_writers(tmp_path: Path) -> None:
+    root = L(tmp_path)
+    assert read_epoch(root) == 0
+    assert (claim_epoch(root), claim_epoch(root)) == (1, 2)
+    assert fenced_by(1, 2) and not fenced_by(2, 2)
+    check_fence(root, 2, "x")
+    with pytest.raises(Exception, match="epoch 2, this writer's is 1"):
+        check_fence(root, 1, "the commit of step 4")
+
+
+def test_a_stale_writer_neither_saves_nor_purges_over_a_newer_incarnation(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup
+) -> None:
+    """Incarnation A (keep 1) is cut off after step 4; B resumes from 4 and commits 6. A,
+    still running, reaches step 6 and then 8. Before: A's save removed B's marker of step 6
+    and rewrote its files, and A's purge after step 8 deleted B's step 6."""
+    stale_state = new_state()
+    stale = checkpointer(stale_state, tmp_path, ckpt_group, keep=1)
+    train_steps(stale_state, 4, stale)
+    assert stale.finish(timeout=30)
+
+    state = new_state()
+    new = checkpointer(state, tmp_path, ckpt_group, keep=1)
+    assert new.load() == 4 and new.epoch == 2
+    train_steps(state, 2, new)
+    assert new.finish(timeout=30)
+    new.close()
+    theirs = (tmp_path / "step-00000006" / "COMMITTED").read_text()
+    assert store.read_marker(L(tmp_path / "step-00000006"))[EPOCH_KEY] == 2
+
+    train_steps(stale_state, 4, stale)
+    assert stale.finish(timeout=30)
+    stale.close()
+    assert stale.fenced
+    assert [(c.step, c.committed) for c in store.list_checkpoints(L(tmp_path))] == [(6, True)]
+    assert (tmp_path / "step-00000006" / "COMMITTED").read_text() == theirs
+
+
+def test_a_writer_fenced_during_its_write_commits_and_purges_nothing(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newer incarnation claims the root while the stale writer's files are being
+    written (after its check before the write): its commit is refused, nothing is purged."""
+    state = new_state()
+    stale = checkpointer(state, tmp_path, ckpt_group, keep=1)
+    train_steps(state, 2, stale)
+    assert stale.finish(timeout=30)
+    real = store.describe_files
+
+    def newer_claims_meanwhile(path: Location, names: list[str]) -> object:
+        claim_epoch(L(tmp_path))
+        return real(path, names)
+
+    monkeypatch.setattr(store, "describe_files", newer_claims_meanwhile)
+    train_steps(state, 2, stale)
+    assert stale.finish(timeout=30)
+    stale.close()
+    assert stale.last_failed_step == 4 and stale.last_committed_step == 2
+    assert [(c.step, c.committed) for c in store.list_checkpoints(L(tmp_path))] == [
+        (2, True),
+        (4, False),
+    ]
