@@ -19,6 +19,7 @@ from finetune_trainer.checkpoint_fence import (
     claim_epoch,
     fenced_by,
     read_epoch,
+    stale_branch,
 )
 from finetune_trainer.checkpoint_store import CheckpointDir
 from finetune_trainer.location import Location
@@ -173,3 +174,27 @@ def test_a_writer_fenced_during_its_write_commits_and_purges_nothing(
         (2, True),
         (4, False),
     ]
+
+
+def test_a_marker_of_an_abandoned_history_is_told_by_its_epoch() -> None:
+    assert stale_branch({2: 1, 4: 1, 6: 2, 8: 2}) == []  # a resume from 4, then onwards
+    assert stale_branch({2: 1, 4: 2, 6: 1, 8: 1}) == [6, 8]  # epoch 1 went on past 4
+    assert stale_branch({2: None, 4: 2, 6: None, 8: 1}) == [8]  # older markers: no say
+
+
+def test_resume_skips_a_step_a_fenced_writer_committed_over_a_newer_history(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Steps 2, 4, 6 committed by epoch 1; step 4 then rewritten by epoch 2 (which resumed
+    from 2), and 6 is epoch 1's, committed in the window after its last fence check. Before:
+    the resume loaded 6, a history the job had abandoned."""
+    _saved_six(tmp_path, ckpt_group)
+    four = L(tmp_path / "step-00000004")
+    store.write_marker(four, {**(store.read_marker(four) or {}), EPOCH_KEY: 2})
+    fresh = new_state()
+    resumed = checkpointer(fresh, tmp_path, ckpt_group, keep=3)
+    with caplog.at_level(logging.WARNING):
+        assert resumed.load() == 4
+    resumed.close()
+    assert "not resuming from checkpoint step 6" in caplog.text
+    assert (tmp_path / "step-00000006" / "COMMITTED").is_file()  # left in place

@@ -65,3 +65,23 @@ def check_fence(root: Location, mine: int, what: str) -> None:
             f"{root} was claimed by a newer incarnation (epoch {newest}, this writer's is "
             f"{mine}): not doing {what}; this process saves and purges nothing more there"
         )
+
+
+def stale_branch(epochs: dict[int, int | None]) -> list[int]:
+    """Pure: the committed steps (step -> its marker's epoch; None for a marker from before
+    epochs) that a fenced writer committed in the window between its last check and its
+    marker: a step whose epoch is older than that of a committed step *below* it. The newer
+    incarnation resumed from an older step and committed past it, so such a marker is of a
+    history the job abandoned (its files may stand over the newer incarnation's): never
+    resumed from. Steps are in any order; the result is oldest first."""
+    newest_below = 0
+    stale = []
+    for step in sorted(epochs):
+        epoch = epochs[step]
+        if epoch is None:
+            continue
+        if epoch < newest_below:
+            stale.append(step)
+        else:
+            newest_below = epoch
+    return stale

@@ -39,7 +39,7 @@ from finetune_trainer.checkpoint_compat import (
     refusal_message,
     tolerate,
 )
-from finetune_trainer.checkpoint_fence import claim_epoch
+from finetune_trainer.checkpoint_fence import EPOCH_KEY, claim_epoch, stale_branch
 from finetune_trainer.location import Location
 from finetune_trainer.state import TrainState
 
@@ -113,7 +113,7 @@ class Resume:
                 # Before the cleanup: every writer that started earlier is fenced from here.
                 self.epoch = claim_epoch(self.root)
                 self._remove_partial()
-                box[0] = [c.step for c in store.committed_newest_first(self.root)]
+                box[0] = self._unfenced(store.committed_newest_first(self.root))
             except Exception as e:
                 error = e
                 box[0] = f"rank 0 could not list the checkpoints under {self.root}: {e!r}"
@@ -123,6 +123,22 @@ class Resume:
         if isinstance(box[0], str):
             raise OSError(box[0])
         return list(box[0])
+
+    def _unfenced(self, committed: list[store.CheckpointDir]) -> list[int]:
+        """The committed steps, newest first, less those a fenced writer committed over a
+        newer incarnation's history (checkpoint_fence.stale_branch): left in place, logged."""
+        epochs: dict[int, int | None] = {}
+        for c in committed:
+            epoch = (store.read_marker(c.path) or {}).get(EPOCH_KEY)
+            epochs[c.step] = epoch if isinstance(epoch, int) else None
+        stale = set(stale_branch(epochs))
+        for step in sorted(stale, reverse=True):
+            log.warning(
+                "not resuming from checkpoint step %d under %s: committed by epoch %s, a writer "
+                "fenced out by a newer incarnation that committed an older step after it",
+                step, self.root, epochs[step],
+            )  # fmt: skip
+        return [c.step for c in committed if c.step not in stale]
 
     def _remove_partial(self) -> None:
         """A partial save that cannot be deleted (a bucket policy without DeleteObject, a
