@@ -198,3 +198,24 @@ def test_resume_skips_a_step_a_fenced_writer_committed_over_a_newer_history(
     resumed.close()
     assert "not resuming from checkpoint step 6" in caplog.text
     assert (tmp_path / "step-00000006" / "COMMITTED").is_file()  # left in place
+
+
+@pytest.mark.parametrize("grace", [0.0, 3600.0])
+def test_a_partial_save_left_at_start_goes_with_the_first_purge_after_the_grace(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch, grace: float
+) -> None:
+    """A save of step 9 cut short (newer than every committed step: left at start) is never
+    reached again; without the deferred purge it stayed forever."""
+    _saved_six(tmp_path, ckpt_group)
+    partial = tmp_path / "step-00000009"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    monkeypatch.setenv("FT_CHECKPOINT_CLEANUP_GRACE_SECONDS", str(grace))
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=3)
+    assert ckpt.load() == 6
+    assert partial.exists()
+    train_steps(state, 2, ckpt)  # commits step 8
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+    assert partial.exists() == (grace > 0)

@@ -270,6 +270,14 @@ def cleanup_plan(checkpoints: list[CheckpointDir]) -> list[CheckpointDir]:
     return [c for c in checkpoints if not c.committed and c.step < newest]
 
 
+def deferred_plan(checkpoints: list[CheckpointDir]) -> list[CheckpointDir]:
+    """Pure: the uncommitted step directories the start-up cleanup leaves for later (those
+    `cleanup_plan` does not take): deleted by the first purge once the view has had time
+    to catch up (`dcp_checkpointer`, CLEANUP_GRACE_SECONDS), unless their marker opens then."""
+    taken = {c.step for c in cleanup_plan(checkpoints)}
+    return [c for c in checkpoints if not c.committed and c.step not in taken]
+
+
 def marker_opens(path: Location) -> bool:
     """Whether the step's `COMMITTED` marker is there, asked by opening it: on NFS an open
     revalidates the lookup (close-to-open consistency) where the listing's `stat` may be

@@ -56,6 +56,12 @@ log = logging.getLogger(__name__)
 
 # Opt-in: stage through a snapshot in GPU memory (staging.py); costs a copy of the state there.
 DEVICE_SNAPSHOT_ENV = "FT_CHECKPOINT_DEVICE_SNAPSHOT"
+# Uncommitted steps newer than every committed one are left at start (a lagging NFS view may
+# hide their marker: checkpoint_store.cleanup_plan) and deleted by the first purge this long
+# after that look, if their marker does not open then: twice NFS's longest default attribute
+# cache lifetime (acdirmax 60 s), after which the view of the directory has been revalidated.
+CLEANUP_GRACE_ENV = "FT_CHECKPOINT_CLEANUP_GRACE_SECONDS"
+CLEANUP_GRACE_SECONDS = 120.0
 # DCP raises CheckpointException, a BaseException, when any rank fails a save.
 SAVE_ERRORS = (Exception, CheckpointException)
 
@@ -96,6 +102,10 @@ class DcpCheckpointer:
         # the root: no more saves.
         self.epoch: int | None = None
         self.fenced = False
+        # Rank 0: what the start-up cleanup left for later, and when it looked.
+        self._deferred: list[Location] = []
+        self._deferred_since = 0.0
+        self._grace = float(os.environ.get(CLEANUP_GRACE_ENV, CLEANUP_GRACE_SECONDS))
         self._last_saved = 0
         self._last_save_time = time.monotonic()
         self._pending: tuple[StagedState | None, Future[None]] | None = None
@@ -118,6 +128,7 @@ class DcpCheckpointer:
         step = resume.newest_loadable()
         if self.rank == 0:
             self.epoch = resume.epoch
+            self._deferred, self._deferred_since = resume.deferred, time.monotonic()
         if step:
             self.last_committed_step = self._last_saved = self.resumed_from_step = step
             self.metrics.last_ckpt_step.set(step)
@@ -316,12 +327,24 @@ class DcpCheckpointer:
             self._fence(f"the purge after step {step}")
             for old in store.purge(self.root, self.spec.keep, below_step=step):
                 log.info("purged checkpoint %s", old)
+            self._purge_deferred()
         except FencedError as e:
             log.error("checkpoint step %d committed by a fenced writer: %s", step, e)
         except OSError as e:
             # The step is committed (its marker is written): a delete that failed leaves an
             # old checkpoint for the next purge, it does not fail this save.
             log.warning("checkpoint step %d committed; purging older ones failed: %s", step, e)
+
+    def _purge_deferred(self) -> None:
+        """Delete the uncommitted steps the start-up cleanup left, once the grace is over and
+        if their marker still does not open (no save is in flight: this runs in the commit)."""
+        if not self._deferred or time.monotonic() - self._deferred_since < self._grace:
+            return
+        for path in self._deferred:
+            if not store.marker_opens(path):
+                path.remove()
+                log.info("purged uncommitted checkpoint %s (left at start)", path)
+        self._deferred = []
 
     def wait_for_staging(self) -> None:
         """Before the optimizer step: the host copies are done and the GPU will run the

@@ -81,6 +81,8 @@ class Resume:
         # and optimizer's own tensors): (step, why).
         self.overwritten: tuple[int, str] | None = None
         self.epoch = 0  # rank 0: the epoch this incarnation claimed (checkpoint_fence)
+        # Rank 0: uncommitted steps the start-up cleanup left for later (store.deferred_plan).
+        self.deferred: list[Location] = []
 
     def newest_loadable(self) -> int:
         """Load the newest committed checkpoint that loads; skip damaged ones. Returns its
@@ -145,6 +147,7 @@ class Resume:
         read-only snapshot) is never loaded anyway: it must not stop the resume."""
         failed: list[tuple[Location, OSError]] = []
         spared: list[Location] = []
+        self.deferred = [c.path for c in store.deferred_plan(store.list_checkpoints(self.root))]
         for path in store.remove_partial(self.root, failed, spared):
             log.warning("removed uncommitted checkpoint %s", path)
         for path in spared:
