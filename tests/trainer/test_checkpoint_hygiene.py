@@ -145,7 +145,7 @@ def test_a_stale_writer_neither_saves_nor_purges_over_a_newer_incarnation(
     train_steps(stale_state, 4, stale)
     assert stale.finish(timeout=30)
     stale.close()
-    assert stale.fenced
+    assert stale.fenced and stale.last_failed_step == 6  # counted: CheckpointFailing
     assert [(c.step, c.committed) for c in store.list_checkpoints(L(tmp_path))] == [(6, True)]
     assert (tmp_path / "step-00000006" / "COMMITTED").read_text() == theirs
 

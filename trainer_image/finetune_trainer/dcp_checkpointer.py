@@ -180,6 +180,9 @@ class DcpCheckpointer:
         # remove a newer incarnation's marker of this step), agreed so every rank stops.
         if not agree(self._fence_ok(step), self.group):
             self.fenced = True
+            # Counted as a failed save: CheckpointFailing says this process saves no more.
+            self.last_failed_step = max(self.last_failed_step, step)
+            self.metrics.observe_checkpoint_failed(step)
             log.error("checkpoint step %d not saved: a newer incarnation owns %s", step, self.root)
             return False
         self.metrics.checkpoint_save_started()
