@@ -219,3 +219,25 @@ def test_a_partial_save_left_at_start_goes_with_the_first_purge_after_the_grace(
     assert ckpt.finish(timeout=30)
     ckpt.close()
     assert partial.exists() == (grace > 0)
+
+
+def test_a_root_where_no_epoch_can_be_claimed_still_resumes(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root this process cannot write (a read-only snapshot) resumes as before fencing;
+    the first save claims the epoch (and, on a writable root, commits)."""
+    import finetune_trainer.dcp_resume as dcp_resume
+
+    _saved_six(tmp_path, ckpt_group)
+
+    def refused(root: Location) -> int:
+        raise PermissionError(f"{root}: read-only")
+
+    monkeypatch.setattr(dcp_resume, "claim_epoch", refused)
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=3)
+    assert ckpt.load() == 6 and ckpt.epoch is None
+    train_steps(state, 2, ckpt)
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+    assert ckpt.last_committed_step == 8 and ckpt.epoch == 2

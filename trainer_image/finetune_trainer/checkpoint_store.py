@@ -294,14 +294,19 @@ def remove_partial(
     root: Location,
     failed: list[tuple[Location, OSError]] | None = None,
     spared: list[Location] | None = None,
+    deferred: list[Location] | None = None,
 ) -> list[Location]:
     """Delete the uncommitted step directories `cleanup_plan` names (leftovers of saves that
     never finished), each after a second look at its marker by opening it: one found there
     after all is noted in `spared` and kept. Only safe while no save is in flight: at start,
     before anything is written. With `failed`, a directory that cannot be deleted is noted
-    there and the others still are."""
+    there and the others still are. `deferred`: where to note the steps left for later
+    (`deferred_plan`), from the same listing."""
     removed = []
-    for c in cleanup_plan(list_checkpoints(root)):
+    listing = list_checkpoints(root)
+    if deferred is not None:
+        deferred.extend(c.path for c in deferred_plan(listing))
+    for c in cleanup_plan(listing):
         try:
             if marker_opens(c.path):
                 if spared is not None:

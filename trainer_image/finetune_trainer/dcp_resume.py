@@ -80,7 +80,8 @@ class Resume:
         # A read that failed after DCP had begun copying into the live state (the model's
         # and optimizer's own tensors): (step, why).
         self.overwritten: tuple[int, str] | None = None
-        self.epoch = 0  # rank 0: the epoch this incarnation claimed (checkpoint_fence)
+        # Rank 0: the epoch this incarnation claimed (checkpoint_fence); None: not claimed.
+        self.epoch: int | None = None
         # Rank 0: uncommitted steps the start-up cleanup left for later (store.deferred_plan).
         self.deferred: list[Location] = []
 
@@ -112,8 +113,7 @@ class Resume:
         error: Exception | None = None
         if self.rank == 0:
             try:
-                # Before the cleanup: every writer that started earlier is fenced from here.
-                self.epoch = claim_epoch(self.root)
+                self._claim_epoch()
                 self._remove_partial()
                 box[0] = self._unfenced(store.committed_newest_first(self.root))
             except Exception as e:
@@ -142,13 +142,21 @@ class Resume:
             )  # fmt: skip
         return [c.step for c in committed if c.step not in stale]
 
+    def _claim_epoch(self) -> None:
+        """Before the cleanup: every writer that started earlier is fenced from here. A root
+        this process cannot write (a read-only snapshot) still resumes: the first save claims
+        then, or fails as any save there would."""
+        try:
+            self.epoch = claim_epoch(self.root)
+        except OSError as e:
+            log.warning("could not claim an epoch under %s (the first save will): %s", self.root, e)
+
     def _remove_partial(self) -> None:
         """A partial save that cannot be deleted (a bucket policy without DeleteObject, a
         read-only snapshot) is never loaded anyway: it must not stop the resume."""
         failed: list[tuple[Location, OSError]] = []
         spared: list[Location] = []
-        self.deferred = [c.path for c in store.deferred_plan(store.list_checkpoints(self.root))]
-        for path in store.remove_partial(self.root, failed, spared):
+        for path in store.remove_partial(self.root, failed, spared, self.deferred):
             log.warning("removed uncommitted checkpoint %s", path)
         for path in spared:
             log.warning(
