@@ -241,3 +241,28 @@ def test_a_root_where_no_epoch_can_be_claimed_still_resumes(
     assert ckpt.finish(timeout=30)
     ckpt.close()
     assert ckpt.last_committed_step == 8 and ckpt.epoch == 2
+
+
+def test_a_writer_fenced_during_its_purge_stops_deleting(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 2, 4, 6 committed; the writer (keep 1) commits 8, and its purge of 2, 4 and 6
+    is under way when a newer incarnation claims the root (after the first delete): the
+    rest is kept (before: the whole purge ran on the check made before it)."""
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=3)
+    train_steps(state, 6, ckpt)
+    assert ckpt.finish(timeout=30)
+    ckpt.spec = ckpt.spec.model_copy(update={"keep": 1})
+    real = Location.remove
+
+    def claimed_after_the_first_delete(self: Location) -> None:
+        real(self)
+        if self.name == "step-00000002":
+            claim_epoch(L(tmp_path))
+
+    monkeypatch.setattr(Location, "remove", claimed_after_the_first_delete)
+    train_steps(state, 2, ckpt)
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+    assert [c.step for c in store.committed_newest_first(L(tmp_path))] == [8, 6, 4]

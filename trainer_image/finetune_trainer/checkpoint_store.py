@@ -369,16 +369,25 @@ def corrupt_dirs(root: Location) -> dict[int, Location]:
     return found
 
 
-def purge(root: Location, keep: int, *, below_step: int | None = None) -> list[Location]:
+def purge(
+    root: Location,
+    keep: int,
+    *,
+    below_step: int | None = None,
+    guard: Callable[[], None] | None = None,
+) -> list[Location]:
     """Delete what `purge_plan` says: older committed checkpoints beyond `keep`, and
     uncommitted ones older than `below_step` (the step just committed; one whose marker
     opens after all is kept: see `cleanup_plan`); then the `step-N.corrupt` directories
-    `corrupt_plan` names."""
+    `corrupt_plan` names. `guard` runs before each committed step's delete and stops the
+    purge by raising (a writer fenced meanwhile: checkpoint_fence)."""
     doomed = purge_plan(list_checkpoints(root), keep, below_step=below_step)
     removed = []
     for c in doomed:
         if not c.committed and marker_opens(c.path):
             continue  # committed after all: the listing's view lagged
+        if guard is not None and c.committed:
+            guard()
         _uncommit(c.path)
         c.path.remove()
         removed.append(c.path)

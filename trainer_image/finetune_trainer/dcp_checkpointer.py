@@ -327,8 +327,11 @@ class DcpCheckpointer:
         try:
             # Again before deleting anything: a purge counted on this writer's steps would
             # delete a newer incarnation's checkpoints.
-            self._fence(f"the purge after step {step}")
-            for old in store.purge(self.root, self.spec.keep, below_step=step):
+            what = f"the purge after step {step}"
+            self._fence(what)
+            # And before each committed step's delete: the window is one delete, not a purge.
+            guard = lambda: self._fence(what)  # noqa: E731
+            for old in store.purge(self.root, self.spec.keep, below_step=step, guard=guard):
                 log.info("purged checkpoint %s", old)
             self._purge_deferred()
         except FencedError as e:
