@@ -266,3 +266,14 @@ def test_a_writer_fenced_during_its_purge_stops_deleting(
     assert ckpt.finish(timeout=30)
     ckpt.close()
     assert [c.step for c in store.committed_newest_first(L(tmp_path))] == [8, 6, 4]
+
+
+def test_the_cleanup_grace_is_read_from_the_environment_or_refused_by_name() -> None:
+    from finetune_trainer.checkpoint_hygiene import CLEANUP_GRACE_SECONDS, cleanup_grace
+    from finetune_trainer.errors import UnsupportedConfigError
+
+    assert cleanup_grace({}) == CLEANUP_GRACE_SECONDS
+    assert cleanup_grace({"FT_CHECKPOINT_CLEANUP_GRACE_SECONDS": "0"}) == 0.0
+    for bad in ("soon", "-1", "nan"):
+        with pytest.raises(UnsupportedConfigError, match="FT_CHECKPOINT_CLEANUP_GRACE_SECONDS"):
+            cleanup_grace({"FT_CHECKPOINT_CLEANUP_GRACE_SECONDS": bad})

@@ -273,7 +273,7 @@ def cleanup_plan(checkpoints: list[CheckpointDir]) -> list[CheckpointDir]:
 def deferred_plan(checkpoints: list[CheckpointDir]) -> list[CheckpointDir]:
     """Pure: the uncommitted step directories the start-up cleanup leaves for later (those
     `cleanup_plan` does not take): deleted by the first purge once the view has had time
-    to catch up (`dcp_checkpointer`, CLEANUP_GRACE_SECONDS), unless their marker opens then."""
+    to catch up (`checkpoint_hygiene`, CLEANUP_GRACE_SECONDS), unless their marker opens then."""
     taken = {c.step for c in cleanup_plan(checkpoints)}
     return [c for c in checkpoints if not c.committed and c.step not in taken]
 

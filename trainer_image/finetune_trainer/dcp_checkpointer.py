@@ -44,6 +44,7 @@ from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.checkpoint_fence import EPOCH_KEY, FencedError, check_fence, claim_epoch
+from finetune_trainer.checkpoint_hygiene import cleanup_grace, purge_deferred
 from finetune_trainer.checkpointer import AsyncMode, save_due
 from finetune_trainer.dcp_resume import Resume, agree
 from finetune_trainer.location import Location
@@ -56,12 +57,6 @@ log = logging.getLogger(__name__)
 
 # Opt-in: stage through a snapshot in GPU memory (staging.py); costs a copy of the state there.
 DEVICE_SNAPSHOT_ENV = "FT_CHECKPOINT_DEVICE_SNAPSHOT"
-# Uncommitted steps newer than every committed one are left at start (a lagging NFS view may
-# hide their marker: checkpoint_store.cleanup_plan) and deleted by the first purge this long
-# after that look, if their marker does not open then: twice NFS's longest default attribute
-# cache lifetime (acdirmax 60 s), after which the view of the directory has been revalidated.
-CLEANUP_GRACE_ENV = "FT_CHECKPOINT_CLEANUP_GRACE_SECONDS"
-CLEANUP_GRACE_SECONDS = 120.0
 # DCP raises CheckpointException, a BaseException, when any rank fails a save.
 SAVE_ERRORS = (Exception, CheckpointException)
 
@@ -105,7 +100,7 @@ class DcpCheckpointer:
         # Rank 0: what the start-up cleanup left for later, and when it looked.
         self._deferred: list[Location] = []
         self._deferred_since = 0.0
-        self._grace = float(os.environ.get(CLEANUP_GRACE_ENV, CLEANUP_GRACE_SECONDS))
+        self._grace = cleanup_grace(os.environ)
         self._last_saved = 0
         self._last_save_time = time.monotonic()
         self._pending: tuple[StagedState | None, Future[None]] | None = None
@@ -329,8 +324,11 @@ class DcpCheckpointer:
             # delete a newer incarnation's checkpoints.
             what = f"the purge after step {step}"
             self._fence(what)
-            # And before each committed step's delete: the window is one delete, not a purge.
-            guard = lambda: self._fence(what)  # noqa: E731
+
+            def guard() -> None:
+                # Before each committed step's delete: the window is one delete, not a purge.
+                self._fence(what)
+
             for old in store.purge(self.root, self.spec.keep, below_step=step, guard=guard):
                 log.info("purged checkpoint %s", old)
             self._purge_deferred()
@@ -346,10 +344,8 @@ class DcpCheckpointer:
         if their marker still does not open (no save is in flight: this runs in the commit)."""
         if not self._deferred or time.monotonic() - self._deferred_since < self._grace:
             return
-        for path in self._deferred:
-            if not store.marker_opens(path):
-                path.remove()
-                log.info("purged uncommitted checkpoint %s (left at start)", path)
+        for path in purge_deferred(self._deferred):
+            log.info("purged uncommitted checkpoint %s (left at start)", path)
         self._deferred = []
 
     def wait_for_staging(self) -> None:
