@@ -217,7 +217,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """Every file under the store with its size and modification time."""
     return {
         str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-        for p in sorted(root.rglob("*")) if p.is_file() and p.name != "OWNER"
+        for p in sorted(root.rglob("*")) if p.is_file() and p.name not in ("OWNER", "EPOCH")
     }  # fmt: skip
 
 

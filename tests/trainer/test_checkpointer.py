@@ -118,13 +118,16 @@ def test_corrupt_newest_is_skipped_and_partial_cleaned(
     ckpt.close()
     data = next((tmp_path / "step-00000006").glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:64])  # committed, then damaged on disk
-    partial = tmp_path / "step-00000008"
-    partial.mkdir()  # a save that never committed
+    partial = tmp_path / "step-00000005"
+    partial.mkdir()  # a save that never committed, older than a committed one
+    newer = tmp_path / "step-00000008"
+    newer.mkdir()  # newer than every committed one: perhaps a commit not seen yet (NFS)
     fresh = new_state()
     resumed = checkpointer(fresh, tmp_path, ckpt_group)
     assert resumed.load() == 4
     assert fresh.sampler.consumed == 32
     assert not partial.exists()
+    assert newer.exists()  # left to the purge after a later commit passes it
     resumed.close()
 
 
@@ -225,7 +228,8 @@ def test_complete_but_uncommitted_save_is_never_loaded(
     fresh = new_state()
     resumed = checkpointer(fresh, tmp_path, ckpt_group)
     assert resumed.load() == 6 and resumed.skipped == []
-    assert not (tmp_path / "step-00000008").exists()
+    # Newer than every committed step: left at start (cleanup_plan), never loaded.
+    assert (tmp_path / "step-00000008").exists()
     resumed.close()
 
 
@@ -349,13 +353,13 @@ def test_through_s3_save_commit_prune_skip_corrupt_and_resume(
     assert set(manifest) == set((root / "step-00000004").sizes()) - {"COMMITTED"}
     expected = {k: v.clone() for k, v in state.model.state_dict().items()}
 
-    # The newest one damaged in place (same size); a save of step 8 that never committed.
+    # The newest one damaged in place (same size); a save of step 5 that never committed.
     newest = root / "step-00000006"
     data = newest / next(n for n in newest.sizes() if n.endswith(".distcp"))
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_atomic(bytes(raw))
-    (root / "step-00000008" / "__0_0.distcp").write_atomic(b"half an upload")
+    (root / "step-00000005" / "__0_0.distcp").write_atomic(b"half an upload")
 
     fresh = new_state()
     resumed = checkpointer(fresh, uri, ckpt_group, object_store=object_store)

@@ -139,7 +139,9 @@ def test_resume_after_kill_continues_from_last_commit(tmp_path: Path, procs: lis
     last = max(committed(root))
     junk = root / "step-00009999"
     junk.mkdir()  # an uncommitted leftover: must be ignored and cleaned
-    q = run(tmp_path, procs, "second", job, 2)
+    # Newer than every committed step: left at start, deleted by the first purge after the
+    # grace (no lagging view here to wait for).
+    q = run(tmp_path, procs, "second", job, 2, FT_CHECKPOINT_CLEANUP_GRACE_SECONDS="0")
     assert q.wait(120) == 0, tail(q.log)
     resumed = int(re.findall(r"resumed from checkpoint step (\d+)", q.log.read_text())[0])
     assert resumed >= last >= 10

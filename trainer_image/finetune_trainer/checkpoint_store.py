@@ -253,23 +253,72 @@ def quarantine(path: Location) -> Location:
     return target
 
 
+def cleanup_plan(checkpoints: list[CheckpointDir]) -> list[CheckpointDir]:
+    """Pure: the uncommitted step directories the start-up cleanup may delete, from one
+    listing (oldest first): only those older than the newest committed one. A step newer than
+    every committed one is most often the save a crash cut short, but it may as well be the
+    last save of the incarnation that just died, committed moments before by a rank 0 on
+    another node: an NFS client's attribute or lookup cache can hide that marker from this
+    node for up to `acdirmax`/`acregmax` (60 s by default). Deleting it would destroy the
+    newest checkpoint for a lagging view; left alone it costs only its disk space until a
+    save reaches its step again (it is rewritten, uncommitted first) or a commit passes it
+    (the purge then deletes it, after a look at its marker)."""
+    committed = [c.step for c in checkpoints if c.committed]
+    if not committed:
+        return []
+    newest = max(committed)
+    return [c for c in checkpoints if not c.committed and c.step < newest]
+
+
+def deferred_plan(checkpoints: list[CheckpointDir]) -> list[CheckpointDir]:
+    """Pure: the uncommitted step directories the start-up cleanup leaves for later (those
+    `cleanup_plan` does not take): deleted by the first purge once the view has had time
+    to catch up (`checkpoint_hygiene`, CLEANUP_GRACE_SECONDS), unless their marker opens then."""
+    taken = {c.step for c in cleanup_plan(checkpoints)}
+    return [c for c in checkpoints if not c.committed and c.step not in taken]
+
+
+def marker_opens(path: Location) -> bool:
+    """Whether the step's `COMMITTED` marker is there, asked by opening it: on NFS an open
+    revalidates the lookup (close-to-open consistency) where the listing's `stat` may be
+    answered from the attribute cache. Errors other than its absence propagate (unknown is
+    not absent)."""
+    try:
+        with (path / CHECKPOINT_COMMITTED_MARKER).open("rb"):
+            return True
+    except FileNotFoundError:
+        return False
+
+
 def remove_partial(
-    root: Location, failed: list[tuple[Location, OSError]] | None = None
+    root: Location,
+    failed: list[tuple[Location, OSError]] | None = None,
+    spared: list[Location] | None = None,
+    deferred: list[Location] | None = None,
 ) -> list[Location]:
-    """Delete every uncommitted step directory (leftovers of saves that never finished).
-    Only safe while no save is in flight: at start, before anything is written. With
-    `failed`, a directory that cannot be deleted is noted there and the others still are."""
+    """Delete the uncommitted step directories `cleanup_plan` names (leftovers of saves that
+    never finished), each after a second look at its marker by opening it: one found there
+    after all is noted in `spared` and kept. Only safe while no save is in flight: at start,
+    before anything is written. With `failed`, a directory that cannot be deleted is noted
+    there and the others still are. `deferred`: where to note the steps left for later
+    (`deferred_plan`), from the same listing."""
     removed = []
-    for c in list_checkpoints(root):
-        if not c.committed:
-            try:
-                c.path.remove()
-            except OSError as e:
-                if failed is None:
-                    raise
-                failed.append((c.path, e))
+    listing = list_checkpoints(root)
+    if deferred is not None:
+        deferred.extend(c.path for c in deferred_plan(listing))
+    for c in cleanup_plan(listing):
+        try:
+            if marker_opens(c.path):
+                if spared is not None:
+                    spared.append(c.path)
                 continue
-            removed.append(c.path)
+            c.path.remove()
+        except OSError as e:
+            if failed is None:
+                raise
+            failed.append((c.path, e))
+            continue
+        removed.append(c.path)
     return removed
 
 
@@ -291,11 +340,60 @@ def purge_plan(
     return doomed
 
 
-def purge(root: Location, keep: int, *, below_step: int | None = None) -> list[Location]:
+# Damaged checkpoints moved aside (`step-N.corrupt`) kept for a post-mortem: the newest few.
+KEEP_CORRUPT = 2
+_CORRUPT_DIR = re.compile(
+    re.escape(CHECKPOINT_STEP_PREFIX) + r"(\d{8,})" + re.escape(CORRUPT_SUFFIX) + r"$"
+)
+
+
+def corrupt_plan(
+    steps: Iterable[int], newest_committed: int, keep: int = KEEP_CORRUPT
+) -> list[int]:
+    """Pure: which `step-N.corrupt` directories (by step) a purge deletes. The newest `keep`
+    are kept for inspection; an older one goes once a newer checkpoint is committed (without
+    one, the quarantined steps are the only evidence of what went wrong). Unbounded, a long
+    job on a flaky volume would pile up a whole checkpoint per damaged step."""
+    ordered = sorted(set(steps))
+    older = ordered[: max(0, len(ordered) - keep)]
+    return [s for s in older if s < newest_committed]
+
+
+def corrupt_dirs(root: Location) -> dict[int, Location]:
+    """The `step-N.corrupt` directories under `root`, by step."""
+    found = {}
+    for child in root.children():
+        m = _CORRUPT_DIR.match(child.name)
+        if m and child.is_dir:
+            found[int(m.group(1))] = root / child.name
+    return found
+
+
+def purge(
+    root: Location,
+    keep: int,
+    *,
+    below_step: int | None = None,
+    guard: Callable[[], None] | None = None,
+) -> list[Location]:
     """Delete what `purge_plan` says: older committed checkpoints beyond `keep`, and
-    uncommitted ones older than `below_step` (the step just committed)."""
+    uncommitted ones older than `below_step` (the step just committed; one whose marker
+    opens after all is kept: see `cleanup_plan`); then the `step-N.corrupt` directories
+    `corrupt_plan` names. `guard` runs before each committed step's delete and stops the
+    purge by raising (a writer fenced meanwhile: checkpoint_fence)."""
     doomed = purge_plan(list_checkpoints(root), keep, below_step=below_step)
+    removed = []
     for c in doomed:
+        if not c.committed and marker_opens(c.path):
+            continue  # committed after all: the listing's view lagged
+        if guard is not None and c.committed:
+            guard()
         _uncommit(c.path)
         c.path.remove()
-    return [c.path for c in doomed]
+        removed.append(c.path)
+    if below_step is not None:
+        quarantined = corrupt_dirs(root)
+        for step in corrupt_plan(quarantined, below_step):
+            quarantined[step].remove()
+            removed.append(quarantined[step])
+    return removed

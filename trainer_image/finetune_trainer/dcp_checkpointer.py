@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
+from finetune_trainer.checkpoint_fence import EPOCH_KEY, FencedError, check_fence, claim_epoch
+from finetune_trainer.checkpoint_hygiene import cleanup_grace, purge_deferred
 from finetune_trainer.checkpointer import AsyncMode, save_due
 from finetune_trainer.dcp_resume import Resume, agree
 from finetune_trainer.location import Location
@@ -90,6 +92,15 @@ class DcpCheckpointer:
         self.last_failed_step = 0
         self.resumed_from_step = 0  # the step load() really resumed from (0: fresh start)
         self.skipped: list[int] = []  # committed steps load() found unusable, newest first
+        # Rank 0: this incarnation's epoch (checkpoint_fence), claimed by load() or, with no
+        # load, by the first save; `fenced` (every rank) once a newer incarnation has claimed
+        # the root: no more saves.
+        self.epoch: int | None = None
+        self.fenced = False
+        # Rank 0: what the start-up cleanup left for later, and when it looked.
+        self._deferred: list[Location] = []
+        self._deferred_since = 0.0
+        self._grace = cleanup_grace(os.environ)
         self._last_saved = 0
         self._last_save_time = time.monotonic()
         self._pending: tuple[StagedState | None, Future[None]] | None = None
@@ -108,7 +119,11 @@ class DcpCheckpointer:
     def load(self) -> int:
         """Resume from the newest committed checkpoint that loads; skip damaged ones
         (dcp_resume). Returns the step to continue from (0: nothing usable, start fresh)."""
-        step = Resume(self.root, self.state, self.group, self.meta, self.skipped).newest_loadable()
+        resume = Resume(self.root, self.state, self.group, self.meta, self.skipped)
+        step = resume.newest_loadable()
+        if self.rank == 0:
+            self.epoch = resume.epoch
+            self._deferred, self._deferred_since = resume.deferred, time.monotonic()
         if step:
             self.last_committed_step = self._last_saved = self.resumed_from_step = step
             self.metrics.last_ckpt_step.set(step)
@@ -128,6 +143,8 @@ class DcpCheckpointer:
     def maybe_save(self, step: int, *, force: bool = False, time_due: bool = False) -> bool:
         """Save if due; True if a save started at this step (the step trace marks it)."""
         self.prepare()  # once, after the first step of a fresh run
+        if self.fenced:
+            return False  # a newer incarnation owns the root: nothing more is written there
         due = save_due(
             step,
             interval_steps=self.spec.interval_steps,
@@ -135,8 +152,7 @@ class DcpCheckpointer:
             last_saved=self._last_saved,
         )
         if due or (force and step > self._last_saved):
-            self._save(step)
-            return True
+            return self._save(step)
         return False
 
     def prepare(self) -> None:
@@ -152,9 +168,18 @@ class DcpCheckpointer:
         self._prepared = True
         log.info("checkpoint staging buffers ready in %.2fs", time.monotonic() - t)
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int) -> bool:
         t0 = time.monotonic()
         self.finish()  # at most one save in flight: the staging buffers are free again
+        # Fenced before anything is written (a stale writer's first act below would be to
+        # remove a newer incarnation's marker of this step), agreed so every rank stops.
+        if not agree(self._fence_ok(step), self.group):
+            self.fenced = True
+            # Counted as a failed save: CheckpointFailing says this process saves no more.
+            self.last_failed_step = max(self.last_failed_step, step)
+            self.metrics.observe_checkpoint_failed(step)
+            log.error("checkpoint step %d not saved: a newer incarnation owns %s", step, self.root)
+            return False
         self.metrics.checkpoint_save_started()
         path = store.step_dir(self.root, step)
         # Saving a step again (after resuming from an older one): never look committed mid-write.
@@ -184,6 +209,7 @@ class DcpCheckpointer:
         self._last_saved = step
         self._last_save_time = time.monotonic()
         self.metrics.checkpoint_save_returned(step, time.monotonic() - t0)
+        return True
 
     def _launch(self, staging: HostStaging, path: Location) -> StagedState:
         self.root.makedirs()
@@ -257,8 +283,31 @@ class DcpCheckpointer:
         log.info("checkpoint step %d committed in %.2fs", step, time.monotonic() - t0)
         return True
 
+    def _fence_ok(self, step: int) -> bool:
+        """False on rank 0 if fenced. A record that cannot be read (a transient error) fences
+        nothing: the save goes on (and fails, counted, if the volume is really gone)."""
+        if self.rank != 0:
+            return True
+        try:
+            self._fence(f"the save of step {step}")
+        except FencedError as e:
+            log.error("%s", e)
+            return False
+        except OSError as e:
+            log.warning("checkpoint step %d: the epoch record could not be read (%s)", step, e)
+        return True
+
+    def _fence(self, what: str) -> None:
+        """Rank 0: raise FencedError if a newer incarnation claimed the root (the next save's
+        agreed check then stops every rank: `fenced` is set only there, on all of them)."""
+        if self.epoch is None:
+            self.epoch = claim_epoch(self.root)
+        check_fence(self.root, self.epoch, what)
+
     def _mark_committed(self, step: int, manifest: dict[str, dict[str, Any]]) -> None:
         path = store.step_dir(self.root, step)
+        # A fenced writer's marker could stand over the new incarnation's files of this step.
+        self._fence(f"the commit of step {step}")
         meta = {
             **self.meta,
             **self.state.marker_record(),  # what the state's own compatibility check reads
@@ -268,14 +317,36 @@ class DcpCheckpointer:
         }
         meta[store.HASH_KEY] = store.HASH_ALGORITHM
         meta[store.MANIFEST_KEY] = manifest
+        meta[EPOCH_KEY] = self.epoch
         store.write_marker(path, meta)
         try:
-            for old in store.purge(self.root, self.spec.keep, below_step=step):
+            # Again before deleting anything: a purge counted on this writer's steps would
+            # delete a newer incarnation's checkpoints.
+            what = f"the purge after step {step}"
+            self._fence(what)
+
+            def guard() -> None:
+                # Before each committed step's delete: the window is one delete, not a purge.
+                self._fence(what)
+
+            for old in store.purge(self.root, self.spec.keep, below_step=step, guard=guard):
                 log.info("purged checkpoint %s", old)
+            self._purge_deferred()
+        except FencedError as e:
+            log.error("checkpoint step %d committed by a fenced writer: %s", step, e)
         except OSError as e:
             # The step is committed (its marker is written): a delete that failed leaves an
             # old checkpoint for the next purge, it does not fail this save.
             log.warning("checkpoint step %d committed; purging older ones failed: %s", step, e)
+
+    def _purge_deferred(self) -> None:
+        """Delete the uncommitted steps the start-up cleanup left, once the grace is over and
+        if their marker still does not open (no save is in flight: this runs in the commit)."""
+        if not self._deferred or time.monotonic() - self._deferred_since < self._grace:
+            return
+        for path in purge_deferred(self._deferred):
+            log.info("purged uncommitted checkpoint %s (left at start)", path)
+        self._deferred = []
 
     def wait_for_staging(self) -> None:
         """Before the optimizer step: the host copies are done and the GPU will run the

@@ -39,6 +39,7 @@ from finetune_trainer.checkpoint_compat import (
     refusal_message,
     tolerate,
 )
+from finetune_trainer.checkpoint_fence import EPOCH_KEY, claim_epoch, stale_branch
 from finetune_trainer.location import Location
 from finetune_trainer.state import TrainState
 
@@ -79,6 +80,10 @@ class Resume:
         # A read that failed after DCP had begun copying into the live state (the model's
         # and optimizer's own tensors): (step, why).
         self.overwritten: tuple[int, str] | None = None
+        # Rank 0: the epoch this incarnation claimed (checkpoint_fence); None: not claimed.
+        self.epoch: int | None = None
+        # Rank 0: uncommitted steps the start-up cleanup left for later (store.deferred_plan).
+        self.deferred: list[Location] = []
 
     def newest_loadable(self) -> int:
         """Load the newest committed checkpoint that loads; skip damaged ones. Returns its
@@ -108,8 +113,9 @@ class Resume:
         error: Exception | None = None
         if self.rank == 0:
             try:
+                self._claim_epoch()
                 self._remove_partial()
-                box[0] = [c.step for c in store.committed_newest_first(self.root)]
+                box[0] = self._unfenced(store.committed_newest_first(self.root))
             except Exception as e:
                 error = e
                 box[0] = f"rank 0 could not list the checkpoints under {self.root}: {e!r}"
@@ -120,12 +126,43 @@ class Resume:
             raise OSError(box[0])
         return list(box[0])
 
+    def _unfenced(self, committed: list[store.CheckpointDir]) -> list[int]:
+        """The committed steps, newest first, less those a fenced writer committed over a
+        newer incarnation's history (checkpoint_fence.stale_branch): left in place, logged."""
+        epochs: dict[int, int | None] = {}
+        for c in committed:
+            epoch = (store.read_marker(c.path) or {}).get(EPOCH_KEY)
+            epochs[c.step] = epoch if isinstance(epoch, int) else None
+        stale = set(stale_branch(epochs))
+        for step in sorted(stale, reverse=True):
+            log.warning(
+                "not resuming from checkpoint step %d under %s: committed by epoch %s, a writer "
+                "fenced out by a newer incarnation that committed an older step after it",
+                step, self.root, epochs[step],
+            )  # fmt: skip
+        return [c.step for c in committed if c.step not in stale]
+
+    def _claim_epoch(self) -> None:
+        """Before the cleanup: every writer that started earlier is fenced from here. A root
+        this process cannot write (a read-only snapshot) still resumes: the first save claims
+        then, or fails as any save there would."""
+        try:
+            self.epoch = claim_epoch(self.root)
+        except OSError as e:
+            log.warning("could not claim an epoch under %s (the first save will): %s", self.root, e)
+
     def _remove_partial(self) -> None:
         """A partial save that cannot be deleted (a bucket policy without DeleteObject, a
         read-only snapshot) is never loaded anyway: it must not stop the resume."""
         failed: list[tuple[Location, OSError]] = []
-        for path in store.remove_partial(self.root, failed):
+        spared: list[Location] = []
+        for path in store.remove_partial(self.root, failed, spared, self.deferred):
             log.warning("removed uncommitted checkpoint %s", path)
+        for path in spared:
+            log.warning(
+                "kept checkpoint %s: listed uncommitted, but its marker opens (a lagging view "
+                "of the volume)", path,
+            )  # fmt: skip
         for path, e in failed:
             log.warning("could not remove uncommitted checkpoint %s (never loaded): %s", path, e)
 
