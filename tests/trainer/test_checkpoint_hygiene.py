@@ -277,3 +277,64 @@ def test_the_cleanup_grace_is_read_from_the_environment_or_refused_by_name() -> 
     for bad in ("soon", "-1", "nan"):
         with pytest.raises(UnsupportedConfigError, match="FT_CHECKPOINT_CLEANUP_GRACE_SECONDS"):
             cleanup_grace({"FT_CHECKPOINT_CLEANUP_GRACE_SECONDS": bad})
+
+
+MOUNTS = """\
+overlay / overlay rw,relatime 0 0
+proc /proc proc rw 0 0
+/dev/sda1 /data ext4 rw,relatime 0 0
+nfs.example:/ckpt /data/shared nfs4 rw,relatime,vers=4.1 0 0
+/dev/sdb1 /data/shared/local\\040disk xfs rw 0 0
+s3fs /mnt/bucket fuse.s3fs rw 0 0
+"""
+
+
+def test_the_filesystem_of_a_path_is_its_deepest_mount() -> None:
+    from finetune_trainer.checkpoint_hygiene import filesystem_type
+
+    assert filesystem_type("/data/shared/ckpt/step-00000004", MOUNTS) == "nfs4"
+    assert filesystem_type("/data/shared", MOUNTS) == "nfs4"
+    assert filesystem_type("/data/sharedx", MOUNTS) == "ext4"  # not inside /data/shared
+    assert filesystem_type("/data/shared/local disk/ckpt", MOUNTS) == "xfs"  # \040: a space
+    assert filesystem_type("/home/user", MOUNTS) == "overlay"
+    assert filesystem_type("/x", "") is None
+    # A later mount on the same point hides the earlier one.
+    assert filesystem_type("/data/a", MOUNTS + "srv:/x /data nfs rw 0 0\n") == "nfs"
+
+
+def test_the_grace_is_waited_only_where_a_view_can_lag() -> None:
+    """A local disk is one node's: its view never lags, so a partial save newer than every
+    committed step goes with the first purge (the fault drill's wait: 120 s for nothing)."""
+    from finetune_trainer.checkpoint_hygiene import CLEANUP_GRACE_SECONDS, default_grace
+
+    assert default_grace(L(Path("/data/ckpt")), MOUNTS) == 0.0
+    assert default_grace(L(Path("/data/shared/ckpt")), MOUNTS) == CLEANUP_GRACE_SECONDS
+    assert default_grace(L(Path("/mnt/bucket/ckpt")), MOUNTS) == CLEANUP_GRACE_SECONDS  # FUSE
+    assert default_grace(L(Path("/data/ckpt")), None) == CLEANUP_GRACE_SECONDS  # unknown
+    assert default_grace(L(Path("/data/ckpt")), "") == CLEANUP_GRACE_SECONDS
+
+
+@pytest.mark.parametrize(("fstype", "purged"), [("ext4", True), ("nfs4", False)])
+def test_the_checkpointer_takes_its_grace_from_the_roots_filesystem(
+    tmp_path: Path,
+    ckpt_group: dist.ProcessGroup,
+    monkeypatch: pytest.MonkeyPatch,
+    fstype: str,
+    purged: bool,
+) -> None:
+    import finetune_trainer.dcp_checkpointer as dcp_checkpointer
+
+    _saved_six(tmp_path, ckpt_group)
+    partial = tmp_path / "step-00000009"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    monkeypatch.delenv("FT_CHECKPOINT_CLEANUP_GRACE_SECONDS", raising=False)
+    mounts = f"overlay / overlay rw 0 0\nsrv:/x {tmp_path} {fstype} rw 0 0\n"
+    monkeypatch.setattr(dcp_checkpointer, "read_mounts", lambda: mounts)
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=3)
+    assert ckpt.load() == 6
+    train_steps(state, 2, ckpt)  # commits step 8
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+    assert partial.exists() != purged

@@ -44,7 +44,12 @@ from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
 from finetune_trainer.checkpoint_fence import EPOCH_KEY, FencedError, check_fence, claim_epoch
-from finetune_trainer.checkpoint_hygiene import cleanup_grace, purge_deferred
+from finetune_trainer.checkpoint_hygiene import (
+    cleanup_grace,
+    default_grace,
+    purge_deferred,
+    read_mounts,
+)
 from finetune_trainer.checkpointer import AsyncMode, save_due
 from finetune_trainer.dcp_resume import Resume, agree
 from finetune_trainer.location import Location
@@ -100,7 +105,7 @@ class DcpCheckpointer:
         # Rank 0: what the start-up cleanup left for later, and when it looked.
         self._deferred: list[Location] = []
         self._deferred_since = 0.0
-        self._grace = cleanup_grace(os.environ)
+        self._grace = cleanup_grace(os.environ, default_grace(self.root, read_mounts()))
         self._last_saved = 0
         self._last_save_time = time.monotonic()
         self._pending: tuple[StagedState | None, Future[None]] | None = None
