@@ -13,9 +13,11 @@ one after another) are coalesced into one request of at most `part_bytes`, the g
 dropped. The headers are judged before any data is read or mapped
 (finetune_trainer.safetensors_header: a file shorter than its header says is refused, never
 mapped past its end). The requests of a batch go out concurrently (`cat_ranges`), a batch bounded in
-bytes so the raw buffers never exceed `batch_bytes` next to the shards (plus the tensor
-being assembled); a range larger than `part_bytes` goes out as parallel parts, and each part
-that fails transiently is asked again with backoff (finetune_trainer.ranged_reads). A
+bytes so the raw buffers never exceed `batch_bytes` next to the shards: each slice's bytes are
+written straight into its target as they arrive and each part is released once written
+(finetune_trainer.slice_sink: no request copied or assembled beside its batch); a range
+larger than `part_bytes` goes out as parallel parts, and each part that fails transiently is
+asked again with backoff (finetune_trainer.ranged_reads). A
 sharded checkpoint's `model.safetensors.index.json` decides which file each tensor is read
 from (finetune_trainer.safetensors_index)."""
 
