@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from planner_specs import make_spec
 
+from finetune_operator.api.capabilities import trainer_refusals
 from finetune_operator.planner import plan_job
 from finetune_operator.planner.configuration import Candidate
 from finetune_operator.planner.hardware import runtime_host_bytes
@@ -118,3 +119,31 @@ def test_the_plan_table_states_the_need_its_headroom_is_of() -> None:
     gpu = plan_job(make_spec(strategy={"type": "zero2", "offload": "cpu"}))
     row = next(line for line in render_plan(gpu).splitlines() if "headroom)" in line)
     assert f"{gpu.memory.total / 2**30:.2f} GiB of" in row  # a GPU's: its breakdown, unchanged
+
+
+def test_an_fsdp_plan_on_cpu_says_it_offloads_nothing_and_why() -> None:
+    """The plan says what the trainer runs (status.plan, `ftjob plan`): FSDP2 on a CPU device
+    offloads nothing, whatever strategy.offload asks; DeepSpeed there, and FSDP2 on a GPU, do."""
+    spec = make_spec(model=TINY, training=SHORT, resources=CPU,
+                     strategy={"type": "fsdp-full-shard", "offload": "cpu"})  # fmt: skip
+    plan = plan_job(spec)
+    assert plan.fits and plan.offload == "none"
+    assert "strategy.offload: cpu is not run (offload none)" in plan.reason
+    assert "offload none" in render_plan(plan)
+    assert "offload cpu" not in render_plan(plan)
+    assert trainer_refusals(spec, plan) == []
+    deepspeed = plan_job(
+        make_spec(model=TINY, training=SHORT, resources=CPU,
+                  strategy={"type": "zero2", "backend": "deepspeed", "offload": "cpu"})
+    )  # fmt: skip
+    assert deepspeed.offload == "cpu" and "is not run" not in deepspeed.reason
+    gpu = plan_job(make_spec(strategy={"type": "fsdp-full-shard", "offload": "cpu"}))
+    assert gpu.offload == "cpu" and "is not run" not in gpu.reason
+
+
+def test_nvme_on_cpu_fsdp_is_still_refused_though_the_plan_offloads_nothing() -> None:
+    spec = make_spec(model=TINY, training=SHORT, resources=CPU,
+                     strategy={"type": "fsdp-full-shard", "offload": "nvme"})  # fmt: skip
+    plan = plan_job(spec)
+    assert plan.offload == "none"
+    assert any("nvme is not implemented" in p for p in trainer_refusals(spec, plan))

@@ -90,9 +90,7 @@ def main() -> None:
             precision=spec.training.precision,
             architecture=job.plan.architecture,
         )
-        wrapped = parallelize(
-            model, job.plan, spec.strategy, CPU, world, precision=spec.training.precision
-        ).model
+        wrapped = parallelize(model, job.plan, CPU, world, precision=spec.training.precision).model
     else:
         wrapped = load_parallel_model(job, tok, CPU, world).model
     seconds = time.perf_counter() - t0

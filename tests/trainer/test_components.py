@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import generate_latest
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from finetune_operator.api.constants import BYTE_TOKENIZER_VOCAB
-from finetune_operator.api.spec import DatasetSpec, MethodSpec, StrategySpec
+from finetune_operator.api.spec import DatasetSpec, MethodSpec
 from finetune_trainer.data import build_dataset, load_records, pack, resolve_uri
 from finetune_trainer.data.records import dataset_files
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from finetune_trainer.model import build_model, decoder_layers
-from finetune_trainer.parallelize import parallelize
+from finetune_trainer.parallelize import offload_policy, parallelize
 from finetune_trainer.tokenizer import build_byte_tokenizer
 from tests.trainer.conftest import make_job
 
@@ -227,7 +228,6 @@ def test_deepspeed_refused_not_replaced(strategy: str) -> None:
         parallelize(
             torch.nn.Linear(2, 2),
             plan,
-            StrategySpec(type=strategy, backend="deepspeed"),
             CPU,
             1,
             precision="bf16",
@@ -303,3 +303,13 @@ def test_compile_knob(raw: str | None, expected: bool) -> None:
 
     env = {} if raw is None else {"FT_COMPILE": raw}
     assert RuntimeEnv.from_environ(env).compile is expected
+
+
+def test_fsdp_offloads_as_the_plan_says_and_only_from_a_gpu() -> None:
+    # The planner's offload is what runs (none for FSDP2 on a CPU device); the device is
+    # checked again in case a GPU plan meets a CPU.
+    assert type(offload_policy("cpu", torch.device("cuda"))) is CPUOffloadPolicy
+    assert type(offload_policy("none", torch.device("cuda"))) is OffloadPolicy
+    assert type(offload_policy("cpu", CPU)) is OffloadPolicy
+    with pytest.raises(UnsupportedConfigError, match="nvme"):
+        offload_policy("nvme", torch.device("cuda"))

@@ -63,7 +63,6 @@ def trained(method: MethodSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module
     return parallelize(
         model,
         job.plan,
-        job.spec.strategy,
         torch.device("cpu"),
         1,
         precision=job.spec.training.precision,

@@ -50,7 +50,7 @@ def model(method: str = "full", precision: Precision = "bf16") -> nn.Module:
 
 def wrap(m: nn.Module, strategy: str, precision: Precision) -> Parallel:
     job = make_job(strategy=strategy)
-    return parallelize(m, job.plan, job.spec.strategy, CPU, 1, precision=precision)
+    return parallelize(m, job.plan, CPU, 1, precision=precision)
 
 
 def step(par: Parallel, precision: Precision) -> torch.Tensor:

@@ -67,8 +67,8 @@ def load_parallel_model(
     seed = spec.training.seed
     # FSDP2's CPUOffloadPolicy wants its shards on the host from the start (they move to the
     # GPU per unit while computing), so they are materialised there.
-    # (the condition of parallelize._offload_policy)
-    offloaded = spec.strategy.offload == "cpu" and device.type == "cuda"
+    # (the condition of parallelize.offload_policy, on the plan's offload: what runs)
+    offloaded = job.plan.offload == "cpu" and device.type == "cuda"
     init_device = torch.device("cpu") if offloaded else device
 
     sharded = shards_parameters(job.plan)
@@ -85,7 +85,6 @@ def load_parallel_model(
     parallel = parallelize(
         model,
         job.plan,
-        spec.strategy,
         device,
         local_world_size,
         precision=spec.training.precision,

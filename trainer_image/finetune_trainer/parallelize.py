@@ -38,7 +38,8 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from finetune_operator.api.plan import Plan
-from finetune_operator.api.spec import Precision, StrategySpec
+from finetune_operator.api.spec import Precision
+from finetune_operator.api.spec_types import Offload
 from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_trainer.errors import UnsupportedConfigError
 from finetune_trainer.model import decoder_layers
@@ -197,10 +198,12 @@ def apply_fsdp(
     return Parallel(model=model, strategy=strategy, accumulate=_fsdp_accumulate(model))
 
 
-def _offload_policy(spec: StrategySpec, device: torch.device) -> OffloadPolicy:
-    if spec.offload == "nvme":
+def offload_policy(offload: Offload, device: torch.device) -> OffloadPolicy:
+    """FSDP2's policy for the plan's `offload`. A plan offloads to cpu only from a GPU; the
+    device is checked again (a plan made for a GPU run on a CPU: nothing to move to)."""
+    if offload == "nvme":
         raise UnsupportedConfigError("strategy.offload 'nvme' is not implemented yet")
-    if spec.offload == "cpu" and device.type == "cuda":
+    if offload == "cpu" and device.type == "cuda":
         return CPUOffloadPolicy()
     return OffloadPolicy()  # no offload (and nothing to offload to on a CPU run)
 
@@ -271,7 +274,6 @@ def _mesh(row: Strategy, device: torch.device, local_world_size: int) -> DeviceM
 def parallelize(
     model: nn.Module,
     plan: Plan,
-    spec: StrategySpec,
     device: torch.device,
     local_world_size: int,
     *,
@@ -288,7 +290,9 @@ def parallelize(
     row = torch_row(plan)
     if compile_model:
         compile_blocks(model)
-    if spec.offload != "none" and not row.offloadable:
+    # The plan's offload, not the spec's: the planner says what runs (none for FSDP2 on a CPU
+    # device, where strategy.offload: cpu has nowhere to move states; planner Candidate.offloads).
+    if plan.offload != "none" and not row.offloadable:
         raise UnsupportedConfigError(f"strategy.offload: {plan.strategy} cannot offload")
     if row.replicated:
         return apply_ddp(model, device, precision)
@@ -296,7 +300,7 @@ def parallelize(
         model,
         _mesh(row, device, local_world_size),
         reshard_after_forward=row.reshard_after_forward,
-        offload=_offload_policy(spec, device),
+        offload=offload_policy(plan.offload, device),
         mp_policy=fsdp_mp_policy(precision),
         strategy=plan.strategy,
     )

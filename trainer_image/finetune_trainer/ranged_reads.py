@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 
 from fsspec import AbstractFileSystem
 
+from finetune_operator.api.weights_reads import READ_PART_BYTES
+
 log = logging.getLogger(__name__)
 
 # A part of a range: large enough to amortise a request, small enough that a retry is cheap.
-PART_BYTES = 64 << 20
+PART_BYTES = READ_PART_BYTES  # the planner counts it (api/weights_reads)
 # Ranges of one file at most this far apart are fetched as one request, the gap dropped: a
 # request costs tens of milliseconds of latency, in which a store delivers about this much.
 GAP_BYTES = 1 << 20

@@ -13,9 +13,11 @@ one after another) are coalesced into one request of at most `part_bytes`, the g
 dropped. The headers are judged before any data is read or mapped
 (finetune_trainer.safetensors_header: a file shorter than its header says is refused, never
 mapped past its end). The requests of a batch go out concurrently (`cat_ranges`), a batch bounded in
-bytes so the raw buffers never exceed `batch_bytes` next to the shards (plus the tensor
-being assembled); a range larger than `part_bytes` goes out as parallel parts, and each part
-that fails transiently is asked again with backoff (finetune_trainer.ranged_reads). A
+bytes so the raw buffers never exceed `batch_bytes` next to the shards: each slice's bytes are
+written straight into its target as they arrive and each part is released once written
+(finetune_trainer.slice_sink: no request copied or assembled beside its batch); a range
+larger than `part_bytes` goes out as parallel parts, and each part that fails transiently is
+asked again with backoff (finetune_trainer.ranged_reads). A
 sharded checkpoint's `model.safetensors.index.json` decides which file each tensor is read
 from (finetune_trainer.safetensors_index)."""
 
@@ -69,6 +71,7 @@ from finetune_trainer.safetensors_index import (
     owned,
     parse_index,
 )
+from finetune_trainer.slice_sink import SliceSink
 
 log = logging.getLogger(__name__)
 
@@ -290,39 +293,41 @@ class RangedSafetensorsReader(StorageReader):
         requests = coalesce(ranges, self.gap_bytes, self.part_bytes)
         self.bytes_read += sum(end - start for _, start, end in ranges)
         self.bytes_gaps += dropped_bytes(requests, ranges)
-        # Each request's range as parts (request index, start, end, offset in its bytes).
-        parts: list[tuple[int, int, int, int]] = []
-        buffers: dict[int, bytearray] = {}
-        left: dict[int, int] = {}
+        # Each request's range as parts (request index, start, end).
+        parts: list[tuple[int, int, int]] = []
         for r, req in enumerate(requests):
-            pieces = split_range(req.start, req.end, self.part_bytes)
-            left[r] = len(pieces)
-            parts.extend((r, s, e, s - req.start) for s, e in pieces)
+            parts.extend((r, s, e) for s, e in split_range(req.start, req.end, self.part_bytes))
+        # A slice's target, from its request's first part until its last byte is in.
+        sinks: dict[int, SliceSink] = {}
         strip = self.location.fs._strip_protocol
-        for group in batches([e - s for _, s, e, _ in parts], self.batch_bytes):
+        for group in batches([e - s for _, s, e in parts], self.batch_bytes):
             chosen = [parts[k] for k in group]
-            raw = self._fetch(
-                [strip(requests[r].file) for r, _, _, _ in chosen],
-                [s for _, s, _, _ in chosen],
-                [e for _, _, e, _ in chosen],
+            raw: list[bytes | None] = list(
+                self._fetch(
+                    [strip(requests[r].file) for r, _, _ in chosen],
+                    [s for _, s, _ in chosen],
+                    [e for _, _, e in chosen],
+                )
             )
-            for (r, s, e, at), data in zip(chosen, raw, strict=True):
+            for j, (r, s, e) in enumerate(chosen):
                 req = requests[r]
-                if (s, e) == (req.start, req.end):
-                    whole = bytearray(data)  # the request in one part
-                else:
-                    whole = buffers.setdefault(r, bytearray(req.end - req.start))
-                    whole[at : at + (e - s)] = data
-                left[r] -= 1
-                if left[r] == 0:
-                    buffers.pop(r, None)
-                    view = memoryview(whole)
-                    for i in req.members:
-                        span, start, end = spans[i]
-                        piece = view[start - req.start : end - req.start]
-                        if (start - req.start) % span.dtype.itemsize:
-                            piece = memoryview(bytearray(piece))  # aligned for its dtype
-                        self._copy(items[i], span, piece, planner)
+                data = raw[j]
+                raw[j] = None  # released once its slices are written: the batch shrinks
+                assert data is not None
+                view = memoryview(data)
+                for i in req.members:
+                    span, start, end = spans[i]
+                    if s == req.start:
+                        sinks[i] = SliceSink(items[i], span, end - start, planner)
+                    if start < e and end > s:  # the slice's bytes in this part, in order
+                        sink = sinks[i]
+                        sink.write(view[max(start, s) - s : min(end, e) - s])
+                        if sink.done:
+                            del sinks[i]
+                    elif i in sinks and sinks[i].done:  # a slice of no bytes
+                        del sinks[i]
+                del data, view
+        assert not sinks, f"slices never completed: {sorted(sinks)}"
 
     def _read_mapped(
         self, items: list[ReadItem], spans: list[tuple[Span, int, int]], planner: LoadPlanner
@@ -334,37 +339,10 @@ class RangedSafetensorsReader(StorageReader):
         mapped = MappedFiles()
         for item, (span, start, end) in zip(items, spans, strict=True):
             piece = mapped.range(span.file, start, end)
-            if start % span.dtype.itemsize:
-                piece = memoryview(bytearray(piece))  # aligned for its dtype
             self.bytes_read += end - start
-            self._copy(item, span, piece, planner)
+            SliceSink(item, span, end - start, planner).write(piece)
 
     def _range(self, item: ReadItem) -> tuple[Span, int, int]:
         span = self.storage_data[item.storage_index]
         start, end = row_range(span, item.storage_offsets, item.lengths)
         return span, start, end
-
-    @staticmethod
-    def _copy(item: ReadItem, span: Span, data: memoryview, planner: LoadPlanner) -> None:
-        if len(data):
-            rows = torch.frombuffer(data, dtype=span.dtype)
-        else:  # frombuffer refuses an empty buffer
-            rows = torch.empty(0, dtype=span.dtype)
-        if span.shape:
-            # The slice's row count, not -1: a (N, 0) tensor's rows hold no bytes to count.
-            rows = rows.view(item.lengths[0], *span.shape[1:])
-            rest = tuple(
-                slice(o, o + n)
-                for o, n in zip(item.storage_offsets[1:], item.lengths[1:], strict=True)
-            )
-            rows = rows[(slice(None), *rest)]
-        else:
-            rows = rows.view(())
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != rows.size():
-            raise ValueError(
-                f"{span.file}: {item.storage_index.fqn} slice {tuple(rows.size())} does not fit "
-                f"{tuple(target.size())}"
-            )
-        target.copy_(rows)
-        planner.commit_tensor(item, target)

@@ -24,7 +24,7 @@ def trainer_refusals(
             f"spec.strategy: {plan.strategy} on {row.backend} is not implemented by the trainer "
             f"yet; use one of {', '.join(runnable)}"
         )
-    if plan.offload == "nvme":
+    if "nvme" in (plan.offload, spec.strategy.offload):  # the plan's is none on CPU FSDP2
         problems.append("spec.strategy.offload: nvme is not implemented yet; use cpu")
     if plan.offload != "none" and not row.offloadable:
         can = sorted({r.name for r in strategies if r.offloadable and r.implemented})

@@ -52,7 +52,12 @@ class Plan(ApiModel):
     nodes: int = Field(..., ge=1, description="Worker pods.")
     gpus_per_node: int = Field(..., ge=1, description="Processes per worker pod.")
     strategy: StrategyName = Field(..., description="Sharding strategy.")
-    offload: Offload = Field("none", description="What is offloaded.")
+    offload: Offload = Field(
+        "none",
+        description="What the trainer offloads: none where strategy.offload would move "
+        "nothing (FSDP2 on a CPU device keeps its states in host memory already; the "
+        "reason says so).",
+    )
     backend: BackendName = Field(
         "fsdp",
         description="What runs the strategy, in strategy.backend's names: fsdp (torch DDP "

@@ -33,7 +33,7 @@ def _count(n: int, word: str) -> str:
 
 def _config(ev: Evaluated) -> str:
     ck = "full checkpointing" if ev.shape.checkpointing else "no checkpointing"
-    off = f", offload {ev.cand.offload}" if ev.cand.offload != "none" else ""
+    off = f", offload {ev.cand.offload}" if ev.cand.offloads else ""
     return (
         f"{ev.cand.strategy}{off}, micro-batch {ev.shape.micro_batch_size} x "
         f"{ev.shape.grad_accumulation} accumulation, {ck}"
@@ -106,6 +106,13 @@ def explain_choice(
         )
     if p.spec.strategy.type != "auto":
         lines.append(f"Strategy pinned to {p.spec.strategy.type}.")
+    asked = p.spec.strategy.offload
+    if asked != "none" and plan.offload == "none":
+        lines.append(
+            f"strategy.offload: {asked} is not run (offload none): {plan.strategy} on a CPU "
+            "device keeps its states in the process's memory already, with nowhere else to "
+            "move them."
+        )
     if res.min_nodes is None and not (p.spec.strategy.type != "auto" and res.max_nodes):
         lines.append(f"{_OBJECTIVE_WORDS[objective]} ({result.evaluated} evaluated).")
     else:

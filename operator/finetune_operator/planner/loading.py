@@ -24,9 +24,11 @@ then gathers each tensor whole into the replica in place (its own rows copied in
 parameter, the others' received straight into it). Beside the replica it holds one load's
 stripes plus, during the load, the raw bytes of the ranged GETs in flight (at most
 READ_BATCH_BYTES, and at most those stripes' bytes as stored: fp32 files assumed, the widest
-the trainer reads into a float replica); the gathers allocate nothing. At 256 MiB each that
-is up to 512 MiB on top of the replica of a large model; the figure counted before (the
-replica plus one module's fp32 init) left it out.
+the trainer reads into a float replica; each slice's bytes go straight into its stripe,
+finetune_trainer.slice_sink), plus the S3 client's join of one GET's blocks (at most
+READ_PART_BYTES); the gathers allocate nothing. At 256 + 256 + 64 MiB that is up to 576 MiB
+on top of the replica of a large model; the figure counted before (the replica plus one
+module's fp32 init) left it out.
 
 A DeepSpeed resume (finetune_trainer.deepspeed_resume, `zero_resume_host_bytes`) reads the
 checkpoint's fp32 tensors into host memory one group at a time: at most
@@ -41,7 +43,7 @@ from __future__ import annotations
 import math
 
 from finetune_operator.api.deepspeed_config import resume_chunk_budget
-from finetune_operator.api.weights_reads import READ_BATCH_BYTES, STRIPE_BYTES
+from finetune_operator.api.weights_reads import READ_BATCH_BYTES, READ_PART_BYTES, STRIPE_BYTES
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.configuration import TrainingShape
 from finetune_operator.planner.lora import adapter_parameters
@@ -93,11 +95,13 @@ def striped_read_bytes(
     element_bytes: int,
     stripe_bytes: int = STRIPE_BYTES,
     read_batch_bytes: int = READ_BATCH_BYTES,
+    read_part_bytes: int = READ_PART_BYTES,
 ) -> int:
     """Bytes a replicated rank holds beside its replica (`replica_bytes`, of elements of
     `element_bytes`) while reading it in stripes over `world` ranks (see the module
     docstring): one DCP load's stripes (at most `stripe_bytes`, or one larger tensor's stripe
-    alone) and the raw reads in flight. Nothing on one rank: it reads whole, as from a volume.
+    alone), the raw reads in flight, and the client's join of one of them (one part). Nothing
+    on one rank: it reads whole, as from a volume.
 
     Exactly one load's stripes: the gathers hand the collectives only views of the replica
     (finetune_trainer.replica_loading.gather_rows), so nothing the backend keeps past a
@@ -111,7 +115,8 @@ def striped_read_bytes(
         max(stripe_bytes, math.ceil(largest_tensor_bytes / world)),
         math.ceil(replica_bytes / world),
     )
-    return group + min(read_batch_bytes, group * FP32 // element_bytes)
+    raw = min(read_batch_bytes, group * FP32 // element_bytes)
+    return group + raw + min(read_part_bytes, raw)
 
 
 def replicated_load_peak_bytes(

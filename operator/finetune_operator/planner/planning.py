@@ -208,7 +208,9 @@ def _to_plan(
         nodes=max(1, launch_n // gpn),
         gpus_per_node=gpn,
         strategy=ev.cand.strategy,
-        offload=ev.cand.offload,
+        # What the trainer does: FSDP2 on a CPU device offloads nothing (Candidate.offloads;
+        # the reason says why the spec's offload is not run).
+        offload=ev.cand.offload if ev.cand.offloads else "none",
         backend=ev.row.backend,
         micro_batch_size=ev.shape.micro_batch_size,
         gradient_accumulation_steps=max(
