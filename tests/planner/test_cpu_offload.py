@@ -8,6 +8,7 @@ the budget while their sum did not), and FSDP2, which offloads nothing on CPU
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from planner_specs import make_spec
 
@@ -26,6 +27,20 @@ SHORT = {"sequenceLength": 256, "globalBatchSize": 4, "maxSteps": 10}
 
 def _cpu_problem(strategy: dict[str, str]) -> Problem:
     return build_problem(make_spec(model=TINY, training=SHORT, resources=CPU, strategy=strategy))
+
+
+def deepspeed_offload_on_cpu() -> Any:
+    """ZeRO-2 with its optimizer states offloaded, on a CPU device: the offloaded states share
+    the process's memory with the rest."""
+    return make_spec(model=TINY, training=SHORT, resources=CPU,
+                     strategy={"type": "zero2", "backend": "deepspeed", "offload": "cpu"})  # fmt: skip
+
+
+def evaluated(spec: Any, plan: Any) -> Any:
+    """The search's evaluation of `plan`'s choice, at world 1."""
+    p = build_problem(spec)
+    return evaluate(p, 1, strategies_for(p, 1)[0], plan.micro_batch_size,
+                    plan.activation_checkpointing)  # fmt: skip
 
 
 def test_deepspeed_offload_on_cpu_adds_the_offloaded_states_to_the_device_need() -> None:
@@ -69,16 +84,9 @@ def test_fsdp_offload_on_cpu_plans_the_states_where_the_trainer_keeps_them() -> 
 
 
 def test_a_cpu_offload_plan_reports_the_headroom_of_everything_in_its_memory() -> None:
-    spec = make_spec(
-        model=TINY,
-        training=SHORT,
-        resources=CPU,
-        strategy={"type": "zero2", "backend": "deepspeed", "offload": "cpu"},
-    )
+    spec = deepspeed_offload_on_cpu()
     plan = plan_job(spec)
-    p = build_problem(spec)
-    ev = evaluate(p, 1, strategies_for(p, 1)[0], plan.micro_batch_size,
-                  plan.activation_checkpointing)  # fmt: skip
+    ev = evaluated(spec, plan)
     assert plan.fits and plan.memory == ev.est.breakdown
     assert plan.headroom == round(1 - ev.device_need / plan.gpu_memory_bytes, 4)
     assert plan.headroom < round(1 - plan.memory.total / plan.gpu_memory_bytes, 4)
@@ -87,16 +95,9 @@ def test_a_cpu_offload_plan_reports_the_headroom_of_everything_in_its_memory() -
 def test_a_cpu_offload_plans_reason_states_the_need_its_headroom_is_of() -> None:
     """The reason's "Needs X of Y" and its headroom are one figure: the offloaded states in
     the process's memory (it said the breakdown alone, 3.3 of 32 GiB, beside a 61% headroom)."""
-    spec = make_spec(
-        model=TINY,
-        training=SHORT,
-        resources=CPU,
-        strategy={"type": "zero2", "backend": "deepspeed", "offload": "cpu"},
-    )
+    spec = deepspeed_offload_on_cpu()
     plan = plan_job(spec)
-    p = build_problem(spec)
-    ev = evaluate(p, 1, strategies_for(p, 1)[0], plan.micro_batch_size,
-                  plan.activation_checkpointing)  # fmt: skip
+    ev = evaluated(spec, plan)
     assert ev.device_need > plan.memory.total + 2**30  # the two figures differ here
     assert f"Needs {ev.device_need / 2**30:.1f} GiB of 64.0 GiB" in plan.reason, plan.reason
 
@@ -104,12 +105,7 @@ def test_a_cpu_offload_plans_reason_states_the_need_its_headroom_is_of() -> None
 def test_the_plan_table_states_the_need_its_headroom_is_of() -> None:
     """`ftjob plan`'s memory row: the same need as the headroom beside it (it showed the
     breakdown alone, 3.30 GiB of 32.00 GiB beside a 60.9% headroom)."""
-    spec = make_spec(
-        model=TINY,
-        training=SHORT,
-        resources=CPU,
-        strategy={"type": "zero2", "backend": "deepspeed", "offload": "cpu"},
-    )
+    spec = deepspeed_offload_on_cpu()
     plan = plan_job(spec)
     need = (1 - plan.headroom) * plan.gpu_memory_bytes / 2**30
     row = next(line for line in render_plan(plan).splitlines() if "headroom)" in line)
