@@ -11,18 +11,17 @@ from __future__ import annotations
 import json
 import struct
 import tracemalloc
-import uuid
 from pathlib import Path
 
-import fsspec
 import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from finetune_trainer.location import Location, locate
 from finetune_trainer.safetensors_ranges import RangedSafetensorsReader
+from tests.trainer.test_safetensors_local import in_memory, read_into
 
 MiB = 1 << 20
 # Python's own bookkeeping during a read (lists, memoryviews, frames): far below a tensor.
@@ -87,10 +86,7 @@ def traced_read(reader: RangedSafetensorsReader, want: dict[str, torch.Tensor]) 
 
 
 def on_memory(tensors: dict[str, torch.Tensor]) -> Location:
-    fs = fsspec.filesystem("memory")
-    root = f"/peak-{uuid.uuid4().hex[:8]}"
-    fs.pipe_file(f"{root}/model.safetensors", unsorted(tensors))
-    return Location(fs, root, {})
+    return in_memory(unsorted(tensors))
 
 
 @pytest.mark.parametrize(
@@ -146,19 +142,10 @@ def test_a_slice_of_later_dims_is_assembled_then_taken(part_bytes: int) -> None:
     reader = RangedSafetensorsReader(on_memory(want), part_bytes=part_bytes)
     reader.set_up_storage_reader(reader.read_metadata(), True)
     target = torch.zeros(3, 2)
-    committed: list[torch.Tensor] = []
-
-    class Planner:
-        def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
-            return target
-
-        def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
-            committed.append(tensor)
-
     at, size = torch.Size([2, 1]), torch.Size([3, 2])
     item = ReadItem(
         LoadItemType.TENSOR, MetadataIndex("b.w", at), at,
         MetadataIndex("b.w", torch.Size([0, 0])), at, size,
     )  # fmt: skip
-    reader.read_data(LoadPlan([item]), Planner()).wait()  # type: ignore[arg-type]
+    committed = read_into(reader, item, target)
     assert len(committed) == 1 and torch.equal(target, want["b.w"][2:5, 1:3])

@@ -43,11 +43,16 @@ def on_local(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> Location:
     return locate(str(tmp_path), "spec.model")
 
 
-def on_memory(tensors: dict[str, torch.Tensor]) -> Location:
+def in_memory(data: bytes) -> Location:
+    """A directory on fsspec's memory filesystem holding `data` as its model.safetensors."""
     fs = fsspec.filesystem("memory")
     root = f"/mixed-{uuid.uuid4().hex[:8]}"
-    fs.pipe_file(f"{root}/model.safetensors", save(tensors))
+    fs.pipe_file(f"{root}/model.safetensors", data)
     return Location(fs, root, {})
+
+
+def on_memory(tensors: dict[str, torch.Tensor]) -> Location:
+    return in_memory(save(tensors))
 
 
 class Counted:
@@ -61,6 +66,24 @@ class Counted:
                  **kw: object) -> list[object]:  # fmt: skip
         self.ranges.extend(zip(starts, ends, strict=True))
         return list(self.original(paths, starts, ends, **kw))
+
+
+def read_into(
+    reader: RangedSafetensorsReader, item: ReadItem, target: torch.Tensor
+) -> list[torch.Tensor]:
+    """Read one `item` into `target` through a planner that resolves every item to it; the
+    tensors the reader committed."""
+    committed: list[torch.Tensor] = []
+
+    class Planner:
+        def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+            return target
+
+        def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+            committed.append(tensor)
+
+    reader.read_data(LoadPlan([item]), Planner()).wait()  # type: ignore[arg-type]
+    return committed
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
@@ -121,20 +144,11 @@ def test_a_slice_of_rows_without_bytes_is_read_as_its_shape(tmp_path: Path) -> N
     reader = RangedSafetensorsReader(on_memory(want))
     reader.set_up_storage_reader(reader.read_metadata(), True)
     target = torch.full((2, 0), 7.0, dtype=torch.float16)
-    committed: list[torch.Tensor] = []
-
-    class Planner:
-        def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
-            return target
-
-        def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
-            committed.append(tensor)
-
     zero = torch.Size([0, 0])
     item = ReadItem(
         LoadItemType.TENSOR, MetadataIndex("empty_rows", torch.Size([1, 0])),
         torch.Size([1, 0]), MetadataIndex("empty_rows", zero), torch.Size([1, 0]),
         torch.Size([2, 0]),
     )  # fmt: skip
-    reader.read_data(LoadPlan([item]), Planner()).wait()  # type: ignore[arg-type]
+    committed = read_into(reader, item, target)
     assert [tuple(t.shape) for t in committed] == [(2, 0)]
