@@ -41,6 +41,8 @@ _SUFFIXES = {
     "u": Decimal("1e-6"),
     "m": Decimal("1e-3"),
 }
+# Longest first ("Mi" before "M"), sorted once: every scheduling pass parses every request.
+_BY_LENGTH = sorted(_SUFFIXES, key=len, reverse=True)
 
 Requests = dict[str, int]
 
@@ -48,7 +50,7 @@ Requests = dict[str, int]
 def parse_quantity(value: Any) -> Decimal:
     """A Kubernetes quantity (``500m``, ``2Gi``, ``1.5``, ``1e3``) as an exact number."""
     text = str(value).strip()
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+    for suffix in _BY_LENGTH:
         if text.endswith(suffix):
             number, factor = text[: -len(suffix)], _SUFFIXES[suffix]
             break
