@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from finetune_local.scheduler import quantity
+from finetune_local.resourcefit import parse_quantity
 
 EVICTED = "Evicted"
 # The kubelet's eviction manager checks every housekeeping period (10 s by default).
@@ -43,7 +43,7 @@ def size_limits(pod: Mapping[str, Any], pod_directory: pathlib.Path) -> list[Siz
             continue
         text = str(empty["sizeLimit"])
         path = volumes_dir(pod_directory) / volume["name"]
-        out.append(SizeLimit(volume["name"], path, int(quantity(text)), text))
+        out.append(SizeLimit(volume["name"], path, int(parse_quantity(text)), text))
     return out
 
 

@@ -32,23 +32,17 @@ from collections.abc import Iterable, Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from finetune_operator.api.quantity import UNITS
+
+# The operator's byte suffixes (binary and decimal), with the sub-unit ones a cpu takes.
 _SUFFIXES = {
-    "Ki": Decimal(2**10),
-    "Mi": Decimal(2**20),
-    "Gi": Decimal(2**30),
-    "Ti": Decimal(2**40),
-    "Pi": Decimal(2**50),
-    "Ei": Decimal(2**60),
+    **{suffix: Decimal(factor) for suffix, factor in UNITS.items() if suffix},
     "n": Decimal("1e-9"),
     "u": Decimal("1e-6"),
     "m": Decimal("1e-3"),
-    "k": Decimal("1e3"),
-    "M": Decimal("1e6"),
-    "G": Decimal("1e9"),
-    "T": Decimal("1e12"),
-    "P": Decimal("1e15"),
-    "E": Decimal("1e18"),
 }
+# Longest first ("Mi" before "M"), sorted once: every scheduling pass parses every request.
+_BY_LENGTH = sorted(_SUFFIXES, key=len, reverse=True)
 
 Requests = dict[str, int]
 
@@ -56,7 +50,7 @@ Requests = dict[str, int]
 def parse_quantity(value: Any) -> Decimal:
     """A Kubernetes quantity (``500m``, ``2Gi``, ``1.5``, ``1e3``) as an exact number."""
     text = str(value).strip()
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+    for suffix in _BY_LENGTH:
         if text.endswith(suffix):
             number, factor = text[: -len(suffix)], _SUFFIXES[suffix]
             break

@@ -18,12 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from finetune_local.resourcefit import holds_resources, insufficient, parse_quantity
-
-
-def quantity(value: Any) -> float:
-    """A Kubernetes quantity (`500m`, `2Gi`, `1k`) as a number."""
-    return float(parse_quantity(value))
+from finetune_local.resourcefit import holds_resources, insufficient
 
 
 def pods_by_node(pods: Iterable[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:

@@ -112,24 +112,18 @@ def rendezvous_closed(message: str | None) -> bool:
     return line.split(":", 1)[0].endswith("RendezvousClosedError")
 
 
-def reported_restarts(message: str | None) -> int | None:
-    """How many times the pod's torchrun restarted its worker group after a failure before it
-    gave up (`restarts` in the launcher's crash report: finetune_trainer/launch.py), None when
-    the pod left no crash report (killed from outside, or an older trainer image)."""
-    value = (_crash(message) or {}).get("restarts")
+def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def carried_restarts(message: str | None) -> int | None:
     """How many times the pod's torchrun restarted its worker group after a failure of its own
     before the pod ended another way (preempted, stopped by a signal, the rendezvous closed:
-    `restarts` at the report's top level, finetune_trainer/launch.py), else its crash report's
-    count (`reported_restarts`); None when it says neither (it never restarted after a failure
-    of its own, or an older trainer image)."""
-    value = (_report(message) or {}).get("restarts")
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return reported_restarts(message)
+    `restarts` at the report's top level, finetune_trainer/launch.py), else before it gave up
+    (`restarts` in its crash report); None when it says neither (it never restarted after a
+    failure of its own, killed from outside, or an older trainer image)."""
+    top = _count((_report(message) or {}).get("restarts"))
+    return top if top is not None else _count((_crash(message) or {}).get("restarts"))
 
 
 _ROUND_ID = re.compile(r"[0-9A-Za-z_.:-]{1,64}")
