@@ -38,9 +38,7 @@ def read_epoch(root: Location) -> int:
     the next claim rewrites it whole."""
     try:
         return max(0, int((root / EPOCH_FILE).read_text().strip()))
-    except FileNotFoundError:
-        return 0
-    except (ValueError, UnicodeDecodeError):
+    except (FileNotFoundError, ValueError):  # absent; not a number (UnicodeDecodeError too)
         return 0
 
 

@@ -22,14 +22,11 @@ CLEANUP_GRACE_ENV = "FT_CHECKPOINT_CLEANUP_GRACE_SECONDS"
 CLEANUP_GRACE_SECONDS = 120.0
 
 
-# Filesystems whose clients answer lookups and attributes from a cache the server does not
-# invalidate (NFS's acdirmax/acregmax, SMB's actimeo, FUSE's entry/attr timeouts, Lustre's
-# and Gluster's client caches): a marker another node just wrote may be hidden there. A local
-# filesystem (a node's disk, a block-device PersistentVolume) is one node's and never lags;
-# an object store, or a path whose filesystem is not known, keeps the grace.
-CACHING_FILESYSTEMS = frozenset(
-    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "lustre", "glusterfs", "ceph", "virtiofs"}
-)
+# A local filesystem (a node's disk, a block-device PersistentVolume) is one node's and never
+# lags. Every other keeps the grace: one whose clients answer lookups and attributes from a
+# cache the server does not invalidate (NFS's acdirmax/acregmax, SMB's actimeo, FUSE's
+# entry/attr timeouts, Lustre's and Gluster's client caches) may hide a marker another node
+# just wrote, and so may an object store or a path whose filesystem is not known.
 LOCAL_FILESYSTEMS = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "tmpfs", "overlay", "f2fs", "ramfs"}
 )

@@ -1,7 +1,7 @@
-"""Durable file operations the export (`export.py`), the data cache (`data/cache.py`) and its
-shared copy (`data/shared.py`) share: a file or directory is fsynced before it is renamed into
-place, so a crash or a power loss never leaves a name pointing at bytes that were not
-written."""
+"""Durable file operations the export (`export.py`), the data cache (`data/cache.py`), its
+shared copy (`data/shared.py`) and `location.Location.write_atomic` share: a file or directory
+is fsynced before it is renamed into place, so a crash or a power loss never leaves a name
+pointing at bytes that were not written."""
 
 from __future__ import annotations
 

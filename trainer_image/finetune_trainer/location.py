@@ -32,6 +32,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from finetune_operator.api.storage import OBJECT_STORE_SCHEME, ObjectStoreSpec
 from finetune_trainer.errors import UnsupportedConfigError
+from finetune_trainer.files import fsync_dir, write_synced
 
 
 @dataclass(frozen=True)
@@ -173,16 +174,16 @@ class Location:
             return
         self.parent.makedirs()
         tmp = self.with_name(f".{self.name}{tmp_tag}.tmp").path
-        with open(tmp, "wb") as f:
-            f.write(data)
-            # On disk before the rename: a crash (a node lost) must not leave the new name
-            # over an empty file (delayed allocation; a COMMITTED marker vouching for nothing).
-            f.flush()
-            os.fsync(f.fileno())
+        # On disk before the rename: a crash (a node lost) must not leave the new name over
+        # an empty file (delayed allocation; a COMMITTED marker vouching for nothing).
+        write_synced(Path(tmp), data)
         os.replace(tmp, self.path)
         # The rename on disk too before the caller goes on (a commit reported, older steps
         # purged): it lives in the directory, which only the directory's fsync makes durable.
-        _fsync_directory(os.path.dirname(self.path))
+        # A filesystem that cannot open or sync a directory (some FUSE and network mounts
+        # refuse) keeps the rename's own ordering.
+        with contextlib.suppress(OSError):
+            fsync_dir(Path(os.path.dirname(self.path)))
 
     def upload(self, source: Path) -> None:
         """Copy a local file here."""
@@ -304,18 +305,3 @@ def locate(
     except ImportError as e:
         raise UnsupportedConfigError(f"{field} {uri!r}: s3fs is not installed ({e})") from e
     return Location(fs, str(path), options)
-
-
-def _fsync_directory(path: str) -> None:
-    """fsync a directory (its entries: a rename into it). A filesystem that cannot open or
-    sync a directory (some FUSE and network mounts refuse) keeps the rename's own ordering."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
