@@ -320,11 +320,8 @@ class RangedSafetensorsReader(StorageReader):
                     if s == req.start:
                         sinks[i] = SliceSink(items[i], span, end - start, planner)
                     if start < e and end > s:  # the slice's bytes in this part, in order
-                        sink = sinks[i]
-                        sink.write(view[max(start, s) - s : min(end, e) - s])
-                        if sink.done:
-                            del sinks[i]
-                    elif i in sinks and sinks[i].done:  # a slice of no bytes
+                        sinks[i].write(view[max(start, s) - s : min(end, e) - s])
+                    if i in sinks and sinks[i].done:  # committed (a slice of no bytes at once)
                         del sinks[i]
                 del data, view
         assert not sinks, f"slices never completed: {sorted(sinks)}"

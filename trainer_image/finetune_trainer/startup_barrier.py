@@ -79,6 +79,7 @@ from finetune_trainer.startup_beats import (
     decode_beat,
     encode_beat,
     is_stuck,
+    missing_ranks,
     observe,
     verdict,
 )
@@ -284,9 +285,8 @@ class StartupBarrier:
                         self._failure(step, views[rank], rank, now - t0, limit)
                     )
                 if not told and step == "wait":
-                    missing = [r for r, v in enumerate(views) if v.beat is None or not v.beat.ready]
                     log.info("start-up: waiting for rank(s) %s to finish starting (alive, "
-                             "beating)", _short(missing))  # fmt: skip
+                             "beating)", _short(missing_ranks(views)))  # fmt: skip
                     told = True
             self.sleep(min(delay, POLL_S))
             delay *= 2

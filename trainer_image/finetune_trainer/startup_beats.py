@@ -79,6 +79,11 @@ def observe(views: Sequence[PeerView], beats: Sequence[Beat | None], now: float)
     return after
 
 
+def missing_ranks(views: Sequence[PeerView]) -> list[int]:
+    """Pure: the ranks that have not arrived (not beaten yet, or beating)."""
+    return [r for r, v in enumerate(views) if v.beat is None or not v.beat.ready]
+
+
 def is_stuck(progressed_at: float, now: float, limit: float) -> bool:
     """Pure: progress last seen moving at `progressed_at` has stood still past `limit`."""
     return now - progressed_at > limit
@@ -97,7 +102,7 @@ def verdict(
     has not changed for `stale_after`; `stuck` when one beats but its progress has not moved
     for its stall limit plus `grace`; `too long` (and a missing rank) past `limit` since
     `started`; else `wait`."""
-    missing = [r for r, v in enumerate(views) if v.beat is None or not v.beat.ready]
+    missing = missing_ranks(views)
     if not missing:
         return "go", None
     for rank in missing:

@@ -59,20 +59,17 @@ def build_tokenizer(
     files are fetched with its config into `cache_dir`, the pod's data cache: remote_model)."""
     if spec.source == "inline":
         return build_byte_tokenizer()
-    from finetune_trainer.remote_model import model_files, remote_weights, weights_field
-
-    remote = remote_weights(spec, object_store)
-    where = (
-        model_files(remote, weights_field(spec), cache_dir) if remote else spec.weights_location()
-    )
-    if not remote and spec.source != "hub":
+    if spec.source == "hub":
+        where: str | Path | None = spec.weights_location()  # the tokenizer's files alone
+    else:
         from finetune_trainer.model import weights_dir
 
+        # The model's own directory (an s3:// model's fetched config and tokenizer files).
         # The tokenizer is read first: a missing model directory was transformers' "Repo id
         # must be in the form 'namespace/repo_name'" (it took the path for a hub id), a crash
         # torchrun restarted maxRestarts times; refused here naming the field, as the model's
         # own read would.
-        where = weights_dir(spec)
+        where = weights_dir(spec, object_store, cache_dir)
     # A hub model's tokenizer files are a download; the start-up barrier judges its progress.
     with downloading(spec.name) if spec.source == "hub" else phase("tokenizer"):
         tok = AutoTokenizer.from_pretrained(where, revision=spec.revision)
