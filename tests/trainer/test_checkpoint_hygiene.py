@@ -268,6 +268,40 @@ def test_a_writer_fenced_during_its_purge_stops_deleting(
     assert [c.step for c in store.committed_newest_first(L(tmp_path))] == [8, 6, 4]
 
 
+def test_a_writer_fenced_during_its_purge_deletes_no_uncommitted_step(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 2, 4, 6 committed; a partial step 9 is left at start (deferred, no grace), and
+    an uncommitted step 7 appears after the start's listing. The writer commits 8; its purge
+    deletes step 2 and then a newer incarnation claims the root, whose saves of steps 7 and 9
+    (it resumed from 6 too) those uncommitted folders may now be. Before: the guard ran only
+    before committed steps, so 7 (purged as older than 8) and 9 (the deferred delete) went."""
+    _saved_six(tmp_path, ckpt_group)
+    partial = tmp_path / "step-00000009"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    monkeypatch.setenv("FT_CHECKPOINT_CLEANUP_GRACE_SECONDS", "0")
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=3)
+    assert ckpt.load() == 6
+    in_flight = tmp_path / "step-00000007"
+    in_flight.mkdir()
+    (in_flight / "__0_0.distcp").write_bytes(b"being written")
+    real = Location.remove
+
+    def claimed_after_the_first_delete(self: Location) -> None:
+        real(self)
+        if self.name == "step-00000002":
+            claim_epoch(L(tmp_path))
+
+    monkeypatch.setattr(Location, "remove", claimed_after_the_first_delete)
+    train_steps(state, 2, ckpt)  # commits step 8
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+    assert in_flight.exists() and partial.exists()
+    assert [c.step for c in store.committed_newest_first(L(tmp_path))] == [8, 6, 4]
+
+
 def test_the_cleanup_grace_is_read_from_the_environment_or_refused_by_name() -> None:
     from finetune_trainer.checkpoint_hygiene import CLEANUP_GRACE_SECONDS, cleanup_grace
     from finetune_trainer.errors import UnsupportedConfigError

@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -331,12 +332,12 @@ class DcpCheckpointer:
             self._fence(what)
 
             def guard() -> None:
-                # Before each committed step's delete: the window is one delete, not a purge.
+                # Before each delete: the window is one delete, not a purge.
                 self._fence(what)
 
             for old in store.purge(self.root, self.spec.keep, below_step=step, guard=guard):
                 log.info("purged checkpoint %s", old)
-            self._purge_deferred()
+            self._purge_deferred(guard)
         except FencedError as e:
             log.error("checkpoint step %d committed by a fenced writer: %s", step, e)
         except OSError as e:
@@ -344,12 +345,13 @@ class DcpCheckpointer:
             # old checkpoint for the next purge, it does not fail this save.
             log.warning("checkpoint step %d committed; purging older ones failed: %s", step, e)
 
-    def _purge_deferred(self) -> None:
+    def _purge_deferred(self, guard: Callable[[], None]) -> None:
         """Delete the uncommitted steps the start-up cleanup left, once the grace is over and
-        if their marker still does not open (no save is in flight: this runs in the commit)."""
+        if their marker still does not open (no save of this writer is in flight: this runs
+        in the commit; `guard`: nor is this writer fenced)."""
         if not self._deferred or time.monotonic() - self._deferred_since < self._grace:
             return
-        for path in purge_deferred(self._deferred):
+        for path in purge_deferred(self._deferred, guard):
             log.info("purged uncommitted checkpoint %s (left at start)", path)
         self._deferred = []
 
