@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
-from finetune_trainer.checkpoint_fence import EPOCH_KEY, FencedError, check_fence, claim_epoch
+from finetune_trainer.checkpoint_fence import EPOCH_KEY, FencedError, check_fence, claim_late
 from finetune_trainer.checkpoint_hygiene import (
     cleanup_grace,
     default_grace,
@@ -102,6 +102,7 @@ class DcpCheckpointer:
         # load, by the first save; `fenced` (every rank) once a newer incarnation has claimed
         # the root: no more saves.
         self.epoch: int | None = None
+        self._seen_epoch: int | None = None  # rank 0: the record load() read (claim_late)
         self.fenced = False
         # Rank 0: what the start-up cleanup left for later, and when it looked.
         self._deferred: list[Location] = []
@@ -128,7 +129,7 @@ class DcpCheckpointer:
         resume = Resume(self.root, self.state, self.group, self.meta, self.skipped)
         step = resume.newest_loadable()
         if self.rank == 0:
-            self.epoch = resume.epoch
+            self.epoch, self._seen_epoch = resume.epoch, resume.seen_epoch
             self._deferred, self._deferred_since = resume.deferred, time.monotonic()
         if step:
             self.last_committed_step = self._last_saved = self.resumed_from_step = step
@@ -307,7 +308,7 @@ class DcpCheckpointer:
         """Rank 0: raise FencedError if a newer incarnation claimed the root (the next save's
         agreed check then stops every rank: `fenced` is set only there, on all of them)."""
         if self.epoch is None:
-            self.epoch = claim_epoch(self.root)
+            self.epoch = claim_late(self.root, self._seen_epoch)
         check_fence(self.root, self.epoch, what)
 
     def _mark_committed(self, step: int, manifest: dict[str, dict[str, Any]]) -> None:
