@@ -243,6 +243,33 @@ def test_a_root_where_no_epoch_can_be_claimed_still_resumes(
     assert ckpt.last_committed_step == 8 and ckpt.epoch == 2
 
 
+def test_a_writer_whose_claim_failed_at_start_never_claims_over_a_newer_incarnation(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 2, 4, 6 committed by epoch 1. A resumes, but its claim fails (a transient error
+    of the store); then B, the replacement of A's pod, claims epoch 2. A's first save must
+    not claim epoch 3 over B: B would be fenced by the stale writer, which would go on
+    saving. Before: A claimed 3 and committed 8."""
+    import finetune_trainer.dcp_resume as dcp_resume
+
+    _saved_six(tmp_path, ckpt_group)
+
+    def transient(root: Location) -> int:
+        raise OSError(f"{root}: 503 Slow Down")
+
+    monkeypatch.setattr(dcp_resume, "claim_epoch", transient)
+    state = new_state()
+    stale = checkpointer(state, tmp_path, ckpt_group, keep=3)
+    assert stale.load() == 6 and stale.epoch is None
+    assert claim_epoch(L(tmp_path)) == 2  # B
+    train_steps(state, 2, stale)
+    assert stale.finish(timeout=30)
+    stale.close()
+    assert stale.fenced and stale.last_committed_step == 6
+    assert read_epoch(L(tmp_path)) == 2
+    assert [c.step for c in store.committed_newest_first(L(tmp_path))] == [6, 4, 2]
+
+
 def test_a_writer_fenced_during_its_purge_stops_deleting(
     tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -265,6 +292,40 @@ def test_a_writer_fenced_during_its_purge_stops_deleting(
     train_steps(state, 2, ckpt)
     assert ckpt.finish(timeout=30)
     ckpt.close()
+    assert [c.step for c in store.committed_newest_first(L(tmp_path))] == [8, 6, 4]
+
+
+def test_a_writer_fenced_during_its_purge_deletes_no_uncommitted_step(
+    tmp_path: Path, ckpt_group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 2, 4, 6 committed; a partial step 9 is left at start (deferred, no grace), and
+    an uncommitted step 7 appears after the start's listing. The writer commits 8; its purge
+    deletes step 2 and then a newer incarnation claims the root, whose saves of steps 7 and 9
+    (it resumed from 6 too) those uncommitted folders may now be. Before: the guard ran only
+    before committed steps, so 7 (purged as older than 8) and 9 (the deferred delete) went."""
+    _saved_six(tmp_path, ckpt_group)
+    partial = tmp_path / "step-00000009"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    monkeypatch.setenv("FT_CHECKPOINT_CLEANUP_GRACE_SECONDS", "0")
+    state = new_state()
+    ckpt = checkpointer(state, tmp_path, ckpt_group, keep=3)
+    assert ckpt.load() == 6
+    in_flight = tmp_path / "step-00000007"
+    in_flight.mkdir()
+    (in_flight / "__0_0.distcp").write_bytes(b"being written")
+    real = Location.remove
+
+    def claimed_after_the_first_delete(self: Location) -> None:
+        real(self)
+        if self.name == "step-00000002":
+            claim_epoch(L(tmp_path))
+
+    monkeypatch.setattr(Location, "remove", claimed_after_the_first_delete)
+    train_steps(state, 2, ckpt)  # commits step 8
+    assert ckpt.finish(timeout=30)
+    ckpt.close()
+    assert in_flight.exists() and partial.exists()
     assert [c.step for c in store.committed_newest_first(L(tmp_path))] == [8, 6, 4]
 
 

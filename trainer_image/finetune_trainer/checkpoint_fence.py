@@ -49,6 +49,17 @@ def claim_epoch(root: Location) -> int:
     return epoch
 
 
+def claim_late(root: Location, seen: int | None) -> int:
+    """The epoch of a writer whose claim at its start failed (a transient error of the
+    store), claimed when it first needs one (its first save). `seen`: the record it read at
+    its start (None: unread). A record newer than that is the claim of an incarnation that
+    started since: claiming over it would fence that one out and let this stale writer go
+    on, so `seen` is returned instead, which `check_fence` refuses."""
+    if seen is not None and fenced_by(seen, read_epoch(root)):
+        return seen
+    return claim_epoch(root)
+
+
 def fenced_by(mine: int, newest: int) -> bool:
     """Pure: whether a writer of epoch `mine` is fenced out by the newest claimed epoch."""
     return newest > mine

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from finetune_trainer import checkpoint_store as store
@@ -91,12 +91,18 @@ def cleanup_grace(env: Mapping[str, str], default: float = CLEANUP_GRACE_SECONDS
     return value
 
 
-def purge_deferred(paths: list[Location]) -> list[Location]:
+def purge_deferred(
+    paths: list[Location], guard: Callable[[], None] | None = None
+) -> list[Location]:
     """Delete the uncommitted steps the start-up cleanup left whose marker still does not
-    open (only while no save is in flight: the caller runs in the commit). Returns them."""
+    open (only while no save is in flight: the caller runs in the commit). `guard` runs
+    before each delete and stops them by raising (a writer fenced meanwhile: the folder may
+    be a newer incarnation's save of that step, in flight). Returns them."""
     removed = []
     for path in paths:
         if not store.marker_opens(path):
+            if guard is not None:
+                guard()
             path.remove()
             removed.append(path)
     return removed

@@ -379,14 +379,15 @@ def purge(
     """Delete what `purge_plan` says: older committed checkpoints beyond `keep`, and
     uncommitted ones older than `below_step` (the step just committed; one whose marker
     opens after all is kept: see `cleanup_plan`); then the `step-N.corrupt` directories
-    `corrupt_plan` names. `guard` runs before each committed step's delete and stops the
-    purge by raising (a writer fenced meanwhile: checkpoint_fence)."""
+    `corrupt_plan` names. `guard` runs before each step's delete and stops the purge by
+    raising (a writer fenced meanwhile: checkpoint_fence): an uncommitted folder too, which
+    may be a newer incarnation's save in flight."""
     doomed = purge_plan(list_checkpoints(root), keep, below_step=below_step)
     removed = []
     for c in doomed:
         if not c.committed and marker_opens(c.path):
             continue  # committed after all: the listing's view lagged
-        if guard is not None and c.committed:
+        if guard is not None:
             guard()
         _uncommit(c.path)
         c.path.remove()

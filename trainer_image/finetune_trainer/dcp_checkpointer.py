@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from finetune_operator.api.spec import CheckpointSpec
 from finetune_operator.api.storage import ObjectStoreSpec
 from finetune_trainer import checkpoint_store as store
-from finetune_trainer.checkpoint_fence import EPOCH_KEY, FencedError, check_fence, claim_epoch
+from finetune_trainer.checkpoint_fence import EPOCH_KEY, FencedError, check_fence, claim_late
 from finetune_trainer.checkpoint_hygiene import (
     cleanup_grace,
     default_grace,
@@ -101,6 +102,7 @@ class DcpCheckpointer:
         # load, by the first save; `fenced` (every rank) once a newer incarnation has claimed
         # the root: no more saves.
         self.epoch: int | None = None
+        self._seen_epoch: int | None = None  # rank 0: the record load() read (claim_late)
         self.fenced = False
         # Rank 0: what the start-up cleanup left for later, and when it looked.
         self._deferred: list[Location] = []
@@ -127,7 +129,7 @@ class DcpCheckpointer:
         resume = Resume(self.root, self.state, self.group, self.meta, self.skipped)
         step = resume.newest_loadable()
         if self.rank == 0:
-            self.epoch = resume.epoch
+            self.epoch, self._seen_epoch = resume.epoch, resume.seen_epoch
             self._deferred, self._deferred_since = resume.deferred, time.monotonic()
         if step:
             self.last_committed_step = self._last_saved = self.resumed_from_step = step
@@ -306,7 +308,7 @@ class DcpCheckpointer:
         """Rank 0: raise FencedError if a newer incarnation claimed the root (the next save's
         agreed check then stops every rank: `fenced` is set only there, on all of them)."""
         if self.epoch is None:
-            self.epoch = claim_epoch(self.root)
+            self.epoch = claim_late(self.root, self._seen_epoch)
         check_fence(self.root, self.epoch, what)
 
     def _mark_committed(self, step: int, manifest: dict[str, dict[str, Any]]) -> None:
@@ -331,12 +333,12 @@ class DcpCheckpointer:
             self._fence(what)
 
             def guard() -> None:
-                # Before each committed step's delete: the window is one delete, not a purge.
+                # Before each delete: the window is one delete, not a purge.
                 self._fence(what)
 
             for old in store.purge(self.root, self.spec.keep, below_step=step, guard=guard):
                 log.info("purged checkpoint %s", old)
-            self._purge_deferred()
+            self._purge_deferred(guard)
         except FencedError as e:
             log.error("checkpoint step %d committed by a fenced writer: %s", step, e)
         except OSError as e:
@@ -344,12 +346,13 @@ class DcpCheckpointer:
             # old checkpoint for the next purge, it does not fail this save.
             log.warning("checkpoint step %d committed; purging older ones failed: %s", step, e)
 
-    def _purge_deferred(self) -> None:
+    def _purge_deferred(self, guard: Callable[[], None]) -> None:
         """Delete the uncommitted steps the start-up cleanup left, once the grace is over and
-        if their marker still does not open (no save is in flight: this runs in the commit)."""
+        if their marker still does not open (no save of this writer is in flight: this runs
+        in the commit; `guard`: nor is this writer fenced)."""
         if not self._deferred or time.monotonic() - self._deferred_since < self._grace:
             return
-        for path in purge_deferred(self._deferred):
+        for path in purge_deferred(self._deferred, guard):
             log.info("purged uncommitted checkpoint %s (left at start)", path)
         self._deferred = []
 

@@ -39,7 +39,7 @@ from finetune_trainer.checkpoint_compat import (
     refusal_message,
     tolerate,
 )
-from finetune_trainer.checkpoint_fence import EPOCH_KEY, claim_epoch, stale_branch
+from finetune_trainer.checkpoint_fence import EPOCH_KEY, claim_epoch, read_epoch, stale_branch
 from finetune_trainer.location import Location
 from finetune_trainer.state import TrainState
 
@@ -82,6 +82,9 @@ class Resume:
         self.overwritten: tuple[int, str] | None = None
         # Rank 0: the epoch this incarnation claimed (checkpoint_fence); None: not claimed.
         self.epoch: int | None = None
+        # Rank 0: the epoch record as read before the claim (None: unread), for a claim made
+        # later when this one failed (checkpoint_fence.claim_late).
+        self.seen_epoch: int | None = None
         # Rank 0: uncommitted steps the start-up cleanup left for later (store.deferred_plan).
         self.deferred: list[Location] = []
 
@@ -145,8 +148,10 @@ class Resume:
     def _claim_epoch(self) -> None:
         """Before the cleanup: every writer that started earlier is fenced from here. A root
         this process cannot write (a read-only snapshot) still resumes: the first save claims
-        then, or fails as any save there would."""
+        then (unless a newer incarnation has claimed since: checkpoint_fence.claim_late), or
+        fails as any save there would."""
         try:
+            self.seen_epoch = read_epoch(self.root)
             self.epoch = claim_epoch(self.root)
         except OSError as e:
             log.warning("could not claim an epoch under %s (the first save will): %s", self.root, e)
