@@ -208,6 +208,33 @@ def test_a_short_read_of_a_whole_object_is_an_error_naming_it_not_a_refusal(
     assert f"{uri}/" in str(err.value) and "a truncated read" in str(err.value)
 
 
+def test_a_peer_ranks_short_read_in_a_striped_load_is_no_refusal_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A striped replica load (replica_loading) whose read failed on another rank: DCP raises
+    a CheckpointException here, holding that rank's error. A short read there may pass on a
+    restart: this rank must not report a refusal (the operator fails the job on one)."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from finetune_trainer import replica_loading
+    from finetune_trainer.ranged_reads import ShortReadError
+
+    peer = ShortReadError("s3://bucket/model/model.safetensors: read 3 bytes of 4 at 8")
+
+    def failed_on_rank1(*args: object, **kwargs: object) -> None:
+        raise CheckpointException("read", {1: (peer, traceback.StackSummary())})
+
+    monkeypatch.setattr(replica_loading.dcp, "load", failed_on_rank1)
+    weights = locate(str(tmp_path), "test")
+    reader = safetensors_ranges.RangedSafetensorsReader(weights)  # its own read went well
+    with pytest.raises(RuntimeError) as err:
+        replica_loading._load_group({}, None, reader, weights)  # type: ignore[arg-type]
+    assert not isinstance(err.value, UnsupportedConfigError)
+    assert "read 3 bytes of 4" in str(err.value)
+
+
 # ---- torchrun ----------------------------------------------------------------------------
 
 

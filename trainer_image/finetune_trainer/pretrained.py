@@ -84,7 +84,9 @@ def weights_error(weights: Location, cause: BaseException, into: str = "") -> Ex
     module's, remote_tensors', replica_loading's): a refusal naming the URI for what a restart
     cannot change (no such bucket, denied, not safetensors, truncated), else a RuntimeError (a
     short read, the network, throttling, each range already retried, or expired credentials:
-    a restart may pass)."""
+    a restart may pass). A CheckpointException is judged by the error inside it: on a rank
+    whose own read went well it holds another rank's (a short read there is no refusal)."""
+    cause = _underlying(cause)
     if is_transient(cause) or (isinstance(cause, OSError) and access_problem(cause) is None):
         return RuntimeError(f"reading the weights under {weights.url}: {cause}")
     problem = access_problem(cause) or str(cause)
@@ -116,7 +118,7 @@ def _load_ranged(model: nn.Module, weights: Location) -> set[int]:
     try:
         dcp.load(state, storage_reader=reader)
     except (Exception, CheckpointException) as exc:
-        cause = reader.failure or _underlying(exc)
+        cause = reader.failure or exc
         raise weights_error(weights, cause, " into the model built from its config") from exc
     log.info(
         "pretrained weights: read %d of %d bytes from %s (in %d requests; %d bytes of gaps "

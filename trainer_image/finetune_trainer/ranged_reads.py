@@ -61,17 +61,23 @@ def backoff_s(attempt: int, base_s: float, cap_s: float, rand: float) -> float:
 def is_transient(exc: BaseException) -> bool:
     """Pure: whether asking again may succeed: a short read, a connection reset, a timeout,
     throttling (s3fs: OSError EBUSY for 503 SlowDown, EIO for other server errors), botocore's
-    connection errors; never a missing object or a denial."""
+    connection errors, a body cut mid-stream; never a missing object or a denial."""
     if isinstance(exc, _FINAL):
         return False
     if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
         return True
     try:
+        from aiohttp import ClientPayloadError
         from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import HTTPClientError
-    except ImportError:  # pragma: no cover - s3fs brings botocore
+        from botocore.exceptions import HTTPClientError, IncompleteReadError
+    except ImportError:  # pragma: no cover - s3fs brings botocore and aiohttp
         return False
-    return isinstance(exc, (BotoConnectionError, HTTPClientError))
+    # A connection cut part way through a GET's body reaches us as neither an OSError nor a
+    # botocore connection error: aiohttp's ClientPayloadError (what s3fs raises once its own
+    # retries of it are spent) or, short of the Content-Length, botocore's IncompleteReadError.
+    return isinstance(
+        exc, (BotoConnectionError, HTTPClientError, ClientPayloadError, IncompleteReadError)
+    )
 
 
 def split_range(start: int, end: int, part_bytes: int) -> list[tuple[int, int]]:
