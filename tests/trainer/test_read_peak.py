@@ -18,9 +18,11 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.overrides import TorchFunctionMode
 
 from finetune_trainer.location import Location, locate
 from finetune_trainer.safetensors_ranges import RangedSafetensorsReader
+from finetune_trainer.slice_sink import STAGE_BYTES
 from tests.trainer.test_safetensors_local import in_memory, read_into
 
 MiB = 1 << 20
@@ -149,3 +151,40 @@ def test_a_slice_of_later_dims_is_assembled_then_taken(part_bytes: int) -> None:
     )  # fmt: skip
     committed = read_into(reader, item, target)
     assert len(committed) == 1 and torch.equal(target, want["b.w"][2:5, 1:3])
+
+
+class _ConvertingCopies(TorchFunctionMode):
+    """Records the bytes of each copy_ whose source has another dtype than its target: on a
+    GPU, such a copy from the host converts its whole source there first (a temporary of
+    that many elements in the target's dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.copy_ and args[0].dtype != args[1].dtype:
+            self.sources.append(args[1].numel() * args[1].element_size())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_conversion_copies_at_most_stage_bytes_at_a_time(mapped: bool, tmp_path: Path) -> None:
+    # 8 MiB of a bf16 tensor into fp32, from one ranged part (aligned for bf16) or from a
+    # mapped file where an odd-sized tensor before it misaligns it: before, the aligned
+    # piece was converted in one copy (the whole part: a 16 MiB fp32 temporary on the host
+    # for a GPU target); now STAGE_BYTES of it per copy, as the misaligned one already was.
+    g = torch.Generator().manual_seed(2)
+    want = {
+        "a.q": torch.ones(3, dtype=torch.int8),
+        "c.w": torch.randn(2048, 2048, generator=g).to(torch.bfloat16),
+    }
+    if mapped:
+        (tmp_path / "model.safetensors").write_bytes(unsorted(want))
+        reader = RangedSafetensorsReader(locate(str(tmp_path), "spec.model"))
+    else:
+        reader = RangedSafetensorsReader(on_memory(want), part_bytes=8 * MiB)
+    with _ConvertingCopies() as copies:
+        traced_read(reader, want)  # the values come back exact
+    assert sum(copies.sources) == 8 * MiB
+    assert max(copies.sources) <= STAGE_BYTES

@@ -7,12 +7,14 @@ at most READ_BATCH_BYTES, and the planner counts exactly that (planner.loading).
 a request in a buffer of its own (a copy of its one part, or of its parts, up to a whole
 tensor read by a DDP rank) or copying a piece to align it for its dtype held up to one
 request more, on every rank. Here nothing is held beside the raw bytes but a few bytes of
-an element split between two parts and, for a dtype conversion from a misaligned piece, a
-fixed STAGE_BYTES staging tensor:
+an element split between two parts and, for a dtype conversion, STAGE_BYTES at a time (a
+fixed staging tensor for a misaligned piece):
 - the same dtype (the common case: shards and replicas in the file's dtype): the bytes are
   copied into the target's own bytes (a uint8 view: no alignment to respect);
 - another dtype (bf16 files into an fp32 master): whole elements are converted straight
-  from the piece if it is aligned for the stored dtype, through the staging tensor if not.
+  from the piece if it is aligned for the stored dtype, through the staging tensor if not,
+  STAGE_BYTES of the piece per copy (a copy to a GPU converts on the host first: its
+  temporary stays that size).
 A target that is not the slice's contiguous rows (a slice of dims past 0, a non-contiguous
 target) gets its bytes assembled first (one copy of the slice, as before): no loader here
 asks for one (FSDP2 shards dim 0; DDP and ZeRO read whole rows)."""
@@ -26,8 +28,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from finetune_trainer.safetensors_header import Span
 
-# A conversion from a misaligned piece goes through this much at a time (a multiple of
-# every dtype's size).
+# A conversion goes this much of a piece at a time (a multiple of every dtype's size).
 STAGE_BYTES = 1 << 20
 
 
@@ -115,15 +116,20 @@ class SliceSink:
         count = len(data) // size
         dst = self._flat[self._elements : self._elements + count]
         if raw.data_ptr() % size == 0:
-            dst.copy_(raw.view(dtype))
-        else:  # misaligned for its dtype: through the staging tensor, a bounded copy
+            stage = None
+        else:  # misaligned for its dtype: each chunk through the staging tensor
             if self._stage is None:
                 self._stage = torch.empty(STAGE_BYTES, dtype=torch.uint8)
-            for k in range(0, len(data), STAGE_BYTES):
-                chunk = raw[k : k + STAGE_BYTES]
-                stage = self._stage[: len(chunk)]
-                stage.copy_(chunk)
-                dst[k // size : (k + len(chunk)) // size].copy_(stage.view(dtype))
+            stage = self._stage
+        # STAGE_BYTES at a time, aligned or not: a converting copy into a CUDA target first
+        # converts the whole source on the host (torch's copy_requires_temporaries), which
+        # would be a temporary of a whole part in the target's dtype (128 MiB for a 64 MiB
+        # bf16 part into fp32) beside the batch the planner counts.
+        for k in range(0, len(data), STAGE_BYTES):
+            chunk = raw[k : k + STAGE_BYTES]
+            if stage is not None:
+                chunk = stage[: len(chunk)].copy_(chunk)
+            dst[k // size : (k + len(chunk)) // size].copy_(chunk.view(dtype))
         self._elements += count
 
     def _finish_if_complete(self) -> None:
