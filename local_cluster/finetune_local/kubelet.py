@@ -9,7 +9,9 @@ Its parts: :mod:`.informer` (list + watch caches), :mod:`.nodes` (Node registrat
 :mod:`.podsources` (ConfigMaps, Secrets and claims a pod uses), :mod:`.imageenv` (what stands
 for the image's environment), :mod:`.podspec` (environment, hosts file), :mod:`.podrunner`
 (volumes, the process), :mod:`.emptydir` (emptyDir lifetime, sizeLimit eviction),
-:mod:`.podlaunch` (what a container starts with), :mod:`.podstatus` (status bodies).
+:mod:`.podlaunch` (what a container starts with), :mod:`.podstatus` (status bodies),
+:mod:`.nodefaults` (a node lost, and back: ``LocalCluster.lose_node``). Its heartbeats (each
+node's Lease) are :func:`.nodes.heartbeat_forever`.
 
 Deviations from a real kubelet: only the first container runs (init and sidecar containers are
 ignored); images are ignored (the command runs with this Python environment); there is no
@@ -27,18 +29,19 @@ import logging
 import pathlib
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from finetune_local import emptydir, podrunner
 from finetune_local.addresses import AddressPool
 from finetune_local.binding import schedule_pod
 from finetune_local.events import EventRecorder
+from finetune_local.evictionmanager import enforce_size_limits
 from finetune_local.informer import Cache, ObjectKey, list_and_watch, remember
+from finetune_local.kubeletconfig import KubeletConfig
 from finetune_local.mountpoints import MountPoints
-from finetune_local.nodes import DEFAULT_CAPACITY, register_node
-from finetune_local.podgroups import GangScheduler
-from finetune_local.podlaunch import PodRun, launch_spec, prepare_container
+from finetune_local.nodefaults import LossKind, NodeFaults, not_ready_yet_running
+from finetune_local.nodes import heartbeat_forever, register_node
+from finetune_local.podlaunch import PodRun, launch_spec, prepare_container, refresh_hosts_files
 from finetune_local.podspec import ConfigMissingError, ContainerConfigError, render_hosts
 from finetune_local.podstatus import now, running_status, terminated_status, waiting
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
@@ -46,24 +49,6 @@ from finetune_local.termination import begin_instance, read_message
 
 logger = logging.getLogger(__name__)
 PodKey = ObjectKey
-
-
-@dataclass
-class KubeletConfig:
-    data_dir: pathlib.Path
-    api_url: str
-    node_names: list[str]
-    node_labels: dict[str, str] = field(default_factory=dict)
-    node_capacity: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_CAPACITY))
-    # Per node name: capacity over node_capacity (a bigger or a GPU node among the others).
-    node_resources: dict[str, dict[str, str]] = field(default_factory=dict)
-    extra_env: dict[str, str] = field(default_factory=dict)
-    # Per node name: environment its pods' processes get, standing for what that node's hardware
-    # does to them (a slow GPU: FT_STEP_DELAY_SECONDS). A pod moved elsewhere runs normally.
-    node_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    address_scope: str = ""  # claims of this scope only (addresses.py); clusters use the default
-    # Gang schedulers running beside the default one (binding.py), e.g. Coscheduling.
-    gang_schedulers: list[GangScheduler] = field(default_factory=list)
 
 
 class Kubelet:
@@ -77,6 +62,7 @@ class Kubelet:
         self.mountpoints = MountPoints()
         self.addresses: AddressPool | None = None
         self._busy: set[PodKey] = set()  # pods with a start/stop step in flight
+        self.faults = NodeFaults()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._children: set[asyncio.Task[None]] = set()
@@ -98,11 +84,17 @@ class Kubelet:
                 asyncio.create_task(list_and_watch(self.client, path, cache, self._wake.set))
             )
         self._tasks.append(asyncio.create_task(self._reconcile_forever()))
+        beats = heartbeat_forever(
+            self.client, self.config.node_names, lambda name: self.nodes.get(("", name)),
+            self.faults.lost, self.config.heartbeat_seconds,
+        )  # fmt: skip
+        self._tasks.append(asyncio.create_task(beats))
 
     async def stop(self) -> None:
         for task in [*self._tasks, *self._children]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._children, return_exceptions=True)
+        await self.faults.close()  # before the kills below: its pids are killed there
         for run in self.runs.values():
             if run.process is not None and run.process.returncode is None:
                 await podrunner.kill_pod_processes(run.process.pid, 10)
@@ -121,6 +113,31 @@ class Kubelet:
         if run is None or run.process is None or run.process.returncode is not None:
             return False
         return podrunner.signal_group(run.process.pid, sig)
+
+    async def lose_node(self, node: str, how: LossKind) -> None:
+        """The node stops heartbeating, posting status and acting on deletions; its pods'
+        processes are frozen (`partition`) or killed (`poweroff`): :mod:`.nodefaults`."""
+        if node not in self.config.node_names:
+            raise ValueError(f"no node {node!r} (nodes are {self.config.node_names})")
+        await self.faults.lose(node, how, self.runs)
+
+    async def restore_node(self, node: str) -> None:
+        """The node is back: heartbeats resume (its Ready condition is posted again), pods
+        whose objects are gone are killed, the others thawed and their status posted."""
+        gone, back = await self.faults.restore(node, self.runs, lambda key: key in self.pods)
+        for key in gone:
+            emptydir.remove_pod_volumes(self.runs.pop(key).directory)
+        for key in back:
+            run = self.runs[key]
+            await self._post_back(key, self.pods[key])
+            if run.finished and run.terminating:
+                await self._final_delete(key)  # it ended while the node was away
+        self._wake.set()
+
+    async def _post_back(self, key: PodKey, pod: dict[str, Any]) -> None:
+        status = self.faults.status_when_back(key, self.runs[key], pod)
+        if status is not None:
+            await self._patch_status(key, status)
 
     def main_pid(self, namespace: str, name: str) -> int | None:
         """The pid of the pod's container process (its command), while it runs."""
@@ -149,8 +166,10 @@ class Kubelet:
                 await asyncio.wait_for(self._wake.wait(), 1.0)
 
     async def _reconcile(self) -> None:
-        ours = set(self.config.node_names)
-        for key in [k for k in self.runs if k not in self.pods]:
+        # A lost node's part of the kubelet does nothing (nodefaults.py): it neither sees
+        # deletions nor starts pods; the scheduler (the control plane's) goes on.
+        ours = {n for n in self.config.node_names if not self.faults.is_lost(n)}
+        for key in [k for k, r in self.runs.items() if k not in self.pods and r.node in ours]:
             self._forget(key)  # force-deleted (grace 0): the object is gone, stop its processes
         for key, pod in list(self.pods.items()):
             if key in self._busy:
@@ -168,8 +187,12 @@ class Kubelet:
                 and pod.get("status", {}).get("phase") == "Pending"
             ):
                 self._spawn_step(key, self._start(key, pod))
-        self._refresh_hosts_files()
-        self._enforce_size_limits()
+            elif node in ours and key in self.runs and not_ready_yet_running(pod, self.runs[key]):
+                # The status manager's sync: marked not Ready while its node was away.
+                self._spawn_step(key, self._post_back(key, pod))
+        live = {k: r for k, r in self.runs.items() if not self.faults.is_lost(r.node)}
+        refresh_hosts_files(live, self.pods, self._hosts_for)
+        enforce_size_limits(live.values(), self._spawn_child)
         await self.events.flush()
 
     def _spawn_step(self, key: PodKey, step: Any) -> None:
@@ -196,31 +219,14 @@ class Kubelet:
             podrunner.signal_group(run.process.pid, signal.SIGKILL)
         emptydir.remove_pod_volumes(run.directory)
 
-    def _enforce_size_limits(self) -> None:
-        """Evicts a running pod whose emptyDir outgrew its sizeLimit, as the eviction manager
-        does (checked every few seconds, not on each write)."""
-        clock = asyncio.get_running_loop().time()
-        for run in self.runs.values():
-            if not run.size_limits or run.finished or run.evicted or run.terminating:
-                continue
-            if clock - run.usage_checked_at < emptydir.CHECK_INTERVAL_SECONDS:
-                continue
-            run.usage_checked_at = clock
-            usage = {limit.volume: emptydir.disk_usage(limit.path) for limit in run.size_limits}
-            message = emptydir.over_limit(run.size_limits, usage)
-            if message and run.process is not None and run.process.returncode is None:
-                run.evicted = message
-                logger.info("evicting pod (uid %s): %s", run.uid, message)
-                podrunner.signal_group(run.process.pid, signal.SIGTERM)
-                self._spawn_child(
-                    self._kill_after(run.process.pid, emptydir.EVICTION_GRACE_SECONDS)
-                )
-
-    async def _kill_after(self, pid: int, grace: float) -> None:
-        await asyncio.sleep(grace)
-        await podrunner.kill_pod_processes(pid, 10)
-
     async def _patch_status(self, key: PodKey, status: dict[str, Any]) -> None:
+        run = self.runs.get(key)
+        node = (
+            run.node if run is not None else self.pods.get(key, {}).get("spec", {}).get("nodeName")
+        )
+        if self.faults.is_lost(node):
+            self.faults.unposted[key] = status  # posted when the node is back, if still due
+            return
         path = resource_path("v1", "pods", key[0], key[1], "status")
         with contextlib.suppress(ApiStatusError):
             remember(self.pods, await self.client.merge_patch(path, {"status": status}))
@@ -251,6 +257,7 @@ class Kubelet:
             directory=directory,
             container=container.get("name", "main"),
             hosts_file=directory / "etc-hosts",
+            node=pod.get("spec", {}).get("nodeName") or "",
         )
         try:
             env, mounts = await prepare_container(
@@ -301,7 +308,13 @@ class Kubelet:
         code = podrunner.exit_code(await run.process.wait())
         policy = pod.get("spec", {}).get("restartPolicy", "Always")
         restart = policy == "Always" or (policy == "OnFailure" and code != 0)
-        if restart and not run.terminating and not run.evicted:
+        # A powered-off node restarts nothing (its pods' status waits for it to come back).
+        if (
+            restart
+            and not run.terminating
+            and not run.evicted
+            and not self.faults.is_lost(run.node)
+        ):
             run.restart_count += 1
             await asyncio.sleep(min(30.0, 2.0 ** (run.restart_count - 1)))  # crash-loop backoff
             if run.terminating or key not in self.runs:
@@ -337,7 +350,7 @@ class Kubelet:
             evicted=run.evicted,
         )
         await self._patch_status(key, status)
-        if run.terminating:
+        if run.terminating and not self.faults.is_lost(run.node):
             await self._final_delete(key)
 
     async def _terminate(self, key: PodKey, pod: dict[str, Any]) -> None:
@@ -353,6 +366,9 @@ class Kubelet:
         try:
             await asyncio.wait_for(asyncio.shield(run.process.wait()), grace)
         except TimeoutError:
+            if self.faults.is_lost(run.node):
+                run.terminating = False  # cut off mid-way: finished when the node is back
+                return
             podrunner.signal_group(run.process.pid, signal.SIGKILL)
         # _watch_process reports the exit and makes the final delete.
 
@@ -369,16 +385,3 @@ class Kubelet:
 
     def _hosts_for(self, pod: Mapping[str, Any], ip: str) -> str:
         return render_hosts(pod, ip, list(self.services.values()), list(self.pods.values()))
-
-    def _refresh_hosts_files(self) -> None:
-        """Rewrite each running pod's hosts file in place (same inode: its bind mount follows)."""
-        for key, run in self.runs.items():
-            pod = self.pods.get(key)
-            if pod is None or run.finished:
-                continue
-            text = self._hosts_for(pod, run.ip)
-            if text != run.hosts_text:
-                with open(run.hosts_file, "r+") as handle:
-                    handle.write(text)
-                    handle.truncate()
-                run.hosts_text = text

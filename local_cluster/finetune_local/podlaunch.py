@@ -24,7 +24,7 @@ from finetune_local.restclient import RestClient
 from finetune_local.termination import termination_mount
 
 if TYPE_CHECKING:
-    from finetune_local.kubelet import KubeletConfig
+    from finetune_local.kubeletconfig import KubeletConfig
 
 HostsRenderer = Callable[[Mapping[str, Any], str], str]
 
@@ -38,6 +38,7 @@ class PodRun:
     directory: pathlib.Path
     container: str
     hosts_file: pathlib.Path
+    node: str = ""
     process: asyncio.subprocess.Process | None = None
     started_at: str = ""
     restart_count: int = 0
@@ -130,3 +131,21 @@ def launch_spec(
         "argv": argv,
         "keepVisible": podrunner.image_paths(data_dir),
     }
+
+
+def refresh_hosts_files(
+    runs: Mapping[tuple[str, str], PodRun],
+    pods: Mapping[tuple[str, str], Mapping[str, Any]],
+    hosts_for: HostsRenderer,
+) -> None:
+    """Rewrite each running pod's hosts file in place (same inode: its bind mount follows)."""
+    for key, run in runs.items():
+        pod = pods.get(key)
+        if pod is None or run.finished:
+            continue
+        text = hosts_for(pod, run.ip)
+        if text != run.hosts_text:
+            with open(run.hosts_file, "r+") as handle:
+                handle.write(text)
+                handle.truncate()
+            run.hosts_text = text
