@@ -22,7 +22,7 @@ from finetune_local.nodelifecycle import (
 )
 from finetune_local.nodes import micro_time
 from finetune_local.podgc import PodGC
-from finetune_local.restclient import RestClient, resource_path
+from finetune_local.restclient import RestClient
 from finetune_local.tainteviction import TaintEvictionController, eviction_due
 
 T0 = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
@@ -58,7 +58,10 @@ def _tol(key: str = UNREACHABLE, seconds: int | None = None, **extra: Any) -> di
         ([_tol(NOT_READY, 5, effect="NoSchedule")], [NOT_READY, UNREACHABLE]),  # not NoExecute
         # Kubernetes' test is the key and effect only: an Equal toleration of another value
         # still counts as the pod's own.
-        ([{"key": UNREACHABLE, "operator": "Equal", "value": "x", "effect": "NoExecute"}], [NOT_READY]),  # fmt: skip
+        (
+            [{"key": UNREACHABLE, "operator": "Equal", "value": "x", "effect": "NoExecute"}],
+            [NOT_READY],
+        ),
     ],
     ids=["none", "own-seconds", "own-forever", "wildcard", "no-effect", "noschedule", "equal"],
 )

@@ -176,7 +176,7 @@ _KILLED_CLUSTER = textwrap.dedent(
     with LocalCluster(sys.argv[1], crds_dir=None, nodes=1) as local:
         core = client.CoreV1Api(config.new_client_from_config(str(local.kubeconfig_path)))
         spec = {"restartPolicy": "Never", "containers": [{"name": "m", "image": "x",
-                "command": ["sh", "-c", %r]}]}
+                "command": ["sh", "-c", sys.argv[2]]}]}
         core.create_namespaced_pod("default", {"metadata": {"name": "p"}, "spec": spec})
         while core.read_namespaced_pod("p", "default").status.phase != "Running":
             time.sleep(0.1)
@@ -185,14 +185,13 @@ _KILLED_CLUSTER = textwrap.dedent(
         print("lost", flush=True)
         time.sleep(600)
     """
-    % SCRIPT
 )
 
 
 def test_frozen_processes_die_with_a_killed_cluster(tmp_path: Path) -> None:
     data = tmp_path / "cluster"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_CLUSTER, str(data)], cwd=REPO, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _KILLED_CLUSTER, str(data), SCRIPT], cwd=REPO, stdout=subprocess.PIPE, text=True
     )  # fmt: skip
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "lost"
