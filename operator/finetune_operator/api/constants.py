@@ -121,6 +121,11 @@ DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/finetune-operator/trainer:0.1.0"
 FINAL_SAVE_GRACE_SECONDS: Final = 25.0
 TORCHRUN_STOP_SECONDS: Final = 30.0
 
+# The taints Kubernetes' node lifecycle controller puts on a node that stopped answering (Ready
+# Unknown) or reports not ready (Ready False); pods tolerate them NoExecute for a bounded time.
+TAINT_NODE_UNREACHABLE: Final = "node.kubernetes.io/unreachable"
+TAINT_NODE_NOT_READY: Final = "node.kubernetes.io/not-ready"
+
 # Checkpoint layout.
 CHECKPOINT_STEP_PREFIX: Final = "step-"
 CHECKPOINT_COMMITTED_MARKER: Final = "COMMITTED"
