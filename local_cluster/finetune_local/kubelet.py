@@ -58,10 +58,12 @@ class Kubelet:
         self.services: Cache = {}
         self.nodes: Cache = {}
         self.events = EventRecorder(client)  # the scheduler's
-        self.runs: dict[PodKey, PodRun] = {}
+        # By pod uid: a pod force-deleted from a lost node and its replacement (same name) are
+        # two runs, one frozen or dead, the other starting elsewhere.
+        self.runs: dict[str, PodRun] = {}
         self.mountpoints = MountPoints()
         self.addresses: AddressPool | None = None
-        self._busy: set[PodKey] = set()  # pods with a start/stop step in flight
+        self._busy: set[str] = set()  # pods (uids) with a start/stop step in flight
         self.faults = NodeFaults()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -109,10 +111,23 @@ class Kubelet:
     ) -> bool:
         """Signal the pod's process group without deleting the pod (SIGKILL: it fails with exit
         code 137; SIGTERM: what a node shutdown or spot reclaim does to its containers)."""
-        run = self.runs.get((namespace, name))
+        run = self._run_named(namespace, name)
         if run is None or run.process is None or run.process.returncode is not None:
             return False
         return podrunner.signal_group(run.process.pid, sig)
+
+    def _run_named(self, namespace: str, name: str) -> PodRun | None:
+        """The run of the pod of that name: the current object's, else the latest one's."""
+        pod = self.pods.get((namespace, name))
+        if pod is not None and pod["metadata"]["uid"] in self.runs:
+            return self.runs[pod["metadata"]["uid"]]
+        named = [r for r in self.runs.values() if r.key == (namespace, name)]
+        return named[-1] if named else None
+
+    def _is_current(self, run: PodRun) -> bool:
+        """Whether the pod object of the run's name is still the run's (same uid)."""
+        pod = self.pods.get(run.key)
+        return pod is not None and pod["metadata"]["uid"] == run.uid
 
     async def lose_node(self, node: str, how: LossKind) -> None:
         """The node stops heartbeating, posting status and acting on deletions; its pods'
@@ -124,31 +139,31 @@ class Kubelet:
     async def restore_node(self, node: str) -> None:
         """The node is back: heartbeats resume (its Ready condition is posted again), pods
         whose objects are gone are killed, the others thawed and their status posted."""
-        gone, back = await self.faults.restore(node, self.runs, lambda key: key in self.pods)
-        for key in gone:
-            emptydir.remove_pod_volumes(self.runs.pop(key).directory)
-        for key in back:
-            run = self.runs[key]
-            await self._post_back(key, self.pods[key])
+        gone, back = await self.faults.restore(node, self.runs, self._is_current)
+        for uid in gone:
+            emptydir.remove_pod_volumes(self.runs.pop(uid).directory)
+        for uid in back:
+            run = self.runs[uid]
+            await self._post_back(run, self.pods[run.key])
             if run.finished and run.terminating:
-                await self._final_delete(key)  # it ended while the node was away
+                await self._final_delete(run.key, uid)  # it ended while the node was away
         self._wake.set()
 
-    async def _post_back(self, key: PodKey, pod: dict[str, Any]) -> None:
-        status = self.faults.status_when_back(key, self.runs[key], pod)
+    async def _post_back(self, run: PodRun, pod: dict[str, Any]) -> None:
+        status = self.faults.status_when_back(run, pod)
         if status is not None:
-            await self._patch_status(key, status)
+            await self._patch_status(run.key, run.uid, status)
 
     def main_pid(self, namespace: str, name: str) -> int | None:
         """The pid of the pod's container process (its command), while it runs."""
-        run = self.runs.get((namespace, name))
+        run = self._run_named(namespace, name)
         alive = run is not None and run.process is not None and run.process.returncode is None
         return run.pid if alive and run is not None else None
 
     def log_path(
         self, namespace: str, name: str, container: str | None = None
     ) -> pathlib.Path | None:
-        run = self.runs.get((namespace, name))
+        run = self._run_named(namespace, name)
         if run is None:
             return None
         return run.directory / f"{container or run.container}.log"
@@ -169,34 +184,31 @@ class Kubelet:
         # A lost node's part of the kubelet does nothing (nodefaults.py): it neither sees
         # deletions nor starts pods; the scheduler (the control plane's) goes on.
         ours = {n for n in self.config.node_names if not self.faults.is_lost(n)}
-        for key in [k for k, r in self.runs.items() if k not in self.pods and r.node in ours]:
-            self._forget(key)  # force-deleted (grace 0): the object is gone, stop its processes
+        for uid in [u for u, r in self.runs.items() if r.node in ours and not self._is_current(r)]:
+            self._forget(uid)  # force-deleted (grace 0): the object is gone, stop its processes
         for key, pod in list(self.pods.items()):
-            if key in self._busy:
+            meta = pod["metadata"]
+            uid, run = meta["uid"], self.runs.get(meta["uid"])
+            if uid in self._busy:
                 continue
             node = pod.get("spec", {}).get("nodeName")
-            meta = pod["metadata"]
             if meta.get("deletionTimestamp"):
                 if node in ours:
-                    self._spawn_step(key, self._terminate(key, pod))
+                    self._spawn_step(uid, key, self._terminate(key, pod))
             elif not node:
                 await self._schedule(pod)
-            elif (
-                node in ours
-                and key not in self.runs
-                and pod.get("status", {}).get("phase") == "Pending"
-            ):
-                self._spawn_step(key, self._start(key, pod))
-            elif node in ours and key in self.runs and not_ready_yet_running(pod, self.runs[key]):
+            elif node in ours and run is None and pod.get("status", {}).get("phase") == "Pending":
+                self._spawn_step(uid, key, self._start(key, pod))
+            elif node in ours and run is not None and not_ready_yet_running(pod, run):
                 # The status manager's sync: marked not Ready while its node was away.
-                self._spawn_step(key, self._post_back(key, pod))
-        live = {k: r for k, r in self.runs.items() if not self.faults.is_lost(r.node)}
-        refresh_hosts_files(live, self.pods, self._hosts_for)
+                self._spawn_step(uid, key, self._post_back(run, pod))
+        live = {u: r for u, r in self.runs.items() if not self.faults.is_lost(r.node)}
+        refresh_hosts_files(live.values(), self.pods, self._hosts_for)
         enforce_size_limits(live.values(), self._spawn_child)
         await self.events.flush()
 
-    def _spawn_step(self, key: PodKey, step: Any) -> None:
-        self._busy.add(key)
+    def _spawn_step(self, uid: str, key: PodKey, step: Any) -> None:
+        self._busy.add(uid)
 
         async def run() -> None:
             try:
@@ -206,27 +218,27 @@ class Kubelet:
             except Exception:
                 logger.exception("local kubelet: pod %s/%s", *key)
             finally:
-                self._busy.discard(key)
+                self._busy.discard(uid)
                 self._wake.set()
 
         task = asyncio.create_task(run())
         self._children.add(task)
         task.add_done_callback(self._children.discard)
 
-    def _forget(self, key: PodKey) -> None:
-        run = self.runs.pop(key)
+    def _forget(self, uid: str) -> None:
+        run = self.runs.pop(uid)
         if run.process is not None and run.process.returncode is None:
             podrunner.signal_group(run.process.pid, signal.SIGKILL)
         emptydir.remove_pod_volumes(run.directory)
 
-    async def _patch_status(self, key: PodKey, status: dict[str, Any]) -> None:
-        run = self.runs.get(key)
-        node = (
-            run.node if run is not None else self.pods.get(key, {}).get("spec", {}).get("nodeName")
-        )
+    async def _patch_status(self, key: PodKey, uid: str, status: dict[str, Any]) -> None:
+        run, pod = self.runs.get(uid), self.pods.get(key, {})
+        node = run.node if run is not None else pod.get("spec", {}).get("nodeName")
         if self.faults.is_lost(node):
-            self.faults.unposted[key] = status  # posted when the node is back, if still due
+            self.faults.unposted[uid] = status  # posted when the node is back, if still due
             return
+        if pod and pod["metadata"]["uid"] != uid:
+            return  # the pod it belongs to is gone: another of the same name now
         path = resource_path("v1", "pods", key[0], key[1], "status")
         with contextlib.suppress(ApiStatusError):
             remember(self.pods, await self.client.merge_patch(path, {"status": status}))
@@ -251,8 +263,10 @@ class Kubelet:
         containers = pod.get("spec", {}).get("containers") or [{}]
         container = containers[0]
         directory = podrunner.pod_dir(self.config.data_dir, pod)
+        uid = pod["metadata"]["uid"]
         run = PodRun(
-            uid=pod["metadata"]["uid"],
+            uid=uid,
+            key=key,
             ip=self._allocate_ip(),
             directory=directory,
             container=container.get("name", "main"),
@@ -272,7 +286,7 @@ class Kubelet:
                 else "ContainerCreating"
             )
             await self._patch_status(
-                key, {"containerStatuses": [waiting(container, reason, str(exc))]}
+                key, uid, {"containerStatuses": [waiting(container, reason, str(exc))]}
             )
             await asyncio.sleep(1.0)  # retried by the next reconcile, as a real kubelet does
             return
@@ -284,14 +298,16 @@ class Kubelet:
         run.launch = launch_spec(container, env, mounts, self.config.data_dir)
         run.env = env
         run.size_limits = emptydir.size_limits(pod, directory)
-        self.runs[key] = run
+        self.runs[uid] = run
         run.log_start = begin_instance(run.termination_file, run.log_path)
         run.process = await podrunner.spawn(
             run.launch, directory / "launch.json", env, run.log_path
         )
         run.started_at = now()
         await self._patch_status(
-            key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container)
+            key,
+            uid,
+            running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container),
         )
         self._spawn_child(self._watch_process(key, pod, container))
 
@@ -303,7 +319,8 @@ class Kubelet:
     async def _watch_process(
         self, key: PodKey, pod: dict[str, Any], container: dict[str, Any]
     ) -> None:
-        run = self.runs[key]
+        uid = pod["metadata"]["uid"]
+        run = self.runs[uid]
         assert run.process is not None
         code = podrunner.exit_code(await run.process.wait())
         policy = pod.get("spec", {}).get("restartPolicy", "Always")
@@ -317,7 +334,7 @@ class Kubelet:
         ):
             run.restart_count += 1
             await asyncio.sleep(min(30.0, 2.0 ** (run.restart_count - 1)))  # crash-loop backoff
-            if run.terminating or key not in self.runs:
+            if run.terminating or uid not in self.runs:
                 await self._finish(key, run, code, "")
                 return
             run.log_start = begin_instance(run.termination_file, run.log_path)  # a new container
@@ -327,6 +344,7 @@ class Kubelet:
             run.started_at = now()
             await self._patch_status(
                 key,
+                uid,
                 running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container),
             )
             await self._watch_process(key, pod, container)
@@ -336,7 +354,7 @@ class Kubelet:
 
     async def _finish(self, key: PodKey, run: PodRun, code: int, message: str) -> None:
         run.finished = True
-        self.runs.setdefault(key, run)
+        self.runs.setdefault(run.uid, run)
         pod = self.pods.get(key, {})
         container = (pod.get("spec", {}).get("containers") or [{}])[0]
         status = terminated_status(
@@ -349,14 +367,15 @@ class Kubelet:
             message=message,
             evicted=run.evicted,
         )
-        await self._patch_status(key, status)
+        await self._patch_status(key, run.uid, status)
         if run.terminating and not self.faults.is_lost(run.node):
-            await self._final_delete(key)
+            await self._final_delete(key, run.uid)
 
     async def _terminate(self, key: PodKey, pod: dict[str, Any]) -> None:
-        run = self.runs.get(key)
+        uid = pod["metadata"]["uid"]
+        run = self.runs.get(uid)
         if run is None or run.finished or run.process is None:
-            await self._final_delete(key)
+            await self._final_delete(key, uid)
             return
         if run.terminating:
             return
@@ -372,12 +391,13 @@ class Kubelet:
             podrunner.signal_group(run.process.pid, signal.SIGKILL)
         # _watch_process reports the exit and makes the final delete.
 
-    async def _final_delete(self, key: PodKey) -> None:
+    async def _final_delete(self, key: PodKey, uid: str) -> None:
+        # That very pod (uid precondition): never a replacement of the same name.
         with contextlib.suppress(ApiStatusError):
             await self.client.delete(
-                resource_path("v1", "pods", key[0], key[1]), grace_period_seconds=0
+                resource_path("v1", "pods", key[0], key[1]), grace_period_seconds=0, uid=uid
             )
-        run = self.runs.pop(key, None)
+        run = self.runs.pop(uid, None)
         if run is not None:
             emptydir.remove_pod_volumes(run.directory)
 

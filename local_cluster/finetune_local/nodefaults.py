@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from finetune_local import freezer, podrunner
-from finetune_local.informer import ObjectKey
 from finetune_local.podlaunch import PodRun
 from finetune_local.podstatus import running_status
 
@@ -49,67 +48,66 @@ def not_ready_yet_running(pod: Mapping[str, Any], run: PodRun) -> bool:
 @dataclass
 class NodeFaults:
     lost: dict[str, LossKind] = field(default_factory=dict)
-    frozen: dict[ObjectKey, list[int]] = field(default_factory=dict)  # pids stopped, per pod
+    frozen: dict[str, list[int]] = field(default_factory=dict)  # pids stopped, per pod uid
     keepers: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)  # per node
-    unposted: dict[ObjectKey, dict[str, Any]] = field(default_factory=dict)  # latest status
+    unposted: dict[str, dict[str, Any]] = field(default_factory=dict)  # latest status, by uid
 
     def is_lost(self, node: str | None) -> bool:
         return bool(node) and node in self.lost
 
-    async def lose(self, node: str, how: LossKind, runs: Mapping[ObjectKey, PodRun]) -> None:
+    async def lose(self, node: str, how: LossKind, runs: Mapping[str, PodRun]) -> None:
         if how not in LOSS_KINDS:
             raise ValueError(f"how must be one of {LOSS_KINDS}, not {how!r}")
         if node in self.lost:
             return
         self.lost[node] = how
         alive = [
-            (key, run)
-            for key, run in runs.items()
+            (uid, run)
+            for uid, run in runs.items()
             if run.node == node and run.process is not None and run.process.returncode is None
         ]
         if how == "poweroff":
             await asyncio.gather(*(podrunner.kill_pod_processes(run.pid, 10) for _, run in alive))
             return
-        for key, run in alive:
-            self.frozen[key] = freezer.freeze(run.pid)
-        pids = [pid for key, _ in alive for pid in self.frozen[key]]
+        for uid, run in alive:
+            self.frozen[uid] = freezer.freeze(run.pid)
+        pids = [pid for uid, _ in alive for pid in self.frozen[uid]]
         if pids:
             self.keepers[node] = await freezer.start_keeper(pids)
 
     async def restore(
-        self, node: str, runs: Mapping[ObjectKey, PodRun], exists: Callable[[ObjectKey], bool]
-    ) -> tuple[list[ObjectKey], list[ObjectKey]]:
-        """Bring `node` back: its pods whose objects are gone are killed (still frozen: they
-        never run again), the others thawed. Returns (gone, back): the kubelet forgets the
-        first and posts the status of the second."""
+        self, node: str, runs: Mapping[str, PodRun], current: Callable[[PodRun], bool]
+    ) -> tuple[list[str], list[str]]:
+        """Bring `node` back: its pods whose objects are gone (`current`: the object of the
+        pod's name is still this pod's) are killed (still frozen: they never run again), the
+        others thawed. Returns the uids (gone, back): the kubelet forgets the first and posts
+        the status of the second."""
         if self.lost.pop(node, None) is None:
             return [], []
         keeper = self.keepers.pop(node, None)
         if keeper is not None:
             await freezer.stop_keeper(keeper)  # before any pid it holds can die and be reused
-        gone: list[ObjectKey] = []
-        back: list[ObjectKey] = []
-        for key, run in list(runs.items()):
+        gone: list[str] = []
+        back: list[str] = []
+        for uid, run in list(runs.items()):
             if run.node != node:
                 continue
-            pids = self.frozen.pop(key, [])
-            if exists(key):
+            pids = self.frozen.pop(uid, [])
+            if current(run):
                 freezer.thaw(pids)
-                back.append(key)
+                back.append(uid)
                 continue
-            self.unposted.pop(key, None)
+            self.unposted.pop(uid, None)
             if run.process is not None and run.process.returncode is None:
                 await podrunner.kill_pod_processes(run.pid, 10)
-            gone.append(key)
+            gone.append(uid)
         return gone, back
 
-    def status_when_back(
-        self, key: ObjectKey, run: PodRun, pod: Mapping[str, Any] | None
-    ) -> dict[str, Any] | None:
+    def status_when_back(self, run: PodRun, pod: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """What the kubelet posts for a pod of a node that is back: the status it kept, or,
         for a pod that ran on (frozen, then thawed), its running status: Ready again (the node
         lifecycle controller had marked it not Ready)."""
-        status = self.unposted.pop(key, None)
+        status = self.unposted.pop(run.uid, None)
         if status is None and pod is not None and not run.finished:
             container = (pod.get("spec", {}).get("containers") or [{}])[0]
             status = running_status(

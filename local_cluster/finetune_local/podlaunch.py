@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ class PodRun:
     directory: pathlib.Path
     container: str
     hosts_file: pathlib.Path
+    key: tuple[str, str] = ("", "")  # the pod's namespace and name
     node: str = ""
     process: asyncio.subprocess.Process | None = None
     started_at: str = ""
@@ -134,14 +135,14 @@ def launch_spec(
 
 
 def refresh_hosts_files(
-    runs: Mapping[tuple[str, str], PodRun],
+    runs: Iterable[PodRun],
     pods: Mapping[tuple[str, str], Mapping[str, Any]],
     hosts_for: HostsRenderer,
 ) -> None:
     """Rewrite each running pod's hosts file in place (same inode: its bind mount follows)."""
-    for key, run in runs.items():
-        pod = pods.get(key)
-        if pod is None or run.finished:
+    for run in runs:
+        pod = pods.get(run.key)
+        if pod is None or pod["metadata"].get("uid") != run.uid or run.finished:
             continue
         text = hosts_for(pod, run.ip)
         if text != run.hosts_text:

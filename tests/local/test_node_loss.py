@@ -124,6 +124,34 @@ def test_partition_freezes_stops_heartbeats_and_status_then_kills_what_was_delet
     assert _renew_time(cluster, new_api_client) != renewed
 
 
+def test_a_replacement_of_the_same_name_runs_beside_the_frozen_pod_and_survives_its_end(
+    cluster: LocalCluster, core: client.CoreV1Api
+) -> None:
+    name, pids = _start(core)
+    cluster.lose_node(NODE, "partition")
+    core.delete_namespaced_pod(name, "default", grace_period_seconds=0)  # what the operator does
+    spec = {
+        "restartPolicy": "Never",
+        "nodeSelector": {"kubernetes.io/hostname": "local-node-0"},
+        "containers": [{"name": "m", "image": "x", "command": ["sh", "-c", "sleep 300"]}],
+    }
+    core.create_namespaced_pod("default", {"metadata": {"name": name}, "spec": spec})
+    replacement = wait_until(
+        lambda: (p := core.read_namespaced_pod(name, "default")).status.phase == "Running" and p,
+        "the replacement to run", 30,
+    )  # fmt: skip
+    assert _states(pids) == {"T"}  # the old one, frozen all along
+    cluster.restore_node(NODE)
+    wait_until(lambda: _states(pids) == {"gone"}, "the old pod's processes killed", 20)
+    time.sleep(1)
+    pod = core.read_namespaced_pod(name, "default")
+    assert pod.metadata.uid == replacement.metadata.uid and pod.status.phase == "Running"
+    assert cluster.pod_main_pid("default", name) == int(
+        pod.status.container_statuses[0].container_id.removeprefix("local://")
+    )
+    core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+
+
 def test_a_pod_that_outlived_the_partition_runs_on_ready_again(
     cluster: LocalCluster, core: client.CoreV1Api
 ) -> None:
