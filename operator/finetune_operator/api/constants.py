@@ -67,6 +67,10 @@ REASON_NO_STRAGGLER: Final = "NoStraggler"
 REASON_STRAGGLER_FOUND: Final = "StragglerFound"  # confirmed; the action waits (budget, cooldown)
 REASON_CHECKPOINT_SKIPPED: Final = "CheckpointSkipped"
 REASON_PREEMPTED: Final = "Preempted"  # a pod stopped by a signal, eviction or node shutdown
+# A pod lost with its node (Ready not True long enough), force-deleted (reconcile/nodeloss.py).
+REASON_NODE_LOST: Final = "NodeLost"
+# The operator may not read the Nodes of its pods (RBAC): it cannot tell a lost node's pods.
+REASON_NODES_UNREADABLE: Final = "NodesUnreadable"
 REASON_STRAGGLER_EVICTED: Final = "StragglerEvicted"
 REASON_STRAGGLER_ALERTED: Final = "StragglerAlerted"
 REASON_CHECKPOINT_SAVE_FAILED: Final = "CheckpointSaveFailed"

@@ -24,6 +24,12 @@ from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
 from finetune_operator.reconcile.evaluation import Evaluation
+from finetune_operator.reconcile.nodeloss import (
+    LostPod,
+    NodeReading,
+    lost_pods,
+    unreadable_detail,
+)
 from finetune_operator.reconcile.observed import FAILED, RUNNING, SUCCEEDED, PodView
 from finetune_operator.reconcile.progress import parse_trainer_error
 from finetune_operator.resources import node_range
@@ -65,6 +71,11 @@ class Assessment:
     # Kueue's admission cannot be read (admission.QueueState.unknown) while workers run: they
     # are kept, and no pod is created; why, for the job's condition.
     hold: str = ""
+    # Terminating pods lost with their node (nodeloss.py): force-deleted, in any mode; in an
+    # active job each is a preemption and its slot is filled in the same pass.
+    lost: tuple[LostPod, ...] = ()
+    # Why some terminating pods cannot be judged (their Nodes unreadable), for the condition.
+    nodes_problem: str = ""
 
     @property
     def live_pods(self) -> list[PodView]:
@@ -182,10 +193,12 @@ def assess(
     pods: Sequence[PodView],
     now: datetime,
     own: Mapping[str, frozenset[str]] | None = None,
+    nodes: NodeReading | None = None,
 ) -> Assessment:
     """`own`: each running worker pod's failed rounds that its torchrun restarted after, by
     pod uid, as its trainers' metrics said on this pass's scrape (budget.py); None: not
-    scraped."""
+    scraped. `nodes`: the Nodes of the terminating pods, as read this pass (nodeloss.py);
+    None: not read (no pod is judged lost)."""
     restarts, ledger, added = _fold(status, pods, own or {})
     live = [p for p in pods if not p.terminating]
     workers = {p.index: p for p in live if p.is_worker and p.index is not None}
@@ -204,6 +217,9 @@ def assess(
         return replace(seen, mode=Mode.INVALID)
     assert ev.spec is not None and ev.plan is not None
     seen = replace(seen, desired=ev.plan.nodes, min_nodes=node_range(ev.spec, ev.plan)[0])
+    if nodes is not None:
+        lost = lost_pods(pods, nodes, now, ev.spec.fault_tolerance.node_lost_seconds)
+        seen = replace(seen, lost=lost, nodes_problem=unreadable_detail(pods, nodes))
     sticky = _sticky_mode(status)
     if sticky is not None:
         mode, reason = sticky
@@ -261,7 +277,8 @@ def assess(
     store_created = (store.created_at or EPOCH) if store is not None and store.active else None
     verdicts = [(p, classify_exit(p, store_created)) for p in ended]
     preempted = tuple((p, v) for p, v in verdicts if not v.disposition.counted)
-    seen = replace(seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted))
+    preemptions = status.preemptions + len(preempted) + len(seen.lost)
+    seen = replace(seen, preempted_now=preempted, preemptions=preemptions)
     failed = [p for p, v in verdicts if v.disposition.counted]
     used = ev.spec.fault_tolerance.max_restarts
     replace_now, waiting, counted, exhausted = _walk_failures(ev, failed, now, restarts, ledger)

@@ -40,6 +40,7 @@ from finetune_operator.reconcile.assess import (
 from finetune_operator.reconcile.conditions import Want, derive_phase, find, set_condition
 from finetune_operator.reconcile.crash import shorten
 from finetune_operator.reconcile.evaluation import Evaluation
+from finetune_operator.reconcile.nodeloss import NodeReading
 from finetune_operator.reconcile.observed import PodView, format_time
 from finetune_operator.reconcile.progress import TrainerProgress
 from finetune_operator.resources.workload import workload_name
@@ -77,8 +78,11 @@ def _progress(a: Assessment) -> Want:
         if len(a.replace_now) == 1:
             msg = f"{causes}; replacing it"
         return Want("Unknown", REASON_RESTARTING, shorten(msg, MAX_MESSAGE_CHARS))
-    if a.preempted_now:
-        names = ", ".join(f"{p.name} ({v.why})" for p, v in a.preempted_now)
+    if a.preempted_now or a.lost:
+        names = ", ".join(
+            [f"{p.name} ({v.why})" for p, v in a.preempted_now]
+            + [f"{x.pod.name} (lost with node {x.node.name})" for x in a.lost]
+        )
         return Want("Unknown", REASON_RESTARTING, f"replacing pods: {names}")
     if a.ready >= max(a.min_nodes, 1):
         return Want("Unknown", REASON_RUNNING, f"training on {a.ready} worker pods")
@@ -141,8 +145,8 @@ def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
             COND_FAILED: Want("False", reason, waiting.message),
         }
     progress = _progress(a)
-    ready_msg = f"{a.ready}/{a.desired} worker pods ready{_blocked_detail(a)}" + (
-        f"; {a.hold}" if a.hold else ""
+    ready_msg = f"{a.ready}/{a.desired} worker pods ready{_blocked_detail(a)}" + "".join(
+        f"; {note}" for note in (a.hold, a.nodes_problem) if note
     )
     ready = (
         Want("True", REASON_ALL_WORKERS_READY, ready_msg)
@@ -192,10 +196,12 @@ def compute_status(
     pods: Sequence[PodView],
     now: datetime,
     own: Mapping[str, frozenset[str]] | None = None,
+    nodes: NodeReading | None = None,
 ) -> FineTuneJobStatus:
     """The new status; equal to `status` when nothing changed (so no patch is needed).
-    `own`: what this pass scraped of each pod's failed rounds (assess.assess)."""
-    a = assess(ev, status, pods, now, own)
+    `own`: what this pass scraped of each pod's failed rounds; `nodes`: the Nodes of the
+    terminating pods as read this pass (assess.assess)."""
+    a = assess(ev, status, pods, now, own, nodes)
     conds = _conditions(status.conditions, _wants(ev, a), now, ev.job.generation)
     update: dict[str, object] = {
         "conditions": conds,
