@@ -38,6 +38,7 @@ from finetune_operator.reconcile import (
     progress_events,
     read_status,
     reconcile_job,
+    rounds_by_pod,
     scrape_targets,
     status_patch,
 )
@@ -69,6 +70,9 @@ class JobState:
     # Pods force-deleted as lost with their node, while the index may still hold them (so a
     # lost pod is counted once). Losing it is safe: a restarted operator lists pods afresh.
     lost_uids: set[str] = field(default_factory=set)
+    # The round each worker pod was last seen training in (its trainers' metrics): the round
+    # its peers fail in if it is lost with its node. Losing it only means that round counts.
+    rounds: dict[str, str] = field(default_factory=dict)
     nodes_warned: bool = False  # the NodesUnreadable Event posted (once per operator run)
 
 
@@ -113,6 +117,10 @@ async def reconcile_pass(
             timeout = settings_of(memo).scrape_timeout_seconds
             pages = await _scrape(old, pods, state.deleted_uids, timeout) if scrape else {}
             health = _health_input(pages, state.records) if scrape else None
+            live = {p.uid for p in pods}
+            state.rounds = {
+                u: r for u, r in {**state.rounds, **rounds_by_pod(pages)}.items() if u in live
+            }
             cluster: ClusterApi = memo["cluster"]
             queue = await queue_state(cluster, job, body)
             nodes = await _read_nodes(cluster, pods, state, body, logger)
@@ -178,7 +186,7 @@ async def _read_nodes(cluster: ClusterApi, pods: list[PodView], state: JobState,
         why = next(iter(unreadable.values()))
         logger.warning("cannot tell whether the job's terminating pods are lost: %s", why)
         kopf.event(body, type="Warning", reason=REASON_NODES_UNREADABLE, message=why)
-    return NodeReading(views, unreadable, frozenset(state.lost_uids))
+    return NodeReading(views, unreadable, frozenset(state.lost_uids), dict(state.rounds))
 
 
 async def _scrape(

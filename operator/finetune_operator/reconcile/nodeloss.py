@@ -32,7 +32,7 @@ bounded time.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -75,11 +75,13 @@ class NodeReading:
     `views`: by node name (a node not there was not read: nothing is decided for its pods);
     `unreadable`: node name -> why it could not be read (RBAC: the chart's ClusterRole);
     `force_deleted`: uids of pods this operator already force-deleted as lost, whose removal
-    the pods index may not show yet (never counted twice)."""
+    the pods index may not show yet (never counted twice); `rounds`: by pod uid, the
+    rendezvous round its trainers were last seen training in (their metrics)."""
 
     views: Mapping[str, NodeView] = field(default_factory=dict)
     unreadable: Mapping[str, str] = field(default_factory=dict)
     force_deleted: frozenset[str] = frozenset()
+    rounds: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,9 @@ class LostPod:
     pod: PodView
     node: NodeView
     down_seconds: float | None  # how long its Ready has not been True; None: node absent
+    # The round it was last seen training in: its peers' collectives time out in that round
+    # (a silent loss), which is the node's doing, not a failure to count (budget.py).
+    round: str | None = None
 
     def describe(self) -> str:
         """The NodeLost Event's message: the pod, the node and how long it has been away."""
@@ -111,7 +116,7 @@ def suspect_nodes(pods: Iterable[PodView]) -> frozenset[str]:
     return frozenset(p.node for p in pods if p.terminating and p.node)
 
 
-def _lost(pod: PodView, node: NodeView, now: datetime, node_lost_seconds: int) -> LostPod | None:
+def _lost(pod: PodView, node: NodeView, now: datetime, node_lost_seconds: int) -> LostPod | None:  # fmt: skip
     deadline = pod.deletion_deadline
     if deadline is None:
         return None  # deleted by us this pass, not yet seen deleted: nothing known
@@ -139,7 +144,7 @@ def lost_pods(
         node = reading.views.get(pod.node)
         lost = _lost(pod, node, now, node_lost_seconds) if node is not None else None
         if lost is not None:
-            out.append(lost)
+            out.append(replace(lost, round=reading.rounds.get(pod.uid)))
     return tuple(out)
 
 

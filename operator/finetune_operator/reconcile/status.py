@@ -29,7 +29,7 @@ from finetune_operator.api.constants import (
     REASON_WORKERS_NOT_READY,
 )
 from finetune_operator.api.spec_compat import describe_deprecations
-from finetune_operator.api.status import Condition, FineTuneJobStatus
+from finetune_operator.api.status import Condition, FineTuneJobStatus, NodeLoss
 from finetune_operator.reconcile.assess import (
     Assessment,
     Mode,
@@ -48,6 +48,8 @@ from finetune_operator.resources.workload import workload_name
 TERMINAL = (PHASE_FAILED, PHASE_SUCCEEDED)
 MAX_PODS_DESCRIBED = 2
 MAX_MESSAGE_CHARS = 1000  # condition messages: Kubernetes sets no limit, readers do
+# status.nodeLosses: enough for the rounds to forgive to outlive their report (one re-form).
+MAX_NODE_LOSSES_KEPT = 10
 # Condition order in status: stable, so an unchanged status compares (and patches) as equal.
 ORDER = (COND_PLANNED, COND_WORKERS_READY, COND_SUCCEEDED, COND_FAILED)
 
@@ -178,6 +180,21 @@ def _conditions(
     return sorted(conds, key=lambda c: rank.get(c.type, len(rank)))
 
 
+def _node_losses(status: FineTuneJobStatus, a: Assessment, now: datetime) -> list[NodeLoss]:
+    """status.nodeLosses with this pass's lost pods (the newest MAX_NODE_LOSSES_KEPT)."""
+    new = [
+        NodeLoss(
+            pod=x.pod.name,
+            node=x.node.name,
+            time=format_time(now),
+            down_seconds=None if x.down_seconds is None else int(x.down_seconds),
+            round=x.round,
+        )
+        for x in a.lost
+    ]
+    return [*status.node_losses, *new][-MAX_NODE_LOSSES_KEPT:]
+
+
 def _workload_of(ev: Evaluation, status: FineTuneJobStatus) -> str | None:
     """status.workload: the Workload's name while the job is queued in Kueue (also the pass
     that creates it) or leaving it, so that a pass after the label is removed still reads it;
@@ -213,6 +230,8 @@ def compute_status(
         "observed_generation": ev.job.generation,
     }
     update["workload"] = _workload_of(ev, status)
+    if a.lost:
+        update["node_losses"] = _node_losses(status, a, now)
     if ev.plan is not None:
         update["plan"] = ev.plan
         if ev.plan.fits:
