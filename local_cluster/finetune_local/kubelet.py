@@ -228,7 +228,10 @@ class Kubelet:
     def _forget(self, uid: str) -> None:
         run = self.runs.pop(uid)
         if run.process is not None and run.process.returncode is None:
-            podrunner.signal_group(run.process.pid, signal.SIGKILL)
+            # Every process of the pod, as a runtime kills a container's cgroup: one in a
+            # session of its own (a trainer) outlives a signal to the group. (The tree is
+            # read before the first kill: a dead parent's children are reparented at once.)
+            self._spawn_child(podrunner.kill_pod_processes(run.process.pid, 10))
         emptydir.remove_pod_volumes(run.directory)
 
     async def _patch_status(self, key: PodKey, uid: str, status: dict[str, Any]) -> None:

@@ -82,8 +82,10 @@ class NodeFaults:
         pod's name is still this pod's) are killed (still frozen: they never run again), the
         others thawed. Returns the uids (gone, back): the kubelet forgets the first and posts
         the status of the second."""
-        if self.lost.pop(node, None) is None:
+        if node not in self.lost:
             return [], []
+        # The node stays lost until its pods are dealt with: the kubelet's pass (which runs
+        # at every await here) must not take them meanwhile.
         keeper = self.keepers.pop(node, None)
         if keeper is not None:
             await freezer.stop_keeper(keeper)  # before any pid it holds can die and be reused
@@ -101,6 +103,7 @@ class NodeFaults:
             if run.process is not None and run.process.returncode is None:
                 await podrunner.kill_pod_processes(run.pid, 10)
             gone.append(uid)
+        del self.lost[node]
         return gone, back
 
     def status_when_back(self, run: PodRun, pod: Mapping[str, Any] | None) -> dict[str, Any] | None:
