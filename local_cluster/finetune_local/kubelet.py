@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import pathlib
 import signal
@@ -41,7 +42,14 @@ from finetune_local.kubeletconfig import KubeletConfig
 from finetune_local.mountpoints import MountPoints
 from finetune_local.nodefaults import LossKind, NodeFaults, not_ready_yet_running
 from finetune_local.nodes import heartbeat_forever, register_node
-from finetune_local.podlaunch import PodRun, launch_spec, prepare_container, refresh_hosts_files
+from finetune_local.podlaunch import (
+    PodRun,
+    is_current,
+    launch_spec,
+    prepare_container,
+    refresh_hosts_files,
+    run_named,
+)
 from finetune_local.podspec import ConfigMissingError, ContainerConfigError, render_hosts
 from finetune_local.podstatus import now, running_status, terminated_status, waiting
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
@@ -111,23 +119,10 @@ class Kubelet:
     ) -> bool:
         """Signal the pod's process group without deleting the pod (SIGKILL: it fails with exit
         code 137; SIGTERM: what a node shutdown or spot reclaim does to its containers)."""
-        run = self._run_named(namespace, name)
+        run = run_named(self.runs, self.pods, (namespace, name))
         if run is None or run.process is None or run.process.returncode is not None:
             return False
         return podrunner.signal_group(run.process.pid, sig)
-
-    def _run_named(self, namespace: str, name: str) -> PodRun | None:
-        """The run of the pod of that name: the current object's, else the latest one's."""
-        pod = self.pods.get((namespace, name))
-        if pod is not None and pod["metadata"]["uid"] in self.runs:
-            return self.runs[pod["metadata"]["uid"]]
-        named = [r for r in self.runs.values() if r.key == (namespace, name)]
-        return named[-1] if named else None
-
-    def _is_current(self, run: PodRun) -> bool:
-        """Whether the pod object of the run's name is still the run's (same uid)."""
-        pod = self.pods.get(run.key)
-        return pod is not None and pod["metadata"]["uid"] == run.uid
 
     async def lose_node(self, node: str, how: LossKind) -> None:
         """The node stops heartbeating, posting status and acting on deletions; its pods'
@@ -139,7 +134,8 @@ class Kubelet:
     async def restore_node(self, node: str) -> None:
         """The node is back: heartbeats resume (its Ready condition is posted again), pods
         whose objects are gone are killed, the others thawed and their status posted."""
-        gone, back = await self.faults.restore(node, self.runs, self._is_current)
+        current = functools.partial(is_current, pods=self.pods)
+        gone, back = await self.faults.restore(node, self.runs, current)
         for uid in gone:
             emptydir.remove_pod_volumes(self.runs.pop(uid).directory)
         for uid in back:
@@ -156,17 +152,13 @@ class Kubelet:
 
     def main_pid(self, namespace: str, name: str) -> int | None:
         """The pid of the pod's container process (its command), while it runs."""
-        run = self._run_named(namespace, name)
+        run = run_named(self.runs, self.pods, (namespace, name))
         alive = run is not None and run.process is not None and run.process.returncode is None
         return run.pid if alive and run is not None else None
 
-    def log_path(
-        self, namespace: str, name: str, container: str | None = None
-    ) -> pathlib.Path | None:
-        run = self._run_named(namespace, name)
-        if run is None:
-            return None
-        return run.directory / f"{container or run.container}.log"
+    def log_path(self, namespace: str, name: str, container: str | None = None) -> pathlib.Path | None:  # fmt: skip
+        run = run_named(self.runs, self.pods, (namespace, name))
+        return None if run is None else run.directory / f"{container or run.container}.log"
 
     async def _reconcile_forever(self) -> None:
         while True:
@@ -184,8 +176,9 @@ class Kubelet:
         # A lost node's part of the kubelet does nothing (nodefaults.py): it neither sees
         # deletions nor starts pods; the scheduler (the control plane's) goes on.
         ours = {n for n in self.config.node_names if not self.faults.is_lost(n)}
-        for uid in [u for u, r in self.runs.items() if r.node in ours and not self._is_current(r)]:
-            self._forget(uid)  # force-deleted (grace 0): the object is gone, stop its processes
+        # Force-deleted (grace 0): the object is gone, or another pod of that name now.
+        for uid in [u for u, r in self.runs.items() if r.node in ours and not is_current(r, self.pods)]:  # fmt: skip
+            self._forget(uid)
         for key, pod in list(self.pods.items()):
             meta = pod["metadata"]
             uid, run = meta["uid"], self.runs.get(meta["uid"])

@@ -150,3 +150,24 @@ def refresh_hosts_files(
                 handle.write(text)
                 handle.truncate()
             run.hosts_text = text
+
+
+def is_current(run: PodRun, pods: Mapping[tuple[str, str], Mapping[str, Any]]) -> bool:
+    """Whether the pod object of the run's name is still the run's (same uid): not one
+    force-deleted and replaced by another of the same name."""
+    pod = pods.get(run.key)
+    return pod is not None and pod["metadata"]["uid"] == run.uid
+
+
+def run_named(
+    runs: Mapping[str, PodRun],
+    pods: Mapping[tuple[str, str], Mapping[str, Any]],
+    key: tuple[str, str],
+) -> PodRun | None:
+    """The run (`runs` by uid) of the pod of that name: the current object's, else the
+    latest one's (a pod gone, its logs still asked for)."""
+    pod = pods.get(key)
+    if pod is not None and pod["metadata"]["uid"] in runs:
+        return runs[pod["metadata"]["uid"]]
+    named = [r for r in runs.values() if r.key == key]
+    return named[-1] if named else None
