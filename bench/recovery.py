@@ -3,10 +3,15 @@
     python bench/recovery.py                 # both parts
     python bench/recovery.py --part faults   # recovery time per fault on the local cluster
     python bench/recovery.py --part stall    # checkpoint stall per save, as steps lost
+    python bench/recovery.py --part nodeloss --runs 3   # a worker's node partitioned
 
 Faults: one long job on the local cluster goes through the fault sequence of the end-to-end
 suite (`tests/e2e/faults.py`); for each, the time from the fault to training going past the
 step it had reached (redone steps included), the steps redone, and what was counted.
+
+Node loss: the end-to-end drill's job (`tests/e2e/nodeloss.py`: fixed size, 2 workers,
+node monitor grace 4 s, nodeLostSeconds and collective timeouts 10 s) has worker-1's node
+partitioned; from the loss to training past the step it had reached, and what was counted.
 
 Stall: the quickstart trainer under real torchrun (2 ranks, gloo, CPU) with async checkpoints,
 timed by when each step's line appears. Within the run, the step interval far from any save
@@ -129,11 +134,32 @@ def faults() -> str:
     return "\n".join(rows)
 
 
+def node_loss(runs: int) -> str:
+    from finetune_local.session import default_data_dir, is_finished
+    from tests.e2e.nodeloss import JOB, lose_worker_node, node_loss_job, node_loss_session
+
+    rows = ["| run | step at fault | resumed from | recovery (loss -> past that step) | restarts | preemptions |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for run in range(1, runs + 1):
+        doc = node_loss_job(yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text()))
+        data = default_data_dir()
+        with node_loss_session(data) as session:
+            session.submit(doc)
+            r = lose_worker_node(session).recovery
+            job = session.wait_for(JOB, is_finished, timeout=300)
+        shutil.rmtree(data, ignore_errors=True)
+        status = job.get("status") or {}
+        rows.append(f"| {run} | {r.step_at_fault} | {r.resumed_from} | {r.seconds:.1f} s "
+                    f"| {status.get('restarts')} | {status.get('preemptions')} |")  # fmt: skip
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--part", choices=["faults", "stall", "all"], default="all")
+    parser.add_argument("--part", choices=["faults", "stall", "nodeloss", "all"], default="all")
+    parser.add_argument("--runs", type=int, default=3, help="node-loss drills")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--interval", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
@@ -148,6 +174,9 @@ def main() -> int:
             "## Recovery per fault (local cluster, 2 workers, step delay 0.2 s, checkpoint every 5)\n"
         )
         print(faults() + "\n", flush=True)
+    if args.part in ("nodeloss", "all"):
+        print("## Recovery from a lost node (local cluster, partition of worker-1's node)\n")
+        print(node_loss(args.runs) + "\n", flush=True)
     return 0
 
 

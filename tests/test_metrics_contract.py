@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from finetune_operator import handlers
 from finetune_operator import metrics as operator_metrics
 from finetune_operator.api import metricnames as mn
-from finetune_operator.reconcile.progress import parse_own_rounds
+from finetune_operator.reconcile.progress import parse_own_rounds, parse_round
 from finetune_trainer.metrics import StepStats, TrainerMetrics
 from tests.chart.metrics_contract import COUNTER, OPERATOR_METRICS, TRAINER_METRICS
 
@@ -56,6 +56,7 @@ def test_every_trainer_series_is_set_by_the_loop() -> None:
         reforms=1,
         total_steps=10,
         own_rounds=("r1", "r2"),
+        round_id="r3",
     )
     m.serve(None, None)
     m.observe_step(StepStats(3, 2.5, 1e-3, 512, 0.3, 0.2, 0.1), world_size=2)
@@ -78,7 +79,9 @@ def test_every_trainer_series_is_set_by_the_loop() -> None:
     unset = [x.name for x in mn.TRAINER_METRICS if not values.get(x.name)]
     assert not unset, f"declared but never set: {unset}"
     # The operator reads the launcher's rounds back from the page (its restart ledger's feed).
-    assert parse_own_rounds(generate_latest(m.registry).decode()) == {"r1", "r2"}
+    page = generate_latest(m.registry).decode()
+    assert parse_own_rounds(page) == {"r1", "r2"}
+    assert parse_round(page) == "r3"
 
 
 def _metric_objects() -> dict[str, str]:

@@ -18,6 +18,7 @@ from typing import Any
 from finetune_local.apiresources import ResourceType
 from finetune_local.apistore import bad_request, invalid
 from finetune_local.podresources import default_requests, qos_class, validate_resources
+from finetune_local.taints import TAINT_NOT_READY, TAINT_UNREACHABLE
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -94,13 +95,45 @@ def validate_name(rtype: ResourceType, name: Any) -> None:
         )
 
 
+# The DefaultTolerationSeconds admission plugin's tolerations (kube-apiserver's
+# --default-not-ready-toleration-seconds and --default-unreachable-toleration-seconds, 300).
+DEFAULT_TOLERATION_SECONDS = 300
+
+
+def add_default_toleration_seconds(spec: dict[str, Any]) -> None:
+    """DefaultTolerationSeconds, on pod create: a pod that does not tolerate the not-ready or
+    unreachable NoExecute taint gets a toleration of it for 300 s, so that the taint eviction
+    controller evicts it from a lost node 5 minutes after the node was tainted. Kubernetes'
+    own test of "tolerates" here is the key (or none) and the effect (NoExecute or none),
+    whatever the operator, value or seconds: a pod's own toleration of the key always wins."""
+    tolerations = spec.get("tolerations") or []
+    for key in (TAINT_NOT_READY, TAINT_UNREACHABLE):
+        if any(
+            isinstance(t, dict)
+            and (t.get("key") or "") in ("", key)
+            and (t.get("effect") or "") in ("", "NoExecute")
+            for t in tolerations
+        ):
+            continue
+        tolerations.append(
+            {
+                "key": key,
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": DEFAULT_TOLERATION_SECONDS,
+            }
+        )
+    spec["tolerations"] = tolerations
+
+
 def apply_builtin_defaults(rtype: ResourceType, obj: dict[str, Any], serial: int) -> None:
-    """Defaults of the built-in kinds; ``serial`` (the next resourceVersion) picks a Service's
-    cluster IP."""
+    """Defaults of the built-in kinds (and, for a pod, the admission plugins' additions);
+    ``serial`` (the next resourceVersion) picks a Service's cluster IP."""
     if rtype.group:
         return
     if rtype.kind == "Pod":
         spec = obj.setdefault("spec", {})
+        add_default_toleration_seconds(spec)
         spec.setdefault("restartPolicy", "Always")
         spec.setdefault("terminationGracePeriodSeconds", 30)
         spec.setdefault("dnsPolicy", "ClusterFirst")

@@ -30,6 +30,7 @@ from finetune_local.apistore import ApiError, Store
 logger = logging.getLogger(__name__)
 
 LogReader = Callable[[str, str, "str | None"], "pathlib.Path | None"]
+SYSTEM_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 _KEEP_REQUESTS = 500  # kmock records every request for assertions; bound it for long runs
 
 
@@ -83,9 +84,12 @@ class ApiServer(kmock.KubernetesEmulator):
         # reactions of their own; those take precedence over the emulation.
         self.store = Store()
         self.service = ObjectService(self.store, self.registry)
-        self.service.create(
-            self._type("", "v1", "namespaces"), None, {"metadata": {"name": "default"}}
-        )
+        # The namespaces a real API server makes at start (its system namespaces controller):
+        # kube-node-lease holds each node's Lease, the kubelet's heartbeat.
+        for namespace in SYSTEM_NAMESPACES:
+            self.service.create(
+                self._type("", "v1", "namespaces"), None, {"metadata": {"name": namespace}}
+            )
 
     def _type(self, group: str, version: str, plural: str) -> Any:
         rtype = self.registry.get(group, version, plural)

@@ -7,6 +7,7 @@ or a test can run in the calling thread, or in its own asyncio loop, without sha
         os.environ["KUBECONFIG"] = str(cluster.kubeconfig_path)
         subprocess.run(["kubectl", "get", "ftj"])   # kubectl, kubernetes client, kopf...
         cluster.kill_pod_processes("default", "job-worker-0")   # exit 137, pod Failed
+        cluster.lose_node("local-node-1")   # partitioned: Unknown, tainted, its pods evicted
 
 For kopf in the same process, log in explicitly (kopf would otherwise read ~/.kube/config)::
 
@@ -34,9 +35,12 @@ import kmock
 import yaml
 
 from finetune_local.apiserver import ApiServer
+from finetune_local.controllermanager import ControllerManager, NodeHealthTimings
 from finetune_local.kubeconfig import write_kubeconfig
-from finetune_local.kubelet import Kubelet, KubeletConfig
+from finetune_local.kubelet import Kubelet
+from finetune_local.kubeletconfig import KubeletConfig
 from finetune_local.kueue import kueue_crds
+from finetune_local.nodefaults import LossKind
 from finetune_local.nodes import DEFAULT_CAPACITY, check_node_resources
 from finetune_local.podgroups import GANG_SCHEDULERS
 from finetune_local.restclient import RestClient
@@ -70,6 +74,10 @@ class LocalCluster:
         their pods are placed all-or-nothing. Without one, its PodGroups do not exist (404).
     :param kueue: serve Kueue's Workload and ResourceFlavor CRDs (:mod:`.kueue`), as a
         cluster with Kueue installed; nothing admits Workloads (a test plays Kueue's part).
+    :param node_health: the heartbeat and the node lifecycle, taint eviction and PodGC
+        controllers' timings (:class:`.controllermanager.NodeHealthTimings`: Kubernetes'
+        defaults unless given).
+    :param controllers: run those controllers (default: when the kubelet runs).
     """
 
     def __init__(
@@ -87,6 +95,8 @@ class LocalCluster:
         node_env: dict[str, dict[str, str]] | None = None,
         gang_schedulers: Collection[str] = (),
         kueue: bool = False,
+        node_health: NodeHealthTimings | None = None,
+        controllers: bool | None = None,
     ) -> None:
         self._own_dir = data_dir is None
         self.data_dir = pathlib.Path(data_dir or tempfile.mkdtemp(prefix="ftjob-local-")).resolve()
@@ -101,6 +111,8 @@ class LocalCluster:
         self._with_kubelet, self._keep_data = kubelet, keep_data
         self._gangs = [GANG_SCHEDULERS[name] for name in gang_schedulers]
         self._kueue = kueue
+        self._timings = node_health or NodeHealthTimings()
+        self._with_controllers = kubelet if controllers is None else controllers
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping: asyncio.Event | None = None
@@ -142,6 +154,21 @@ class LocalCluster:
         return self.call(
             lambda: self._kubelet.kill_processes(namespace, name, sig) if self._kubelet else False
         )
+
+    def lose_node(self, name: str, how: LossKind = "partition") -> None:
+        """Lose a node: it stops heartbeating, posting its pods' status and acting on their
+        deletions; its pods' processes are frozen (``partition``: alive, silent, sockets
+        open) or killed (``poweroff``). The control plane goes on: after the monitor grace
+        the node is Unknown and tainted, its pods not Ready, then evicted as their
+        tolerations say (:mod:`.nodefaults`, :mod:`.nodelifecycle`, :mod:`.tainteviction`)."""
+        assert self._kubelet is not None, "the cluster runs no kubelet"
+        self.run(self._kubelet.lose_node(name, how))
+
+    def restore_node(self, name: str) -> None:
+        """The node is back: heartbeats resume, pods deleted meanwhile are killed, the others
+        thawed and reported again, terminating ones finished."""
+        assert self._kubelet is not None, "the cluster runs no kubelet"
+        self.run(self._kubelet.restore_node(name))
 
     def pod_main_pid(self, namespace: str, name: str) -> int | None:
         """The pid of a running pod's container process (None when it is not running)."""
@@ -234,13 +261,18 @@ class LocalCluster:
                             extra_env=self._extra_env,
                             node_env=self._node_env,
                             gang_schedulers=self._gangs,
+                            heartbeat_seconds=self._timings.heartbeat_seconds,
                         ),
                     )
                     await self._kubelet.start()
+                manager = ControllerManager(client, self._timings)
+                if self._with_controllers:
+                    manager.start()
                 started.set_result(None)
                 try:
                     await self._stopping.wait()
                 finally:
+                    await manager.stop()
                     if self._kubelet is not None:
                         await self._kubelet.stop()
 

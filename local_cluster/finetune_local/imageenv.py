@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from finetune_local.kubelet import KubeletConfig
+    from finetune_local.kubeletconfig import KubeletConfig
 
 # Which local cluster a process belongs to (finding leftovers; never read by pods).
 CLUSTER_ENV = "FTJOB_LOCAL_CLUSTER"

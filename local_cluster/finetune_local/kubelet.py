@@ -9,7 +9,9 @@ Its parts: :mod:`.informer` (list + watch caches), :mod:`.nodes` (Node registrat
 :mod:`.podsources` (ConfigMaps, Secrets and claims a pod uses), :mod:`.imageenv` (what stands
 for the image's environment), :mod:`.podspec` (environment, hosts file), :mod:`.podrunner`
 (volumes, the process), :mod:`.emptydir` (emptyDir lifetime, sizeLimit eviction),
-:mod:`.podlaunch` (what a container starts with), :mod:`.podstatus` (status bodies).
+:mod:`.podlaunch` (what a container starts with), :mod:`.podstatus` (status bodies),
+:mod:`.nodefaults` (a node lost, and back: ``LocalCluster.lose_node``). Its heartbeats (each
+node's Lease) are :func:`.nodes.heartbeat_forever`.
 
 Deviations from a real kubelet: only the first container runs (init and sidecar containers are
 ignored); images are ignored (the command runs with this Python environment); there is no
@@ -23,22 +25,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import pathlib
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from finetune_local import emptydir, podrunner
 from finetune_local.addresses import AddressPool
 from finetune_local.binding import schedule_pod
 from finetune_local.events import EventRecorder
+from finetune_local.evictionmanager import enforce_size_limits
 from finetune_local.informer import Cache, ObjectKey, list_and_watch, remember
+from finetune_local.kubeletconfig import KubeletConfig
 from finetune_local.mountpoints import MountPoints
-from finetune_local.nodes import DEFAULT_CAPACITY, register_node
-from finetune_local.podgroups import GangScheduler
-from finetune_local.podlaunch import PodRun, launch_spec, prepare_container
+from finetune_local.nodefaults import LossKind, NodeFaults, not_ready_yet_running
+from finetune_local.nodes import heartbeat_forever, register_node
+from finetune_local.podlaunch import (
+    PodRun,
+    is_current,
+    launch_spec,
+    prepare_container,
+    refresh_hosts_files,
+    run_named,
+)
 from finetune_local.podspec import ConfigMissingError, ContainerConfigError, render_hosts
 from finetune_local.podstatus import now, running_status, terminated_status, waiting
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
@@ -48,24 +59,6 @@ logger = logging.getLogger(__name__)
 PodKey = ObjectKey
 
 
-@dataclass
-class KubeletConfig:
-    data_dir: pathlib.Path
-    api_url: str
-    node_names: list[str]
-    node_labels: dict[str, str] = field(default_factory=dict)
-    node_capacity: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_CAPACITY))
-    # Per node name: capacity over node_capacity (a bigger or a GPU node among the others).
-    node_resources: dict[str, dict[str, str]] = field(default_factory=dict)
-    extra_env: dict[str, str] = field(default_factory=dict)
-    # Per node name: environment its pods' processes get, standing for what that node's hardware
-    # does to them (a slow GPU: FT_STEP_DELAY_SECONDS). A pod moved elsewhere runs normally.
-    node_env: dict[str, dict[str, str]] = field(default_factory=dict)
-    address_scope: str = ""  # claims of this scope only (addresses.py); clusters use the default
-    # Gang schedulers running beside the default one (binding.py), e.g. Coscheduling.
-    gang_schedulers: list[GangScheduler] = field(default_factory=list)
-
-
 class Kubelet:
     def __init__(self, client: RestClient, config: KubeletConfig) -> None:
         self.client, self.config = client, config
@@ -73,10 +66,13 @@ class Kubelet:
         self.services: Cache = {}
         self.nodes: Cache = {}
         self.events = EventRecorder(client)  # the scheduler's
-        self.runs: dict[PodKey, PodRun] = {}
+        # By pod uid: a pod force-deleted from a lost node and its replacement (same name) are
+        # two runs, one frozen or dead, the other starting elsewhere.
+        self.runs: dict[str, PodRun] = {}
         self.mountpoints = MountPoints()
         self.addresses: AddressPool | None = None
-        self._busy: set[PodKey] = set()  # pods with a start/stop step in flight
+        self._busy: set[str] = set()  # pods (uids) with a start/stop step in flight
+        self.faults = NodeFaults()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._children: set[asyncio.Task[None]] = set()
@@ -98,11 +94,17 @@ class Kubelet:
                 asyncio.create_task(list_and_watch(self.client, path, cache, self._wake.set))
             )
         self._tasks.append(asyncio.create_task(self._reconcile_forever()))
+        beats = heartbeat_forever(
+            self.client, self.config.node_names, lambda name: self.nodes.get(("", name)),
+            self.faults.lost, self.config.heartbeat_seconds,
+        )  # fmt: skip
+        self._tasks.append(asyncio.create_task(beats))
 
     async def stop(self) -> None:
         for task in [*self._tasks, *self._children]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._children, return_exceptions=True)
+        await self.faults.close()  # before the kills below: its pids are killed there
         for run in self.runs.values():
             if run.process is not None and run.process.returncode is None:
                 await podrunner.kill_pod_processes(run.process.pid, 10)
@@ -117,24 +119,46 @@ class Kubelet:
     ) -> bool:
         """Signal the pod's process group without deleting the pod (SIGKILL: it fails with exit
         code 137; SIGTERM: what a node shutdown or spot reclaim does to its containers)."""
-        run = self.runs.get((namespace, name))
+        run = run_named(self.runs, self.pods, (namespace, name))
         if run is None or run.process is None or run.process.returncode is not None:
             return False
         return podrunner.signal_group(run.process.pid, sig)
 
+    async def lose_node(self, node: str, how: LossKind) -> None:
+        """The node stops heartbeating, posting status and acting on deletions; its pods'
+        processes are frozen (`partition`) or killed (`poweroff`): :mod:`.nodefaults`."""
+        if node not in self.config.node_names:
+            raise ValueError(f"no node {node!r} (nodes are {self.config.node_names})")
+        await self.faults.lose(node, how, self.runs)
+
+    async def restore_node(self, node: str) -> None:
+        """The node is back: heartbeats resume (its Ready condition is posted again), pods
+        whose objects are gone are killed, the others thawed and their status posted."""
+        current = functools.partial(is_current, pods=self.pods)
+        gone, back = await self.faults.restore(node, self.runs, current)
+        for uid in gone:
+            emptydir.remove_pod_volumes(self.runs.pop(uid).directory)
+        for uid in back:
+            run = self.runs[uid]
+            await self._post_back(run, self.pods[run.key])
+            if run.finished and run.terminating:
+                await self._final_delete(run.key, uid)  # it ended while the node was away
+        self._wake.set()
+
+    async def _post_back(self, run: PodRun, pod: dict[str, Any]) -> None:
+        status = self.faults.status_when_back(run, pod)
+        if status is not None:
+            await self._patch_status(run.key, run.uid, status)
+
     def main_pid(self, namespace: str, name: str) -> int | None:
         """The pid of the pod's container process (its command), while it runs."""
-        run = self.runs.get((namespace, name))
+        run = run_named(self.runs, self.pods, (namespace, name))
         alive = run is not None and run.process is not None and run.process.returncode is None
         return run.pid if alive and run is not None else None
 
-    def log_path(
-        self, namespace: str, name: str, container: str | None = None
-    ) -> pathlib.Path | None:
-        run = self.runs.get((namespace, name))
-        if run is None:
-            return None
-        return run.directory / f"{container or run.container}.log"
+    def log_path(self, namespace: str, name: str, container: str | None = None) -> pathlib.Path | None:  # fmt: skip
+        run = run_named(self.runs, self.pods, (namespace, name))
+        return None if run is None else run.directory / f"{container or run.container}.log"
 
     async def _reconcile_forever(self) -> None:
         while True:
@@ -149,31 +173,35 @@ class Kubelet:
                 await asyncio.wait_for(self._wake.wait(), 1.0)
 
     async def _reconcile(self) -> None:
-        ours = set(self.config.node_names)
-        for key in [k for k in self.runs if k not in self.pods]:
-            self._forget(key)  # force-deleted (grace 0): the object is gone, stop its processes
+        # A lost node's part of the kubelet does nothing (nodefaults.py): it neither sees
+        # deletions nor starts pods; the scheduler (the control plane's) goes on.
+        ours = {n for n in self.config.node_names if not self.faults.is_lost(n)}
+        # Force-deleted (grace 0): the object is gone, or another pod of that name now.
+        for uid in [u for u, r in self.runs.items() if r.node in ours and not is_current(r, self.pods)]:  # fmt: skip
+            self._forget(uid)
         for key, pod in list(self.pods.items()):
-            if key in self._busy:
+            meta = pod["metadata"]
+            uid, run = meta["uid"], self.runs.get(meta["uid"])
+            if uid in self._busy:
                 continue
             node = pod.get("spec", {}).get("nodeName")
-            meta = pod["metadata"]
             if meta.get("deletionTimestamp"):
                 if node in ours:
-                    self._spawn_step(key, self._terminate(key, pod))
+                    self._spawn_step(uid, key, self._terminate(key, pod))
             elif not node:
                 await self._schedule(pod)
-            elif (
-                node in ours
-                and key not in self.runs
-                and pod.get("status", {}).get("phase") == "Pending"
-            ):
-                self._spawn_step(key, self._start(key, pod))
-        self._refresh_hosts_files()
-        self._enforce_size_limits()
+            elif node in ours and run is None and pod.get("status", {}).get("phase") == "Pending":
+                self._spawn_step(uid, key, self._start(key, pod))
+            elif node in ours and run is not None and not_ready_yet_running(pod, run):
+                # The status manager's sync: marked not Ready while its node was away.
+                self._spawn_step(uid, key, self._post_back(run, pod))
+        live = {u: r for u, r in self.runs.items() if not self.faults.is_lost(r.node)}
+        refresh_hosts_files(live.values(), self.pods, self._hosts_for)
+        enforce_size_limits(live.values(), self._spawn_child)
         await self.events.flush()
 
-    def _spawn_step(self, key: PodKey, step: Any) -> None:
-        self._busy.add(key)
+    def _spawn_step(self, uid: str, key: PodKey, step: Any) -> None:
+        self._busy.add(uid)
 
         async def run() -> None:
             try:
@@ -183,44 +211,30 @@ class Kubelet:
             except Exception:
                 logger.exception("local kubelet: pod %s/%s", *key)
             finally:
-                self._busy.discard(key)
+                self._busy.discard(uid)
                 self._wake.set()
 
         task = asyncio.create_task(run())
         self._children.add(task)
         task.add_done_callback(self._children.discard)
 
-    def _forget(self, key: PodKey) -> None:
-        run = self.runs.pop(key)
+    def _forget(self, uid: str) -> None:
+        run = self.runs.pop(uid)
         if run.process is not None and run.process.returncode is None:
-            podrunner.signal_group(run.process.pid, signal.SIGKILL)
+            # Every process of the pod, as a runtime kills a container's cgroup: one in a
+            # session of its own (a trainer) outlives a signal to the group. (The tree is
+            # read before the first kill: a dead parent's children are reparented at once.)
+            self._spawn_child(podrunner.kill_pod_processes(run.process.pid, 10))
         emptydir.remove_pod_volumes(run.directory)
 
-    def _enforce_size_limits(self) -> None:
-        """Evicts a running pod whose emptyDir outgrew its sizeLimit, as the eviction manager
-        does (checked every few seconds, not on each write)."""
-        clock = asyncio.get_running_loop().time()
-        for run in self.runs.values():
-            if not run.size_limits or run.finished or run.evicted or run.terminating:
-                continue
-            if clock - run.usage_checked_at < emptydir.CHECK_INTERVAL_SECONDS:
-                continue
-            run.usage_checked_at = clock
-            usage = {limit.volume: emptydir.disk_usage(limit.path) for limit in run.size_limits}
-            message = emptydir.over_limit(run.size_limits, usage)
-            if message and run.process is not None and run.process.returncode is None:
-                run.evicted = message
-                logger.info("evicting pod (uid %s): %s", run.uid, message)
-                podrunner.signal_group(run.process.pid, signal.SIGTERM)
-                self._spawn_child(
-                    self._kill_after(run.process.pid, emptydir.EVICTION_GRACE_SECONDS)
-                )
-
-    async def _kill_after(self, pid: int, grace: float) -> None:
-        await asyncio.sleep(grace)
-        await podrunner.kill_pod_processes(pid, 10)
-
-    async def _patch_status(self, key: PodKey, status: dict[str, Any]) -> None:
+    async def _patch_status(self, key: PodKey, uid: str, status: dict[str, Any]) -> None:
+        run, pod = self.runs.get(uid), self.pods.get(key, {})
+        node = run.node if run is not None else pod.get("spec", {}).get("nodeName")
+        if self.faults.is_lost(node):
+            self.faults.unposted[uid] = status  # posted when the node is back, if still due
+            return
+        if pod and pod["metadata"]["uid"] != uid:
+            return  # the pod it belongs to is gone: another of the same name now
         path = resource_path("v1", "pods", key[0], key[1], "status")
         with contextlib.suppress(ApiStatusError):
             remember(self.pods, await self.client.merge_patch(path, {"status": status}))
@@ -245,12 +259,15 @@ class Kubelet:
         containers = pod.get("spec", {}).get("containers") or [{}]
         container = containers[0]
         directory = podrunner.pod_dir(self.config.data_dir, pod)
+        uid = pod["metadata"]["uid"]
         run = PodRun(
-            uid=pod["metadata"]["uid"],
+            uid=uid,
+            key=key,
             ip=self._allocate_ip(),
             directory=directory,
             container=container.get("name", "main"),
             hosts_file=directory / "etc-hosts",
+            node=pod.get("spec", {}).get("nodeName") or "",
         )
         try:
             env, mounts = await prepare_container(
@@ -265,7 +282,7 @@ class Kubelet:
                 else "ContainerCreating"
             )
             await self._patch_status(
-                key, {"containerStatuses": [waiting(container, reason, str(exc))]}
+                key, uid, {"containerStatuses": [waiting(container, reason, str(exc))]}
             )
             await asyncio.sleep(1.0)  # retried by the next reconcile, as a real kubelet does
             return
@@ -277,14 +294,16 @@ class Kubelet:
         run.launch = launch_spec(container, env, mounts, self.config.data_dir)
         run.env = env
         run.size_limits = emptydir.size_limits(pod, directory)
-        self.runs[key] = run
+        self.runs[uid] = run
         run.log_start = begin_instance(run.termination_file, run.log_path)
         run.process = await podrunner.spawn(
             run.launch, directory / "launch.json", env, run.log_path
         )
         run.started_at = now()
         await self._patch_status(
-            key, running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container)
+            key,
+            uid,
+            running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container),
         )
         self._spawn_child(self._watch_process(key, pod, container))
 
@@ -296,15 +315,22 @@ class Kubelet:
     async def _watch_process(
         self, key: PodKey, pod: dict[str, Any], container: dict[str, Any]
     ) -> None:
-        run = self.runs[key]
+        uid = pod["metadata"]["uid"]
+        run = self.runs[uid]
         assert run.process is not None
         code = podrunner.exit_code(await run.process.wait())
         policy = pod.get("spec", {}).get("restartPolicy", "Always")
         restart = policy == "Always" or (policy == "OnFailure" and code != 0)
-        if restart and not run.terminating and not run.evicted:
+        # A powered-off node restarts nothing (its pods' status waits for it to come back).
+        if (
+            restart
+            and not run.terminating
+            and not run.evicted
+            and not self.faults.is_lost(run.node)
+        ):
             run.restart_count += 1
             await asyncio.sleep(min(30.0, 2.0 ** (run.restart_count - 1)))  # crash-loop backoff
-            if run.terminating or key not in self.runs:
+            if run.terminating or uid not in self.runs:
                 await self._finish(key, run, code, "")
                 return
             run.log_start = begin_instance(run.termination_file, run.log_path)  # a new container
@@ -314,6 +340,7 @@ class Kubelet:
             run.started_at = now()
             await self._patch_status(
                 key,
+                uid,
                 running_status(pod, run.ip, run.started_at, run.pid, run.restart_count, container),
             )
             await self._watch_process(key, pod, container)
@@ -323,7 +350,7 @@ class Kubelet:
 
     async def _finish(self, key: PodKey, run: PodRun, code: int, message: str) -> None:
         run.finished = True
-        self.runs.setdefault(key, run)
+        self.runs.setdefault(run.uid, run)
         pod = self.pods.get(key, {})
         container = (pod.get("spec", {}).get("containers") or [{}])[0]
         status = terminated_status(
@@ -336,14 +363,15 @@ class Kubelet:
             message=message,
             evicted=run.evicted,
         )
-        await self._patch_status(key, status)
-        if run.terminating:
-            await self._final_delete(key)
+        await self._patch_status(key, run.uid, status)
+        if run.terminating and not self.faults.is_lost(run.node):
+            await self._final_delete(key, run.uid)
 
     async def _terminate(self, key: PodKey, pod: dict[str, Any]) -> None:
-        run = self.runs.get(key)
+        uid = pod["metadata"]["uid"]
+        run = self.runs.get(uid)
         if run is None or run.finished or run.process is None:
-            await self._final_delete(key)
+            await self._final_delete(key, uid)
             return
         if run.terminating:
             return
@@ -353,15 +381,19 @@ class Kubelet:
         try:
             await asyncio.wait_for(asyncio.shield(run.process.wait()), grace)
         except TimeoutError:
+            if self.faults.is_lost(run.node):
+                run.terminating = False  # cut off mid-way: finished when the node is back
+                return
             podrunner.signal_group(run.process.pid, signal.SIGKILL)
         # _watch_process reports the exit and makes the final delete.
 
-    async def _final_delete(self, key: PodKey) -> None:
+    async def _final_delete(self, key: PodKey, uid: str) -> None:
+        # That very pod (uid precondition): never a replacement of the same name.
         with contextlib.suppress(ApiStatusError):
             await self.client.delete(
-                resource_path("v1", "pods", key[0], key[1]), grace_period_seconds=0
+                resource_path("v1", "pods", key[0], key[1]), grace_period_seconds=0, uid=uid
             )
-        run = self.runs.pop(key, None)
+        run = self.runs.pop(uid, None)
         if run is not None:
             emptydir.remove_pod_volumes(run.directory)
 
@@ -369,16 +401,3 @@ class Kubelet:
 
     def _hosts_for(self, pod: Mapping[str, Any], ip: str) -> str:
         return render_hosts(pod, ip, list(self.services.values()), list(self.pods.values()))
-
-    def _refresh_hosts_files(self) -> None:
-        """Rewrite each running pod's hosts file in place (same inode: its bind mount follows)."""
-        for key, run in self.runs.items():
-            pod = self.pods.get(key)
-            if pod is None or run.finished:
-                continue
-            text = self._hosts_for(pod, run.ip)
-            if text != run.hosts_text:
-                with open(run.hosts_file, "r+") as handle:
-                    handle.write(text)
-                    handle.truncate()
-                run.hosts_text = text

@@ -1,5 +1,9 @@
 """The kubelet's Node objects: one per virtual node, registered Ready on start, with the
-capacity and allocatable the scheduler places pods against (:mod:`.resourcefit`).
+capacity and allocatable the scheduler places pods against (:mod:`.resourcefit`), and its
+heartbeats: the node's Lease in ``kube-node-lease`` renewed every few seconds (a kubelet
+renews it every ``leaseDurationSeconds / 4``: 10 s), and the Ready condition posted again
+when the API holds another (the node lifecycle controller set it Unknown while the node was
+lost: :mod:`.nodelifecycle`).
 
 A node's capacity is :data:`DEFAULT_CAPACITY` unless the cluster says otherwise
 (``LocalCluster(node_capacity=..., node_resources={node: ...})``). Its allocatable is what a
@@ -11,15 +15,26 @@ nodes advertise, and nothing enforces them but the scheduler.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import datetime
+import logging
 import math
 import platform
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 from finetune_local.podstatus import now
 from finetune_local.resourcefit import parse_quantity
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
+
+logger = logging.getLogger(__name__)
+LEASE_NAMESPACE = "kube-node-lease"
+LEASE_API = "coordination.k8s.io/v1"
+LEASE_DURATION_SECONDS = 40  # the kubelet's nodeLeaseDurationSeconds
+# How often the local kubelet renews each lease: a real one every leaseDurationSeconds / 4.
+DEFAULT_HEARTBEAT_SECONDS = 10.0
 
 # A modest GPU-less cloud VM: room on each node for several of the operator's worker pods as
 # it sends them to a real cluster (the data cache requests 32Gi of ephemeral-storage by
@@ -96,16 +111,7 @@ async def register_node(
             {"type": "InternalIP", "address": "127.0.0.1"},
             {"type": "Hostname", "address": name},
         ],
-        "conditions": [
-            {
-                "type": "Ready",
-                "status": "True",
-                "reason": "KubeletReady",
-                "message": "local kubelet is posting ready status",
-                "lastHeartbeatTime": now(),
-                "lastTransitionTime": now(),
-            }
-        ],
+        "conditions": [ready_condition()],
         # Every field a kubelet reports (the API's required ones: clients refuse a Node
         # without them); the ids are made up, stable per node name.
         "nodeInfo": {
@@ -124,3 +130,83 @@ async def register_node(
     await client.merge_patch(
         resource_path("v1", "nodes", name=name, subresource="status"), {"status": status}
     )
+    await renew_lease(client, name)
+
+
+def ready_condition() -> dict[str, Any]:
+    stamp = now()
+    return {
+        "type": "Ready",
+        "status": "True",
+        "reason": "KubeletReady",
+        "message": "local kubelet is posting ready status",
+        "lastHeartbeatTime": stamp,
+        "lastTransitionTime": stamp,
+    }
+
+
+def micro_time() -> str:
+    """A Lease's MicroTime (RFC 3339 with microseconds)."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def renew_lease(client: RestClient, name: str) -> None:
+    """Renew the node's Lease, creating it (owned by its Node, as a kubelet's) if absent."""
+    path = resource_path(LEASE_API, "leases", LEASE_NAMESPACE, name)
+    try:
+        await client.merge_patch(path, {"spec": {"renewTime": micro_time()}})
+        return
+    except ApiStatusError as err:
+        if err.status != 404:
+            raise
+    node = await client.get(resource_path("v1", "nodes", name=name))
+    lease = {
+        "metadata": {
+            "name": name,
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Node", "name": name, "uid": node["metadata"]["uid"]}
+            ],
+        },
+        "spec": {
+            "holderIdentity": name,
+            "leaseDurationSeconds": LEASE_DURATION_SECONDS,
+            "renewTime": micro_time(),
+        },
+    }
+    with contextlib.suppress(ApiStatusError):  # created meanwhile: renewed next time
+        await client.create(resource_path(LEASE_API, "leases", LEASE_NAMESPACE), lease)
+
+
+def is_ready(node: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in node.get("status", {}).get("conditions") or []
+    )
+
+
+async def heartbeat_forever(
+    client: RestClient,
+    names: Collection[str],
+    nodes: Callable[[str], Mapping[str, Any] | None],
+    lost: Collection[str],
+    interval: float,
+) -> None:
+    """The kubelet's heartbeats, for each node not `lost`: its Lease renewed every `interval`,
+    and its Ready condition posted again when the API holds another (a kubelet compares the
+    status it computes with the Node's and patches what differs). `nodes`: the Node as the
+    kubelet's cache has it."""
+    while True:
+        for name in names:
+            if name in lost:
+                continue
+            try:
+                await renew_lease(client, name)
+                node = nodes(name)
+                if node is not None and not is_ready(node):
+                    await client.merge_patch(
+                        resource_path("v1", "nodes", name=name, subresource="status"),
+                        {"status": {"conditions": [ready_condition()]}},
+                    )
+            except ApiStatusError as err:
+                logger.debug("heartbeat of node %s: %s", name, err)
+        await asyncio.sleep(interval)

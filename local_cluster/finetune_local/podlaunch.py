@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import pathlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from finetune_local.restclient import RestClient
 from finetune_local.termination import termination_mount
 
 if TYPE_CHECKING:
-    from finetune_local.kubelet import KubeletConfig
+    from finetune_local.kubeletconfig import KubeletConfig
 
 HostsRenderer = Callable[[Mapping[str, Any], str], str]
 
@@ -38,6 +38,8 @@ class PodRun:
     directory: pathlib.Path
     container: str
     hosts_file: pathlib.Path
+    key: tuple[str, str] = ("", "")  # the pod's namespace and name
+    node: str = ""
     process: asyncio.subprocess.Process | None = None
     started_at: str = ""
     restart_count: int = 0
@@ -130,3 +132,42 @@ def launch_spec(
         "argv": argv,
         "keepVisible": podrunner.image_paths(data_dir),
     }
+
+
+def refresh_hosts_files(
+    runs: Iterable[PodRun],
+    pods: Mapping[tuple[str, str], Mapping[str, Any]],
+    hosts_for: HostsRenderer,
+) -> None:
+    """Rewrite each running pod's hosts file in place (same inode: its bind mount follows)."""
+    for run in runs:
+        pod = pods.get(run.key)
+        if pod is None or pod["metadata"].get("uid") != run.uid or run.finished:
+            continue
+        text = hosts_for(pod, run.ip)
+        if text != run.hosts_text:
+            with open(run.hosts_file, "r+") as handle:
+                handle.write(text)
+                handle.truncate()
+            run.hosts_text = text
+
+
+def is_current(run: PodRun, pods: Mapping[tuple[str, str], Mapping[str, Any]]) -> bool:
+    """Whether the pod object of the run's name is still the run's (same uid): not one
+    force-deleted and replaced by another of the same name."""
+    pod = pods.get(run.key)
+    return pod is not None and pod["metadata"]["uid"] == run.uid
+
+
+def run_named(
+    runs: Mapping[str, PodRun],
+    pods: Mapping[tuple[str, str], Mapping[str, Any]],
+    key: tuple[str, str],
+) -> PodRun | None:
+    """The run (`runs` by uid) of the pod of that name: the current object's, else the
+    latest one's (a pod gone, its logs still asked for)."""
+    pod = pods.get(key)
+    if pod is not None and pod["metadata"]["uid"] in runs:
+        return runs[pod["metadata"]["uid"]]
+    named = [r for r in runs.values() if r.key == key]
+    return named[-1] if named else None

@@ -86,11 +86,16 @@ class RestClient:
     async def merge_patch(self, path: str, patch: Any) -> Any:
         return await self.request("PATCH", path, patch, content_type="application/merge-patch+json")
 
-    async def delete(self, path: str, grace_period_seconds: int | None = None) -> Any:
-        body = (
-            None if grace_period_seconds is None else {"gracePeriodSeconds": grace_period_seconds}
-        )
-        return await self.request("DELETE", path, body)
+    async def delete(
+        self, path: str, grace_period_seconds: int | None = None, uid: str | None = None
+    ) -> Any:
+        """Delete; `uid`: only that very object (a precondition: 409 for another)."""
+        body: dict[str, Any] = {}
+        if grace_period_seconds is not None:
+            body["gracePeriodSeconds"] = grace_period_seconds
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
+        return await self.request("DELETE", path, body or None)
 
     async def watch(
         self, path: str, resource_version: str, timeout_seconds: int = 300

@@ -9,8 +9,9 @@ ephemeral-storage, extended resources such as ``nvidia.com/gpu`` and the pod cou
 node's allocatable minus what its pods request: :mod:`.resourcefit`). As in kube-scheduler, the
 first filter a node fails gives its reasons (resource fit gives all its shortfalls at once), and
 the FailedScheduling message counts the nodes per reason. Score: the node with the fewest pods,
-then name. Inter-pod affinity, priorities and preemption are not modelled, nor the taint
-manager's eviction of running pods from a node tainted ``NoExecute`` later.
+then name. Inter-pod affinity, priorities and preemption are not modelled. Evicting pods
+already bound to a node tainted ``NoExecute`` later is the taint eviction controller's
+(:mod:`.tainteviction`), not the scheduler's.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import Any, Self, cast
 from kubernetes import client, config
 
 from finetune_local.cluster import LocalCluster
+from finetune_local.controllermanager import NodeHealthTimings
 from finetune_local.kueue import GROUP as KUEUE_GROUP
 from finetune_operator.api.constants import GROUP, PLURAL, VERSION
 from finetune_operator.settings import parse_operator_args
@@ -130,16 +131,18 @@ class LocalSession:
         kueue: bool = False,
         node_labels: dict[str, str] | None = None,
         node_resources: dict[str, dict[str, str]] | None = None,
+        node_health: NodeHealthTimings | None = None,
     ) -> None:
         # gang_schedulers: installed beside the default scheduler ("coscheduling", "volcano");
         # node_capacity: every node's capacity over the default (e.g. {"pods": "1"});
         # node_resources: per node name, its own capacity over that (LocalCluster says more);
-        # kueue: Kueue's Workload/ResourceFlavor CRDs served; node_labels: on every node.
+        # kueue: Kueue's Workload/ResourceFlavor CRDs served; node_labels: on every node;
+        # node_health: heartbeats and the node controllers' timings (tests that lose nodes).
         self.data_dir = Path(data_dir) if data_dir else default_data_dir()
         self.cluster = LocalCluster(
             self.data_dir, nodes=nodes, keep_data=keep_data, extra_env=extra_env, node_env=node_env,
             gang_schedulers=gang_schedulers, node_capacity=node_capacity, kueue=kueue,
-            node_labels=node_labels, node_resources=node_resources,
+            node_labels=node_labels, node_resources=node_resources, node_health=node_health,
         )  # fmt: skip
         self._namespaces = list(namespaces)
         # `ftjob operator` flags, as the chart renders them; metrics_port opens the operator's

@@ -289,6 +289,8 @@ def test_rbac_grants_what_the_operator_needs(render: Render) -> None:
     assert grants[("", "events")] == {"create", "patch"}
     assert grants[("kopf.dev", "clusterkopfpeerings")] >= {"list", "watch", "patch"}
     assert grants[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
+    # A terminating pod's node, read by name to tell a lost one (reconcile/nodeloss.py).
+    assert grants[("", "nodes")] == {"get"}
     assert ("kopf.dev", "clusterkopfpeerings") not in _grants(
         render("leaderElection.enabled=false")
     )
@@ -300,6 +302,7 @@ def test_namespaced_mode_uses_roles_only_for_job_objects(render: Render) -> None
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
         "customresourcedefinitions",
         "namespaces",
+        "nodes",  # cluster-scoped: a Role cannot grant it
     }
     roles = [d for d in docs if d["kind"] == "Role"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]

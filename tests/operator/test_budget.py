@@ -24,6 +24,7 @@ from finetune_operator.reconcile import (
 from finetune_operator.reconcile.budget import counts_end, fold_ledger, in_pod_budget
 from finetune_operator.reconcile.conditions import find
 from finetune_operator.reconcile.disposition import Disposition, classify_exit
+from finetune_operator.reconcile.nodeloss import NodeReading, NodeView
 from tests.operator.factories import make_plan, quickstart_raw
 from tests.operator.test_disposition import STORE_START, ended
 from tests.operator.test_reconcile import JOB, T0, deleted, running, step
@@ -442,3 +443,55 @@ def test_fold_ledger_adds_each_round_once() -> None:
     assert counts_end(crashed("qs-worker-0", "Exception")) and not counts_end(
         crashed("qs-worker-0", "PeerLost")
     )
+
+
+# --- a pod lost with its node: the round its peers then fail in is not counted -------------
+
+
+def test_fold_ledger_skips_forgiven_rounds() -> None:
+    pods = running("qs-worker-0")
+    live = {"uid-qs-worker-0": frozenset({"lost-round", "own"})}
+    ledger, added = fold_ledger([], pods, live, frozenset({"lost-round"}))
+    assert ledger == ["own"] and added == {"qs-worker-0": ["own"]}
+
+
+def _node_lost_pass(status: FineTuneJobStatus, pods: list[PodView], *, at: Any) -> Any:
+    """A pass that reads worker-1's node Unknown for long: the frozen worker-1 (deleted by the
+    taint eviction) is lost, last seen training in round `lost-round`."""
+    down = NodeView("node-b", ready="Unknown", since=at - timedelta(minutes=5))
+    reading = NodeReading({"node-b": down}, rounds={"uid-qs-worker-1": "lost-round"})
+    return reconcile_job(
+        JOB, quickstart_raw(), status, pods, at,
+        planner=lambda _: make_plan(2), ensured_generation=1, nodes=reading,
+    )  # fmt: skip
+
+
+def test_the_round_a_pod_was_lost_in_is_not_counted_live_nor_at_an_end() -> None:
+    """The survivors' collectives time out on the frozen peer: their torchrun restarts them
+    after a failure it must count as their own (a collective timeout: it cannot tell a hang),
+    in the round the lost pod was training in. Once the operator knows the pod was lost with
+    its node, that round counts nothing: reported live, or in a crash report at the end."""
+    frozen = dataclasses.replace(
+        running("qs-worker-1")[0],
+        node="node-b",
+        terminating=True,
+        deletion_deadline=LATER - timedelta(seconds=10),
+        deletion_grace=30,
+    )
+    out = _node_lost_pass(_start(), [store(), *running("qs-worker-0"), frozen], at=LATER)
+    (loss,) = out.status.node_losses
+    assert (loss.pod, loss.node, loss.round) == ("qs-worker-1", "node-b", "lost-round")
+    assert out.status.preemptions == 1 and out.status.restarts == 0
+    # The survivor re-formed with the replacement: its trainers report the round.
+    new = dataclasses.replace(running("qs-worker-1")[0], uid="uid-new")
+    live = _scraped(out.status, [*running("qs-worker-0"), new], {"qs-worker-0": ["lost-round"]})
+    assert (live.status.restarts, live.status.restart_ledger) == (0, [])
+    # A round of the survivor's own afterwards still counts.
+    more = _scraped(live.status, [*running("qs-worker-0"), new], {"qs-worker-0": ["lost-round", "x"]})  # fmt: skip
+    assert (more.status.restarts, more.status.restart_ledger) == (1, ["x"])
+    # A survivor whose torchrun gave up on the timeout: its end, in that round, is not counted.
+    timeout = "CollectiveTimeoutError: a collective timed out after 10s"
+    end = crashed("qs-worker-0", "PeerLost", rounds=[], end="lost-round", message=timeout)
+    assert counts_end(end)  # a collective timeout, in any other round, is counted
+    out = _run(live.status, [end, new])
+    assert out.status.restarts == 0 and "qs-worker-0" in deleted(out)

@@ -350,3 +350,65 @@ def test_config_map_carries_the_deepspeed_config_of_a_deepspeed_plan(
     config = json.loads(data["deepspeed.json"])
     assert config["zero_optimization"]["stage"] == 2
     assert config["train_batch_size"] == spec.training.global_batch_size
+
+
+UNREACHABLE, NOT_READY = "node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"
+
+
+def _lost_node_toleration(key: str, seconds: int) -> dict[str, Any]:
+    return {"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": seconds}
+
+
+@pytest.mark.parametrize(
+    ("own", "added"),
+    [
+        ([], [NOT_READY, UNREACHABLE]),
+        (
+            [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            [NOT_READY, UNREACHABLE],
+        ),
+        ([_lost_node_toleration(UNREACHABLE, 900)], [NOT_READY]),
+        # No seconds: the user's pods wait for a lost node for ever (never evicted).
+        ([{"key": UNREACHABLE, "operator": "Exists", "effect": "NoExecute"}], [NOT_READY]),
+        ([{"key": NOT_READY, "operator": "Exists"}], [UNREACHABLE]),  # every effect
+        ([{"operator": "Exists"}], []),  # every taint
+        (
+            [{"key": UNREACHABLE, "operator": "Exists", "effect": "NoSchedule"}],
+            [NOT_READY, UNREACHABLE],
+        ),
+    ],
+    ids=[
+        "none",
+        "gpu-only",
+        "own-seconds",
+        "own-forever",
+        "own-any-effect",
+        "wildcard",
+        "noschedule",
+    ],
+)
+def test_pods_tolerate_a_lost_node_for_node_lost_seconds_unless_the_user_says(
+    owner: Owner,
+    quickstart_spec: FineTuneJobSpec,
+    own: list[dict[str, Any]],
+    added: list[str],
+) -> None:
+    raw = quickstart_spec.model_dump(by_alias=True, exclude_none=True)
+    raw["resources"]["tolerations"] = own
+    raw["faultTolerance"]["nodeLostSeconds"] = 45
+    spec = FineTuneJobSpec.model_validate(raw)
+    expected = [*own, *(_lost_node_toleration(k, 45) for k in added)]
+    assert build_worker_pod(owner, spec, make_plan(2), 0)["spec"].get("tolerations", []) == expected
+    assert build_rendezvous_pod(owner, spec)["spec"].get("tolerations", []) == expected
+    # A Kueue podSet's template has the user's only (worker_template: no part in a flavor).
+    template = build_worker_pod(owner, spec, make_plan(2), 0, node_loss=False)
+    assert template["spec"].get("tolerations", []) == own
+
+
+def test_node_lost_seconds_default_and_bounds(quickstart_spec: FineTuneJobSpec) -> None:
+    assert quickstart_spec.fault_tolerance.node_lost_seconds == 60
+    raw = quickstart_spec.model_dump(by_alias=True, exclude_none=True)
+    for bad in (9, 86401, 1.5):
+        raw["faultTolerance"]["nodeLostSeconds"] = bad
+        with pytest.raises(ValueError, match="nodeLostSeconds"):
+            FineTuneJobSpec.model_validate(raw)

@@ -73,6 +73,7 @@ class TrainerMetrics:
         reforms: int,
         total_steps: int,
         own_rounds: Sequence[str] = (),
+        round_id: str = "",
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.device = device
@@ -120,8 +121,14 @@ class TrainerMetrics:
         gauge(mn.TRAINER_OWN_FAILURE_RESTARTS).set(len(own_rounds))
         r = mn.TRAINER_OWN_FAILURE_ROUND
         rounds = Gauge(r.family, r.help, r.labels, registry=self.registry)
-        for round_id in own_rounds:
-            rounds.labels(**labels, **{mn.LABEL_ROUND: round_id}).set(1)
+        for failed in own_rounds:
+            rounds.labels(**labels, **{mn.LABEL_ROUND: failed}).set(1)
+        # The round this rank trains in: the operator remembers each pod's, so that the round
+        # its peers fail in when it is lost with its node is not counted (nodeloss.py).
+        r = mn.TRAINER_ROUND
+        current = Gauge(r.family, r.help, r.labels, registry=self.registry)
+        if round_id:
+            current.labels(**labels, **{mn.LABEL_ROUND: round_id}).set(1)
         self.total_steps.set(total_steps)
         # Save durations for the run's final summary line (bench/gpu.py reads it).
         self._commit_seconds: list[float] = []

@@ -115,7 +115,8 @@ class Trainer:
         ).start()  # fmt: skip
         # The round's id next to this rank's error file: the launcher counts the attempt's
         # failure by it, once for every pod of the round (crash.write_round_id).
-        write_round_id(barrier.agree_round_id())
+        round_id = barrier.agree_round_id()
+        write_round_id(round_id)
         self.startup.mark("group")
         world, micro_batch_size = self.dist.world_size, job.plan.micro_batch_size
         self.grad_accum = gradient_accumulation(
@@ -182,6 +183,7 @@ class Trainer:
             reforms=env.restart_count,
             total_steps=self.total_steps,
             own_rounds=env.own_rounds,
+            round_id=round_id,
         )
         self.state = self.parallel.state_type(
             self.model,

@@ -67,6 +67,10 @@ REASON_NO_STRAGGLER: Final = "NoStraggler"
 REASON_STRAGGLER_FOUND: Final = "StragglerFound"  # confirmed; the action waits (budget, cooldown)
 REASON_CHECKPOINT_SKIPPED: Final = "CheckpointSkipped"
 REASON_PREEMPTED: Final = "Preempted"  # a pod stopped by a signal, eviction or node shutdown
+# A pod lost with its node (Ready not True long enough), force-deleted (reconcile/nodeloss.py).
+REASON_NODE_LOST: Final = "NodeLost"
+# The operator may not read the Nodes of its pods (RBAC): it cannot tell a lost node's pods.
+REASON_NODES_UNREADABLE: Final = "NodesUnreadable"
 REASON_STRAGGLER_EVICTED: Final = "StragglerEvicted"
 REASON_STRAGGLER_ALERTED: Final = "StragglerAlerted"
 REASON_CHECKPOINT_SAVE_FAILED: Final = "CheckpointSaveFailed"
@@ -120,6 +124,11 @@ DEFAULT_TRAINER_IMAGE: Final = "ghcr.io/finetune-operator/trainer:0.1.0"
 # default); torchrun SIGKILLs its workers TORCHRUN_STOP_SECONDS after forwarding SIGTERM.
 FINAL_SAVE_GRACE_SECONDS: Final = 25.0
 TORCHRUN_STOP_SECONDS: Final = 30.0
+
+# The taints Kubernetes' node lifecycle controller puts on a node that stopped answering (Ready
+# Unknown) or reports not ready (Ready False); pods tolerate them NoExecute for a bounded time.
+TAINT_NODE_UNREACHABLE: Final = "node.kubernetes.io/unreachable"
+TAINT_NODE_NOT_READY: Final = "node.kubernetes.io/not-ready"
 
 # Checkpoint layout.
 CHECKPOINT_STEP_PREFIX: Final = "step-"

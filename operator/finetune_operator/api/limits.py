@@ -67,6 +67,10 @@ MAX_EVICTIONS_PER_HOUR: Final = 3600
 # is the hang timeout's own bound.
 MIN_COLLECTIVE_TIMEOUT_SECONDS: Final = 10
 MAX_COLLECTIVE_TIMEOUT_SECONDS: Final = 86400
+# A worker's toleration of an unreachable or not-ready node: below 10 s a kubelet restart or a
+# short network blip re-forms the job; beyond a day, use a toleration of your own.
+MIN_NODE_LOST_SECONDS: Final = 10
+MAX_NODE_LOST_SECONDS: Final = 86400
 # torchrun's agents wait at most this long for late nodes on every re-form.
 MAX_LAST_CALL_SECONDS: Final = 600
 

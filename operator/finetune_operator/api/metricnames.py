@@ -75,6 +75,15 @@ TRAINER_OWN_FAILURE_ROUND: Final = Metric(
     "the operator counts each round once in status.restarts (restartLedger), however many "
     "pods failed in it.",
 )
+TRAINER_ROUND: Final = Metric(
+    "finetune_trainer_round",
+    GAUGE,
+    (*TRAINER_LABELS, LABEL_ROUND),
+    "1 for the rendezvous round (worker-group incarnation, `round`: its id, the same in every "
+    "pod of the round) this rank trains in. The operator remembers each pod's last: when a "
+    "pod is lost with its node, the round its peers then fail in (their collectives time out "
+    "on it) is a node loss, not counted against maxRestarts (status.nodeLosses).",
+)
 TRAINER_LAST_CHECKPOINT_STEP: Final = _trainer(
     "last_checkpoint_step", GAUGE, "Step of the last committed checkpoint."
 )
@@ -202,6 +211,7 @@ TRAINER_METRICS: Final = (
     TRAINER_REFORMS,
     TRAINER_OWN_FAILURE_RESTARTS,
     TRAINER_OWN_FAILURE_ROUND,
+    TRAINER_ROUND,
     TRAINER_PEAK_MEMORY,
     TRAINER_HEARTBEAT,
     TRAINER_PROCESS_START,

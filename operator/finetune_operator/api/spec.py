@@ -184,6 +184,21 @@ class FaultToleranceSpec(SpecModel):
             "(a step and its final checkpoint save) plus 5 s, within [5, 35] s."
         ),
     )
+    node_lost_seconds: int = Field(
+        60,
+        ge=lim.MIN_NODE_LOST_SECONDS,
+        le=lim.MAX_NODE_LOST_SECONDS,
+        description=(
+            "How long the job's pods stay on a node that stopped answering (Ready Unknown or "
+            "False: lost power, partitioned, kubelet dead) before Kubernetes evicts them: "
+            "their tolerationSeconds of the node.kubernetes.io/unreachable and not-ready "
+            "NoExecute taints (Kubernetes' default is 300). A pod evicted from a lost node "
+            "stays Terminating (no kubelet confirms it): once its node has not been Ready "
+            "for this long, the operator force-deletes it so that its replacement can start "
+            "(a preemption, not counted against maxRestarts). A toleration of those taints "
+            "in resources.tolerations wins over this."
+        ),
+    )
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
 
     @model_validator(mode="after")

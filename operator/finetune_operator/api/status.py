@@ -33,6 +33,22 @@ class Eviction(ApiModel):
     time: str
 
 
+class NodeLoss(ApiModel):
+    """A pod lost with its node and force-deleted by the operator (reconcile/nodeloss.py)."""
+
+    pod: str
+    node: str
+    time: str = Field(..., description="When the operator force-deleted it.")
+    down_seconds: int | None = Field(
+        None, ge=0, description="How long its node had not been Ready (absent: Node deleted)."
+    )
+    round: str | None = Field(
+        None,
+        description="The rendezvous round the pod was last seen training in: the failure its "
+        "peers then report for that round (their collectives timed out on it) is not counted.",
+    )
+
+
 class StragglerState(ApiModel):
     """A rank the detector found slow in the latest window(s): the detection state a restarted
     operator picks up again."""
@@ -88,6 +104,12 @@ class FineTuneJobStatus(ApiModel):
         ge=0,
         description="Pods replaced after a preemption (a graceful SIGTERM stop, eviction, node "
         "shutdown) or the loss of the rendezvous store: not counted against maxRestarts.",
+    )
+    node_losses: list[NodeLoss] = Field(
+        default_factory=list,
+        description="Pods lost with their node and force-deleted so that their replacements "
+        "could start (the newest 10): each a preemption, and the round it was training in is "
+        "not counted against maxRestarts.",
     )
     evictions: list[Eviction] = Field(default_factory=list)
     excluded_nodes: list[str] = Field(default_factory=list)

@@ -12,7 +12,12 @@ from typing import Any
 import kopf
 
 from finetune_operator import metrics
-from finetune_operator.api.constants import PHASE_FAILED, PHASE_SUCCEEDED
+from finetune_operator.api.constants import (
+    PHASE_FAILED,
+    PHASE_SUCCEEDED,
+    REASON_NODE_LOST,
+    REASON_NODES_UNREADABLE,
+)
 from finetune_operator.handlers.workloads import await_pods_gone, queue_state
 from finetune_operator.reconcile import (
     EventSpec,
@@ -33,6 +38,7 @@ from finetune_operator.reconcile import (
     progress_events,
     read_status,
     reconcile_job,
+    rounds_by_pod,
     scrape_targets,
     status_patch,
 )
@@ -43,6 +49,8 @@ from finetune_operator.reconcile.gang import (
     released_gang,
     with_gang,
 )
+from finetune_operator.reconcile.nodeloss import NodeReading, NodeView, suspect_nodes
+from finetune_operator.reconcile.observed import mark_terminating
 from finetune_operator.resources.workload import queue_name_of
 from finetune_operator.scrape import scrape_all
 from finetune_operator.settings import OperatorSettings
@@ -59,6 +67,13 @@ class JobState:
     # The straggler detector's rolling input. Losing it is safe too: status.stragglers
     # carries the streaks, and the records refill within a few windows.
     records: RecordBuffer | None = None
+    # Pods force-deleted as lost with their node, while the index may still hold them (so a
+    # lost pod is counted once). Losing it is safe: a restarted operator lists pods afresh.
+    lost_uids: set[str] = field(default_factory=set)
+    # The round each worker pod was last seen training in (its trainers' metrics): the round
+    # its peers fail in if it is lost with its node. Losing it only means that round counts.
+    rounds: dict[str, str] = field(default_factory=dict)
+    nodes_warned: bool = False  # the NodesUnreadable Event posted (once per operator run)
 
 
 def job_state(memo: kopf.Memo) -> JobState:
@@ -102,8 +117,13 @@ async def reconcile_pass(
             timeout = settings_of(memo).scrape_timeout_seconds
             pages = await _scrape(old, pods, state.deleted_uids, timeout) if scrape else {}
             health = _health_input(pages, state.records) if scrape else None
+            live = {p.uid for p in pods}
+            state.rounds = {
+                u: r for u, r in {**state.rounds, **rounds_by_pod(pages)}.items() if u in live
+            }
             cluster: ClusterApi = memo["cluster"]
             queue = await queue_state(cluster, job, body)
+            nodes = await _read_nodes(cluster, pods, state, body, logger)
             now = datetime.now(UTC)
             out = reconcile_job(
                 job, body.get("spec", {}), old, pods, now,
@@ -113,6 +133,7 @@ async def reconcile_pass(
                 policy=memo.get("policy"),
                 health=health,
                 queue=queue,
+                nodes=nodes,
             )  # fmt: skip
             if health is not None:
                 state.records = out.buffer
@@ -122,6 +143,8 @@ async def reconcile_pass(
             out = await _with_gang(cluster, job, old, out, now)
             state.deleted_uids = {u for u in state.deleted_uids if u in {p.uid for p in pods}}
             state.deleted_uids |= {d.uid for d in result.deleted}
+            state.lost_uids = {u for u in state.lost_uids if u in {p.uid for p in pods}}
+            state.lost_uids |= {d.uid for d in result.deleted if d.reason == REASON_NODE_LOST}
             if out.actions.ensure and not result.errors:
                 state.ensured_generation = job.generation
             new = note_apply_errors(out.status, result.errors, now, job.generation)
@@ -142,6 +165,28 @@ async def _with_gang(cluster: ClusterApi, job: JobRef, old: Any, out: Outcome, n
         return with_gang(out, old, released, now) if released is not None else out
     group, unreadable = await cluster.read_pod_group(job.namespace, *target)
     return with_gang(out, old, read_gang(group, target[1], unreadable), now)
+
+
+async def _read_nodes(cluster: ClusterApi, pods: list[PodView], state: JobState, body: kopf.Body,
+                      logger: kopf.Logger) -> NodeReading:  # fmt: skip
+    """The Nodes of the job's terminating pods (rarely any: nodeloss.suspect_nodes), one GET
+    each: a cluster-wide watch of every Node would cost far more than these few reads. One
+    the operator may not read is a warning (logged, an Event once, the WorkersReady
+    condition), never a failed pass."""
+    views: dict[str, NodeView] = {}
+    unreadable: dict[str, str] = {}
+    for name in sorted(suspect_nodes(mark_terminating(pods, state.deleted_uids))):
+        view, why = await cluster.read_node(name)
+        if view is not None:
+            views[name] = view
+        else:
+            unreadable[name] = why
+    if unreadable and not state.nodes_warned:  # the condition keeps saying it afterwards
+        state.nodes_warned = True
+        why = next(iter(unreadable.values()))
+        logger.warning("cannot tell whether the job's terminating pods are lost: %s", why)
+        kopf.event(body, type="Warning", reason=REASON_NODES_UNREADABLE, message=why)
+    return NodeReading(views, unreadable, frozenset(state.lost_uids), dict(state.rounds))
 
 
 async def _scrape(

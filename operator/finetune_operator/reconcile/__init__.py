@@ -21,6 +21,7 @@ from finetune_operator.reconcile.progress import (
     parse_termination_message,
     parse_trainer_metrics,
     progress_events,
+    rounds_by_pod,
     scrape_targets,
 )
 from finetune_operator.reconcile.samples import RankSample, RecordBuffer, parse_rank_samples
@@ -63,6 +64,7 @@ __all__ = [
     "progress_events",
     "read_status",
     "reconcile_job",
+    "rounds_by_pod",
     "scrape_targets",
     "set_condition",
     "status_patch",

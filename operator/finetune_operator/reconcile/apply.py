@@ -24,7 +24,9 @@ from finetune_operator.reconcile.child_errors import (
     POD_GROUP_ADVICE,
     describe_api_error,
     describe_child_error,
+    object_absent,
 )
+from finetune_operator.reconcile.nodeloss import NodeView, absent_node, view_node
 from finetune_operator.reconcile.workload_api import WorkloadApi
 from finetune_operator.resources.podgroup import PLURAL as POD_GROUP_PLURAL
 
@@ -129,6 +131,23 @@ class ClusterApi(WorkloadApi):
         except ApiException as err:
             obj = {"apiVersion": api_version, "metadata": {"name": name}}
             return None, describe_child_error(obj, err, POD_GROUP_ADVICE)
+
+    async def read_node(self, name: str) -> tuple[NodeView | None, str]:
+        """The Node (absent: a view saying so), or why it cannot be read (a 403: the operator
+        may not get nodes, the chart's ClusterRole grants it). Reported, never raised: a pass
+        that cannot judge a lost node goes on with everything else."""
+        try:
+            node = await self._call(self.core.read_node, name)
+        except ApiException as err:
+            if object_absent(err, name):
+                return absent_node(name), ""
+            if err.status == 403:
+                return None, (
+                    f"the operator may not read node {name} ({describe_api_error(err)}): grant "
+                    "it get on nodes, as the chart's ClusterRole does"
+                )
+            return None, f"node {name}: {describe_api_error(err)}"
+        return view_node(self.core.api_client.sanitize_for_serialization(node)), ""
 
     async def create_pod(self, pod: dict[str, Any]) -> bool:
         """Create if absent; False when a pod of that name already exists (409)."""

@@ -24,6 +24,12 @@ from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
 from finetune_operator.reconcile.evaluation import Evaluation
+from finetune_operator.reconcile.nodeloss import (
+    LostPod,
+    NodeReading,
+    lost_pods,
+    unreadable_detail,
+)
 from finetune_operator.reconcile.observed import FAILED, RUNNING, SUCCEEDED, PodView
 from finetune_operator.reconcile.progress import parse_trainer_error
 from finetune_operator.resources import node_range
@@ -65,6 +71,11 @@ class Assessment:
     # Kueue's admission cannot be read (admission.QueueState.unknown) while workers run: they
     # are kept, and no pod is created; why, for the job's condition.
     hold: str = ""
+    # Terminating pods lost with their node (nodeloss.py): force-deleted, in any mode; in an
+    # active job each is a preemption and its slot is filled in the same pass.
+    lost: tuple[LostPod, ...] = ()
+    # Why some terminating pods cannot be judged (their Nodes unreadable), for the condition.
+    nodes_problem: str = ""
 
     @property
     def live_pods(self) -> list[PodView]:
@@ -93,6 +104,7 @@ def _walk_failures(
     now: datetime,
     restarts: int,
     ledger: list[str],
+    forgiven: frozenset[str],
 ) -> tuple[list[PodView], list[tuple[PodView, datetime]], int, PodView | None]:
     """Count the failed pods' ends on the job's failures (budget.py: `restarts` has every
     pod's restarts of its own already) and schedule their replacements: oldest failure first,
@@ -102,7 +114,8 @@ def _walk_failures(
     down still waits. The group is whole again no later than in finish order: the last one
     due waits the same doubled backoff. An end of a pod's own is counted when the pod is
     replaced (a pod that waits is not counted yet, and counted once: it is deleted then), by
-    its round: pods that gave up in the same round count once (its id goes to `ledger`).
+    its round: pods that gave up in the same round count once (its id goes to `ledger`); a
+    round in `forgiven` (a pod lost with its node in it) is never counted.
     Returns the pods to replace now, those waiting (and when they are due), the job's failure
     restarts, and the pod whose failure is beyond the budget (None while there is budget)."""
     assert ev.spec is not None
@@ -116,7 +129,7 @@ def _walk_failures(
     )
     for pod in order:
         round_id = end_round_of(pod)
-        own = counts_end(pod) and round_id not in ledger
+        own = counts_end(pod) and round_id not in ledger and round_id not in forgiven
         if own and restarts + 1 > ft.max_restarts:
             # maxRestarts + 1 attempts have failed: the restarts made are all there were.
             return replace_now, waiting, restarts, pod
@@ -155,9 +168,12 @@ def queued_reason(ev: Evaluation) -> str:
 
 
 def _fold(
-    status: FineTuneJobStatus, pods: Sequence[PodView], own: Mapping[str, frozenset[str]]
+    status: FineTuneJobStatus,
+    pods: Sequence[PodView],
+    own: Mapping[str, frozenset[str]],
+    forgiven: frozenset[str],
 ) -> tuple[int, list[str], dict[str, list[str]]]:
-    ledger, added = fold_ledger(status.restart_ledger, pods, own)
+    ledger, added = fold_ledger(status.restart_ledger, pods, own, forgiven)
     return status.restarts + sum(map(len, added.values())), ledger, added
 
 
@@ -182,11 +198,21 @@ def assess(
     pods: Sequence[PodView],
     now: datetime,
     own: Mapping[str, frozenset[str]] | None = None,
+    nodes: NodeReading | None = None,
 ) -> Assessment:
     """`own`: each running worker pod's failed rounds that its torchrun restarted after, by
     pod uid, as its trainers' metrics said on this pass's scrape (budget.py); None: not
-    scraped."""
-    restarts, ledger, added = _fold(status, pods, own or {})
+    scraped. `nodes`: the Nodes of the terminating pods, as read this pass (nodeloss.py);
+    None: not read (no pod is judged lost)."""
+    lost: tuple[LostPod, ...] = ()
+    if nodes is not None and ev.spec is not None:
+        lost = lost_pods(pods, nodes, now, ev.spec.fault_tolerance.node_lost_seconds)
+    # The rounds pods were lost with their node in: their peers' failures in them are the
+    # node's (a collective timing out on a silent peer), never counted (budget.fold_ledger).
+    forgiven = frozenset(
+        r for r in (*(n.round for n in status.node_losses), *(x.round for x in lost)) if r
+    )
+    restarts, ledger, added = _fold(status, pods, own or {}, forgiven)
     live = [p for p in pods if not p.terminating]
     workers = {p.index: p for p in live if p.is_worker and p.index is not None}
     seen = Assessment(
@@ -204,6 +230,8 @@ def assess(
         return replace(seen, mode=Mode.INVALID)
     assert ev.spec is not None and ev.plan is not None
     seen = replace(seen, desired=ev.plan.nodes, min_nodes=node_range(ev.spec, ev.plan)[0])
+    if nodes is not None:
+        seen = replace(seen, lost=lost, nodes_problem=unreadable_detail(pods, nodes))
     sticky = _sticky_mode(status)
     if sticky is not None:
         mode, reason = sticky
@@ -261,10 +289,13 @@ def assess(
     store_created = (store.created_at or EPOCH) if store is not None and store.active else None
     verdicts = [(p, classify_exit(p, store_created)) for p in ended]
     preempted = tuple((p, v) for p, v in verdicts if not v.disposition.counted)
-    seen = replace(seen, preempted_now=preempted, preemptions=status.preemptions + len(preempted))
+    preemptions = status.preemptions + len(preempted) + len(seen.lost)
+    seen = replace(seen, preempted_now=preempted, preemptions=preemptions)
     failed = [p for p, v in verdicts if v.disposition.counted]
     used = ev.spec.fault_tolerance.max_restarts
-    replace_now, waiting, counted, exhausted = _walk_failures(ev, failed, now, restarts, ledger)
+    replace_now, waiting, counted, exhausted = _walk_failures(
+        ev, failed, now, restarts, ledger, forgiven
+    )
     if exhausted is not None or restarts > used:
         if not failed:
             # Restarts inside pods that still run (failures alternating between them).

@@ -95,13 +95,17 @@ def end_round_of(pod: PodView) -> str:
 
 
 def fold_ledger(
-    ledger: Sequence[str], pods: Sequence[PodView], live: Mapping[str, frozenset[str]]
+    ledger: Sequence[str],
+    pods: Sequence[PodView],
+    live: Mapping[str, frozenset[str]],
+    forgiven: frozenset[str] = frozenset(),
 ) -> tuple[list[str], dict[str, list[str]]]:
     """The ledger after this pass (the round ids counted, oldest first), and the rounds it
     adds, by the name of the worker pod that reported each first: each adds one restart to
-    `status.restarts` (a round several pods report is one)."""
+    `status.restarts` (a round several pods report is one). `forgiven`: rounds a pod was lost
+    with its node in (nodeloss.py): its peers' failure in them is the node's, never counted."""
     counted = list(dict.fromkeys(ledger))
-    seen = set(counted)
+    seen = set(counted) | forgiven
     added: dict[str, list[str]] = {}
     for pod in sorted((p for p in pods if p.is_worker), key=lambda p: (p.name, p.uid)):
         for round_id in sorted(own_rounds(pod, live) - seen):

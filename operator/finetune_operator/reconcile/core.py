@@ -18,6 +18,7 @@ from finetune_operator.reconcile.admission import QueueState, pod_sets_differ
 from finetune_operator.reconcile.conditions import EventSpec, condition_events, find
 from finetune_operator.reconcile.evaluation import Evaluation, JobRef, PlanFn, evaluate_job
 from finetune_operator.reconcile.health import HealthInput, assess_health
+from finetune_operator.reconcile.nodeloss import NodeReading
 from finetune_operator.reconcile.observed import PodView, mark_terminating
 from finetune_operator.reconcile.queue_label import judge_queue_label, note_queue_label
 from finetune_operator.reconcile.samples import RecordBuffer
@@ -87,12 +88,15 @@ def reconcile_job(
     policy: JobPolicy | None = None,
     health: HealthInput | None = None,
     queue: QueueState | None = None,
+    nodes: NodeReading | None = None,
 ) -> Outcome:
     """Everything one pass decides, with no I/O: the caller applies actions, then the status.
 
     `health` (what a scraping pass saw of the trainers) adds the straggler and hang decisions;
     None (a pass that did not scrape) leaves them as they were. `queue` (the job's Kueue
-    Workload as read, reconcile/admission.py) gates its pods on Kueue's admission."""
+    Workload as read, reconcile/admission.py) gates its pods on Kueue's admission. `nodes`
+    (the Nodes of its terminating pods, as read: reconcile/nodeloss.py) finds the pods lost
+    with their node."""
     seen = mark_terminating(pods, deleted_uids)
     ev = evaluate_job(job, raw_spec, status, planner, policy)
     suspended = ev.spec is not None and ev.spec.suspend
@@ -103,9 +107,11 @@ def reconcile_job(
         # Also for an invalid spec: its Workload is deactivated, giving the quota back.
         ev = replace(ev, queue=_with_sync(ev, queue) if ev.ok else queue)
     own = health.own_rounds if health is not None else None
-    new_status = compute_status(ev, status, seen, now, own)
+    new_status = compute_status(ev, status, seen, now, own, nodes)
     new_status = note_queue_label(new_status, label, now, job.generation)
-    actions = decide_actions(ev, status, seen, now, ensured_generation=ensured_generation, own=own)
+    actions = decide_actions(
+        ev, status, seen, now, ensured_generation=ensured_generation, own=own, nodes=nodes
+    )
     extra: tuple[EventSpec, ...] = ()
     buffer, ratios = None, {}
     if health is not None:

@@ -46,6 +46,10 @@ class PodView:
     # it is merely being scheduled or created.
     blocked: str | None = None
     memory_limit: str | None = None  # the container's resources.limits.memory, for OOMKilled
+    # A terminating pod's deletionTimestamp (the delete's time plus its grace period: when a
+    # live kubelet will have stopped it) and deletionGracePeriodSeconds (nodeloss.py).
+    deletion_deadline: datetime | None = None
+    deletion_grace: int | None = None
 
     @property
     def is_worker(self) -> bool:
@@ -189,6 +193,8 @@ def observe_pod(pod: Mapping[str, Any]) -> PodView:
         created_at=parse_time(meta.get("creationTimestamp")),
         blocked=_blocked(status, spec if labels.get(LABEL_ROLE) == ROLE_WORKER else None),
         memory_limit=_memory_limit(spec),
+        deletion_deadline=parse_time(meta.get("deletionTimestamp")),
+        deletion_grace=_int(meta.get("deletionGracePeriodSeconds"), None),
     )
 
 

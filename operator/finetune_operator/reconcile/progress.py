@@ -154,6 +154,29 @@ def own_rounds_by_pod(pages: Mapping[ScrapeTarget, str]) -> dict[str, frozenset[
     return out
 
 
+CURRENT_ROUND = mn.TRAINER_ROUND.name
+
+
+def parse_round(text: str) -> str | None:
+    """The round one metrics page says its rank trains in (None: none, or not parseable)."""
+    try:
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except (ValueError, TypeError, IndexError):
+        return None
+    found = [s.labels.get(mn.LABEL_ROUND) for s in samples if s.name == CURRENT_ROUND and s.value]
+    return next((r for r in found if r), None)
+
+
+def rounds_by_pod(pages: Mapping[ScrapeTarget, str]) -> dict[str, str]:
+    """The round each scraped pod trains in (its ranks agree on it), by uid."""
+    out: dict[str, str] = {}
+    for target, text in pages.items():
+        found = parse_round(text)
+        if found and target.uid:
+            out[target.uid] = found
+    return out
+
+
 def parse_termination_message(text: str | None) -> TrainerProgress:
     """A worker's final report (the trainer writes JSON to its termination log on exit):
     what the last scrape may have missed, e.g. the final step and checkpoint. Anything that is

@@ -29,7 +29,7 @@ from finetune_operator.api.constants import (
     REASON_WORKERS_NOT_READY,
 )
 from finetune_operator.api.spec_compat import describe_deprecations
-from finetune_operator.api.status import Condition, FineTuneJobStatus
+from finetune_operator.api.status import Condition, FineTuneJobStatus, NodeLoss
 from finetune_operator.reconcile.assess import (
     Assessment,
     Mode,
@@ -40,6 +40,7 @@ from finetune_operator.reconcile.assess import (
 from finetune_operator.reconcile.conditions import Want, derive_phase, find, set_condition
 from finetune_operator.reconcile.crash import shorten
 from finetune_operator.reconcile.evaluation import Evaluation
+from finetune_operator.reconcile.nodeloss import NodeReading
 from finetune_operator.reconcile.observed import PodView, format_time
 from finetune_operator.reconcile.progress import TrainerProgress
 from finetune_operator.resources.workload import workload_name
@@ -47,6 +48,8 @@ from finetune_operator.resources.workload import workload_name
 TERMINAL = (PHASE_FAILED, PHASE_SUCCEEDED)
 MAX_PODS_DESCRIBED = 2
 MAX_MESSAGE_CHARS = 1000  # condition messages: Kubernetes sets no limit, readers do
+# status.nodeLosses: enough for the rounds to forgive to outlive their report (one re-form).
+MAX_NODE_LOSSES_KEPT = 10
 # Condition order in status: stable, so an unchanged status compares (and patches) as equal.
 ORDER = (COND_PLANNED, COND_WORKERS_READY, COND_SUCCEEDED, COND_FAILED)
 
@@ -77,8 +80,11 @@ def _progress(a: Assessment) -> Want:
         if len(a.replace_now) == 1:
             msg = f"{causes}; replacing it"
         return Want("Unknown", REASON_RESTARTING, shorten(msg, MAX_MESSAGE_CHARS))
-    if a.preempted_now:
-        names = ", ".join(f"{p.name} ({v.why})" for p, v in a.preempted_now)
+    if a.preempted_now or a.lost:
+        names = ", ".join(
+            [f"{p.name} ({v.why})" for p, v in a.preempted_now]
+            + [f"{x.pod.name} (lost with node {x.node.name})" for x in a.lost]
+        )
         return Want("Unknown", REASON_RESTARTING, f"replacing pods: {names}")
     if a.ready >= max(a.min_nodes, 1):
         return Want("Unknown", REASON_RUNNING, f"training on {a.ready} worker pods")
@@ -141,8 +147,8 @@ def _wants(ev: Evaluation, a: Assessment) -> dict[str, Want]:
             COND_FAILED: Want("False", reason, waiting.message),
         }
     progress = _progress(a)
-    ready_msg = f"{a.ready}/{a.desired} worker pods ready{_blocked_detail(a)}" + (
-        f"; {a.hold}" if a.hold else ""
+    ready_msg = f"{a.ready}/{a.desired} worker pods ready{_blocked_detail(a)}" + "".join(
+        f"; {note}" for note in (a.hold, a.nodes_problem) if note
     )
     ready = (
         Want("True", REASON_ALL_WORKERS_READY, ready_msg)
@@ -174,6 +180,21 @@ def _conditions(
     return sorted(conds, key=lambda c: rank.get(c.type, len(rank)))
 
 
+def _node_losses(status: FineTuneJobStatus, a: Assessment, now: datetime) -> list[NodeLoss]:
+    """status.nodeLosses with this pass's lost pods (the newest MAX_NODE_LOSSES_KEPT)."""
+    new = [
+        NodeLoss(
+            pod=x.pod.name,
+            node=x.node.name,
+            time=format_time(now),
+            down_seconds=None if x.down_seconds is None else int(x.down_seconds),
+            round=x.round,
+        )
+        for x in a.lost
+    ]
+    return [*status.node_losses, *new][-MAX_NODE_LOSSES_KEPT:]
+
+
 def _workload_of(ev: Evaluation, status: FineTuneJobStatus) -> str | None:
     """status.workload: the Workload's name while the job is queued in Kueue (also the pass
     that creates it) or leaving it, so that a pass after the label is removed still reads it;
@@ -192,10 +213,12 @@ def compute_status(
     pods: Sequence[PodView],
     now: datetime,
     own: Mapping[str, frozenset[str]] | None = None,
+    nodes: NodeReading | None = None,
 ) -> FineTuneJobStatus:
     """The new status; equal to `status` when nothing changed (so no patch is needed).
-    `own`: what this pass scraped of each pod's failed rounds (assess.assess)."""
-    a = assess(ev, status, pods, now, own)
+    `own`: what this pass scraped of each pod's failed rounds; `nodes`: the Nodes of the
+    terminating pods as read this pass (assess.assess)."""
+    a = assess(ev, status, pods, now, own, nodes)
     conds = _conditions(status.conditions, _wants(ev, a), now, ev.job.generation)
     update: dict[str, object] = {
         "conditions": conds,
@@ -207,6 +230,8 @@ def compute_status(
         "observed_generation": ev.job.generation,
     }
     update["workload"] = _workload_of(ev, status)
+    if a.lost:
+        update["node_losses"] = _node_losses(status, a, now)
     if ev.plan is not None:
         update["plan"] = ev.plan
         if ev.plan.fits:

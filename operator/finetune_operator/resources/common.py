@@ -12,6 +12,8 @@ from finetune_operator.api.constants import (
     LABEL_MANAGED_BY,
     LABEL_ROLE,
     MANAGED_BY,
+    TAINT_NODE_NOT_READY,
+    TAINT_NODE_UNREACHABLE,
 )
 from finetune_operator.api.spec import FineTuneJobSpec
 
@@ -112,6 +114,38 @@ def downward_env() -> list[dict[str, Any]]:
 def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
     """An emptyDir for /tmp: needed because the root filesystem is read-only."""
     return {"name": TMP_VOLUME, "emptyDir": {}}, {"name": TMP_VOLUME, "mountPath": TMP_MOUNT}
+
+
+def tolerates_node_loss(toleration: dict[str, Any], key: str) -> bool:
+    """Whether a toleration covers the NoExecute taint `key`, by Kubernetes' own test in its
+    DefaultTolerationSeconds admission: the key (or none) and the effect (NoExecute or none),
+    whatever its operator, value or seconds."""
+    return toleration.get("key") in (None, "", key) and toleration.get("effect") in (
+        None,
+        "",
+        "NoExecute",
+    )
+
+
+def pod_tolerations(spec: FineTuneJobSpec, *, node_loss: bool = True) -> list[dict[str, Any]]:
+    """The job's tolerations, plus (`node_loss`) the unreachable and not-ready NoExecute taints
+    for `faultTolerance.nodeLostSeconds`: without them the API server gives every pod 300 s,
+    and a job waits 5 minutes for a lost node's pods to be evicted. A toleration of the user's
+    for either taint wins (Kubernetes adds its own only where the pod has none either)."""
+    out = [dict(t) for t in spec.resources.tolerations]
+    if not node_loss:
+        return out
+    for key in (TAINT_NODE_NOT_READY, TAINT_NODE_UNREACHABLE):
+        if not any(tolerates_node_loss(t, key) for t in out):
+            out.append(
+                {
+                    "key": key,
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": spec.fault_tolerance.node_lost_seconds,
+                }
+            )
+    return out
 
 
 def pull_secrets(names: list[str]) -> list[dict[str, str]]:

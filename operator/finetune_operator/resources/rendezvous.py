@@ -17,6 +17,7 @@ from finetune_operator.resources.common import (
     downward_env,
     object_meta,
     pod_security_context,
+    pod_tolerations,
     set_common_pod_fields,
     tmp_volume,
 )
@@ -38,7 +39,6 @@ def rendezvous_command() -> list[str]:
 def build_rendezvous_pod(
     owner: Owner, spec: FineTuneJobSpec, *, annotations: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    res = spec.resources
     tmp, tmp_mount = tmp_volume()
     pod_spec: dict[str, Any] = {
         # Never: a crashed store is a job-level restart the operator counts and backs off.
@@ -68,9 +68,9 @@ def build_rendezvous_pod(
         "volumes": [tmp],
     }
     # Tolerations only allow, never require, so GPU-only clusters can still host the store;
-    # the workers' nodeSelector/affinity would needlessly pin it onto a GPU node.
-    if res.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in res.tolerations]
+    # the workers' nodeSelector/affinity would needlessly pin it onto a GPU node. A store on a
+    # lost node is evicted as soon as the workers are: they cannot re-form without it.
+    pod_spec["tolerations"] = pod_tolerations(spec)
     set_common_pod_fields(pod_spec, spec)
     return {
         "apiVersion": "v1",

@@ -28,6 +28,7 @@ from finetune_operator.resources.common import (
     downward_env,
     object_meta,
     pod_security_context,
+    pod_tolerations,
     set_common_pod_fields,
     tmp_volume,
 )
@@ -237,7 +238,10 @@ def build_worker_pod(
     excluded_nodes: list[str] | None = None,
     annotations: dict[str, str] | None = None,
     max_restarts: int | None = None,
+    node_loss: bool = True,
 ) -> dict[str, Any]:
+    """Worker pod `index`. `node_loss`: with the tolerations of a lost node for
+    `nodeLostSeconds` (common.pod_tolerations); False for a Kueue podSet's template."""
     res = spec.resources
     name = worker_name(owner.name, index)
     pod_spec: dict[str, Any] = {
@@ -255,8 +259,9 @@ def build_worker_pod(
         pod_spec["affinity"] = affinity
     if res.node_selector:
         pod_spec["nodeSelector"] = dict(res.node_selector)
-    if res.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in res.tolerations]
+    tolerations = pod_tolerations(spec, node_loss=node_loss)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
     set_common_pod_fields(pod_spec, spec)
     meta = object_meta(
         owner,

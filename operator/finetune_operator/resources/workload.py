@@ -87,8 +87,11 @@ def workload_name(owner: Owner) -> str:
 def worker_template(owner: Owner, spec: FineTuneJobSpec, plan: Plan) -> dict[str, Any]:
     """The podSet's template: a worker pod as the operator builds it (so the Workload's
     requests are the pods' requests by construction), without what differs per pod (its
-    name, index label and host name) and without the nodes excluded after a failure."""
-    pod = build_worker_pod(owner, spec, plan, 0)
+    name, index label and host name), without the nodes excluded after a failure, and
+    without the lost-node tolerations: what the API server gives every pod anyway, only
+    shorter (no part in a flavor's choice), and a Workload written before the operator added
+    them must not read as another pod set (a stale Workload stops a running job)."""
+    pod = build_worker_pod(owner, spec, plan, 0, node_loss=False)
     meta = {k: copy.deepcopy(v) for k, v in pod["metadata"].items() if k in _TEMPLATE_META}
     meta.get("labels", {}).pop(LABEL_WORKER_INDEX, None)
     pod_spec = copy.deepcopy(pod["spec"])

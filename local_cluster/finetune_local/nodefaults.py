@@ -1,0 +1,125 @@
+"""The kubelet's side of a lost node (``LocalCluster.lose_node``): what a node that lost power
+or was cut off from the control plane does, and what it does when it comes back.
+
+While a node is lost its part of the kubelet is silent: no Lease renewal (so the node
+lifecycle controller marks it Unknown and taints it), no pod status posted (what it would
+post is kept, and posted when it is back, if the pod still exists), no deletion acted on, no
+pod started. Its pods' processes are:
+
+- ``partition``: frozen (:mod:`.freezer`): alive, sockets open, silent to their peers;
+- ``poweroff``: killed (SIGKILL, every process of the tree). Unlike a real power loss, the
+  kernel of this one host closes their sockets, so their peers see the connections close
+  at once instead of timing out; ``partition`` is the silent loss.
+
+Restored, the kubelet reconciles as a real one does when it reaches the API server again:
+pods whose objects are gone (force-deleted, or deleted by PodGC) are killed, never thawed;
+the others are thawed and their status posted (terminating ones are then finished by the
+kubelet's usual pass).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from finetune_local import freezer, podrunner
+from finetune_local.podlaunch import PodRun
+from finetune_local.podstatus import running_status
+
+LossKind = Literal["partition", "poweroff"]
+LOSS_KINDS: tuple[LossKind, ...] = ("partition", "poweroff")
+
+
+def not_ready_yet_running(pod: Mapping[str, Any], run: PodRun) -> bool:
+    """The API shows a pod whose container runs as not Ready: the node lifecycle controller
+    marked it while its node was away. The kubelet's status manager, which compares the
+    status it would post with the API's, posts it again."""
+    running = run.process is not None and run.process.returncode is None
+    if not running or run.finished or run.terminating or pod["metadata"].get("deletionTimestamp"):
+        return False
+    return pod.get("status", {}).get("phase") == "Running" and not any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in pod.get("status", {}).get("conditions") or []
+    )
+
+
+@dataclass
+class NodeFaults:
+    lost: dict[str, LossKind] = field(default_factory=dict)
+    frozen: dict[str, list[int]] = field(default_factory=dict)  # pids stopped, per pod uid
+    keepers: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)  # per node
+    unposted: dict[str, dict[str, Any]] = field(default_factory=dict)  # latest status, by uid
+
+    def is_lost(self, node: str | None) -> bool:
+        return bool(node) and node in self.lost
+
+    async def lose(self, node: str, how: LossKind, runs: Mapping[str, PodRun]) -> None:
+        if how not in LOSS_KINDS:
+            raise ValueError(f"how must be one of {LOSS_KINDS}, not {how!r}")
+        if node in self.lost:
+            return
+        self.lost[node] = how
+        alive = [
+            (uid, run)
+            for uid, run in runs.items()
+            if run.node == node and run.process is not None and run.process.returncode is None
+        ]
+        if how == "poweroff":
+            await asyncio.gather(*(podrunner.kill_pod_processes(run.pid, 10) for _, run in alive))
+            return
+        for uid, run in alive:
+            self.frozen[uid] = freezer.freeze(run.pid)
+        pids = [pid for uid, _ in alive for pid in self.frozen[uid]]
+        if pids:
+            self.keepers[node] = await freezer.start_keeper(pids)
+
+    async def restore(
+        self, node: str, runs: Mapping[str, PodRun], current: Callable[[PodRun], bool]
+    ) -> tuple[list[str], list[str]]:
+        """Bring `node` back: its pods whose objects are gone (`current`: the object of the
+        pod's name is still this pod's) are killed (still frozen: they never run again), the
+        others thawed. Returns the uids (gone, back): the kubelet forgets the first and posts
+        the status of the second."""
+        if node not in self.lost:
+            return [], []
+        # The node stays lost until its pods are dealt with: the kubelet's pass (which runs
+        # at every await here) must not take them meanwhile.
+        keeper = self.keepers.pop(node, None)
+        if keeper is not None:
+            await freezer.stop_keeper(keeper)  # before any pid it holds can die and be reused
+        gone: list[str] = []
+        back: list[str] = []
+        for uid, run in list(runs.items()):
+            if run.node != node:
+                continue
+            pids = self.frozen.pop(uid, [])
+            if current(run):
+                freezer.thaw(pids)
+                back.append(uid)
+                continue
+            self.unposted.pop(uid, None)
+            if run.process is not None and run.process.returncode is None:
+                await podrunner.kill_pod_processes(run.pid, 10)
+            gone.append(uid)
+        del self.lost[node]
+        return gone, back
+
+    def status_when_back(self, run: PodRun, pod: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """What the kubelet posts for a pod of a node that is back: the status it kept, or,
+        for a pod that ran on (frozen, then thawed), its running status: Ready again (the node
+        lifecycle controller had marked it not Ready)."""
+        status = self.unposted.pop(run.uid, None)
+        if status is None and pod is not None and not run.finished:
+            container = (pod.get("spec", {}).get("containers") or [{}])[0]
+            status = running_status(
+                pod, run.ip, run.started_at, run.pid, run.restart_count, container
+            )
+        return status
+
+    async def close(self) -> None:
+        """Dismiss every keeper (the kubelet is stopping: it kills the pods itself)."""
+        for keeper in self.keepers.values():
+            await freezer.stop_keeper(keeper)
+        self.keepers.clear()

@@ -1,0 +1,88 @@
+"""The lost-node drill on the local cluster, shared by the end-to-end test
+(`test_node_loss.py`, which asserts on it) and `bench/recovery.py --part nodeloss` (which
+prints it).
+
+A 2-worker job of fixed size (it cannot train on without the lost worker: an elastic one would
+train on alone, and the drill would prove nothing) has worker-1's node partitioned
+(`LocalCluster.lose_node`: its pods frozen, its kubelet silent). What follows is Kubernetes':
+the node goes Unknown and is tainted unreachable, worker-1 is evicted after its toleration
+(`faultTolerance.nodeLostSeconds`) and stays Terminating, as no kubelet confirms it; then the
+operator's: it force-deletes the pod and creates its replacement on another node; the
+survivor's collective times out and it re-forms with the replacement, resuming from the
+newest committed checkpoint.
+
+Short settings so that it fits about a minute: a 4 s node monitor grace, 10 s
+nodeLostSeconds and collective timeouts (the least each allows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune_local.controllermanager import NodeHealthTimings
+from finetune_local.podrunner import pod_processes
+from finetune_local.session import LocalSession
+from tests.e2e.faults import INTERVAL as INTERVAL_STEPS
+from tests.e2e.faults import FaultRunner, Recovery, faults_job
+
+__all__ = ["INTERVAL_STEPS", "JOB", "lose_worker_node", "node_loss_job", "node_loss_session"]
+JOB = "ft-nodeloss"
+STEPS = 20
+FAST_NODES = NodeHealthTimings(
+    heartbeat_seconds=1,
+    monitor_period_seconds=1,
+    monitor_grace_seconds=4,
+    eviction_period_seconds=1,
+    pod_gc_period_seconds=5,
+    pod_gc_quarantine_seconds=10,
+)
+
+
+def node_loss_session(data: Path) -> LocalSession:
+    """3 nodes (the store, the survivor, the lost one; the replacement goes where the lost
+    one was not), trainers slowed to 0.2 s a step, node health in seconds."""
+    return LocalSession(
+        data, nodes=3, extra_env={"FT_STEP_DELAY_SECONDS": "0.2"}, node_health=FAST_NODES
+    )
+
+
+def node_loss_job(doc: dict[str, Any]) -> dict[str, Any]:
+    job = faults_job(doc, JOB, steps=STEPS)
+    job["spec"]["resources"] = {**job["spec"]["resources"], "minNodes": 2, "maxNodes": 2}
+    job["spec"]["faultTolerance"] = {
+        **job["spec"]["faultTolerance"],
+        "nodeLostSeconds": 10,
+        "collectiveTimeoutSeconds": 10,
+        "startupCollectiveTimeoutSeconds": 10,
+    }
+    return job
+
+
+@dataclass
+class NodeLoss:
+    recovery: Recovery
+    node: str
+    lost_pod: Any  # the V1Pod as it was before the loss
+    frozen: list[int]  # its processes (agent, launcher, trainer)
+
+
+def lose_worker_node(session: LocalSession) -> NodeLoss:
+    """Wait until the job trains on both workers past a committed checkpoint, partition
+    worker-1's node, and wait until training goes past the step it had reached."""
+    assert session.core is not None
+    core = session.core
+    runner = FaultRunner(session, JOB)
+    runner.ready()
+    lost_pod = core.read_namespaced_pod(f"{JOB}-worker-1", "default")
+    node = lost_pod.spec.node_name
+    store = core.read_namespaced_pod(f"{JOB}-rdzv", "default")
+    assert store.spec.node_name != node, "the drill loses a worker, not the store"
+    main = session.cluster.pod_main_pid("default", lost_pod.metadata.name)
+    assert main is not None
+    frozen = pod_processes(main)
+    recovery = runner.inject(
+        "node partitioned", lambda: session.cluster.lose_node(node, "partition"), timeout=180
+    )
+    return NodeLoss(recovery, node, lost_pod, frozen)
