@@ -34,10 +34,6 @@ SERVER_OWNED = (
 Clock = Callable[[], datetime.datetime]
 
 
-def timestamp(moment: datetime.datetime) -> str:
-    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def spec_part(obj: dict[str, Any], rtype: ResourceType) -> dict[str, Any]:
     """What ``generation`` tracks: all but metadata (and status, where it is a subresource)."""
     skip = ("metadata", "status") if rtype.status_subresource else ("metadata",)

@@ -12,9 +12,10 @@ import contextlib
 import datetime
 from typing import Any
 
-from finetune_local.apiadmission import Clock, timestamp
+from finetune_local.apiadmission import Clock
 from finetune_local.apiresources import Registry, ResourceType
 from finetune_local.apistore import ApiError, Store, conflict, not_found
+from finetune_local.podstatus import timestamp
 
 
 def is_container(rtype: ResourceType) -> bool:

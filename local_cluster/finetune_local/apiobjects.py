@@ -23,7 +23,6 @@ from finetune_local.apiadmission import (
     established_crd_status,
     generated_name,
     spec_part,
-    timestamp,
     validate_custom,
     validate_name,
 )
@@ -44,6 +43,7 @@ from finetune_local.patches import (
     merge_patch,
     strategic_merge_patch,
 )
+from finetune_local.podstatus import timestamp
 
 
 def _check_resource_version(rtype: ResourceType, current: dict[str, Any], body: Any) -> None:

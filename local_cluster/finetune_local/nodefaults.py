@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from finetune_local import freezer, podrunner
 from finetune_local.podlaunch import PodRun
-from finetune_local.podstatus import running_status
+from finetune_local.podstatus import ready_status, running_status
 
 LossKind = Literal["partition", "poweroff"]
 LOSS_KINDS: tuple[LossKind, ...] = ("partition", "poweroff")
@@ -39,10 +39,7 @@ def not_ready_yet_running(pod: Mapping[str, Any], run: PodRun) -> bool:
     running = run.process is not None and run.process.returncode is None
     if not running or run.finished or run.terminating or pod["metadata"].get("deletionTimestamp"):
         return False
-    return pod.get("status", {}).get("phase") == "Running" and not any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in pod.get("status", {}).get("conditions") or []
-    )
+    return pod.get("status", {}).get("phase") == "Running" and ready_status(pod) != "True"
 
 
 @dataclass

@@ -31,13 +31,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from finetune_local.podstatus import ready_status, timestamp
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
 from finetune_local.taints import (
     NO_EXECUTE,
     NO_SCHEDULE,
     READY_TAINT,
     node_taints,
-    ready_status,
 )
 
 logger = logging.getLogger(__name__)
@@ -45,10 +45,6 @@ DEFAULT_GRACE_SECONDS = 50.0
 DEFAULT_PERIOD_SECONDS = 5.0
 UNKNOWN_REASON = "NodeStatusUnknown"
 UNKNOWN_MESSAGE = "Kubelet stopped posting node status."
-
-
-def format_time(moment: datetime.datetime) -> str:
-    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def heartbeat_of(node: Mapping[str, Any], lease: Mapping[str, Any] | None) -> tuple[str, str]:
@@ -106,11 +102,7 @@ def pods_to_mark_not_ready(
     return [
         p
         for p in pods
-        if p.get("spec", {}).get("nodeName") in unready_nodes
-        and any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in p.get("status", {}).get("conditions") or []
-        )
+        if p.get("spec", {}).get("nodeName") in unready_nodes and ready_status(p) == "True"
     ]
 
 
@@ -160,7 +152,7 @@ class NodeLifecycleController:
             seen = self._seen.get(name)
             if seen is None or seen.heartbeat != beat:
                 self._seen[name] = seen = _Seen(beat, now)
-            stamp = format_time(now)
+            stamp = timestamp(now)
             if (now - seen.at).total_seconds() > self.grace:
                 conditions = unknown_conditions(
                     node.get("status", {}).get("conditions") or [], stamp
@@ -185,7 +177,7 @@ class NodeLifecycleController:
                 except ApiStatusError as err:
                     logger.debug("tainting node %s: %s", name, err)
         if unready:
-            await self._mark_pods_not_ready(unready, format_time(now))
+            await self._mark_pods_not_ready(unready, timestamp(now))
 
     async def _patch(self, name: str, body: dict[str, Any], sub: str | None = None) -> Any:
         path = resource_path("v1", "nodes", name=name, subresource=sub)

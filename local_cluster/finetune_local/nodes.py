@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from finetune_local.podstatus import now
+from finetune_local.podstatus import now, ready_status
 from finetune_local.resourcefit import parse_quantity
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
 
@@ -177,13 +177,6 @@ async def renew_lease(client: RestClient, name: str) -> None:
         await client.create(resource_path(LEASE_API, "leases", LEASE_NAMESPACE), lease)
 
 
-def is_ready(node: Mapping[str, Any]) -> bool:
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in node.get("status", {}).get("conditions") or []
-    )
-
-
 async def heartbeat_forever(
     client: RestClient,
     names: Collection[str],
@@ -202,7 +195,7 @@ async def heartbeat_forever(
             try:
                 await renew_lease(client, name)
                 node = nodes(name)
-                if node is not None and not is_ready(node):
+                if node is not None and ready_status(node) != "True":
                     await client.merge_patch(
                         resource_path("v1", "nodes", name=name, subresource="status"),
                         {"status": {"conditions": [ready_condition()]}},

@@ -22,9 +22,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from finetune_local.podstatus import ready_status, timestamp
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
 from finetune_local.tainteviction import disruption_conditions
-from finetune_local.taints import TAINT_OUT_OF_SERVICE, node_taints, ready_status
+from finetune_local.taints import TAINT_OUT_OF_SERVICE, node_taints
 
 logger = logging.getLogger(__name__)
 DEFAULT_PERIOD_SECONDS = 20.0
@@ -96,7 +97,7 @@ class PodGC:
         if pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
             status["phase"] = "Failed"
         if condition is not None:
-            stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            stamp = timestamp(now)
             status["conditions"] = disruption_conditions(pod, *condition, stamp)
         logger.info("pod GC: force-deleting pod %s/%s (node %s)", ns, name, pod["spec"]["nodeName"])
         try:

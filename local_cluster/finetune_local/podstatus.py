@@ -9,8 +9,22 @@ from typing import Any
 from finetune_local.emptydir import EVICTED
 
 
+def timestamp(moment: datetime.datetime) -> str:
+    """An API timestamp (RFC 3339, seconds, UTC)."""
+    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return timestamp(datetime.datetime.now(datetime.UTC))
+
+
+def ready_status(obj: Mapping[str, Any]) -> str:
+    """The Ready condition's status of a pod or a node ("True", "False", "Unknown"; "" without
+    one)."""
+    for cond in obj.get("status", {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return str(cond.get("status") or "")
+    return ""
 
 
 def conditions(ready: bool, reason: str = "") -> list[dict[str, Any]]:

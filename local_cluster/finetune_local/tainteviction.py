@@ -25,6 +25,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from finetune_local.podstatus import timestamp
 from finetune_local.restclient import ApiStatusError, RestClient, resource_path
 from finetune_local.taints import (
     NO_EXECUTE,
@@ -111,7 +112,7 @@ class TaintEvictionController:
     async def _delete(self, pod: Mapping[str, Any], now: datetime.datetime) -> None:
         meta = pod["metadata"]
         ns, name = meta["namespace"], meta["name"]
-        stamp = now.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = timestamp(now)
         logger.info(
             "taint eviction: deleting pod %s/%s from node %s", ns, name, pod["spec"]["nodeName"]
         )

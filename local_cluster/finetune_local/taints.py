@@ -36,14 +36,6 @@ def node_taints(node: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [dict(t) for t in node.get("spec", {}).get("taints") or []]
 
 
-def ready_status(node: Mapping[str, Any]) -> str:
-    """The node's Ready condition status ("True", "False", "Unknown"; "" without one)."""
-    for cond in node.get("status", {}).get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return str(cond.get("status") or "")
-    return ""
-
-
 def matching_tolerations(
     taints: Iterable[Mapping[str, Any]], tolerations: Sequence[Mapping[str, Any]]
 ) -> list[Mapping[str, Any]] | None:
