@@ -141,10 +141,10 @@ async def reconcile_pass(
             await_pods_gone(memo, (job.namespace, job.name), out.actions.await_pods_gone)
             result = await cluster.apply(job.namespace, out.actions)
             out = await _with_gang(cluster, job, old, out, now)
-            state.deleted_uids = {u for u in state.deleted_uids if u in {p.uid for p in pods}}
-            state.deleted_uids |= {d.uid for d in result.deleted}
-            state.lost_uids = {u for u in state.lost_uids if u in {p.uid for p in pods}}
-            state.lost_uids |= {d.uid for d in result.deleted if d.reason == REASON_NODE_LOST}
+            state.deleted_uids = (state.deleted_uids & live) | {d.uid for d in result.deleted}
+            state.lost_uids = (state.lost_uids & live) | {
+                d.uid for d in result.deleted if d.reason == REASON_NODE_LOST
+            }
             if out.actions.ensure and not result.errors:
                 state.ensured_generation = job.generation
             new = note_apply_errors(out.status, result.errors, now, job.generation)

@@ -125,8 +125,7 @@ def _active(
     if gave_up and a.rendezvous is not None and a.rendezvous not in preempted:
         closed.append(a.rendezvous)
     deletes = (
-        _force_deletions(a)
-        + _deletions(a.replace_now, REASON_RESTARTING)
+        _deletions(a.replace_now, REASON_RESTARTING)
         + _deletions(closed, REASON_RESTARTING)
         + _deletions(preempted, REASON_PREEMPTED)
         + _deletions(surplus, REASON_COMPLETED)
@@ -144,24 +143,20 @@ def _active(
         terminating=(a.terminating - gone) | going,
     )
     budget = ev.spec.fault_tolerance.max_restarts
-    events = (
-        _lost_events(a)
-        + tuple(
-            EventSpec(
-                "Warning",
-                REASON_RESTARTING,
-                f"{p.describe_failure()}; replacing it ({a.restarts} of {budget} restarts used)",
-            )
-            for p in a.replace_now
+    events = tuple(
+        EventSpec(
+            "Warning",
+            REASON_RESTARTING,
+            f"{p.describe_failure()}; replacing it ({a.restarts} of {budget} restarts used)",
         )
-        + tuple(
-            EventSpec(
-                "Normal",
-                v.disposition.value,
-                f"pod {p.name} ended: {v.why}; replacing it (not counted against maxRestarts)",
-            )
-            for p, v in a.preempted_now
+        for p in a.replace_now
+    ) + tuple(
+        EventSpec(
+            "Normal",
+            v.disposition.value,
+            f"pod {p.name} ended: {v.why}; replacing it (not counted against maxRestarts)",
         )
+        for p, v in a.preempted_now
     )
     # While Kueue's admission cannot be read, the workers that run are kept but none is added.
     create = tuple(_create_pods(ev, status, remaining)) if not a.hold else ()
@@ -216,11 +211,13 @@ def decide_actions(
     terminating pods as read this pass (nodeloss.py).
     """
     a = assess(ev, status, pods, now, own, nodes)
+    # Lost pods go in every mode, first (the apply deletes before it creates: an active job
+    # fills their slots in this pass); in a job not active any more (suspended, finished,
+    # queued) a Workload's quota and a PodGroup are held until its pods are gone.
     if a.mode is Mode.ACTIVE:
-        return _active(ev, status, a, ensured_generation, now)
-    # A lost pod of a job that is not active any more (suspended, finished, queued) goes too:
-    # a Workload's quota and a PodGroup are held until its pods are gone.
-    actions = _inactive(ev, a, now)
+        actions = _active(ev, status, a, ensured_generation, now)
+    else:
+        actions = _inactive(ev, a, now)
     return replace(
         actions,
         delete=_force_deletions(a) + actions.delete,

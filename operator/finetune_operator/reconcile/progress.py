@@ -131,17 +131,24 @@ def parse_trainer_metrics(text: str) -> TrainerProgress:
 
 
 OWN_ROUND = mn.TRAINER_OWN_FAILURE_ROUND.name
+CURRENT_ROUND = mn.TRAINER_ROUND.name
+
+
+def _rounds(text: str, sample: str) -> list[str]:
+    """The `round` labels of the samples named `sample` that are set (not 0) on one metrics
+    page; none when the page does not parse."""
+    try:
+        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except (ValueError, TypeError, IndexError):
+        return []
+    found = [s.labels.get(mn.LABEL_ROUND) for s in samples if s.name == sample and s.value]
+    return [r for r in found if r]
 
 
 def parse_own_rounds(text: str) -> frozenset[str] | None:
     """The failed rounds one metrics page reports (every rank of a pod exports its launcher's
     list: `round` labels of the samples at 1), None when the page has none."""
-    try:
-        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
-    except (ValueError, TypeError, IndexError):
-        return None
-    rounds = [s.labels.get(mn.LABEL_ROUND) for s in samples if s.name == OWN_ROUND and s.value]
-    return frozenset(r for r in rounds if r) or None
+    return frozenset(_rounds(text, OWN_ROUND)) or None
 
 
 def own_rounds_by_pod(pages: Mapping[ScrapeTarget, str]) -> dict[str, frozenset[str]]:
@@ -154,17 +161,9 @@ def own_rounds_by_pod(pages: Mapping[ScrapeTarget, str]) -> dict[str, frozenset[
     return out
 
 
-CURRENT_ROUND = mn.TRAINER_ROUND.name
-
-
 def parse_round(text: str) -> str | None:
     """The round one metrics page says its rank trains in (None: none, or not parseable)."""
-    try:
-        samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
-    except (ValueError, TypeError, IndexError):
-        return None
-    found = [s.labels.get(mn.LABEL_ROUND) for s in samples if s.name == CURRENT_ROUND and s.value]
-    return next((r for r in found if r), None)
+    return next(iter(_rounds(text, CURRENT_ROUND)), None)
 
 
 def rounds_by_pod(pages: Mapping[ScrapeTarget, str]) -> dict[str, str]:
