@@ -9,16 +9,19 @@ that does not fit ends that row), checkpointing off before on. Pure: no clocks, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from finetune_operator.api.limits import MAX_NODES
 from finetune_operator.api.spec import FineTuneJobSpec, Objective
+from finetune_operator.api.storage import is_object_store_uri
 from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_operator.planner.architecture import ModelShape
+from finetune_operator.planner.checkpoint_memory import SaveMemory, save_memory
 from finetune_operator.planner.configuration import Candidate, TrainingShape
 from finetune_operator.planner.hardware import Accelerator, runtime_host_bytes
 from finetune_operator.planner.loading import zero_resume_host_bytes
 from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
+from finetune_operator.planner.model_states import checkpoint_state_bytes
 from finetune_operator.planner.steptime import step_seconds
 
 # DESIGN §4: a plan must leave at least this share of GPU memory free.
@@ -59,16 +62,25 @@ class Evaluated:
     # What the device must hold: the breakdown's total on a GPU; on CPU, where the device is
     # the host, with the offloaded states and a resume's read group (0: the breakdown's total).
     device_bytes: int = 0
+    # What a checkpoint save holds (checkpoint_memory); on CPU counted in device_bytes.
+    save: SaveMemory = field(default_factory=SaveMemory)
 
     @property
     def device_need(self) -> int:
         return self.device_bytes or self.est.breakdown.total
 
     @property
+    def save_host_bytes(self) -> int:
+        return self.save.host_peak if self.cand.cuda else 0
+
+    @property
     def host_need(self) -> int:
         # On CPU the offloaded states are in the device's need (evaluate): counted once.
         offloaded = self.est.host_bytes if self.cand.cuda else 0
-        return offloaded + self.resume_host_bytes + self.runtime_host_bytes
+        # A resume's read group is freed before the first step; the staging buffer is
+        # allocated after it (dcp_checkpointer.prepare): the larger of the two, not the sum.
+        phases = max(self.resume_host_bytes, self.save_host_bytes)
+        return offloaded + phases + self.runtime_host_bytes
 
 
 def memory_limit(acc: Accelerator) -> float:
@@ -134,26 +146,46 @@ def evaluate(
         if row.backend == "deepspeed" and p.spec.checkpoint.enabled
         else 0
     )
+    ck = p.spec.checkpoint
+    state = checkpoint_state_bytes(p.model, shape, cand)
+    save = save_memory(
+        state,
+        on_host=min(state, est.host_bytes) if p.acc.cuda else 0,
+        enabled=ck.enabled,
+        async_=ck.async_,
+        cuda=p.acc.cuda,
+        deepspeed=row.backend == "deepspeed",
+        object_store=is_object_store_uri(ck.uri),
+        device_snapshot=ck.device_snapshot,
+    )
     b = est.breakdown
     host = est.host_bytes
     if p.acc.cuda:
-        device_need = b.total
+        device_need = b.total + save.device_snapshot
     else:
         # On CPU the device memory is the host's (one budget per process: resources.memory
         # over its processes), so each byte is counted once, in it: the states DeepSpeed
         # offloads to its host buffers (FSDP2 offloads nothing on CPU: Candidate.offloads)
         # beside everything else, and the resume's group beside the resident model states (it
         # is freed before the first step, whose transients it never meets). Checked apart, the
-        # two halves each fit the budget while their sum did not.
-        device_need = host + max(b.total, b.parameters + b.gradients + b.optimizer + resume)
+        # two halves each fit the budget while their sum did not. A save's memory joins the
+        # step's peak when its write overlaps the steps (async), else the resident states
+        # between steps.
+        resident = b.parameters + b.gradients + b.optimizer
+        step_save = save.host_peak if save.during_step else 0
+        between = resume if save.during_step else max(resume, save.host_peak)
+        device_need = host + max(b.total + step_save, resident + between)
         host = resume = 0
     runtime = runtime_host_bytes(gpn) if p.acc.cuda else 0
     device_fits = device_need <= memory_limit(p.acc)
-    fits = device_fits and host + resume + runtime <= p.host_budget
+    save_host = save.host_peak if p.acc.cuda else 0
+    fits = device_fits and host + max(resume, save_host) + runtime <= p.host_budget
     run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * micro_batch_size)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
     placed = replace(cand, strategy=row.name)
-    return Evaluated(row, placed, shape, est, fits, step, resume, runtime, device_fits, device_need)
+    return Evaluated(
+        row, placed, shape, est, fits, step, resume, runtime, device_fits, device_need, save
+    )
 
 
 def micro_batch_sizes(p: Problem, per_rank: int) -> list[int]:
