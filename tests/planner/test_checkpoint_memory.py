@@ -9,6 +9,11 @@ from finetune_operator.api.model_spec import ModelArchitecture
 from finetune_operator.planner import plan_job
 from finetune_operator.planner.architecture import shape_of
 from finetune_operator.planner.catalog import lookup
+from finetune_operator.planner.checkpoint_memory import (
+    S3_WRITE_BLOCK_BYTES,
+    SaveMemory,
+    save_memory,
+)
 from finetune_operator.planner.configuration import Candidate, TrainingShape
 from finetune_operator.planner.model_states import checkpoint_state_bytes
 from finetune_operator.planner.planning import build_problem
@@ -95,3 +100,19 @@ def test_a_tied_embedding_is_staged_under_both_names() -> None:
     assert m.lm_head == 0
     staged = checkpoint_state_bytes(m, TrainingShape(1, 2048), Candidate("ddp", 1, 1))
     assert abs(staged / 1e9 - 15.88) < 0.02, staged
+
+
+def test_what_a_save_holds_by_mode() -> None:
+    s, kw = 8 * GIB, {"enabled": True, "object_store": False, "device_snapshot": False}
+    ddp = save_memory(s, async_=True, cuda=True, deepspeed=False, replicas=8, **kw)
+    assert (ddp.staging, ddp.writing) == (s, s // 8)  # DCP spreads the replicas' writes
+    sync_gpu = save_memory(s, async_=False, cuda=True, deepspeed=False, **kw)
+    assert (sync_gpu.staging, sync_gpu.writing, sync_gpu.during_step) == (0, s, False)
+    offloaded = save_memory(s, async_=False, cuda=True, deepspeed=False, on_host=s, **kw)
+    assert offloaded.host_peak == 0  # written from host memory as it is
+    assert save_memory(s, async_=False, cuda=False, deepspeed=False, **kw).host_peak == 0
+    assert save_memory(s, async_=False, cuda=False, deepspeed=True, **kw).host_peak == s
+    s3 = save_memory(s, async_=False, cuda=False, deepspeed=True, **{**kw, "object_store": True})
+    assert s3.host_peak == s + S3_WRITE_BLOCK_BYTES
+    off = save_memory(s, async_=True, cuda=True, deepspeed=False, **{**kw, "enabled": False})
+    assert off == SaveMemory()

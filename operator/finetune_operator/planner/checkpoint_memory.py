@@ -9,11 +9,15 @@ what that holds, with torch 2.13's DCP writers:
   writes it with `dcp.save`, whose FileSystemWriter copies every tensor that is a view of a
   larger storage (each staged tensor is a view of the flat buffer) and keeps every tensor it
   wrote to a file until that file is closed (its `tensor_dict`); a rank writes one file, so
-  while it writes, a second S. That write runs beside the following training steps.
+  while it writes, a second copy of what it writes: S where the state is sharded (FSDP2,
+  DeepSpeed's chunks), about S/N for DDP's replicated state, which DCP's save planner
+  deduplicates over the N ranks, balancing the bytes (dedup_save_plans). That write runs
+  beside the following training steps.
 - sync (`async: false`): nothing is staged. On CUDA the writer copies each device tensor to
-  the host and keeps them all until the file is closed: S, less what offload already keeps on
-  the host (written as it is), while the loop waits in the save (between steps: no
-  activations). On a CPU device the tensors are written as they are, nothing copied. DeepSpeed's capture is always a fresh host copy of the rank's chunks
+  the host and keeps them all until the file is closed: what it writes (as above), less what
+  offload already keeps on the host (written as it is), while the loop waits in the save
+  (between steps: no activations). On a CPU device the tensors are written as they are,
+  nothing copied. DeepSpeed's capture is always a fresh host copy of the rank's chunks
   (deepspeed_fragments.local_chunk): S during a sync save; during an async one it lives
   until the staging copy is made, and the staging buffer plus the writer's copies is 2 S
   either way.
@@ -54,6 +58,7 @@ def save_memory(
     state_bytes: int,
     *,
     on_host: int = 0,
+    replicas: int = 1,
     enabled: bool,
     async_: bool,
     cuda: bool,
@@ -62,16 +67,18 @@ def save_memory(
     device_snapshot: bool,
 ) -> SaveMemory:
     """What a save holds per rank (see the module docstring); `state_bytes`: S; `on_host`:
-    the part of it a GPU job's offload keeps in host memory."""
+    the part of it a GPU job's offload keeps in host memory; `replicas`: the ranks holding
+    the same state (DDP: the world size), over which DCP spreads its writing."""
     if not enabled:
         return SaveMemory()
     upload = S3_WRITE_BLOCK_BYTES if object_store else 0
+    written = -(-state_bytes // max(1, replicas))
     if async_:
         return SaveMemory(
             staging=state_bytes,
-            writing=state_bytes + upload,
+            writing=written + upload,
             during_step=True,
             device_snapshot=state_bytes if cuda and device_snapshot else 0,
         )
-    copied = state_bytes if deepspeed else max(0, state_bytes - on_host) if cuda else 0
+    copied = state_bytes if deepspeed else max(0, written - on_host) if cuda else 0
     return SaveMemory(writing=copied + upload)

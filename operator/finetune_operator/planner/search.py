@@ -119,6 +119,16 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+def _replicas(row: Strategy, cand: Candidate) -> int:
+    """Ranks holding the same checkpoint state, whose writing DCP spreads over them: DDP's
+    replicas, hybrid sharding's copies of a shard; DeepSpeed's chunks are all distinct."""
+    if row.backend == "deepspeed":
+        return 1
+    if row.replicated:
+        return cand.world_size
+    return cand.world_size // cand.shard_size if row.shards_params else 1
+
+
 def evaluate(
     p: Problem,
     n: int,
@@ -151,6 +161,7 @@ def evaluate(
     save = save_memory(
         state,
         on_host=min(state, est.host_bytes) if p.acc.cuda else 0,
+        replicas=_replicas(row, cand),
         enabled=ck.enabled,
         async_=ck.async_,
         cuda=p.acc.cuda,
