@@ -217,15 +217,20 @@ def _host_refusal(p: Problem, sm: Evaluated) -> str:
     what = [f"the runtime ({_gib(sm.runtime_host_bytes)})"] if sm.runtime_host_bytes else []
     if sm.est.host_bytes:
         what.append(f"offloaded states ({_gib(sm.est.host_bytes)})")
-    save = _save_items(sm.save) if sm.save_host_bytes else []
-    resume = f"a resume's read group ({_gib(sm.resume_host_bytes)})"
-    if sm.resume_host_bytes and save:
-        # Before the first step, the other after it: the larger counts (Evaluated.host_need).
-        what.append(f"the larger of {resume} and {_listed(save)}")
-    elif sm.resume_host_bytes:
-        what.append(resume)
+    # Phases one after another (Evaluated.host_need): the largest counts, not their sum.
+    phases = [
+        f"loading's reads of the weights ({_gib(sm.load_host_bytes)})"
+        if sm.load_host_bytes
+        else "",
+        f"a resume's read group ({_gib(sm.resume_host_bytes)})" if sm.resume_host_bytes else "",
+        " plus ".join(_save_items(sm.save)) if sm.save_host_bytes else "",
+    ]
+    phases = [phase for phase in phases if phase]
+    if len(phases) > 1:
+        largest = "the larger" if len(phases) == 2 else "the largest"
+        what.append(f"{largest} of {_listed(phases)}")
     else:
-        what.extend(save)
+        what.extend(phases)
     per_pod = sm.host_need * p.spec.resources.gpus_per_node
     return (
         f"Host RAM per process: {_listed(what)} need{'' if len(what) > 1 else 's'} "

@@ -17,9 +17,9 @@ from finetune_operator.api.storage import is_object_store_uri
 from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.checkpoint_memory import SaveMemory, save_memory
-from finetune_operator.planner.configuration import Candidate, TrainingShape
+from finetune_operator.planner.configuration import PRECISION_BYTES, Candidate, TrainingShape
 from finetune_operator.planner.hardware import Accelerator, runtime_host_bytes
-from finetune_operator.planner.loading import zero_resume_host_bytes
+from finetune_operator.planner.loading import weights_read_host_bytes, zero_resume_host_bytes
 from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
 from finetune_operator.planner.model_states import checkpoint_state_bytes
 from finetune_operator.planner.steptime import step_seconds
@@ -64,6 +64,9 @@ class Evaluated:
     device_bytes: int = 0
     # What a checkpoint save holds (checkpoint_memory); on CPU counted in device_bytes.
     save: SaveMemory = field(default_factory=SaveMemory)
+    # Host RAM a GPU job's load of object-store weights holds: the ranged reads in flight
+    # (loading.ranged_read_bytes; on CPU in the load peak, which is the same memory).
+    load_host_bytes: int = 0
 
     @property
     def device_need(self) -> int:
@@ -77,9 +80,10 @@ class Evaluated:
     def host_need(self) -> int:
         # On CPU the offloaded states are in the device's need (evaluate): counted once.
         offloaded = self.est.host_bytes if self.cand.cuda else 0
-        # A resume's read group is freed before the first step; the staging buffer is
-        # allocated after it (dcp_checkpointer.prepare): the larger of the two, not the sum.
-        phases = max(self.resume_host_bytes, self.save_host_bytes)
+        # Phases, one after the other, never together: the weights are read, then a resume's
+        # read group is read and freed, all before the first step; the staging buffer is
+        # allocated after it (dcp_checkpointer.prepare). The largest counts, not the sum.
+        phases = max(self.load_host_bytes, self.resume_host_bytes, self.save_host_bytes)
         return offloaded + phases + self.runtime_host_bytes
 
 
@@ -127,6 +131,31 @@ def _replicas(row: Strategy, cand: Candidate) -> int:
     if row.replicated:
         return cand.world_size
     return cand.world_size // cand.shard_size if row.shards_params else 1
+
+
+def _weights_reads(p: Problem, row: Strategy, shape: TrainingShape, cand: Candidate) -> int:
+    """Host bytes of the ranged reads of pretrained weights on an object store, for the loads
+    that read them through DCP (finetune_trainer.pretrained, replica_loading); QLoRA's and
+    ZeRO-3's loaders read one tensor or module at a time (remote_tensors): not counted."""
+    uri = p.spec.model.weights_location()
+    remote = p.spec.model.source == "uri" and uri is not None and is_object_store_uri(uri)
+    if (
+        not remote
+        or shape.method == "qlora"
+        or (row.backend == "deepspeed" and row.zero_stage == 3)
+    ):
+        return 0
+    # The replica's dtype, as planning._load_peak reads it: DDP's fp32 masters for a full
+    # fine-tune (else the frozen base's dtype); DeepSpeed's partitions in the precision's.
+    e = PRECISION_BYTES[shape.precision]
+    if row.backend != "deepspeed" and (shape.method == "full" or shape.precision == "fp32"):
+        e = 4
+    return weights_read_host_bytes(
+        p.model,
+        shard_size=cand.shard_size if row.shards_params else 1,
+        striped_world=1 if row.shards_params else cand.world_size,
+        element_bytes=e,
+    )
 
 
 def evaluate(
@@ -190,13 +219,15 @@ def evaluate(
     runtime = runtime_host_bytes(gpn) if p.acc.cuda else 0
     device_fits = device_need <= memory_limit(p.acc)
     save_host = save.host_peak if p.acc.cuda else 0
-    fits = device_fits and host + max(resume, save_host) + runtime <= p.host_budget
+    load_host = _weights_reads(p, row, shape, cand) if p.acc.cuda else 0
+    fits = device_fits and host + max(load_host, resume, save_host) + runtime <= p.host_budget
     run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * micro_batch_size)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
     placed = replace(cand, strategy=row.name)
     return Evaluated(
-        row, placed, shape, est, fits, step, resume, runtime, device_fits, device_need, save
-    )
+        row, placed, shape, est, fits, step, resume, runtime, device_fits, device_need, save,
+        load_host,
+    )  # fmt: skip
 
 
 def micro_batch_sizes(p: Problem, per_rank: int) -> list[int]:
