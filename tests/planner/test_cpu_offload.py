@@ -48,7 +48,8 @@ def test_deepspeed_offload_on_cpu_adds_the_offloaded_states_to_the_device_need()
     ev = evaluate(p, 1, strategies_for(p, 1)[0], 1, True)
     b, host = ev.est.breakdown, ev.est.host_bytes
     assert host > 0 and b.optimizer == 0  # DeepSpeed on CPU still moves them to host buffers
-    assert ev.device_need == b.total + host  # once, in the one memory both live in
+    # once, in the one memory both live in; with the async save's staging and write copy
+    assert ev.device_need == b.total + host + ev.save.host_peak
     assert ev.host_need == 0  # not a second time against the same budget
     # A budget each half fits but their sum does not: refused (the halves were checked apart,
     # against the same RAM, so it planned).
@@ -66,7 +67,11 @@ def test_deepspeed_offload_on_a_gpu_keeps_device_and_host_apart() -> None:
     ev = evaluate(p, 8, strategies_for(p, 8)[0], 1, True)
     assert ev.est.host_bytes > 0
     assert ev.device_need == ev.est.breakdown.total
-    assert ev.host_need == ev.est.host_bytes + ev.resume_host_bytes + runtime_host_bytes(8)
+    # The resume's group (before the first step) or the async save's staging and write copies
+    # (after it), whichever is larger: DeepSpeed's 1/8 of 12 B per parameter, twice.
+    save = ev.save.host_peak
+    assert save == 2 * ev.save.staging > ev.resume_host_bytes
+    assert ev.host_need == ev.est.host_bytes + save + runtime_host_bytes(8)
 
 
 def test_fsdp_offload_on_cpu_plans_the_states_where_the_trainer_keeps_them() -> None:

@@ -14,6 +14,7 @@ from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.catalog import lookup
 from finetune_operator.planner.loading import largest_module_parameters, zero_resume_host_bytes
 from finetune_operator.planner.lora import adapter_parameters
+from finetune_operator.planner.model_states import checkpoint_state_bytes
 
 GIB = 2**30
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -39,14 +40,15 @@ def test_one_read_group_never_the_whole_checkpoint(method: str) -> None:
 
 
 def test_zero3_offload_8b_fits_a_node_that_the_full_templates_did_not() -> None:
-    """Host RAM per process = the offloaded states + one group; with that (plus 1 GiB) per
-    process the 8-GPU plan fits, where the full templates (~96 GB a rank) would have been
-    OOMKilled; 1 GiB less than it, nothing fits and the refusal names the resume's group."""
+    """Host RAM per process = the offloaded states + the larger of one resume group and the
+    async save's staging and write copies (after the first step, the group being freed
+    before it); with that (plus 1 GiB) per process the 8-GPU plan fits, where the full
+    templates (~96 GB a rank) would have been OOMKilled; 1 GiB less than it, nothing fits
+    and the refusal names the resume's group beside the save."""
     m = llama8b()
-    offloaded = estimate_memory(
-        m, TrainingShape(micro_batch_size=1, seq_len=2048), Candidate("zero3", 8, 8, "cpu")
-    ).host_bytes
-    group = zero_resume_host_bytes(m, TrainingShape(micro_batch_size=1, seq_len=2048))
+    shape, cand = TrainingShape(micro_batch_size=1, seq_len=2048), Candidate("zero3", 8, 8, "cpu")
+    offloaded = estimate_memory(m, shape, cand).host_bytes
+    group = max(zero_resume_host_bytes(m, shape), 2 * checkpoint_state_bytes(m, shape, cand))
 
     def plan(per_process: int) -> Plan:
         return plan_job(make_spec(
@@ -62,3 +64,4 @@ def test_zero3_offload_8b_fits_a_node_that_the_full_templates_did_not() -> None:
     refused = plan(offloaded + group - GIB)
     assert not refused.fits
     assert "a resume's read group" in refused.reason, refused.reason
+    assert "the checkpoint's staging copy" in refused.reason, refused.reason

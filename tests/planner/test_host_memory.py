@@ -64,7 +64,7 @@ def test_offloaded_states_and_the_runtime_share_the_host_budget() -> None:
     p = build_problem(make_spec(strategy={"type": "zero2", "offload": "cpu"}))
     row = strategies_for(p, 8)[0]
     ev = evaluate(p, 8, row, 1, True)
-    states = ev.est.host_bytes + ev.resume_host_bytes
+    states = ev.est.host_bytes + max(ev.resume_host_bytes, ev.save.host_peak)
     assert ev.est.host_bytes > 0 and ev.host_need == states + runtime_host_bytes(8)
     tight = evaluate(replace(p, host_budget=states + MIB), 8, row, 1, True)
     assert not tight.fits

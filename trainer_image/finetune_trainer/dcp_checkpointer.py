@@ -30,7 +30,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -61,10 +61,22 @@ from finetune_trainer.state import TrainState
 
 log = logging.getLogger(__name__)
 
-# Opt-in: stage through a snapshot in GPU memory (staging.py); costs a copy of the state there.
+# Stage through a snapshot in GPU memory (staging.py; spec.checkpoint.deviceSnapshot, which the
+# planner counts): "1" or "0" here overrides the spec (an experiment on a running image).
 DEVICE_SNAPSHOT_ENV = "FT_CHECKPOINT_DEVICE_SNAPSHOT"
 # DCP raises CheckpointException, a BaseException, when any rank fails a save.
 SAVE_ERRORS = (Exception, CheckpointException)
+
+
+def device_snapshot(spec: CheckpointSpec, env: Mapping[str, str]) -> bool:
+    """Whether saves stage through a GPU snapshot: the spec's field, unless the env var says
+    "1" or "0" (anything else is refused: a typo must not silently mean the spec's value)."""
+    value = env.get(DEVICE_SNAPSHOT_ENV)
+    if value is None or value == "":
+        return spec.device_snapshot
+    if value not in ("0", "1"):
+        raise ValueError(f"{DEVICE_SNAPSHOT_ENV} must be 0 or 1, not {value!r}")
+    return value == "1"
 
 
 class DcpCheckpointer:
@@ -115,7 +127,7 @@ class DcpCheckpointer:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        snapshot = os.environ.get(DEVICE_SNAPSHOT_ENV) == "1"
+        snapshot = device_snapshot(spec, os.environ)
         self.staging = (
             HostStaging(device, device_snapshot=snapshot) if self.mode is AsyncMode.ASYNC else None
         )

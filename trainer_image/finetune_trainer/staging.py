@@ -18,11 +18,13 @@ for the event (`release`): the GPU orders the optimizer after the copy, the host
 on it. The writer thread calls `wait_device` (event.synchronize) before reading the buffers.
 The caller keeps at most one save in flight, so a buffer is never overwritten while written.
 
-Optional device snapshot (`device_snapshot=True`, env `FT_CHECKPOINT_DEVICE_SNAPSHOT=1`): the
+Optional device snapshot (`device_snapshot=True`: spec.checkpoint.deviceSnapshot, or env
+`FT_CHECKPOINT_DEVICE_SNAPSHOT=1` as an override, dcp_checkpointer.device_snapshot): the
 state is first copied device-to-device into a second flat buffer on the GPU (HBM bandwidth:
 milliseconds), and the optimizer only waits for that; the device-to-host copy of the snapshot
 then runs on over the following steps. It costs one more copy of the checkpoint state in GPU
-memory, which the planner does not count: off by default.
+memory, which the planner counts when the spec turns it on (planner/checkpoint_memory.py; the
+env override is not planned for): off by default.
 
 DTensor (FSDP2) entries are staged as their local shard and handed to DCP as DTensors with
 the same spec over the host buffer, so the checkpoint keeps its sharding metadata.

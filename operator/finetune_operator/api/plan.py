@@ -92,7 +92,8 @@ class Plan(ApiModel):
             "DeepSpeed ZeRO-3: partitions under zero.Init plus that module gathered; "
             "ZeRO-1/2: the whole replica, in the training dtype, plus that module; DDP and "
             "ZeRO-1/2 reading object-store weights in stripes: the replica plus the larger of "
-            "that module and one load's stripes with the reads in flight)."
+            "that module and one load's stripes, with the reads in flight on a CPU device; on a "
+            "GPU those reads are host memory, which the plan checks against resources.memory)."
         ),
     )
     checkpoint_bytes: int = Field(

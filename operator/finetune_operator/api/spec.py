@@ -98,6 +98,13 @@ class CheckpointSpec(SpecModel):
         True, description="false: never checkpoint (no resume, no final save on SIGTERM)."
     )
     async_: bool = Field(True, alias="async", description="Save in the background (DCP async).")
+    device_snapshot: bool = Field(
+        False,
+        description="GPU, async saves: copy the state within GPU memory first, so the next "
+        "optimizer step waits only for that copy and the copy to the host runs on beside the "
+        "following steps. Costs one more copy of each rank's checkpoint state in GPU memory "
+        "(the planner counts it). Not measured on a GPU yet.",
+    )
 
     @field_validator("uri")
     @classmethod

@@ -6,6 +6,7 @@ import math
 from typing import Protocol
 
 from finetune_operator.api.plan import Plan
+from finetune_operator.planner.checkpoint_memory import SaveMemory
 from finetune_operator.planner.errors import PlanningError
 from finetune_operator.planner.hardware import GIB, MIB, runtime_host_bytes
 from finetune_operator.planner.search import MIN_HEADROOM, Evaluated, Problem, SearchResult
@@ -175,6 +176,13 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
             if ev is not None:
                 parts.append(f"{label} would fit on {ev.cand.world_size} x {p.acc.name}.")
     need = sm.device_need / (1 - MIN_HEADROOM)
+    if sm.save.device_snapshot:
+        parts.append(
+            f"That includes the checkpoint's device snapshot ({_gib(sm.save.device_snapshot)}, "
+            "checkpoint.deviceSnapshot)."
+        )
+    elif not p.acc.cuda and sm.save.host_peak:
+        parts.append(f"That includes {_listed(_save_items(sm.save))} (checkpoint saves).")
     if p.acc.cuda:
         if sm.device_need > limit:
             parts.append(f"A GPU with >= {_gib(need)} would fit the smallest configuration.")
@@ -189,18 +197,43 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
     return " ".join(parts)
 
 
+def _save_items(save: SaveMemory) -> list[str]:
+    """The checkpoint save's memory, named as the refusals list it."""
+    items = []
+    if save.staging:
+        items.append(f"the checkpoint's staging copy ({_gib(save.staging)})")
+    if save.writing:
+        items.append(f"a checkpoint write's copy ({_gib(save.writing)})")
+    return items
+
+
+def _listed(items: list[str]) -> str:
+    return ", ".join(items[:-1]) + (" and " if len(items) > 1 else "") + items[-1]
+
+
 def _host_refusal(p: Problem, sm: Evaluated) -> str:
     """What the configuration needing the least host RAM (of those the device holds) needs
     of it per process, and the per-pod resources.memory that would hold it."""
     what = [f"the runtime ({_gib(sm.runtime_host_bytes)})"] if sm.runtime_host_bytes else []
     if sm.est.host_bytes:
         what.append(f"offloaded states ({_gib(sm.est.host_bytes)})")
-    if sm.resume_host_bytes:
-        what.append(f"a resume's read group ({_gib(sm.resume_host_bytes)})")
-    listed = ", ".join(what[:-1]) + (" and " if len(what) > 1 else "") + what[-1]
+    # Phases one after another (Evaluated.host_need): the largest counts, not their sum.
+    phases = [
+        f"loading's reads of the weights ({_gib(sm.load_host_bytes)})"
+        if sm.load_host_bytes
+        else "",
+        f"a resume's read group ({_gib(sm.resume_host_bytes)})" if sm.resume_host_bytes else "",
+        " plus ".join(_save_items(sm.save)) if sm.save_host_bytes else "",
+    ]
+    phases = [phase for phase in phases if phase]
+    if len(phases) > 1:
+        largest = "the larger" if len(phases) == 2 else "the largest"
+        what.append(f"{largest} of {_listed(phases)}")
+    else:
+        what.extend(phases)
     per_pod = sm.host_need * p.spec.resources.gpus_per_node
     return (
-        f"Host RAM per process: {listed} need{'' if len(what) > 1 else 's'} "
+        f"Host RAM per process: {_listed(what)} need{'' if len(what) > 1 else 's'} "
         f"{_gib(sm.host_need)} at {_count(sm.cand.world_size, 'rank')} with {_config(sm)} "
         f"(budget {_gib(p.host_budget)}); resources.memory >= {_gib_up(per_pod)} per pod "
         "would hold it."

@@ -30,6 +30,14 @@ READ_PART_BYTES); the gathers allocate nothing. At 256 + 256 + 64 MiB that is up
 on top of the replica of a large model; the figure counted before (the replica plus one
 module's fp32 init) left it out.
 
+Where those buffers live: the stripes are DTensors on the parameters' device; the raw bytes
+of the GETs and the client's join are host memory (Python bytes, copied into the stripes,
+finetune_trainer.slice_sink), on a GPU job as on a CPU one. Every DCP load of object-store
+weights (finetune_trainer.pretrained's ranged reader: FSDP2 shards, one rank's replica,
+LoRA's base) holds them too. So on a GPU `Plan.loadPeakBytes` counts the stripes only and
+the search counts the reads in host RAM (`ranged_read_bytes`); on CPU, one memory, the
+striped figure keeps them.
+
 A DeepSpeed resume (finetune_trainer.deepspeed_resume, `zero_resume_host_bytes`) reads the
 checkpoint's fp32 tensors into host memory one group at a time: at most
 `resume_chunk_budget` (1 GiB, or the largest trainable tensor), never more than the whole
@@ -71,6 +79,7 @@ def zero_load_peak_bytes(
     *,
     partition_dtype_bytes: int,
     striped_world: int = 1,
+    reads_on_host: bool = False,
 ) -> int:
     """Load peak of a DeepSpeed ZeRO `stage` rank (see the module docstring);
     `resident_parameter_bytes`: the breakdown's `parameters`; `partition_dtype_bytes`: the
@@ -84,6 +93,40 @@ def zero_load_peak_bytes(
         resident_parameter_bytes,
         element_bytes=partition_dtype_bytes,
         striped_world=striped_world,
+        reads_on_host=reads_on_host,
+    )
+
+
+def ranged_read_bytes(stored_bytes: int) -> int:
+    """Host bytes of a DCP load of object-store weights reading `stored_bytes` (what the rank
+    reads, as stored): the raw bytes of the ranged GETs in flight (at most READ_BATCH_BYTES)
+    plus the S3 client's join of one part (at most READ_PART_BYTES)."""
+    raw = min(READ_BATCH_BYTES, stored_bytes)
+    return raw + min(READ_PART_BYTES, raw)
+
+
+def weights_read_host_bytes(
+    m: ModelShape, *, shard_size: int, striped_world: int, element_bytes: int
+) -> int:
+    """Host bytes a rank's DCP load of object-store weights holds (ranged_read_bytes) for
+    what it reads as stored (fp32 files assumed, the widest): one load's stripes when
+    `striped_world` ranks read a replica in stripes (of `element_bytes` elements), else its
+    shard over `shard_size` ranks (1: the whole model)."""
+    if striped_world > 1:
+        largest = largest_module_parameters(m) * element_bytes
+        group = stripe_group_bytes(m.total * element_bytes, largest, striped_world)
+        return ranged_read_bytes(group * FP32 // element_bytes)
+    return ranged_read_bytes(math.ceil(m.total / max(1, shard_size)) * FP32)
+
+
+def stripe_group_bytes(
+    replica_bytes: int, largest_tensor_bytes: int, world: int, *, stripe_bytes: int = STRIPE_BYTES
+) -> int:
+    """One DCP load's stripes on a replicated rank reading in stripes over `world` ranks: at
+    most `stripe_bytes`, or one larger tensor's stripe alone, never more than its share."""
+    return min(
+        max(stripe_bytes, math.ceil(largest_tensor_bytes / world)),
+        math.ceil(replica_bytes / world),
     )
 
 
@@ -111,24 +154,36 @@ def striped_read_bytes(
     """
     if world <= 1:
         return 0
-    group = min(
-        max(stripe_bytes, math.ceil(largest_tensor_bytes / world)),
-        math.ceil(replica_bytes / world),
+    group = stripe_group_bytes(
+        replica_bytes, largest_tensor_bytes, world, stripe_bytes=stripe_bytes
     )
     raw = min(read_batch_bytes, group * FP32 // element_bytes)
     return group + raw + min(read_part_bytes, raw)
 
 
 def replicated_load_peak_bytes(
-    m: ModelShape, replica_bytes: int, *, element_bytes: int, striped_world: int
+    m: ModelShape,
+    replica_bytes: int,
+    *,
+    element_bytes: int,
+    striped_world: int,
+    reads_on_host: bool = False,
 ) -> int:
     """Load peak of a replicated rank (DDP, ZeRO-1/2): one module's fp32 init beside the
     replica, or, read in stripes from an object store by `striped_world` ranks (1: not
-    striped), the stripes' bytes if more."""
+    striped), the stripes' bytes if more; with `reads_on_host` (a GPU) the stripes alone,
+    the reads being host memory (ranged_read_bytes)."""
     largest = largest_module_parameters(m)
-    striped = striped_read_bytes(
-        replica_bytes, largest * element_bytes, striped_world, element_bytes=element_bytes
-    )
+    if reads_on_host:
+        striped = (
+            stripe_group_bytes(replica_bytes, largest * element_bytes, striped_world)
+            if striped_world > 1
+            else 0
+        )
+    else:
+        striped = striped_read_bytes(
+            replica_bytes, largest * element_bytes, striped_world, element_bytes=element_bytes
+        )
     return replica_bytes + max(largest * FP32, striped)
 
 

@@ -114,3 +114,29 @@ def model_states(m: ModelShape, shape: TrainingShape, cand: Candidate) -> ModelS
         optim = 0
         host = moved
     return ModelStates(params, grads, optim, host, frozen_elems)
+
+
+def checkpoint_state_bytes(m: ModelShape, shape: TrainingShape, cand: Candidate) -> int:
+    """Bytes of the state one rank's save captures (finetune_trainer.state.TrainState.capture;
+    planner/checkpoint_memory.py says what a save holds of it). The torch backend: the
+    trainable parameters as the rank holds them (DDP: all of them; FSDP2: its shard; frozen
+    bases are not saved) and their optimizer states, wherever offload put them; a tied
+    embedding twice, under both of its names (get_state_dict keeps both keys and the staging
+    copies each). DeepSpeed (deepspeed_checkpoint): this rank's 1/N chunk of every trainable
+    parameter's fp32 master and optimizer states, whatever the ZeRO stage."""
+    e = PRECISION_BYTES[shape.precision]
+    mixed = e != FP32 and shape.master_weights is not False
+    full = shape.method == "full"
+    trainable = m.total if full else adapter_parameters(m, shape.lora_rank, shape.lora_targets)
+    n = cand.world_size
+    if cand.row.backend == "deepspeed":
+        # fp32 masters (or the fp32 parameters themselves) and the states in their dtype.
+        return _ceil_div(trainable, n) * int(FP32 + _optimizer_state_bytes(shape, FP32, False))
+    if not full:
+        e, mixed = FP32, False  # PEFT's fp32 adapters
+    pe = FP32 if mixed else e
+    s = cand.shard_size if cand.row.shards_params else 1
+    shard = _fsdp_shard_elems(m, trainable, s) if full else None
+    shard = shard if shard is not None else _ceil_div(trainable, s)
+    tied = _ceil_div(m.embedding, s) * pe if full and not m.lm_head else 0
+    return shard * pe + tied + int(shard * _optimizer_state_bytes(shape, e, mixed))

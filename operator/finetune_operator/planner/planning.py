@@ -174,6 +174,9 @@ def _striped_world(spec: FineTuneJobSpec, ev: Evaluated, world: int) -> int:
 
 
 def _load_peak(m: ModelShape, ev: Evaluated, striped_world: int) -> int:
+    # On a GPU the ranged reads are host memory (Evaluated.load_host_bytes): the device's
+    # load peak keeps the stripes only.
+    on_host = ev.cand.cuda
     parameters = ev.est.breakdown.parameters
     if ev.row.backend != "deepspeed":
         if ev.row.shards_params:
@@ -182,7 +185,7 @@ def _load_peak(m: ModelShape, ev: Evaluated, striped_world: int) -> int:
         full = ev.shape.method == "full" or ev.shape.precision == "fp32"
         e = 4 if full else PRECISION_BYTES[ev.shape.precision]
         return replicated_load_peak_bytes(
-            m, parameters, element_bytes=e, striped_world=striped_world
+            m, parameters, element_bytes=e, striped_world=striped_world, reads_on_host=on_host
         )
     return zero_load_peak_bytes(
         m,
@@ -190,6 +193,7 @@ def _load_peak(m: ModelShape, ev: Evaluated, striped_world: int) -> int:
         parameters,
         partition_dtype_bytes=PRECISION_BYTES[ev.shape.precision],
         striped_world=striped_world,
+        reads_on_host=on_host,
     )
 
 

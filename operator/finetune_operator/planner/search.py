@@ -9,16 +9,19 @@ that does not fit ends that row), checkpointing off before on. Pure: no clocks, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from finetune_operator.api.limits import MAX_NODES
 from finetune_operator.api.spec import FineTuneJobSpec, Objective
+from finetune_operator.api.storage import is_object_store_uri
 from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_operator.planner.architecture import ModelShape
-from finetune_operator.planner.configuration import Candidate, TrainingShape
+from finetune_operator.planner.checkpoint_memory import SaveMemory, save_memory
+from finetune_operator.planner.configuration import PRECISION_BYTES, Candidate, TrainingShape
 from finetune_operator.planner.hardware import Accelerator, runtime_host_bytes
-from finetune_operator.planner.loading import zero_resume_host_bytes
+from finetune_operator.planner.loading import weights_read_host_bytes, zero_resume_host_bytes
 from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
+from finetune_operator.planner.model_states import checkpoint_state_bytes
 from finetune_operator.planner.steptime import step_seconds
 
 # DESIGN §4: a plan must leave at least this share of GPU memory free.
@@ -59,16 +62,29 @@ class Evaluated:
     # What the device must hold: the breakdown's total on a GPU; on CPU, where the device is
     # the host, with the offloaded states and a resume's read group (0: the breakdown's total).
     device_bytes: int = 0
+    # What a checkpoint save holds (checkpoint_memory); on CPU counted in device_bytes.
+    save: SaveMemory = field(default_factory=SaveMemory)
+    # Host RAM a GPU job's load of object-store weights holds: the ranged reads in flight
+    # (loading.ranged_read_bytes; on CPU in the load peak, which is the same memory).
+    load_host_bytes: int = 0
 
     @property
     def device_need(self) -> int:
         return self.device_bytes or self.est.breakdown.total
 
     @property
+    def save_host_bytes(self) -> int:
+        return self.save.host_peak if self.cand.cuda else 0
+
+    @property
     def host_need(self) -> int:
         # On CPU the offloaded states are in the device's need (evaluate): counted once.
         offloaded = self.est.host_bytes if self.cand.cuda else 0
-        return offloaded + self.resume_host_bytes + self.runtime_host_bytes
+        # Phases, one after the other, never together: the weights are read, then a resume's
+        # read group is read and freed, all before the first step; the staging buffer is
+        # allocated after it (dcp_checkpointer.prepare). The largest counts, not the sum.
+        phases = max(self.load_host_bytes, self.resume_host_bytes, self.save_host_bytes)
+        return offloaded + phases + self.runtime_host_bytes
 
 
 def memory_limit(acc: Accelerator) -> float:
@@ -107,6 +123,41 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+def _replicas(row: Strategy, cand: Candidate) -> int:
+    """Ranks holding the same checkpoint state, whose writing DCP spreads over them: DDP's
+    replicas, hybrid sharding's copies of a shard; DeepSpeed's chunks are all distinct."""
+    if row.backend == "deepspeed":
+        return 1
+    if row.replicated:
+        return cand.world_size
+    return cand.world_size // cand.shard_size if row.shards_params else 1
+
+
+def _weights_reads(p: Problem, row: Strategy, shape: TrainingShape, cand: Candidate) -> int:
+    """Host bytes of the ranged reads of pretrained weights on an object store, for the loads
+    that read them through DCP (finetune_trainer.pretrained, replica_loading); QLoRA's and
+    ZeRO-3's loaders read one tensor or module at a time (remote_tensors): not counted."""
+    uri = p.spec.model.weights_location()
+    remote = p.spec.model.source == "uri" and uri is not None and is_object_store_uri(uri)
+    if (
+        not remote
+        or shape.method == "qlora"
+        or (row.backend == "deepspeed" and row.zero_stage == 3)
+    ):
+        return 0
+    # The replica's dtype, as planning._load_peak reads it: DDP's fp32 masters for a full
+    # fine-tune (else the frozen base's dtype); DeepSpeed's partitions in the precision's.
+    e = PRECISION_BYTES[shape.precision]
+    if row.backend != "deepspeed" and (shape.method == "full" or shape.precision == "fp32"):
+        e = 4
+    return weights_read_host_bytes(
+        p.model,
+        shard_size=cand.shard_size if row.shards_params else 1,
+        striped_world=1 if row.shards_params else cand.world_size,
+        element_bytes=e,
+    )
+
+
 def evaluate(
     p: Problem,
     n: int,
@@ -134,26 +185,49 @@ def evaluate(
         if row.backend == "deepspeed" and p.spec.checkpoint.enabled
         else 0
     )
+    ck = p.spec.checkpoint
+    state = checkpoint_state_bytes(p.model, shape, cand)
+    save = save_memory(
+        state,
+        on_host=min(state, est.host_bytes) if p.acc.cuda else 0,
+        replicas=_replicas(row, cand),
+        enabled=ck.enabled,
+        async_=ck.async_,
+        cuda=p.acc.cuda,
+        deepspeed=row.backend == "deepspeed",
+        object_store=is_object_store_uri(ck.uri),
+        device_snapshot=ck.device_snapshot,
+    )
     b = est.breakdown
     host = est.host_bytes
     if p.acc.cuda:
-        device_need = b.total
+        device_need = b.total + save.device_snapshot
     else:
         # On CPU the device memory is the host's (one budget per process: resources.memory
         # over its processes), so each byte is counted once, in it: the states DeepSpeed
         # offloads to its host buffers (FSDP2 offloads nothing on CPU: Candidate.offloads)
         # beside everything else, and the resume's group beside the resident model states (it
         # is freed before the first step, whose transients it never meets). Checked apart, the
-        # two halves each fit the budget while their sum did not.
-        device_need = host + max(b.total, b.parameters + b.gradients + b.optimizer + resume)
+        # two halves each fit the budget while their sum did not. A save's memory joins the
+        # step's peak when its write overlaps the steps (async), else the resident states
+        # between steps.
+        resident = b.parameters + b.gradients + b.optimizer
+        step_save = save.host_peak if save.during_step else 0
+        between = resume if save.during_step else max(resume, save.host_peak)
+        device_need = host + max(b.total + step_save, resident + between)
         host = resume = 0
     runtime = runtime_host_bytes(gpn) if p.acc.cuda else 0
     device_fits = device_need <= memory_limit(p.acc)
-    fits = device_fits and host + resume + runtime <= p.host_budget
+    save_host = save.host_peak if p.acc.cuda else 0
+    load_host = _weights_reads(p, row, shape, cand) if p.acc.cuda else 0
+    fits = device_fits and host + max(load_host, resume, save_host) + runtime <= p.host_budget
     run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * micro_batch_size)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
     placed = replace(cand, strategy=row.name)
-    return Evaluated(row, placed, shape, est, fits, step, resume, runtime, device_fits, device_need)
+    return Evaluated(
+        row, placed, shape, est, fits, step, resume, runtime, device_fits, device_need, save,
+        load_host,
+    )  # fmt: skip
 
 
 def micro_batch_sizes(p: Problem, per_rank: int) -> list[int]:
