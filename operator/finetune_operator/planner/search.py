@@ -199,7 +199,6 @@ def evaluate(
         device_snapshot=ck.device_snapshot,
     )
     b = est.breakdown
-    host = est.host_bytes
     if p.acc.cuda:
         device_need = b.total + save.device_snapshot
     else:
@@ -214,20 +213,20 @@ def evaluate(
         resident = b.parameters + b.gradients + b.optimizer
         step_save = save.host_peak if save.during_step else 0
         between = resume if save.during_step else max(resume, save.host_peak)
-        device_need = host + max(b.total + step_save, resident + between)
-        host = resume = 0
+        device_need = est.host_bytes + max(b.total + step_save, resident + between)
+        resume = 0  # counted in the device's need (Evaluated.host_need: once)
     runtime = runtime_host_bytes(gpn) if p.acc.cuda else 0
     device_fits = device_need <= memory_limit(p.acc)
-    save_host = save.host_peak if p.acc.cuda else 0
     load_host = _weights_reads(p, row, shape, cand) if p.acc.cuda else 0
-    fits = device_fits and host + max(load_host, resume, save_host) + runtime <= p.host_budget
     run_shape = replace(shape, grad_accumulation=max(1, global_batch // (n * micro_batch_size)))
     step = step_seconds(p.model, run_shape, replace(cand, world_size=n), p.acc, global_batch)
     placed = replace(cand, strategy=row.name)
-    return Evaluated(
-        row, placed, shape, est, fits, step, resume, runtime, device_fits, device_need, save,
+    ev = Evaluated(
+        row, placed, shape, est, False, step, resume, runtime, device_fits, device_need, save,
         load_host,
     )  # fmt: skip
+    # The host's need is Evaluated.host_need's one formula (its phases' max), not a copy.
+    return replace(ev, fits=device_fits and ev.host_need <= p.host_budget)
 
 
 def micro_batch_sizes(p: Problem, per_rank: int) -> list[int]:
