@@ -76,12 +76,17 @@ class NodeReading:
     `unreadable`: node name -> why it could not be read (RBAC: the chart's ClusterRole);
     `force_deleted`: uids of pods this operator already force-deleted as lost, whose removal
     the pods index may not show yet (never counted twice); `rounds`: by pod uid, the
-    rendezvous round its trainers were last seen training in (their metrics)."""
+    rendezvous round its trainers were last seen training in (their metrics), and `seen_at`
+    when; `counted_at`: by round id, the pass that first counted it in status.restartLedger
+    (forgiveness.py: which counted round a lost pod accounts for). The last three are the
+    operator's memory: empty after its restart."""
 
     views: Mapping[str, NodeView] = field(default_factory=dict)
     unreadable: Mapping[str, str] = field(default_factory=dict)
     force_deleted: frozenset[str] = frozenset()
     rounds: Mapping[str, str] = field(default_factory=dict)
+    seen_at: Mapping[str, datetime] = field(default_factory=dict)
+    counted_at: Mapping[str, datetime] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class LostPod:
     # The round it was last seen training in: its peers' collectives time out in that round
     # (a silent loss), which is the node's doing, not a failure to count (budget.py).
     round: str | None = None
+    seen_at: datetime | None = None  # when its trainers last said `round`
 
     def describe(self) -> str:
         """The NodeLost Event's message: the pod, the node and how long it has been away."""
@@ -144,7 +150,10 @@ def lost_pods(
         node = reading.views.get(pod.node)
         lost = _lost(pod, node, now, node_lost_seconds) if node is not None else None
         if lost is not None:
-            out.append(replace(lost, round=reading.rounds.get(pod.uid)))
+            uid = pod.uid
+            out.append(
+                replace(lost, round=reading.rounds.get(uid), seen_at=reading.seen_at.get(uid))
+            )
     return tuple(out)
 
 
