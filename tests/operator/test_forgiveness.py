@@ -11,10 +11,16 @@ from typing import Any
 
 import pytest
 
+from finetune_operator.api.constants import COND_WORKERS_READY
 from finetune_operator.api.status import FineTuneJobStatus, NodeLoss
 from finetune_operator.reconcile import HealthInput, Outcome, PodView, reconcile_job
-from finetune_operator.reconcile.forgiveness import forgive_lost_rounds
-from finetune_operator.reconcile.nodeloss import LostPod, NodeReading, absent_node
+from finetune_operator.reconcile.conditions import find
+from finetune_operator.reconcile.forgiveness import (
+    HOLD_SLACK_SECONDS,
+    budget_hold,
+    forgive_lost_rounds,
+)
+from finetune_operator.reconcile.nodeloss import LostPod, NodeReading, NodeView, absent_node
 from tests.operator.factories import make_plan, quickstart_raw
 from tests.operator.test_nodeloss import NODE_LOST, at, node, terminating
 from tests.operator.test_reconcile import JOB, running
@@ -174,4 +180,45 @@ def test_a_budget_spent_only_by_the_node_is_given_back_and_the_job_runs_on() -> 
     assert out.status.phase != "Failed" and out.status.restarts == 1
     # Without the loss known, the same report fails it: the test can fail.
     out = elastic_step(spent, SURVIVOR, at(12), {"qs-worker-0": ["G", "R"]}, max_restarts=1)
+    assert out.status.phase == "Failed"
+
+
+@pytest.mark.parametrize(
+    ("view", "now", "held"),
+    [
+        (node(), at(12), True),  # the survivors' report, before the eviction
+        (node(), at(NODE_LOST + HOLD_SLACK_SECONDS - 1), True),
+        (node(), at(NODE_LOST + HOLD_SLACK_SECONDS), False),  # never judged lost: fail
+        (node("True"), at(12), False),  # the node is back: the failure was real
+        (node(since=None), at(12), False),  # a node that never posted: not judged
+        (None, at(12), False),  # not read
+    ],
+    ids=["window", "window-end", "past-the-hold", "node-ready", "never-posted", "not-read"],
+)
+def test_the_budget_check_holds_while_a_workers_node_is_down(
+    view: NodeView | None, now: datetime, held: bool
+) -> None:
+    r = NodeReading({"node-b": view} if view is not None else {})
+    why = budget_hold([*SURVIVOR, NOT_YET], r, now, NODE_LOST)
+    assert bool(why) is held
+    assert not held or ("qs-worker-1" in why and "node-b" in why)
+
+
+def test_a_budget_spent_before_the_loss_is_known_does_not_fail_the_job_in_the_window() -> None:
+    spent = FineTuneJobStatus(restarts=1, restart_ledger=["G"])
+    down = NodeReading({"node-b": node()})
+    out = elastic_step(spent, [*SURVIVOR, NOT_YET], at(12), {"qs-worker-0": ["G", "R"]}, down,
+                       max_restarts=1)  # fmt: skip
+    assert out.status.phase != "Failed" and out.status.restarts == 2
+    ready = find(out.status.conditions, COND_WORKERS_READY)
+    assert ready is not None and "restart budget spent" in ready.message
+    # Then the pod is judged lost: the round is taken back, the job runs on.
+    out = elastic_step(out.status, [*SURVIVOR, LOST_POD], at(NODE_LOST + 2),
+                       {"qs-worker-0": ["G", "R"]}, reading({"R": at(12)}), max_restarts=1)  # fmt: skip
+    assert out.status.phase != "Failed" and out.status.restarts == 1
+    assert [p["metadata"]["name"] for p in out.actions.create] == ["qs-worker-1"]
+    # Or the node comes back instead: the failure was real, the job fails.
+    back = NodeReading({"node-b": node("True")})
+    out = elastic_step(spent, [*SURVIVOR, NOT_YET], at(12), {"qs-worker-0": ["G", "R"]}, back,
+                       max_restarts=1)  # fmt: skip
     assert out.status.phase == "Failed"

@@ -24,7 +24,7 @@ from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
 from finetune_operator.reconcile.evaluation import Evaluation
-from finetune_operator.reconcile.forgiveness import forgive_lost_rounds
+from finetune_operator.reconcile.forgiveness import budget_hold, forgive_lost_rounds
 from finetune_operator.reconcile.nodeloss import (
     LostPod,
     NodeReading,
@@ -314,6 +314,11 @@ def assess(
         ev, failed, now, restarts, ledger, forgiven
     )
     if exhausted is not None or restarts > used:
+        held = budget_hold(live, nodes, now, ev.spec.fault_tolerance.node_lost_seconds)
+        if held:
+            # Maybe a lost node's doing, not yet known (forgiveness.py): nothing replaced or
+            # failed until it is judged lost or the hold runs out.
+            return replace(seen, restarts=restarts, ledger=tuple(ledger), hold=held)
         if not failed:
             # Restarts inside pods that still run (failures alternating between them).
             msg = _exhausted_live(ev, added, restarts)

@@ -32,6 +32,16 @@ accounts for one round at most, the one it was in when its node went silent:
 
 A round counted before this operator started (no `counted_at`) is never taken back: nothing
 says when it failed.
+
+A job whose budget the survivors' report spends before the pod is judged lost would fail in
+that window, for good (Failed is terminal: its pods are deleted). So while a live worker pod
+sits on a node whose Ready has not been True for less than `nodeLostSeconds` plus a slack
+(`budget_hold`), the budget check holds the job instead: no pod replaced, nothing failed, the
+WorkersReady condition says why. Then the pod is judged lost (its round taken back: the job
+runs on) or the node is back or the hold runs out (the job fails as before: a user toleration
+without seconds keeps the pod on its node, and nothing would ever end the wait). Which pods
+were the failing round's peers is not known (the round's members are not exported): any live
+worker on such a node holds the check, a bounded delay of a failure that was real.
 """
 
 from __future__ import annotations
@@ -40,7 +50,12 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from finetune_operator.reconcile.nodeloss import LostPod
+from finetune_operator.reconcile.nodeloss import LostPod, NodeReading
+from finetune_operator.reconcile.observed import PodView
+
+# Past nodeLostSeconds: the taint eviction controller's pass (seconds), the operator's next
+# pass and its force delete; a pod not judged lost by then is not going to be soon.
+HOLD_SLACK_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -104,3 +119,24 @@ def forgive_lost_rounds(
             back[first] = x.pod.name
             claimed.add(first)
     return Forgiveness(frozenset(ahead), back)
+
+
+def budget_hold(
+    pods: Sequence[PodView], reading: NodeReading | None, now: datetime, node_lost_seconds: int
+) -> str:
+    """Why the budget check must wait (the module docstring), or "": a live worker pod on a
+    node not Ready for less than `node_lost_seconds` plus the slack."""
+    views = reading.views if reading is not None else {}
+    for pod in sorted(pods, key=lambda p: p.name):
+        node = views.get(pod.node or "")
+        if not pod.is_worker or pod.terminating or node is None or node.since is None:
+            continue
+        down = (now - node.since).total_seconds()
+        if node.ready != "True" and down < node_lost_seconds + HOLD_SLACK_SECONDS:
+            return (
+                f"restart budget spent, but pod {pod.name}'s node {node.name} has not been "
+                f"Ready for {down:.0f} s: a lost node's failures are not counted, so the job "
+                f"waits up to {node_lost_seconds + HOLD_SLACK_SECONDS:.0f} s for it to be judged "
+                "lost (or back) before failing"
+            )
+    return ""

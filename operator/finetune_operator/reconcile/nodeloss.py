@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from finetune_operator.reconcile.observed import PodView, parse_time
+from finetune_operator.reconcile.observed import RUNNING, PodView, parse_time
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,15 @@ class LostPod:
 
 
 def suspect_nodes(pods: Iterable[PodView]) -> frozenset[str]:
-    """The nodes to read: those of the job's terminating pods (transient on a healthy cluster:
-    a pod being deleted is gone within its grace period, so this is rarely any)."""
-    return frozenset(p.node for p in pods if p.terminating and p.node)
+    """The nodes to read: those of the job's terminating pods, and of its running workers
+    that are not Ready (the node lifecycle controller marks the pods of a node that stopped
+    answering so: forgiveness.budget_hold). Both transient on a healthy cluster (a pod being
+    deleted is gone within its grace period; workers have no readiness probe), so rarely any."""
+    return frozenset(
+        p.node
+        for p in pods
+        if p.node and (p.terminating or (p.is_worker and p.phase == RUNNING and not p.ready))
+    )
 
 
 def _lost(pod: PodView, node: NodeView, now: datetime, node_lost_seconds: int) -> LostPod | None:  # fmt: skip
