@@ -66,6 +66,12 @@ RESTARTS = Counter(
     _labels(mn.OPERATOR_RESTARTS),
     registry=REGISTRY,
 )
+FORGIVEN_RESTARTS = Counter(
+    mn.OPERATOR_FORGIVEN_RESTARTS.family,
+    mn.OPERATOR_FORGIVEN_RESTARTS.help,
+    _labels(mn.OPERATOR_FORGIVEN_RESTARTS),
+    registry=REGISTRY,
+)
 PREEMPTIONS = Counter(
     mn.OPERATOR_PREEMPTIONS.family,
     mn.OPERATOR_PREEMPTIONS.help,
@@ -96,8 +102,12 @@ def set_job_phase(job: str, phase: str | None) -> None:
 
 
 def record_restarts(namespace: str, name: str, count: int) -> None:
+    """A change of status.restarts: up is restarts counted, down is restarts taken back
+    after a node loss (reconcile/forgiveness.py), each on its own counter."""
     if count > 0:
         RESTARTS.labels(namespace=namespace, finetunejob=name).inc(count)
+    elif count < 0:
+        FORGIVEN_RESTARTS.labels(namespace=namespace, finetunejob=name).inc(-count)
 
 
 def record_preemptions(namespace: str, name: str, count: int) -> None:
@@ -129,7 +139,7 @@ def set_straggler_ratios(namespace: str, name: str, ratios: Mapping[int, float])
 
 def forget_job_series(namespace: str, name: str) -> None:
     """Delete a finished job's per-job series: bounded cardinality over many jobs."""
-    for metric in (EVICTIONS, RESTARTS, PREEMPTIONS, HANGS):
+    for metric in (EVICTIONS, RESTARTS, FORGIVEN_RESTARTS, PREEMPTIONS, HANGS):
         with suppress(KeyError):
             metric.remove(namespace, name)
     for rank in _ranks.pop((namespace, name), set()):

@@ -2,8 +2,9 @@
 (`test_node_loss.py`, which asserts on it) and `bench/recovery.py --part nodeloss` (which
 prints it).
 
-A 2-worker job of fixed size (it cannot train on without the lost worker: an elastic one would
-train on alone, and the drill would prove nothing) has worker-1's node partitioned
+A 2-worker job of fixed size (it cannot train on without the lost worker, so the recovery
+measured is the whole path; an elastic job trains on alone: `test_node_loss.py` runs that
+variant for what it counts) has worker-1's node partitioned
 (`LocalCluster.lose_node`: its pods frozen, its kubelet silent). What follows is Kubernetes':
 the node goes Unknown and is tainted unreachable, worker-1 is evicted after its toleration
 (`faultTolerance.nodeLostSeconds`) and stays Terminating, as no kubelet confirms it; then the
@@ -27,9 +28,21 @@ from finetune_local.session import LocalSession
 from tests.e2e.faults import INTERVAL as INTERVAL_STEPS
 from tests.e2e.faults import FaultRunner, Recovery, faults_job
 
-__all__ = ["INTERVAL_STEPS", "JOB", "lose_worker_node", "node_loss_job", "node_loss_session"]
+__all__ = [
+    "ELASTIC_JOB", "ELASTIC_NODE_LOST_SECONDS", "ELASTIC_STEPS", "INTERVAL_STEPS", "JOB", "lose_worker_node", "node_loss_job",
+    "node_loss_session",
+]  # fmt: skip
 JOB = "ft-nodeloss"
 STEPS = 20
+# The elastic variant (minNodes 1): the survivor re-forms alone once its collective timed out
+# and its rendezvous dropped the silent agent, and reports that round from its next group
+# (about 30 s here); nodeLostSeconds longer than that, so that the report comes before the
+# operator judges the pod lost (as with a cluster's defaults: a collective timeout of a
+# minute, the monitor grace plus 60 s); enough steps that the job is still training then (the
+# test ends there and deletes it).
+ELASTIC_JOB = "ft-nodeloss-elastic"
+ELASTIC_STEPS = 200
+ELASTIC_NODE_LOST_SECONDS = 40
 FAST_NODES = NodeHealthTimings(
     heartbeat_seconds=1,
     monitor_period_seconds=1,
@@ -48,12 +61,16 @@ def node_loss_session(data: Path) -> LocalSession:
     )
 
 
-def node_loss_job(doc: dict[str, Any]) -> dict[str, Any]:
-    job = faults_job(doc, JOB, steps=STEPS)
-    job["spec"]["resources"] = {**job["spec"]["resources"], "minNodes": 2, "maxNodes": 2}
+def node_loss_job(
+    doc: dict[str, Any], name: str = JOB, *, steps: int = STEPS, min_nodes: int = 2,
+    node_lost_seconds: int = 10,
+) -> dict[str, Any]:  # fmt: skip
+    job = faults_job(doc, name, steps=steps)
+    nodes = {"minNodes": min_nodes, "maxNodes": 2}
+    job["spec"]["resources"] = {**job["spec"]["resources"], **nodes}
     job["spec"]["faultTolerance"] = {
         **job["spec"]["faultTolerance"],
-        "nodeLostSeconds": 10,
+        "nodeLostSeconds": node_lost_seconds,
         "collectiveTimeoutSeconds": 10,
         "startupCollectiveTimeoutSeconds": 10,
     }
@@ -68,16 +85,16 @@ class NodeLoss:
     frozen: list[int]  # its processes (agent, launcher, trainer)
 
 
-def lose_worker_node(session: LocalSession) -> NodeLoss:
+def lose_worker_node(session: LocalSession, name: str = JOB) -> NodeLoss:
     """Wait until the job trains on both workers past a committed checkpoint, partition
     worker-1's node, and wait until training goes past the step it had reached."""
     assert session.core is not None
     core = session.core
-    runner = FaultRunner(session, JOB)
+    runner = FaultRunner(session, name)
     runner.ready()
-    lost_pod = core.read_namespaced_pod(f"{JOB}-worker-1", "default")
+    lost_pod = core.read_namespaced_pod(f"{name}-worker-1", "default")
     node = lost_pod.spec.node_name
-    store = core.read_namespaced_pod(f"{JOB}-rdzv", "default")
+    store = core.read_namespaced_pod(f"{name}-rdzv", "default")
     assert store.spec.node_name != node, "the drill loses a worker, not the store"
     main = session.cluster.pod_main_pid("default", lost_pod.metadata.name)
     assert main is not None

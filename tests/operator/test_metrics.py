@@ -17,6 +17,7 @@ CONTRACT = {
     "finetune_operator_evictions": "counter",
     "finetune_operator_straggler_ratio": "gauge",
     "finetune_operator_restarts": "counter",
+    "finetune_operator_forgiven_restarts": "counter",
     "finetune_operator_preemptions": "counter",
     "finetune_operator_hangs": "counter",
 }
@@ -38,6 +39,17 @@ def test_exported_names_and_types() -> None:
     assert "finetune_operator_restarts_total{" in text
     assert "job=" not in text.replace("finetunejob=", "")  # never a label called job
     metrics.forget_job_series("ns", "probe")
+
+
+def test_a_lowered_restart_count_is_counted_as_forgiven_not_subtracted() -> None:
+    job = {"namespace": "ns", "finetunejob": "lost"}
+    metrics.record_restarts("ns", "lost", 2)
+    metrics.record_restarts("ns", "lost", -1)  # a node loss took one back
+    metrics.record_restarts("ns", "lost", 0)
+    assert _value("finetune_operator_restarts_total", **job) == 2
+    assert _value("finetune_operator_forgiven_restarts_total", **job) == 1
+    metrics.forget_job_series("ns", "lost")
+    assert _value("finetune_operator_forgiven_restarts_total", **job) is None
 
 
 def test_jobs_by_state_follows_each_job() -> None:

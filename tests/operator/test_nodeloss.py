@@ -3,6 +3,7 @@ one reconcile pass does with it (force-delete, replace at once, count a preempti
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -100,9 +101,12 @@ def test_unread_node_and_already_force_deleted_pods_are_not_judged() -> None:
     assert lost_pods([pod], done, at(1000), NODE_LOST) == ()
 
 
-def test_suspects_are_the_terminating_pods_nodes() -> None:
-    pods = [terminating(), terminating("qs-worker-0", deleted=None, node="node-a")]
-    assert suspect_nodes(pods) == {"node-b"}
+def test_suspects_are_the_nodes_of_terminating_pods_and_of_not_ready_running_workers() -> None:
+    healthy = replace(terminating("qs-worker-0", deleted=None, node="node-a"), ready=True)
+    assert suspect_nodes([terminating(), healthy]) == {"node-b"}
+    # Marked not Ready by the node lifecycle controller (its node stopped answering).
+    unready = terminating("qs-worker-0", deleted=None, node="node-c")
+    assert suspect_nodes([terminating(), healthy, unready]) == {"node-b", "node-c"}
 
 
 def test_view_of_a_node_object() -> None:

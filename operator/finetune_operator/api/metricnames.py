@@ -176,6 +176,14 @@ OPERATOR_RESTARTS: Final = Metric(
     "after failures of the pod's own, as its trainers or its end report them): the increments of status.restarts, counted against "
     "faultTolerance.maxRestarts.",
 )
+OPERATOR_FORGIVEN_RESTARTS: Final = Metric(
+    "finetune_operator_forgiven_restarts_total",
+    COUNTER,
+    JOB_LABELS,
+    "Restarts taken back out of status.restarts (its decreases): a failure counted before "
+    "the operator found that a pod of the round was lost with its node (status."
+    "forgivenRounds). finetune_operator_restarts_total minus this follows status.restarts.",
+)
 OPERATOR_PREEMPTIONS: Final = Metric(
     "finetune_operator_preemptions_total",
     COUNTER,
@@ -223,6 +231,7 @@ OPERATOR_METRICS: Final = (
     OPERATOR_EVICTIONS,
     OPERATOR_STRAGGLER_RATIO,
     OPERATOR_RESTARTS,
+    OPERATOR_FORGIVEN_RESTARTS,
     OPERATOR_PREEMPTIONS,
     OPERATOR_HANGS,
 )

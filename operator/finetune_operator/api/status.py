@@ -90,14 +90,22 @@ class FineTuneJobStatus(ApiModel):
         "them when it gives up, its launcher when it is stopped). Each failed rendezvous "
         "round counts once (restartLedger): a failure every pod hits at once is one restart, "
         "failures in different rounds (alternating between pods) are each counted; peers "
-        "that left and preemptions are not counted. Never lowered.",
+        "that left and preemptions are not counted. Lowered only when a pod is found lost "
+        "with its node: the round its peers failed in on its account, counted before that "
+        "was known, is taken back (forgivenRounds).",
     )
     restart_ledger: list[str] = Field(
         default_factory=list,
         description="The ids of the failed rendezvous rounds (worker-group incarnations) "
-        "already counted in restarts, so that a round reported again (by another pod, on the "
+        "counted in restarts, so that a round reported again (by another pod, on the "
         "next scrape, or in a pod's crash report) adds nothing. At most maxRestarts + 1 ids: "
         "each spends the budget.",
+    )
+    forgiven_rounds: list[str] = Field(
+        default_factory=list,
+        description="The ids of the failed rendezvous rounds a pod lost with its node accounts "
+        "for (at most one each: nodeLosses): never counted in restarts, and taken out of "
+        "restartLedger and restarts if they were counted before the loss was known.",
     )
     preemptions: int = Field(
         0,

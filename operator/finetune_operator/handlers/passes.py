@@ -73,6 +73,11 @@ class JobState:
     # The round each worker pod was last seen training in (its trainers' metrics): the round
     # its peers fail in if it is lost with its node. Losing it only means that round counts.
     rounds: dict[str, str] = field(default_factory=dict)
+    seen_at: dict[str, datetime] = field(default_factory=dict)  # when `rounds` last said it
+    # When this operator first counted each round of status.restartLedger: a round counted
+    # after a lost pod was last seen in it, or after its node went down, is the node's
+    # (reconcile/forgiveness.py). Losing it only means such a round stays counted.
+    counted_at: dict[str, datetime] = field(default_factory=dict)
     nodes_warned: bool = False  # the NodesUnreadable Event posted (once per operator run)
 
 
@@ -118,9 +123,7 @@ async def reconcile_pass(
             pages = await _scrape(old, pods, state.deleted_uids, timeout) if scrape else {}
             health = _health_input(pages, state.records) if scrape else None
             live = {p.uid for p in pods}
-            state.rounds = {
-                u: r for u, r in {**state.rounds, **rounds_by_pod(pages)}.items() if u in live
-            }
+            _remember_rounds(state, pages, live, datetime.now(UTC))
             cluster: ClusterApi = memo["cluster"]
             queue = await queue_state(cluster, job, body)
             nodes = await _read_nodes(cluster, pods, state, body, logger)
@@ -145,6 +148,7 @@ async def reconcile_pass(
             state.lost_uids = (state.lost_uids & live) | {
                 d.uid for d in result.deleted if d.reason == REASON_NODE_LOST
             }
+            _remember_counted(state, old.restart_ledger, out.status.restart_ledger, now)
             if out.actions.ensure and not result.errors:
                 state.ensured_generation = job.generation
             new = note_apply_errors(out.status, result.errors, now, job.generation)
@@ -155,6 +159,25 @@ async def reconcile_pass(
                 logger.warning("apply failed: %s", "; ".join(result.errors))
                 delay = settings_of(memo).reconcile_interval_seconds
                 raise kopf.TemporaryError("; ".join(result.errors), delay=delay)
+
+
+def _remember_rounds(state: JobState, pages: dict[ScrapeTarget, str], live: set[str], now: datetime) -> None:  # fmt: skip
+    """The round each live worker pod was last seen training in, and when."""
+    found = rounds_by_pod(pages)
+    state.rounds = {u: r for u, r in {**state.rounds, **found}.items() if u in live}
+    state.seen_at = {
+        u: t for u, t in {**state.seen_at, **dict.fromkeys(found, now)}.items() if u in live
+    }
+
+
+def _remember_counted(state: JobState, before: list[str], after: list[str], now: datetime) -> None:  # fmt: skip
+    """When the rounds this pass added to the ledger were counted; only rounds still in it
+    are kept (the ledger holds at most maxRestarts + 1). A round already in the ledger
+    before this operator's first pass is left without a time: not known when it failed."""
+    old = set(before)
+    state.counted_at = {
+        r: state.counted_at.get(r, now) for r in after if r in state.counted_at or r not in old
+    }
 
 
 async def _with_gang(cluster: ClusterApi, job: JobRef, old: Any, out: Outcome, now: datetime) -> Outcome:  # fmt: skip
@@ -186,7 +209,10 @@ async def _read_nodes(cluster: ClusterApi, pods: list[PodView], state: JobState,
         why = next(iter(unreadable.values()))
         logger.warning("cannot tell whether the job's terminating pods are lost: %s", why)
         kopf.event(body, type="Warning", reason=REASON_NODES_UNREADABLE, message=why)
-    return NodeReading(views, unreadable, frozenset(state.lost_uids), dict(state.rounds))
+    return NodeReading(
+        views, unreadable, frozenset(state.lost_uids), dict(state.rounds),
+        seen_at=dict(state.seen_at), counted_at=dict(state.counted_at),
+    )  # fmt: skip
 
 
 async def _scrape(

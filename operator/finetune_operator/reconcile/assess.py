@@ -24,6 +24,7 @@ from finetune_operator.reconcile.conditions import find, is_true
 from finetune_operator.reconcile.crash import is_peer_loss, shorten
 from finetune_operator.reconcile.disposition import Verdict, classify_exit
 from finetune_operator.reconcile.evaluation import Evaluation
+from finetune_operator.reconcile.forgiveness import budget_hold, forgive_lost_rounds
 from finetune_operator.reconcile.nodeloss import (
     LostPod,
     NodeReading,
@@ -59,6 +60,8 @@ class Assessment:
     restarts: int = 0
     # The failed rendezvous rounds counted in `restarts` (budget.fold_ledger).
     ledger: tuple[str, ...] = ()
+    # The rounds lost pods account for (forgiveness.py): never counted, or taken back.
+    forgiven: tuple[str, ...] = ()
     # Pods that ended without being at fault (disposition.py): replaced at once, not counted.
     preempted_now: tuple[tuple[PodView, Verdict], ...] = ()
     preemptions: int = 0  # including preempted_now
@@ -171,10 +174,26 @@ def _fold(
     status: FineTuneJobStatus,
     pods: Sequence[PodView],
     own: Mapping[str, frozenset[str]],
-    forgiven: frozenset[str],
-) -> tuple[int, list[str], dict[str, list[str]]]:
-    ledger, added = fold_ledger(status.restart_ledger, pods, own, forgiven)
-    return status.restarts + sum(map(len, added.values())), ledger, added
+    lost: Sequence[LostPod],
+    nodes: NodeReading | None,
+    now: datetime,
+) -> tuple[int, list[str], dict[str, list[str]], list[str]]:
+    """This pass's count: the restarts, the ledger, the rounds it adds (by pod), and the
+    rounds forgiven (status.forgivenRounds). The rounds a pod lost with its node accounts for
+    are the node's (its peers' collectives timed out on it), never counted: those no pod
+    reported yet are kept out of the ledger, those counted before the loss was known (an
+    elastic job's survivors re-form and report theirs first) are taken back out of it."""
+    before = frozenset((*status.forgiven_rounds, *(n.round for n in status.node_losses if n.round)))
+    ahead = before | frozenset(x.round for x in lost if x.round)
+    ledger, added = fold_ledger(status.restart_ledger, pods, own, ahead)
+    restarts = status.restarts + sum(map(len, added.values()))
+    counted_at = dict(nodes.counted_at) if nodes is not None else {}
+    counted_at.update((r, now) for ids in added.values() for r in ids)
+    forgiven = forgive_lost_rounds(lost, ledger, before, counted_at)
+    back = forgiven.taken_back
+    ledger = [r for r in ledger if r not in back]
+    rounds = list(dict.fromkeys((*status.forgiven_rounds, *sorted(forgiven.rounds))))
+    return max(0, restarts - len(back)), ledger, added, rounds
 
 
 def _exhausted_live(ev: Evaluation, added: Mapping[str, Sequence[str]], restarts: int) -> str:
@@ -207,12 +226,8 @@ def assess(
     lost: tuple[LostPod, ...] = ()
     if nodes is not None and ev.spec is not None:
         lost = lost_pods(pods, nodes, now, ev.spec.fault_tolerance.node_lost_seconds)
-    # The rounds pods were lost with their node in: their peers' failures in them are the
-    # node's (a collective timing out on a silent peer), never counted (budget.fold_ledger).
-    forgiven = frozenset(
-        r for r in (*(n.round for n in status.node_losses), *(x.round for x in lost)) if r
-    )
-    restarts, ledger, added = _fold(status, pods, own or {}, forgiven)
+    restarts, ledger, added, forgiven_rounds = _fold(status, pods, own or {}, lost, nodes, now)
+    forgiven = frozenset(forgiven_rounds)
     live = [p for p in pods if not p.terminating]
     workers = {p.index: p for p in live if p.is_worker and p.index is not None}
     seen = Assessment(
@@ -222,6 +237,7 @@ def assess(
         terminating=frozenset(p.name for p in pods if p.terminating),
         restarts=restarts,
         ledger=tuple(ledger),
+        forgiven=tuple(forgiven_rounds),
         preemptions=status.preemptions,
         ready=sum(1 for p in workers.values() if p.ready and p.phase == RUNNING),
         any_worker_succeeded=any(p.phase == SUCCEEDED for p in workers.values()),
@@ -242,6 +258,7 @@ def assess(
             failure_reason=reason or seen.failure_reason,
             restarts=status.restarts,
             ledger=tuple(status.restart_ledger),
+            forgiven=tuple(status.forgiven_rounds),
         )
     if ev.spec.suspend:
         return replace(seen, mode=Mode.SUSPENDED)
@@ -297,6 +314,11 @@ def assess(
         ev, failed, now, restarts, ledger, forgiven
     )
     if exhausted is not None or restarts > used:
+        held = budget_hold(live, nodes, now, ev.spec.fault_tolerance.node_lost_seconds)
+        if held:
+            # Maybe a lost node's doing, not yet known (forgiveness.py): nothing replaced or
+            # failed until it is judged lost or the hold runs out.
+            return replace(seen, restarts=restarts, ledger=tuple(ledger), hold=held)
         if not failed:
             # Restarts inside pods that still run (failures alternating between them).
             msg = _exhausted_live(ev, added, restarts)

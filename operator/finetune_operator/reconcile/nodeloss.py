@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from finetune_operator.reconcile.observed import PodView, parse_time
+from finetune_operator.reconcile.observed import RUNNING, PodView, parse_time
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,17 @@ class NodeReading:
     `unreadable`: node name -> why it could not be read (RBAC: the chart's ClusterRole);
     `force_deleted`: uids of pods this operator already force-deleted as lost, whose removal
     the pods index may not show yet (never counted twice); `rounds`: by pod uid, the
-    rendezvous round its trainers were last seen training in (their metrics)."""
+    rendezvous round its trainers were last seen training in (their metrics), and `seen_at`
+    when; `counted_at`: by round id, the pass that first counted it in status.restartLedger
+    (forgiveness.py: which counted round a lost pod accounts for). The last three are the
+    operator's memory: empty after its restart."""
 
     views: Mapping[str, NodeView] = field(default_factory=dict)
     unreadable: Mapping[str, str] = field(default_factory=dict)
     force_deleted: frozenset[str] = frozenset()
     rounds: Mapping[str, str] = field(default_factory=dict)
+    seen_at: Mapping[str, datetime] = field(default_factory=dict)
+    counted_at: Mapping[str, datetime] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class LostPod:
     # The round it was last seen training in: its peers' collectives time out in that round
     # (a silent loss), which is the node's doing, not a failure to count (budget.py).
     round: str | None = None
+    seen_at: datetime | None = None  # when its trainers last said `round`
 
     def describe(self) -> str:
         """The NodeLost Event's message: the pod, the node and how long it has been away."""
@@ -111,9 +117,15 @@ class LostPod:
 
 
 def suspect_nodes(pods: Iterable[PodView]) -> frozenset[str]:
-    """The nodes to read: those of the job's terminating pods (transient on a healthy cluster:
-    a pod being deleted is gone within its grace period, so this is rarely any)."""
-    return frozenset(p.node for p in pods if p.terminating and p.node)
+    """The nodes to read: those of the job's terminating pods, and of its running workers
+    that are not Ready (the node lifecycle controller marks the pods of a node that stopped
+    answering so: forgiveness.budget_hold). Both transient on a healthy cluster (a pod being
+    deleted is gone within its grace period; workers have no readiness probe), so rarely any."""
+    return frozenset(
+        p.node
+        for p in pods
+        if p.node and (p.terminating or (p.is_worker and p.phase == RUNNING and not p.ready))
+    )
 
 
 def _lost(pod: PodView, node: NodeView, now: datetime, node_lost_seconds: int) -> LostPod | None:  # fmt: skip
@@ -144,7 +156,10 @@ def lost_pods(
         node = reading.views.get(pod.node)
         lost = _lost(pod, node, now, node_lost_seconds) if node is not None else None
         if lost is not None:
-            out.append(replace(lost, round=reading.rounds.get(pod.uid)))
+            uid = pod.uid
+            out.append(
+                replace(lost, round=reading.rounds.get(uid), seen_at=reading.seen_at.get(uid))
+            )
     return tuple(out)
 
 

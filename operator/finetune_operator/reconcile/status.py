@@ -225,6 +225,7 @@ def compute_status(
         "phase": derive_phase(conds),
         "restarts": a.restarts,
         "restart_ledger": list(a.ledger),
+        "forgiven_rounds": list(a.forgiven),
         "preemptions": a.preemptions,
         "ready_workers": a.ready,
         "observed_generation": ev.job.generation,
