@@ -64,7 +64,11 @@ def node(ready: str = "Unknown", since: datetime | None = DOWN) -> NodeView:
         # The taint eviction of a lost node: deleted nodeLostSeconds after it went down, so
         # no kubelet saw the deletion: lost at once, not only after the 120 s grace.
         (terminating(), node("Unknown"), at(NODE_LOST), True),
-        (terminating(), node("False"), at(NODE_LOST), True),  # kubelet alive, NotReady
+        # Ready False: the kubelet posts it, so it is alive and stops the pod gracefully: lost
+        # only once that grace is over (a runtime that cannot kill it).
+        (terminating(), node("False"), at(NODE_LOST), False),
+        (terminating(), node("False"), at(NODE_LOST + GRACE - 1), False),
+        (terminating(), node("False"), at(NODE_LOST + GRACE), True),
         (terminating(), node("Unknown"), at(NODE_LOST - 1), False),  # not down long enough
         (terminating(), node("True"), at(1000), False),  # back: its kubelet finishes it
         (terminating(), node("", since=None), at(1000), False),  # never posted: not judged
@@ -81,7 +85,8 @@ def node(ready: str = "Unknown", since: datetime | None = DOWN) -> NodeView:
         (terminating("qs-rdzv", grace=30), node("Unknown"), at(NODE_LOST), True),
     ],
     ids=[
-        "evicted-unknown", "evicted-notready", "down-too-short", "node-ready-again",
+        "evicted-unknown", "evicted-notready", "evicted-notready-within-grace",
+        "evicted-notready-grace-over", "down-too-short", "node-ready-again",
         "no-ready-condition", "not-terminating", "deleted-before-down-within-grace",
         "deleted-before-down-grace-bound", "deleted-before-down-grace-over",
         "node-absent-within-grace", "node-absent-grace-over", "rendezvous",

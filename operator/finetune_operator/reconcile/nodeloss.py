@@ -13,9 +13,13 @@ A terminating pod is **lost** when its node:
 - is absent (the Node object deleted) and the pod's grace period has run out
   (`deletionTimestamp` passed: a live kubelet would have stopped it by then); or
 - has a Ready condition that has not been True for at least `node_lost_seconds`, and either
-  the pod was deleted after the node went down (no kubelet ever saw the deletion, so no
-  graceful stop is under way that waiting would protect: a lost pod's peers have moved on,
-  and its final save, a collective, cannot happen), or its grace period has run out.
+  it is Unknown (the kubelet stopped posting) and the pod was deleted after that (no kubelet
+  ever saw the deletion, so no graceful stop is under way that waiting would protect: a lost
+  pod's peers have moved on, and its final save, a collective, cannot happen), or the pod's
+  grace period has run out. Ready False is the kubelet's own post (the node lifecycle
+  controller only ever writes Unknown): that kubelet is alive, sees the deletion and stops
+  the pod gracefully, so only a pod past its grace (a runtime that cannot kill it) is lost.
+  Its `lastTransitionTime` is also the node's clock, not the control plane's.
 
 Lost pods are force-deleted (grace 0, uid precondition) so that their replacements can be
 created, and counted as preemptions. The processes of a pod on a partitioned node may still
@@ -129,7 +133,10 @@ def _lost(pod: PodView, node: NodeView, now: datetime, node_lost_seconds: int) -
     if down < node_lost_seconds:
         return None
     deleted_at = deadline - timedelta(seconds=pod.deletion_grace or 0)
-    deleted_while_down = pod.deletion_grace is not None and deleted_at >= node.since
+    # Only a silent kubelet (Unknown) never saw the deletion; one posting False did.
+    deleted_while_down = (
+        node.ready == "Unknown" and pod.deletion_grace is not None and deleted_at >= node.since
+    )
     return LostPod(pod, node, down) if deleted_while_down or grace_over else None
 
 
