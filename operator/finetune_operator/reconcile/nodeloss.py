@@ -78,9 +78,11 @@ class NodeReading:
 
     `views`: by node name (a node not there was not read: nothing is decided for its pods);
     `unreadable`: node name -> why it could not be read (RBAC: the chart's ClusterRole);
-    `force_deleted`: uids of pods this operator already force-deleted as lost, whose removal
-    the pods index may not show yet (never counted twice); `rounds`: by pod uid, the
-    rendezvous round its trainers were last seen training in (their metrics)."""
+    `force_deleted`: uids of pods this operator already judged lost and counted, whether its
+    force delete went through (the pods index may not show the removal yet) or was refused
+    (a 5xx, a timeout, a 429: it is sent again, `lost_again`), so never counted twice;
+    `rounds`: by pod uid, the rendezvous round its trainers were last seen training in
+    (their metrics)."""
 
     views: Mapping[str, NodeView] = field(default_factory=dict)
     unreadable: Mapping[str, str] = field(default_factory=dict)
@@ -153,6 +155,13 @@ def lost_pods(
         if lost is not None:
             out.append(replace(lost, round=reading.rounds.get(pod.uid)))
     return tuple(out)
+
+
+def lost_again(pods: Sequence[PodView], reading: NodeReading) -> tuple[PodView, ...]:
+    """Pods judged lost and counted on an earlier pass that are still listed: their force
+    delete failed, or the watch has not shown it yet. It is sent again (a 404 or a 409 then
+    only says it is done), never counted again."""
+    return tuple(p for p in pods if p.terminating and p.uid in reading.force_deleted)
 
 
 def unreadable_detail(pods: Sequence[PodView], reading: NodeReading) -> str:
