@@ -48,8 +48,8 @@ def node_loss_session(data: Path) -> LocalSession:
     )
 
 
-def node_loss_job(doc: dict[str, Any]) -> dict[str, Any]:
-    job = faults_job(doc, JOB, steps=STEPS)
+def node_loss_job(doc: dict[str, Any], name: str = JOB, steps: int = STEPS) -> dict[str, Any]:
+    job = faults_job(doc, name, steps=steps)
     job["spec"]["resources"] = {**job["spec"]["resources"], "minNodes": 2, "maxNodes": 2}
     job["spec"]["faultTolerance"] = {
         **job["spec"]["faultTolerance"],
@@ -68,16 +68,16 @@ class NodeLoss:
     frozen: list[int]  # its processes (agent, launcher, trainer)
 
 
-def lose_worker_node(session: LocalSession) -> NodeLoss:
+def lose_worker_node(session: LocalSession, name: str = JOB) -> NodeLoss:
     """Wait until the job trains on both workers past a committed checkpoint, partition
     worker-1's node, and wait until training goes past the step it had reached."""
     assert session.core is not None
     core = session.core
-    runner = FaultRunner(session, JOB)
+    runner = FaultRunner(session, name)
     runner.ready()
-    lost_pod = core.read_namespaced_pod(f"{JOB}-worker-1", "default")
+    lost_pod = core.read_namespaced_pod(f"{name}-worker-1", "default")
     node = lost_pod.spec.node_name
-    store = core.read_namespaced_pod(f"{JOB}-rdzv", "default")
+    store = core.read_namespaced_pod(f"{name}-rdzv", "default")
     assert store.spec.node_name != node, "the drill loses a worker, not the store"
     main = session.cluster.pod_main_pid("default", lost_pod.metadata.name)
     assert main is not None
