@@ -40,7 +40,7 @@ from finetune_local.evictionmanager import enforce_size_limits
 from finetune_local.informer import Cache, ObjectKey, list_and_watch, remember
 from finetune_local.kubeletconfig import KubeletConfig
 from finetune_local.mountpoints import MountPoints
-from finetune_local.nodefaults import LossKind, NodeFaults, not_ready_yet_running
+from finetune_local.nodefaults import LossKind, NodeFaults, not_ready_yet_running, stop_forgotten
 from finetune_local.nodes import heartbeat_forever, register_node
 from finetune_local.podlaunch import (
     PodRun,
@@ -135,10 +135,7 @@ class Kubelet:
         """The node is back: heartbeats resume (its Ready condition is posted again), pods
         whose objects are gone are killed, the others thawed and their status posted."""
         current = functools.partial(is_current, pods=self.pods)
-        gone, back = await self.faults.restore(node, self.runs, current)
-        for uid in gone:
-            emptydir.remove_pod_volumes(self.runs.pop(uid).directory)
-        for uid in back:
+        for uid in await self.faults.restore(node, self.runs, current):
             run = self.runs[uid]
             await self._post_back(run, self.pods[run.key])
             if run.finished and run.terminating:
@@ -219,13 +216,9 @@ class Kubelet:
         task.add_done_callback(self._children.discard)
 
     def _forget(self, uid: str) -> None:
-        run = self.runs.pop(uid)
-        if run.process is not None and run.process.returncode is None:
-            # Every process of the pod, as a runtime kills a container's cgroup: one in a
-            # session of its own (a trainer) outlives a signal to the group. (The tree is
-            # read before the first kill: a dead parent's children are reparented at once.)
-            self._spawn_child(podrunner.kill_pod_processes(run.process.pid, 10))
-        emptydir.remove_pod_volumes(run.directory)
+        # Every process of the pod, as a runtime kills a container's cgroup: one in a session
+        # of its own (a trainer) outlives a signal to the group; then its volumes.
+        self._spawn_child(stop_forgotten(self.runs.pop(uid)))
 
     async def _patch_status(self, key: PodKey, uid: str, status: dict[str, Any]) -> None:
         run, pod = self.runs.get(uid), self.pods.get(key, {})
@@ -268,6 +261,7 @@ class Kubelet:
             container=container.get("name", "main"),
             hosts_file=directory / "etc-hosts",
             node=pod.get("spec", {}).get("nodeName") or "",
+            grace=float(pod.get("spec", {}).get("terminationGracePeriodSeconds", 30)),
         )
         try:
             env, mounts = await prepare_container(

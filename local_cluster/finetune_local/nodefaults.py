@@ -11,20 +11,28 @@ pod started. Its pods' processes are:
   kernel of this one host closes their sockets, so their peers see the connections close
   at once instead of timing out; ``partition`` is the silent loss.
 
-Restored, the kubelet reconciles as a real one does when it reaches the API server again:
-pods whose objects are gone (force-deleted, or deleted by PodGC) are killed, never thawed;
-the others are thawed and their status posted (terminating ones are then finished by the
-kubelet's usual pass).
+Restored, every frozen process is thawed (on a real node they ran on all along) and the
+kubelet reconciles as a real one does when it reaches the API server again: its informer's
+relist finds the objects of some pods gone (force-deleted, or deleted by PodGC) and hands
+each over as it last saw it, running, so the pod is stopped with its spec's
+``terminationGracePeriodSeconds`` (the kubelet's pod workers' own default), not at once:
+SIGTERM, that long to exit, then SIGKILL (:func:`stop_forgotten`). Until it exits it is a
+live stale incarnation of its slot beside the replacement, as on a cluster: its agent may
+reach the rendezvous store, its rank 0 the checkpoint root (whose fencing is what keeps it
+out). The others are thawed and their status posted (terminating ones are then finished by
+the kubelet's usual pass).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from finetune_local import freezer, podrunner
+from finetune_local import emptydir, freezer, podrunner
 from finetune_local.podlaunch import PodRun
 from finetune_local.podstatus import ready_status, running_status
 
@@ -74,34 +82,30 @@ class NodeFaults:
 
     async def restore(
         self, node: str, runs: Mapping[str, PodRun], current: Callable[[PodRun], bool]
-    ) -> tuple[list[str], list[str]]:
-        """Bring `node` back: its pods whose objects are gone (`current`: the object of the
-        pod's name is still this pod's) are killed (still frozen: they never run again), the
-        others thawed. Returns the uids (gone, back): the kubelet forgets the first and posts
-        the status of the second."""
+    ) -> list[str]:
+        """Bring `node` back: its frozen pods thawed. Those whose objects are gone (`current`:
+        the object of the pod's name is still this pod's) are marked stale: the kubelet's
+        next pass forgets them (:func:`stop_forgotten`). Returns the uids of the others,
+        whose status the kubelet posts."""
         if node not in self.lost:
-            return [], []
+            return []
         # The node stays lost until its pods are dealt with: the kubelet's pass (which runs
         # at every await here) must not take them meanwhile.
         keeper = self.keepers.pop(node, None)
         if keeper is not None:
             await freezer.stop_keeper(keeper)  # before any pid it holds can die and be reused
-        gone: list[str] = []
         back: list[str] = []
         for uid, run in list(runs.items()):
             if run.node != node:
                 continue
-            pids = self.frozen.pop(uid, [])
+            freezer.thaw(self.frozen.pop(uid, []))
             if current(run):
-                freezer.thaw(pids)
                 back.append(uid)
-                continue
-            self.unposted.pop(uid, None)
-            if run.process is not None and run.process.returncode is None:
-                await podrunner.kill_pod_processes(run.pid, 10)
-            gone.append(uid)
+            else:
+                self.unposted.pop(uid, None)
+                run.stale = True
         del self.lost[node]
-        return gone, back
+        return back
 
     def status_when_back(self, run: PodRun, pod: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """What the kubelet posts for a pod of a node that is back: the status it kept, or,
@@ -120,3 +124,23 @@ class NodeFaults:
         for keeper in self.keepers.values():
             await freezer.stop_keeper(keeper)
         self.keepers.clear()
+
+
+async def stop_forgotten(run: PodRun) -> None:
+    """Stop a pod the kubelet forgets (its object gone, or another pod's now), then delete its
+    volumes. One it saw force-deleted saw `deletionGracePeriodSeconds: 0`, which a kubelet
+    makes 1 s: killed at once. A stale one (back from a partition, last seen running) gets
+    SIGTERM and its spec's grace period to exit first, as a kubelet gives it."""
+    alive = run.process is not None and run.process.returncode is None
+    tree = podrunner.pod_processes(run.pid) if alive else []
+    try:
+        if alive and run.stale and run.process is not None:
+            run.terminating = True  # no restart of what exits now
+            podrunner.signal_group(run.pid, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(run.process.wait()), run.grace)
+    finally:
+        # Even when the kubelet stops mid-grace (cancelled): nothing of it outlives it.
+        if alive:
+            await asyncio.shield(podrunner.kill_pod_processes(run.pid, 10, also=tree))
+        emptydir.remove_pod_volumes(run.directory)

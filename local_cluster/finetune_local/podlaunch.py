@@ -52,6 +52,9 @@ class PodRun:
     size_limits: list[emptydir.SizeLimit] = field(default_factory=list)
     usage_checked_at: float = 0.0
     evicted: str = ""  # the eviction message, once evicted
+    grace: float = 30.0  # its spec's terminationGracePeriodSeconds
+    # Back from a partition with its object gone (nodefaults.restore): stopped gracefully.
+    stale: bool = False
 
     @property
     def pid(self) -> int:

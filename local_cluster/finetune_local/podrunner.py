@@ -17,7 +17,7 @@ import pathlib
 import shutil
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from finetune_local.mountpoints import MountPoints
@@ -185,10 +185,11 @@ def pod_processes(pid: int) -> list[int]:
     return found
 
 
-async def kill_pod_processes(pid: int, timeout: float) -> bool:
+async def kill_pod_processes(pid: int, timeout: float, also: Iterable[int] = ()) -> bool:
     """SIGKILL every process of the pod and wait until all have exited, as a runtime stops a
-    container (all of its cgroup, not only its first process)."""
-    targets = pod_processes(pid)
+    container (all of its cgroup, not only its first process). `also`: its processes read
+    before a SIGTERM (a dead parent's children leave the tree at once)."""
+    targets = sorted({*pod_processes(pid), *also})
     signal_group(pid, signal.SIGKILL)
     for target in targets:
         with contextlib.suppress(ProcessLookupError):

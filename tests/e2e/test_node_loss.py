@@ -9,10 +9,14 @@ the frozen pod, whose object is gone.
 Then the elastic variant (minNodes 1): the survivor's collective times out and it re-forms
 alone, reporting that round as a failure of its own *before* the operator has judged the pod
 lost (the node monitor grace plus nodeLostSeconds later); once it has, the round is taken back:
-`status.restarts` 0, the round in `status.forgivenRounds`."""
+`status.restarts` 0, the round in `status.forgivenRounds`.
+
+Last, split brain: the partition heals while the replacement trains, and the stale worker
+runs again beside it until its kubelet stops it; it disturbs nothing."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +24,7 @@ import pytest
 
 from finetune_local.session import LocalSession, is_finished, phase_of
 from finetune_operator import metrics
-from finetune_operator.api.constants import GROUP, PLURAL, VERSION
+from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER, GROUP, PLURAL, VERSION
 from tests.conftest import wait_until
 from tests.e2e.nodeloss import (
     ELASTIC_JOB,
@@ -132,3 +136,43 @@ def test_in_an_elastic_job_a_lost_node_spends_no_restart_either(
     assert record["round"] not in status.get("restartLedger", []), status
     session.cluster.restore_node(loss.node)
     session.custom.delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, ELASTIC_JOB)
+
+
+SPLIT_JOB = "ft-split"
+
+
+@pytest.mark.timeout(360)
+def test_a_partition_that_heals_mid_run_leaves_a_stale_incarnation_that_disturbs_nothing(
+    session: LocalSession, quickstart_doc: dict[str, Any]
+) -> None:
+    """Split brain: the partition heals while the replacement trains. The stale worker-1 runs
+    again beside it until its kubelet stops it (SIGTERM, its grace period): its trainers'
+    collectives were with processes long gone, its agent finds the round full (a fixed-size
+    job: torch's redundancy list, not the wait list, so no membership restart), and its rank
+    0 holds an older checkpoint epoch than the root's (fenced). The job goes on: restarts 0,
+    one preemption, and every checkpoint committed after the loss is the new epoch's."""
+    assert session.core is not None
+    session.submit(node_loss_job(quickstart_doc, SPLIT_JOB, steps=60))
+    loss = lose_worker_node(session, SPLIT_JOB)
+    root = session.data_dir / "shared" / "checkpoints" / SPLIT_JOB
+    epoch = int((root / "EPOCH").read_text())
+    session.cluster.restore_node(loss.node)
+
+    def stale() -> set[int]:
+        return set(cluster_processes(session.data_dir)).intersection(loss.frozen)
+
+    # Gone well within the worker's 120 s grace: it exits on its SIGTERM.
+    wait_until(lambda: not stale(), "the stale incarnation's processes gone", 60,
+               detail=lambda: str(stale()))  # fmt: skip
+    job = session.wait_for(SPLIT_JOB, is_finished, timeout=180)
+    status = job["status"]
+    assert phase_of(job) == "Succeeded", status
+    assert status["restarts"] == 0 and status["preemptions"] == 1, status
+    assert int((root / "EPOCH").read_text()) == epoch  # nothing re-formed after the heal
+    later = {
+        marker.parent.name: json.loads(marker.read_text()).get("epoch")
+        for marker in root.glob(f"*/{CHECKPOINT_COMMITTED_MARKER}")
+        if json.loads(marker.read_text()).get("step", 0) > loss.recovery.step_at_fault
+    }
+    assert later and set(later.values()) == {epoch}, later
+    session.custom.delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, SPLIT_JOB)

@@ -152,6 +152,29 @@ def test_a_replacement_of_the_same_name_runs_beside_the_frozen_pod_and_survives_
     core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
 
 
+def test_a_stale_pod_runs_again_when_its_node_is_back_and_is_stopped_gracefully(
+    cluster: LocalCluster, core: client.CoreV1Api, tmp_path: Path
+) -> None:
+    """Force-deleted while its node was cut off: its processes ran on all along on a real node,
+    and its kubelet, back, stops it as it last saw it (running): SIGTERM and the spec's grace
+    period, not a SIGKILL before it can run another instruction."""
+    marks = tmp_path / "marks"
+    # Counts its own seconds of life after the partition, and says when it is asked to stop.
+    script = (f"trap 'echo term >> {marks}; exit 0' TERM; "
+              f"while true; do echo beat >> {marks}; sleep 0.2; done")  # fmt: skip
+    name, pids = _start(core, script=f"setsid sleep 300 & {script}")
+    cluster.lose_node(NODE, "partition")
+    core.delete_namespaced_pod(name, "default", grace_period_seconds=0)  # what the operator does
+    frozen_at = marks.read_text().count("beat")
+    time.sleep(1)
+    assert marks.read_text().count("beat") == frozen_at  # frozen
+    cluster.restore_node(NODE)
+    wait_until(lambda: _states(pids) == {"gone"}, "the stale pod's processes gone", 20,
+               detail=lambda: str(_states(pids)))  # fmt: skip
+    lines = marks.read_text().split()
+    assert lines[-1] == "term", lines[-5:]  # stopped by SIGTERM, and it exited on it
+
+
 def test_a_pod_that_outlived_the_partition_runs_on_ready_again(
     cluster: LocalCluster, core: client.CoreV1Api
 ) -> None:

@@ -65,7 +65,11 @@ def node(ready: str = "Unknown", since: datetime | None = DOWN) -> NodeView:
         # The taint eviction of a lost node: deleted nodeLostSeconds after it went down, so
         # no kubelet saw the deletion: lost at once, not only after the 120 s grace.
         (terminating(), node("Unknown"), at(NODE_LOST), True),
-        (terminating(), node("False"), at(NODE_LOST), True),  # kubelet alive, NotReady
+        # Ready False: the kubelet posts it, so it is alive and stops the pod gracefully: lost
+        # only once that grace is over (a runtime that cannot kill it).
+        (terminating(), node("False"), at(NODE_LOST), False),
+        (terminating(), node("False"), at(NODE_LOST + GRACE - 1), False),
+        (terminating(), node("False"), at(NODE_LOST + GRACE), True),
         (terminating(), node("Unknown"), at(NODE_LOST - 1), False),  # not down long enough
         (terminating(), node("True"), at(1000), False),  # back: its kubelet finishes it
         (terminating(), node("", since=None), at(1000), False),  # never posted: not judged
@@ -82,7 +86,8 @@ def node(ready: str = "Unknown", since: datetime | None = DOWN) -> NodeView:
         (terminating("qs-rdzv", grace=30), node("Unknown"), at(NODE_LOST), True),
     ],
     ids=[
-        "evicted-unknown", "evicted-notready", "down-too-short", "node-ready-again",
+        "evicted-unknown", "evicted-notready", "evicted-notready-within-grace",
+        "evicted-notready-grace-over", "down-too-short", "node-ready-again",
         "no-ready-condition", "not-terminating", "deleted-before-down-within-grace",
         "deleted-before-down-grace-bound", "deleted-before-down-grace-over",
         "node-absent-within-grace", "node-absent-grace-over", "rendezvous",
@@ -153,15 +158,33 @@ def test_a_pass_force_deletes_the_lost_pod_replaces_it_and_counts_a_preemption()
     [
         None,
         NodeReading({"node-b": node("True")}),
-        NodeReading({"node-b": node()}, force_deleted=frozenset({"uid-qs-worker-1"})),
     ],
-    ids=["not-read", "node-ready", "already-force-deleted"],
+    ids=["not-read", "node-ready"],
 )
 def test_a_pass_waits_for_a_terminating_pod_that_is_not_lost(reading: NodeReading | None) -> None:
     pods = [*running("qs-rdzv", "qs-worker-0"), terminating()]
     out = step(pods, reading, at(NODE_LOST + 2))
     assert out.actions.delete == () and out.actions.create == ()
     assert out.status.preemptions == 0
+
+
+def test_a_lost_pod_still_listed_is_force_deleted_again_never_counted_again() -> None:
+    """The first pass's force delete refused (a 5xx, a timeout) or not yet seen by the watch:
+    the next pass sends it again, with no second preemption, Event or status.nodeLosses entry."""
+    pods = [*running("qs-rdzv", "qs-worker-0"), terminating()]
+    first = step(pods, NodeReading({"node-b": node()}), at(NODE_LOST + 2))
+    counted = frozenset(d.uid for d in first.actions.delete if d.reason == "NodeLost")
+    assert counted == {"uid-qs-worker-1"} and first.status.preemptions == 1
+    reading = NodeReading({"node-b": node()}, force_deleted=counted)
+    status = first.status.model_dump()
+    again = step(pods, reading, at(NODE_LOST + 7), **status)
+    assert [(d.name, d.uid, d.grace_seconds, d.reason) for d in again.actions.delete] == [
+        ("qs-worker-1", "uid-qs-worker-1", 0, "NodeLost")
+    ]
+    assert [p["metadata"]["name"] for p in again.actions.create] == ["qs-worker-1"]
+    assert again.status.preemptions == 1
+    assert len(again.status.node_losses) == 1
+    assert not [e for e in again.events if e.reason == "NodeLost"]
 
 
 def test_a_lost_pod_of_a_suspended_job_goes_too() -> None:

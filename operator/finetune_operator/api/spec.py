@@ -201,7 +201,8 @@ class FaultToleranceSpec(SpecModel):
             "their tolerationSeconds of the node.kubernetes.io/unreachable and not-ready "
             "NoExecute taints (Kubernetes' default is 300). A pod evicted from a lost node "
             "stays Terminating (no kubelet confirms it): once its node has not been Ready "
-            "for this long, the operator force-deletes it so that its replacement can start "
+            "for this long (Ready False: its kubelet still posts, so also the pod's grace "
+            "period), the operator force-deletes it so that its replacement can start "
             "(a preemption, not counted against maxRestarts). A toleration of those taints "
             "in resources.tolerations wins over this."
         ),

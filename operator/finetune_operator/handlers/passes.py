@@ -67,8 +67,9 @@ class JobState:
     # The straggler detector's rolling input. Losing it is safe too: status.stragglers
     # carries the streaks, and the records refill within a few windows.
     records: RecordBuffer | None = None
-    # Pods force-deleted as lost with their node, while the index may still hold them (so a
-    # lost pod is counted once). Losing it is safe: a restarted operator lists pods afresh.
+    # Pods judged lost with their node and counted, while the index may still hold them (so
+    # a lost pod is counted once; a refused force delete is retried). Losing it is safe: a
+    # restarted operator lists pods afresh (a pod still listed then is counted once more).
     lost_uids: set[str] = field(default_factory=set)
     # The round each worker pod was last seen training in (its trainers' metrics): the round
     # its peers fail in if it is lost with its node. Losing it only means that round counts.
@@ -145,8 +146,10 @@ async def reconcile_pass(
             result = await cluster.apply(job.namespace, out.actions)
             out = await _with_gang(cluster, job, old, out, now)
             state.deleted_uids = (state.deleted_uids & live) | {d.uid for d in result.deleted}
+            # Counted once decided, whether or not the delete went through: a refused one is
+            # sent again on the next pass (nodeloss.lost_again), never counted again.
             state.lost_uids = (state.lost_uids & live) | {
-                d.uid for d in result.deleted if d.reason == REASON_NODE_LOST
+                d.uid for d in out.actions.delete if d.reason == REASON_NODE_LOST
             }
             _remember_counted(state, old.restart_ledger, out.status.restart_ledger, now)
             if out.actions.ensure and not result.errors:

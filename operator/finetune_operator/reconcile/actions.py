@@ -57,8 +57,10 @@ def _deletions(pods: Sequence[PodView], reason: str) -> tuple[PodDeletion, ...]:
 
 def _force_deletions(a: Assessment) -> tuple[PodDeletion, ...]:
     """Pods lost with their node (nodeloss.py): no kubelet will finish their graceful
-    deletion, so they go at once (grace 0), and their slots free."""
-    return tuple(PodDeletion(x.pod.name, x.pod.uid, REASON_NODE_LOST, 0) for x in a.lost)
+    deletion, so they go at once (grace 0), and their slots free; again for those whose
+    earlier force delete is not seen done (counted then, not now)."""
+    pods = [*(x.pod for x in a.lost), *a.lost_again]
+    return tuple(PodDeletion(p.name, p.uid, REASON_NODE_LOST, 0) for p in pods)
 
 
 def _lost_events(a: Assessment) -> tuple[EventSpec, ...]:
@@ -135,7 +137,7 @@ def _active(
     going = {p.name for p in (*a.replace_now, *preempted, *closed)}
     # A lost pod is gone once force-deleted (the apply deletes before it creates): its slot
     # is filled in this same pass (if the delete fails, the create finds the name taken).
-    gone = {x.pod.name for x in a.lost}
+    gone = {x.pod.name for x in a.lost} | {p.name for p in a.lost_again}
     remaining = replace(
         a,
         workers={i: p for i, p in a.workers.items() if p.name not in going},

@@ -28,6 +28,7 @@ from finetune_operator.reconcile.forgiveness import budget_hold, forgive_lost_ro
 from finetune_operator.reconcile.nodeloss import (
     LostPod,
     NodeReading,
+    lost_again,
     lost_pods,
     unreadable_detail,
 )
@@ -77,6 +78,8 @@ class Assessment:
     # Terminating pods lost with their node (nodeloss.py): force-deleted, in any mode; in an
     # active job each is a preemption and its slot is filled in the same pass.
     lost: tuple[LostPod, ...] = ()
+    # Pods lost and counted on an earlier pass, still listed: force-deleted again, uncounted.
+    lost_again: tuple[PodView, ...] = ()
     # Why some terminating pods cannot be judged (their Nodes unreadable), for the condition.
     nodes_problem: str = ""
 
@@ -247,7 +250,10 @@ def assess(
     assert ev.spec is not None and ev.plan is not None
     seen = replace(seen, desired=ev.plan.nodes, min_nodes=node_range(ev.spec, ev.plan)[0])
     if nodes is not None:
-        seen = replace(seen, lost=lost, nodes_problem=unreadable_detail(pods, nodes))
+        again = lost_again(pods, nodes)
+        seen = replace(
+            seen, lost=lost, lost_again=again, nodes_problem=unreadable_detail(pods, nodes)
+        )
     sticky = _sticky_mode(status)
     if sticky is not None:
         mode, reason = sticky

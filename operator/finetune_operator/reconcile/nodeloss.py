@@ -13,9 +13,13 @@ A terminating pod is **lost** when its node:
 - is absent (the Node object deleted) and the pod's grace period has run out
   (`deletionTimestamp` passed: a live kubelet would have stopped it by then); or
 - has a Ready condition that has not been True for at least `node_lost_seconds`, and either
-  the pod was deleted after the node went down (no kubelet ever saw the deletion, so no
-  graceful stop is under way that waiting would protect: a lost pod's peers have moved on,
-  and its final save, a collective, cannot happen), or its grace period has run out.
+  it is Unknown (the kubelet stopped posting) and the pod was deleted after that (no kubelet
+  ever saw the deletion, so no graceful stop is under way that waiting would protect: a lost
+  pod's peers have moved on, and its final save, a collective, cannot happen), or the pod's
+  grace period has run out. Ready False is the kubelet's own post (the node lifecycle
+  controller only ever writes Unknown): that kubelet is alive, sees the deletion and stops
+  the pod gracefully, so only a pod past its grace (a runtime that cannot kill it) is lost.
+  Its `lastTransitionTime` is also the node's clock, not the control plane's.
 
 Lost pods are force-deleted (grace 0, uid precondition) so that their replacements can be
 created, and counted as preemptions. The processes of a pod on a partitioned node may still
@@ -74,12 +78,13 @@ class NodeReading:
 
     `views`: by node name (a node not there was not read: nothing is decided for its pods);
     `unreadable`: node name -> why it could not be read (RBAC: the chart's ClusterRole);
-    `force_deleted`: uids of pods this operator already force-deleted as lost, whose removal
-    the pods index may not show yet (never counted twice); `rounds`: by pod uid, the
-    rendezvous round its trainers were last seen training in (their metrics), and `seen_at`
-    when; `counted_at`: by round id, the pass that first counted it in status.restartLedger
-    (forgiveness.py: which counted round a lost pod accounts for). The last three are the
-    operator's memory: empty after its restart."""
+    `force_deleted`: uids of pods this operator already judged lost and counted, whether its
+    force delete went through (the pods index may not show the removal yet) or was refused
+    (a 5xx, a timeout, a 429: it is sent again, `lost_again`), so never counted twice;
+    `rounds`: by pod uid, the rendezvous round its trainers were last seen training in
+    (their metrics), and `seen_at` when; `counted_at`: by round id, the pass that first
+    counted it in status.restartLedger (forgiveness.py: which counted round a lost pod
+    accounts for). The last three are the operator's memory: empty after its restart."""
 
     views: Mapping[str, NodeView] = field(default_factory=dict)
     unreadable: Mapping[str, str] = field(default_factory=dict)
@@ -141,7 +146,10 @@ def _lost(pod: PodView, node: NodeView, now: datetime, node_lost_seconds: int) -
     if down < node_lost_seconds:
         return None
     deleted_at = deadline - timedelta(seconds=pod.deletion_grace or 0)
-    deleted_while_down = pod.deletion_grace is not None and deleted_at >= node.since
+    # Only a silent kubelet (Unknown) never saw the deletion; one posting False did.
+    deleted_while_down = (
+        node.ready == "Unknown" and pod.deletion_grace is not None and deleted_at >= node.since
+    )
     return LostPod(pod, node, down) if deleted_while_down or grace_over else None
 
 
@@ -161,6 +169,13 @@ def lost_pods(
                 replace(lost, round=reading.rounds.get(uid), seen_at=reading.seen_at.get(uid))
             )
     return tuple(out)
+
+
+def lost_again(pods: Sequence[PodView], reading: NodeReading) -> tuple[PodView, ...]:
+    """Pods judged lost and counted on an earlier pass that are still listed: their force
+    delete failed, or the watch has not shown it yet. It is sent again (a 404 or a 409 then
+    only says it is done), never counted again."""
+    return tuple(p for p in pods if p.terminating and p.uid in reading.force_deleted)
 
 
 def unreadable_detail(pods: Sequence[PodView], reading: NodeReading) -> str:
