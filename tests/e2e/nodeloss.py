@@ -25,6 +25,8 @@ from typing import Any
 from finetune_local.controllermanager import NodeHealthTimings
 from finetune_local.podrunner import pod_processes
 from finetune_local.session import LocalSession
+from finetune_operator.api.constants import GROUP, LABEL_JOB, PLURAL, VERSION
+from tests.conftest import wait_until
 from tests.e2e.faults import INTERVAL as INTERVAL_STEPS
 from tests.e2e.faults import FaultRunner, Recovery, faults_job
 
@@ -96,6 +98,8 @@ def lose_worker_node(session: LocalSession, name: str = JOB) -> NodeLoss:
     node = lost_pod.spec.node_name
     store = core.read_namespaced_pod(f"{name}-rdzv", "default")
     assert store.spec.node_name != node, "the drill loses a worker, not the store"
+    peer = core.read_namespaced_pod(f"{name}-worker-0", "default")
+    assert peer.spec.node_name != node, "the drill loses one worker: worker-0 shares its node"
     main = session.cluster.pod_main_pid("default", lost_pod.metadata.name)
     assert main is not None
     frozen = pod_processes(main)
@@ -103,3 +107,18 @@ def lose_worker_node(session: LocalSession, name: str = JOB) -> NodeLoss:
         "node partitioned", lambda: session.cluster.lose_node(node, "partition"), timeout=180
     )
     return NodeLoss(recovery, node, lost_pod, frozen)
+
+
+def remove_job(session: LocalSession, name: str) -> None:
+    """Delete the job and wait until its pods are gone, so that the next drill's pods are
+    spread over the nodes as on a fresh cluster (the scheduler scores by pod count: a
+    terminating pod left behind can put both of its workers on one node)."""
+    assert session.core is not None
+    core = session.core
+    session.custom.delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, name)
+
+    def pods() -> list[str]:
+        listed = core.list_namespaced_pod("default", label_selector=f"{LABEL_JOB}={name}")
+        return [p.metadata.name for p in listed.items]
+
+    wait_until(lambda: not pods(), f"job {name}'s pods gone", 120, detail=lambda: str(pods()))

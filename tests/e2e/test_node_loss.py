@@ -24,7 +24,7 @@ import pytest
 
 from finetune_local.session import LocalSession, is_finished, phase_of
 from finetune_operator import metrics
-from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER, GROUP, PLURAL, VERSION
+from finetune_operator.api.constants import CHECKPOINT_COMMITTED_MARKER
 from tests.conftest import wait_until
 from tests.e2e.nodeloss import (
     ELASTIC_JOB,
@@ -35,6 +35,7 @@ from tests.e2e.nodeloss import (
     lose_worker_node,
     node_loss_job,
     node_loss_session,
+    remove_job,
 )
 from tests.e2e.processes import cluster_processes
 
@@ -95,7 +96,7 @@ def test_a_lost_node_is_recovered_from_without_spending_the_restart_budget(
 
     wait_until(lambda: not still_alive(), "the lost pod's processes killed", 30,
                detail=lambda: str(still_alive()))  # fmt: skip
-    session.custom.delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, JOB)
+    remove_job(session, JOB)
 
 
 @pytest.mark.timeout(300)
@@ -135,7 +136,7 @@ def test_in_an_elastic_job_a_lost_node_spends_no_restart_either(
     assert record["round"] in status.get("forgivenRounds", []), status
     assert record["round"] not in status.get("restartLedger", []), status
     session.cluster.restore_node(loss.node)
-    session.custom.delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, ELASTIC_JOB)
+    remove_job(session, ELASTIC_JOB)
 
 
 SPLIT_JOB = "ft-split"
@@ -175,4 +176,4 @@ def test_a_partition_that_heals_mid_run_leaves_a_stale_incarnation_that_disturbs
         if json.loads(marker.read_text()).get("step", 0) > loss.recovery.step_at_fault
     }
     assert later and set(later.values()) == {epoch}, later
-    session.custom.delete_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, SPLIT_JOB)
+    remove_job(session, SPLIT_JOB)
