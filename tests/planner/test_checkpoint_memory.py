@@ -51,6 +51,7 @@ def test_a_memory_request_that_fits_only_without_staging_is_refused_naming_it() 
     refused = plan()
     assert not refused.fits
     assert "the checkpoint's staging copy (9.4 GiB)" in refused.reason, refused.reason
+    assert "checkpoint.async: false would fit on 8 ranks" in refused.reason, refused.reason
 
 
 def test_the_device_snapshot_is_counted_in_gpu_memory_and_refused_naming_it() -> None:
@@ -70,6 +71,8 @@ def test_the_device_snapshot_is_counted_in_gpu_memory_and_refused_naming_it() ->
     refused = plan(deviceSnapshot=True)
     assert not refused.fits
     assert "the checkpoint's device snapshot (9.4 GiB" in refused.reason, refused.reason
+    assert "checkpoint.deviceSnapshot: false would fit on 8 ranks" in refused.reason
+    assert "checkpoint.async" not in refused.reason, refused.reason
 
 
 def test_sync_saves_on_a_cpu_device_copy_nothing_and_deepspeed_always_copies() -> None:

@@ -170,6 +170,21 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
                 f"strategy.offload: cpu would fit on {off.cand.world_size} GPUs "
                 f"({off.cand.strategy})."
             )
+    ck = p.spec.checkpoint
+    if ck.enabled and ck.async_:
+        # What async saves cost (checkpoint_memory) may be all that does not fit: first the
+        # device snapshot alone, then sync saves, which stage nothing (training then waits
+        # for each save's write).
+        lighter = _try(hint_problem, p, no_snapshot=True) if ck.device_snapshot else None
+        sync = _try(hint_problem, p, sync_saves=True) if lighter is None else None
+        if lighter is not None or sync is not None:
+            field, ev = ("deviceSnapshot", lighter) if lighter else ("async", sync)
+            assert ev is not None
+            parts.append(
+                f"checkpoint.{field}: false would fit on {_count(ev.cand.world_size, 'rank')} "
+                f"({ev.cand.strategy}"
+                + ("; training then waits for each save's write)." if field == "async" else ").")
+            )
     if p.spec.method.type == "full":
         for method, label in (("lora", "LoRA"), ("qlora", "QLoRA")):
             ev = _try(hint_problem, p, method=method)

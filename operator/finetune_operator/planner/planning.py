@@ -271,7 +271,9 @@ def plan_job(
 
 def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
     """The first fitting configuration when the spec is changed as `changes` say
-    (method, offload, unbounded GPU count), for the refusal's suggestions."""
+    (method, offload, checkpoint saves without a device snapshot or sync, unbounded GPU
+    count), for the refusal's
+    suggestions."""
     spec = p.spec
     # Resources first: the spec is re-validated below, and the hint drops the GPU bounds.
     res = spec.resources.model_copy(update={"min_nodes": None, "max_nodes": None})
@@ -292,6 +294,11 @@ def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
         spec = spec.model_copy(
             update={"strategy": spec.strategy.model_copy(update={"offload": "cpu", "type": "auto"})}
         )
+    if changes.get("sync_saves") or changes.get("no_snapshot"):
+        update = {"device_snapshot": False} | (
+            {"async_": False} if changes.get("sync_saves") else {}
+        )
+        spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update=update)})
     if spec.training.activation_checkpointing == "none":
         training = spec.training.model_copy(update={"activation_checkpointing": "auto"})
         spec = spec.model_copy(update={"training": training})
