@@ -5,7 +5,8 @@ What the trainer does (finetune_trainer.dcp_checkpointer, staging, deepspeed_che
 what that holds, with torch 2.13's DCP writers:
 
 - async (`checkpoint.async`, the default): `staging.HostStaging` keeps one flat host buffer of
-  S (pinned on CUDA) from the first step to the end of the run. The commit thread then
+  S (pinned on CUDA) from the first step until the final save is committed (the trainer frees
+  it before the export gathers the model on rank 0's host). The commit thread then
   writes it with `dcp.save`, whose FileSystemWriter copies every tensor that is a view of a
   larger storage (each staged tensor is a view of the flat buffer) and keeps every tensor it
   wrote to a file until that file is closed (its `tensor_dict`); a rank writes one file, so
@@ -22,7 +23,7 @@ what that holds, with torch 2.13's DCP writers:
   until the staging copy is made, and the staging buffer plus the writer's copies is 2 S
   either way.
 - the device snapshot (`checkpoint.deviceSnapshot`, CUDA, async only): one more S, in GPU
-  memory, from the first step to the end of the run.
+  memory, from the first step until the final save is committed.
 - an s3:// root: s3fs buffers one block (50 MiB, its default_block_size) of the file before
   uploading it as a part.
 
