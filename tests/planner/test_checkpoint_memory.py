@@ -116,3 +116,14 @@ def test_what_a_save_holds_by_mode() -> None:
     assert s3.host_peak == s + S3_WRITE_BLOCK_BYTES
     off = save_memory(s, async_=True, cuda=True, deepspeed=False, **{**kw, "enabled": False})
     assert off == SaveMemory()
+
+
+def test_the_refusal_tells_activation_checkpointing_from_checkpoint_saves() -> None:
+    """The configuration's activation checkpointing is named as such beside the checkpoint
+    save's copies: "no checkpointing" next to "the checkpoint's staging copy" read as if
+    checkpoints were off."""
+    resources = {"memory": "64Gi", "minNodes": 1, "maxNodes": 1}
+    refused = plan_job(make_spec(strategy=FSDP, resources=resources))
+    assert not refused.fits and "the checkpoint's staging copy" in refused.reason
+    assert " checkpointing" not in refused.reason.replace("activation checkpointing", "")
+    assert "no activation checkpointing" in refused.reason, refused.reason

@@ -33,7 +33,9 @@ def _count(n: int, word: str) -> str:
 
 
 def _config(ev: Evaluated) -> str:
-    ck = "full checkpointing" if ev.shape.checkpointing else "no checkpointing"
+    ck = (
+        "full activation checkpointing" if ev.shape.checkpointing else "no activation checkpointing"
+    )
     off = f", offload {ev.cand.offload}" if ev.cand.offloads else ""
     return (
         f"{ev.cand.strategy}{off}, micro-batch {ev.shape.micro_batch_size} x "
@@ -42,7 +44,11 @@ def _config(ev: Evaluated) -> str:
 
 
 def _plan_config(plan: Plan) -> str:
-    ck = "full checkpointing" if plan.activation_checkpointing else "no checkpointing"
+    ck = (
+        "full activation checkpointing"
+        if plan.activation_checkpointing
+        else "no activation checkpointing"
+    )
     off = f", offload {plan.offload}" if plan.offload != "none" else ""
     return (
         f"{plan.strategy}{off}, micro-batch {plan.micro_batch_size} x "
