@@ -19,6 +19,7 @@ from finetune_operator.reconcile.forgiveness import (
     HOLD_SLACK_SECONDS,
     budget_hold,
     forgive_lost_rounds,
+    taken_back,
 )
 from finetune_operator.reconcile.nodeloss import LostPod, NodeReading, NodeView, absent_node
 from tests.operator.factories import make_plan, quickstart_raw
@@ -253,3 +254,17 @@ def test_a_pod_judged_lost_again_takes_no_second_round_back() -> None:
                        NodeReading({"node-b": node(since=later)}))  # fmt: skip
     s = out.status
     assert (s.restarts, s.restart_ledger, s.forgiven_rounds) == (1, ["Y"], ["X", "Z"])
+
+
+def test_a_pass_that_counts_one_round_and_takes_another_back_says_both() -> None:
+    """The survivor reports a genuine failure G in the pass that judges worker-1 lost and takes
+    its round R back: status.restarts does not move, the metrics must still see both."""
+    before = FineTuneJobStatus(restarts=1, restart_ledger=["R"])
+    out = elastic_step(
+        before, [*SURVIVOR, LOST_POD], at(NODE_LOST + 2), {"qs-worker-0": ["R", "G"]},
+        reading({"R": at(12)}),
+    )  # fmt: skip
+    s = out.status
+    assert (s.restarts, s.restart_ledger, s.forgiven_rounds) == (1, ["G"], ["R"])
+    assert taken_back(before, s) == 1
+    assert taken_back(s, s) == 0

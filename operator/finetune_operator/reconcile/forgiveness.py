@@ -56,7 +56,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from finetune_operator.api.status import NodeLoss
+from finetune_operator.api.status import FineTuneJobStatus, NodeLoss
 from finetune_operator.reconcile.nodeloss import LostPod, NodeReading
 from finetune_operator.reconcile.observed import PodView, parse_time
 
@@ -144,6 +144,13 @@ def forgive_lost_rounds(
             back[first] = x.pod.name
             claimed.add(first)
     return Forgiveness(frozenset(ahead), back)
+
+
+def taken_back(before: FineTuneJobStatus, after: FineTuneJobStatus) -> int:
+    """How many restarts a pass took back: the rounds that left status.restartLedger for
+    status.forgivenRounds (the operator's metrics count them apart from those it counted)."""
+    moved = set(before.restart_ledger) - set(after.restart_ledger)
+    return len(moved & set(after.forgiven_rounds))
 
 
 def budget_hold(
