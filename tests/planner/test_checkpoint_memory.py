@@ -121,8 +121,9 @@ def test_what_a_save_holds_by_mode() -> None:
         s, async_=False, cuda=False, deepspeed=True, largest_tensor=GIB,
         **{**kw, "object_store": True},
     )  # fmt: skip
-    # s3fs buffers the largest tensor whole and copies the part out of it (checkpoint_memory).
-    assert s3.host_peak == s + 2 * (GIB + S3_WRITE_BLOCK_BYTES)
+    # s3fs buffers the largest tensor whole, copies the part out of it, the HTTP client the
+    # part again (checkpoint_memory).
+    assert s3.host_peak == s + 3 * (GIB + S3_WRITE_BLOCK_BYTES)
     off = save_memory(s, async_=True, cuda=True, deepspeed=False, **{**kw, "enabled": False})
     assert off == SaveMemory()
 

@@ -1,54 +1,51 @@
 """What an s3:// checkpoint write holds on the host, against the plan's figure
 (planner/checkpoint_memory.py): DCP's writer (torch 2.13's `_write_item`) torch.saves each
-tensor into s3fs's file object in one write, which s3fs buffers whole before it uploads it as a
-part (a copy of the buffer): twice the tensor, not one 50 MiB block. s3fs's real S3File, its
-S3 calls answered here (no network); the peak read by tracemalloc."""
+tensor into s3fs's file object in one write; s3fs buffers it whole, reads the part it uploads
+out of that buffer, and the HTTP client copies the part again while it sends it: about three
+times the tensor, not one 50 MiB block. The trainer's own writer (Location.dcp_writer) onto
+moto's S3 server over HTTP; the peak of Python's allocations while it writes, read by tracemalloc (the state's
+tensors themselves are torch storage, not counted: the write's buffers are)."""
 
 from __future__ import annotations
 
 import tracemalloc
-from typing import Any
 
 import pytest
-import s3fs
 import torch
-from s3fs.core import S3File
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from finetune_operator.planner.checkpoint_memory import save_memory
+from finetune_trainer.location import locate
+from tests.objectstore import MotoServer
 
 MIB = 2**20
 
 
-class LocalS3File(S3File):  # type: ignore[misc]
-    """s3fs's file object; the multipart upload's calls answered without a store."""
-
-    def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> dict[str, str]:
-        return {"create_multipart_upload": {"UploadId": "u"}, "upload_part": {"ETag": "e"}}.get(
-            method, {}
-        )
-
-    def commit(self) -> None:
-        pass
+def _writer(server: MotoServer, uri: str) -> object:
+    return locate(uri, "checkpoint.uri", object_store=server.spec()).dcp_writer()
 
 
-def written_peak(tensors: list[torch.Tensor]) -> int:
-    fs = s3fs.S3FileSystem(anon=True, skip_instance_cache=True)
-    f = LocalS3File(fs, "bucket/ckpt/__0_0.distcp", mode="wb")
+def written_peak(server: MotoServer, group: dist.ProcessGroup, sd: dict[str, torch.Tensor]) -> int:
+    root = f"s3://{server.new_bucket()}/ckpt"
+    # The client's one-time set-up (botocore's service model, ~10 MiB) before measuring.
+    dcp.save({"warm": torch.zeros(4)}, storage_writer=_writer(server, f"{root}/warm"))
+    writer = _writer(server, f"{root}/step-00000001")
     tracemalloc.start()
     try:
-        for t in tensors:
-            torch.save(t, f)  # as FileSystemWriter's _write_item does, item by item
-        f.close()
+        dcp.save(sd, storage_writer=writer, process_group=group)
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
 
 
 @pytest.mark.parametrize(("mib", "count"), [(16, 10), (160, 2)])
-def test_the_plan_holds_what_an_s3_write_buffers(mib: int, count: int) -> None:
-    tensors = [torch.zeros(mib * MIB // 4) for _ in range(count)]
-    measured = written_peak(tensors)
-    state = sum(t.nbytes for t in tensors)
+def test_the_plan_holds_what_an_s3_write_buffers(
+    mib: int, count: int, ckpt_group: dist.ProcessGroup, s3_credentials: MotoServer
+) -> None:
+    sd = {f"t{i}": torch.zeros(mib * MIB // 4) for i in range(count)}
+    measured = written_peak(s3_credentials, ckpt_group, sd)
+    state = sum(t.nbytes for t in sd.values())
     kw = {"enabled": True, "async_": False, "cuda": False, "deepspeed": False}
     plan = save_memory(
         state, object_store=True, device_snapshot=False, largest_tensor=mib * MIB, **kw
@@ -56,4 +53,4 @@ def test_the_plan_holds_what_an_s3_write_buffers(mib: int, count: int) -> None:
     local = save_memory(state, object_store=False, device_snapshot=False, **kw)
     upload = plan.host_peak - local.host_peak
     assert measured <= upload, (measured / MIB, upload / MIB)
-    assert upload < measured + 128 * MIB  # a bound, not a guess far above it
+    assert upload < measured + 160 * MIB  # a bound, not a guess far above it

@@ -26,8 +26,9 @@ what that holds, with torch 2.13's DCP writers:
   memory, from the first step until the final save is committed.
 - an s3:// root: DCP's writer torch.saves each tensor into s3fs's file object in one write,
   which s3fs buffers whole (with what is left of its 50 MiB default_block_size) and then
-  uploads as a part read out of that buffer (a copy): up to twice the largest tensor the rank
-  writes plus a block, one tensor at a time (measured: tests/trainer/test_s3_write_memory.py).
+  uploads as a part read out of that buffer (a copy), which the HTTP client copies once more
+  while it sends it: up to three times the largest tensor the rank writes plus a block, one
+  tensor at a time (measured through moto's server: tests/trainer/test_s3_write_memory.py).
 
 Where it lives: on CUDA all of it is host memory except the snapshot; on a CPU device the
 device is the host and it all comes out of the process's one budget.
@@ -45,9 +46,9 @@ S3_WRITE_BLOCK_BYTES = 50 * MIB
 
 def object_store_write_bytes(largest_tensor: int) -> int:
     """Host bytes s3fs holds while DCP writes a rank's file (the module docstring): the
-    buffer (less than a block left over, plus the tensor written whole) and the part copied
-    out of it."""
-    return 2 * (S3_WRITE_BLOCK_BYTES + largest_tensor)
+    buffer (less than a block left over, plus the tensor written whole), the part copied out
+    of it, and the HTTP client's copy of that part."""
+    return 3 * (S3_WRITE_BLOCK_BYTES + largest_tensor)
 
 
 @dataclass(frozen=True)
