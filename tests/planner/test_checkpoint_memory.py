@@ -154,3 +154,16 @@ def test_the_largest_tensor_a_rank_writes_by_strategy() -> None:
     assert adapter == lora.lora_rank * 4096 * 4  # one projection's A or B, fp32
     mlp = replace(lora, lora_targets=("q_proj", "down_proj"))
     assert checkpoint_largest_tensor_bytes(m, mlp, Candidate("ddp", 8, 8)) == 16 * 11008 * 4
+
+
+def test_a_refusal_for_the_staging_copy_says_what_sync_saves_would_need() -> None:
+    resources = {"memory": "64Gi", "minNodes": 1, "maxNodes": 1}
+    refused = plan_job(make_spec(strategy=FSDP, resources=resources))
+    assert not refused.fits
+    # 8 GiB a process: at 8 ranks a sync save's copy (9.4 GiB) does not fit either, at 16 the
+    # halved shard does; async saves need 24 GPUs.
+    hint = "checkpoint.async: false (no staging copy) would fit on 16 x H100-80GB"
+    assert hint in refused.reason, refused.reason
+    assert "Needs >= 24 GPUs" in refused.reason
+    sync = plan_job(make_spec(strategy=FSDP, resources=resources, checkpoint={"async": False}))
+    assert not sync.fits and "checkpoint.async: false" not in sync.reason

@@ -176,6 +176,14 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
                 f"strategy.offload: cpu would fit on {off.cand.world_size} GPUs "
                 f"({off.cand.strategy})."
             )
+    if sm.save.staging or sm.save.device_snapshot:
+        # Async saves' staging copy (and snapshot) are what sync saves do without.
+        sync = _try(hint_problem, p, sync_saves=True)
+        if sync is not None and (more is None or sync.cand.world_size < more.cand.world_size):
+            parts.append(
+                f"checkpoint.async: false (no staging copy) would fit on "
+                f"{sync.cand.world_size} x {p.acc.name} ({sync.cand.strategy})."
+            )
     if p.spec.method.type == "full":
         for method, label in (("lora", "LoRA"), ("qlora", "QLoRA")):
             ev = _try(hint_problem, p, method=method)

@@ -271,7 +271,8 @@ def plan_job(
 
 def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
     """The first fitting configuration when the spec is changed as `changes` say
-    (method, offload, unbounded GPU count), for the refusal's suggestions."""
+    (method, offload, sync checkpoint saves, unbounded GPU count), for the refusal's
+    suggestions."""
     spec = p.spec
     # Resources first: the spec is re-validated below, and the hint drops the GPU bounds.
     res = spec.resources.model_copy(update={"min_nodes": None, "max_nodes": None})
@@ -292,6 +293,9 @@ def _hint_search(p: Problem, **changes: object) -> Evaluated | None:
         spec = spec.model_copy(
             update={"strategy": spec.strategy.model_copy(update={"offload": "cpu", "type": "auto"})}
         )
+    if changes.get("sync_saves"):
+        ck = spec.checkpoint.model_copy(update={"async_": False, "device_snapshot": False})
+        spec = spec.model_copy(update={"checkpoint": ck})
     if spec.training.activation_checkpointing == "none":
         training = spec.training.model_copy(update={"activation_checkpointing": "auto"})
         spec = spec.model_copy(update={"training": training})
