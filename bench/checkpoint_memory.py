@@ -30,6 +30,7 @@ import yaml
 from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.planner import plan_job
+from finetune_operator.planner.model_states import checkpoint_state_bytes
 from finetune_operator.planner.planning import build_problem
 from finetune_operator.planner.search import evaluate, strategies_for
 
@@ -58,7 +59,8 @@ def planned_save(spec: FineTuneJobSpec) -> tuple[int, int, int]:
     p = build_problem(spec)
     row = next(r for r in strategies_for(p, plan.world_size) if r.name == plan.strategy)
     ev = evaluate(p, plan.world_size, row, plan.micro_batch_size, plan.activation_checkpointing)
-    return ev.save.staging or ev.save.writing, ev.save.host_peak, ev.device_need
+    state = checkpoint_state_bytes(p.model, ev.shape, ev.cand)
+    return state, ev.save.host_peak, ev.device_need
 
 
 def run(spec: FineTuneJobSpec, cwd: Path) -> list[int]:

@@ -101,13 +101,18 @@ def set_job_phase(job: str, phase: str | None) -> None:
         JOBS.labels(state=phase).inc()
 
 
-def record_restarts(namespace: str, name: str, count: int) -> None:
-    """A change of status.restarts: up is restarts counted, down is restarts taken back
-    after a node loss (reconcile/forgiveness.py), each on its own counter."""
-    if count > 0:
-        RESTARTS.labels(namespace=namespace, finetunejob=name).inc(count)
-    elif count < 0:
-        FORGIVEN_RESTARTS.labels(namespace=namespace, finetunejob=name).inc(-count)
+def record_restarts(namespace: str, name: str, change: int, taken_back: int = 0) -> None:
+    """A pass's change of status.restarts, with the restarts it took back after a node loss
+    (`taken_back`: reconcile/forgiveness.taken_back) apart: restarts counted and taken back
+    each on its own counter. One pass may do both (a failure counted while a lost node's
+    round is taken back), which the net change alone hides; a decrease no ledger explains is
+    taken back all the same."""
+    counted = change + taken_back
+    forgiven = max(taken_back, -change)
+    if counted > 0:
+        RESTARTS.labels(namespace=namespace, finetunejob=name).inc(counted)
+    if forgiven > 0:
+        FORGIVEN_RESTARTS.labels(namespace=namespace, finetunejob=name).inc(forgiven)
 
 
 def record_preemptions(namespace: str, name: str, count: int) -> None:

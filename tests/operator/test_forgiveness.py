@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -19,6 +19,7 @@ from finetune_operator.reconcile.forgiveness import (
     HOLD_SLACK_SECONDS,
     budget_hold,
     forgive_lost_rounds,
+    taken_back,
 )
 from finetune_operator.reconcile.nodeloss import LostPod, NodeReading, NodeView, absent_node
 from tests.operator.factories import make_plan, quickstart_raw
@@ -222,3 +223,48 @@ def test_a_budget_spent_before_the_loss_is_known_does_not_fail_the_job_in_the_wi
     out = elastic_step(spent, [*SURVIVOR, NOT_YET], at(12), {"qs-worker-0": ["G", "R"]}, back,
                        max_restarts=1)  # fmt: skip
     assert out.status.phase == "Failed"
+
+
+def test_a_pod_judged_lost_again_takes_no_second_round_back() -> None:
+    """Its force delete failed, or was not seen gone yet (the operator restarted: no memory of
+    it): the next pass finds the same pod lost again. Its round unseen (rule 2), it already
+    took back the first round counted since its node went down; the second such round is a
+    failure of the survivors' own and stays counted."""
+    down = NodeReading({"node-b": node()})
+    out = elastic_step(FineTuneJobStatus(), [*SURVIVOR, NOT_YET], at(12),
+                       {"qs-worker-0": ["X"]}, down)  # fmt: skip
+    out = elastic_step(out.status, [*SURVIVOR, NOT_YET], at(30),
+                       {"qs-worker-0": ["X", "Y"]}, down)  # fmt: skip
+    assert (out.status.restarts, out.status.restart_ledger) == (2, ["X", "Y"])
+    unseen = NodeReading({"node-b": node()}, counted_at={"X": at(12), "Y": at(30)})
+    out = elastic_step(out.status, [*SURVIVOR, LOST_POD], at(NODE_LOST + 2),
+                       {"qs-worker-0": ["X", "Y"]}, unseen)  # fmt: skip
+    s = out.status
+    assert (s.restarts, s.restart_ledger, s.forgiven_rounds) == (1, ["Y"], ["X"])
+    out = elastic_step(s, [*SURVIVOR, LOST_POD], at(NODE_LOST + 12),
+                       {"qs-worker-0": ["X", "Y"]}, unseen)  # fmt: skip
+    s = out.status
+    assert (s.restarts, s.restart_ledger, s.forgiven_rounds) == (1, ["Y"], ["X"])
+    # A pod of the same name lost in a later outage of its node is another loss: the first
+    # round counted since then (Z, this pass) is taken back.
+    later = at(NODE_LOST + 500)
+    again = terminating(uid="uid-qs-worker-1-b", deleted=later + timedelta(seconds=NODE_LOST))
+    out = elastic_step(s, [*SURVIVOR, again], later + timedelta(seconds=NODE_LOST + 2),
+                       {"qs-worker-0": ["X", "Y", "Z"]},
+                       NodeReading({"node-b": node(since=later)}))  # fmt: skip
+    s = out.status
+    assert (s.restarts, s.restart_ledger, s.forgiven_rounds) == (1, ["Y"], ["X", "Z"])
+
+
+def test_a_pass_that_counts_one_round_and_takes_another_back_says_both() -> None:
+    """The survivor reports a genuine failure G in the pass that judges worker-1 lost and takes
+    its round R back: status.restarts does not move, the metrics must still see both."""
+    before = FineTuneJobStatus(restarts=1, restart_ledger=["R"])
+    out = elastic_step(
+        before, [*SURVIVOR, LOST_POD], at(NODE_LOST + 2), {"qs-worker-0": ["R", "G"]},
+        reading({"R": at(12)}),
+    )  # fmt: skip
+    s = out.status
+    assert (s.restarts, s.restart_ledger, s.forgiven_rounds) == (1, ["G"], ["R"])
+    assert taken_back(before, s) == 1
+    assert taken_back(s, s) == 0

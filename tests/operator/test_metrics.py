@@ -52,6 +52,18 @@ def test_a_lowered_restart_count_is_counted_as_forgiven_not_subtracted() -> None
     assert _value("finetune_operator_forgiven_restarts_total", **job) is None
 
 
+def test_a_failure_counted_in_the_pass_that_takes_one_back_shows_on_both_counters() -> None:
+    """status.restarts unchanged (+1 genuine, -1 a lost node's): the net change alone hid both."""
+    job = {"namespace": "ns", "finetunejob": "both"}
+    metrics.record_restarts("ns", "both", 0, taken_back=1)
+    assert _value("finetune_operator_restarts_total", **job) == 1
+    assert _value("finetune_operator_forgiven_restarts_total", **job) == 1
+    metrics.record_restarts("ns", "both", -1, taken_back=1)  # only taken back
+    assert _value("finetune_operator_restarts_total", **job) == 1
+    assert _value("finetune_operator_forgiven_restarts_total", **job) == 2
+    metrics.forget_job_series("ns", "both")
+
+
 def test_jobs_by_state_follows_each_job() -> None:
     base = {p: _value("finetune_operator_jobs", state=p) or 0.0 for p in ("Pending", "Running")}
     metrics.set_job_phase("ns/a", "Pending")

@@ -3,6 +3,8 @@ buffer and the writer's copy on the host of a GPU job, the device snapshot on th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner_specs import make_spec
 
 from finetune_operator.api.model_spec import ModelArchitecture
@@ -15,7 +17,10 @@ from finetune_operator.planner.checkpoint_memory import (
     save_memory,
 )
 from finetune_operator.planner.configuration import Candidate, TrainingShape
-from finetune_operator.planner.model_states import checkpoint_state_bytes
+from finetune_operator.planner.model_states import (
+    checkpoint_largest_tensor_bytes,
+    checkpoint_state_bytes,
+)
 from finetune_operator.planner.planning import build_problem
 from finetune_operator.planner.search import evaluate, strategies_for
 
@@ -51,7 +56,9 @@ def test_a_memory_request_that_fits_only_without_staging_is_refused_naming_it() 
     refused = plan()
     assert not refused.fits
     assert "the checkpoint's staging copy (9.4 GiB)" in refused.reason, refused.reason
-    assert "checkpoint.async: false would fit on 8 ranks" in refused.reason, refused.reason
+    assert "checkpoint.async: false (no staging copy) would fit on 8 ranks" in refused.reason, (
+        refused.reason
+    )
 
 
 def test_the_device_snapshot_is_counted_in_gpu_memory_and_refused_naming_it() -> None:
@@ -115,7 +122,53 @@ def test_what_a_save_holds_by_mode() -> None:
     assert offloaded.host_peak == 0  # written from host memory as it is
     assert save_memory(s, async_=False, cuda=False, deepspeed=False, **kw).host_peak == 0
     assert save_memory(s, async_=False, cuda=False, deepspeed=True, **kw).host_peak == s
-    s3 = save_memory(s, async_=False, cuda=False, deepspeed=True, **{**kw, "object_store": True})
-    assert s3.host_peak == s + S3_WRITE_BLOCK_BYTES
+    s3 = save_memory(
+        s, async_=False, cuda=False, deepspeed=True, largest_tensor=GIB,
+        **{**kw, "object_store": True},
+    )  # fmt: skip
+    # s3fs buffers the largest tensor whole, copies the part out of it, the HTTP client the
+    # part again (checkpoint_memory).
+    assert s3.host_peak == s + 3 * (GIB + S3_WRITE_BLOCK_BYTES)
     off = save_memory(s, async_=True, cuda=True, deepspeed=False, **{**kw, "enabled": False})
     assert off == SaveMemory()
+
+
+def test_the_refusal_tells_activation_checkpointing_from_checkpoint_saves() -> None:
+    """The configuration's activation checkpointing is named as such beside the checkpoint
+    save's copies: "no checkpointing" next to "the checkpoint's staging copy" read as if
+    checkpoints were off."""
+    resources = {"memory": "64Gi", "minNodes": 1, "maxNodes": 1}
+    refused = plan_job(make_spec(strategy=FSDP, resources=resources))
+    assert not refused.fits and "the checkpoint's staging copy" in refused.reason
+    assert " checkpointing" not in refused.reason.replace("activation checkpointing", "")
+    assert "no activation checkpointing" in refused.reason, refused.reason
+
+
+def test_the_largest_tensor_a_rank_writes_by_strategy() -> None:
+    """What an s3:// root's writer buffers whole (tests/trainer/test_s3_write_memory.py):
+    Llama-2-7B's embedding (32000 x 4096) in fp32 masters, as each strategy holds it."""
+    m = shape_of(lookup("meta-llama/Llama-2-7b-hf").architecture)  # type: ignore[union-attr]
+    shape = TrainingShape(micro_batch_size=1, seq_len=512, precision="bf16")
+    embedding = 32000 * 4096 * 4
+    assert checkpoint_largest_tensor_bytes(m, shape, Candidate("ddp", 8, 8)) == embedding
+    fsdp = checkpoint_largest_tensor_bytes(m, shape, Candidate("fsdp-full-shard", 8, 8))
+    assert fsdp == embedding // 8
+    assert checkpoint_largest_tensor_bytes(m, shape, Candidate("zero3", 8, 8)) == embedding // 8
+    lora = TrainingShape(micro_batch_size=1, seq_len=512, method="lora")  # q, k, v, o
+    adapter = checkpoint_largest_tensor_bytes(m, lora, Candidate("ddp", 8, 8))
+    assert adapter == lora.lora_rank * 4096 * 4  # one projection's A or B, fp32
+    mlp = replace(lora, lora_targets=("q_proj", "down_proj"))
+    assert checkpoint_largest_tensor_bytes(m, mlp, Candidate("ddp", 8, 8)) == 16 * 11008 * 4
+
+
+def test_a_refusal_for_the_staging_copy_says_what_sync_saves_would_need() -> None:
+    resources = {"memory": "64Gi", "minNodes": 1, "maxNodes": 1}
+    refused = plan_job(make_spec(strategy=FSDP, resources=resources))
+    assert not refused.fits
+    # 8 GiB a process: at 8 ranks a sync save's copy (9.4 GiB) does not fit either, at 16 the
+    # halved shard does; async saves need 24 GPUs.
+    hint = "checkpoint.async: false (no staging copy) would fit on 16 ranks"
+    assert hint in refused.reason, refused.reason
+    assert "Needs >= 24 GPUs" in refused.reason
+    sync = plan_job(make_spec(strategy=FSDP, resources=resources, checkpoint={"async": False}))
+    assert not sync.fits and "checkpoint.async: false" not in sync.reason

@@ -282,7 +282,13 @@ class Trainer:
         self.metrics.log_summary()
         # Only a completed run exports (collective); a stopped one resumes and exports later,
         # and so does one whose final checkpoint failed (it exits non-zero and is restarted).
-        output = None if stop or code else self.exporter.export(self.state.step, loss=loss)
+        output = None
+        if not (stop or code):
+            # The final save is committed and no other follows: the staging buffer (the
+            # whole checkpoint state, pinned on CUDA) goes before the export gathers the model
+            # on rank 0's host, so the two never add up. close() again later is a no-op.
+            self.checkpointer.close()
+            output = self.exporter.export(self.state.step, loss=loss)
         if self.env.local_rank == 0:  # one report per pod
             write_final_report(
                 step=self.state.step,

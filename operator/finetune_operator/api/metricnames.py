@@ -173,14 +173,16 @@ OPERATOR_RESTARTS: Final = Metric(
     COUNTER,
     JOB_LABELS,
     "Failure restarts (failed pods replaced, hang restarts, torchrun's restarts inside a pod "
-    "after failures of the pod's own, as its trainers or its end report them): the increments of status.restarts, counted against "
-    "faultTolerance.maxRestarts.",
+    "after failures of the pod's own, as its trainers or its end report them), as status.restarts "
+    "counts them against faultTolerance.maxRestarts, also those counted in a pass that took "
+    "others back.",
 )
 OPERATOR_FORGIVEN_RESTARTS: Final = Metric(
     "finetune_operator_forgiven_restarts_total",
     COUNTER,
     JOB_LABELS,
-    "Restarts taken back out of status.restarts (its decreases): a failure counted before "
+    "Restarts taken back out of status.restarts (rounds moved from restartLedger to "
+    "forgivenRounds, or a decrease): a failure counted before "
     "the operator found that a pod of the round was lost with its node (status."
     "forgivenRounds). finetune_operator_restarts_total minus this follows status.restarts.",
 )

@@ -43,6 +43,7 @@ from finetune_operator.reconcile import (
     status_patch,
 )
 from finetune_operator.reconcile.apply import ClusterApi
+from finetune_operator.reconcile.forgiveness import taken_back
 from finetune_operator.reconcile.gang import (
     pod_group_to_read,
     read_gang,
@@ -256,7 +257,7 @@ def _publish(body: kopf.Body, patch: kopf.Patch, job: JobRef, old: Any, new: Any
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     ns, name = job.namespace, job.name
     metrics.set_job_phase(f"{ns}/{name}", new.phase)
-    metrics.record_restarts(ns, name, new.restarts - old.restarts)
+    metrics.record_restarts(ns, name, new.restarts - old.restarts, taken_back(old, new))
     metrics.record_preemptions(ns, name, new.preemptions - old.preemptions)
     metrics.record_evictions(ns, name, len(new.evictions) - len(old.evictions))
     metrics.record_hangs(ns, name, new.hangs - old.hangs)

@@ -5,7 +5,8 @@ What the trainer does (finetune_trainer.dcp_checkpointer, staging, deepspeed_che
 what that holds, with torch 2.13's DCP writers:
 
 - async (`checkpoint.async`, the default): `staging.HostStaging` keeps one flat host buffer of
-  S (pinned on CUDA) from the first step to the end of the run. The commit thread then
+  S (pinned on CUDA) from the first step until the final save is committed (the trainer frees
+  it before the export gathers the model on rank 0's host). The commit thread then
   writes it with `dcp.save`, whose FileSystemWriter copies every tensor that is a view of a
   larger storage (each staged tensor is a view of the flat buffer) and keeps every tensor it
   wrote to a file until that file is closed (its `tensor_dict`); a rank writes one file, so
@@ -22,9 +23,12 @@ what that holds, with torch 2.13's DCP writers:
   until the staging copy is made, and the staging buffer plus the writer's copies is 2 S
   either way.
 - the device snapshot (`checkpoint.deviceSnapshot`, CUDA, async only): one more S, in GPU
-  memory, from the first step to the end of the run.
-- an s3:// root: s3fs buffers one block (50 MiB, its default_block_size) of the file before
-  uploading it as a part.
+  memory, from the first step until the final save is committed.
+- an s3:// root: DCP's writer torch.saves each tensor into s3fs's file object in one write,
+  which s3fs buffers whole (with what is left of its 50 MiB default_block_size) and then
+  uploads as a part read out of that buffer (a copy), which the HTTP client copies once more
+  while it sends it: up to three times the largest tensor the rank writes plus a block, one
+  tensor at a time (measured through moto's server: tests/trainer/test_s3_write_memory.py).
 
 Where it lives: on CUDA all of it is host memory except the snapshot; on a CPU device the
 device is the host and it all comes out of the process's one budget.
@@ -36,8 +40,15 @@ from dataclasses import dataclass
 
 from finetune_operator.planner.hardware import MIB
 
-# s3fs.S3FileSystem.default_block_size: what an open object buffers before a part upload.
+# s3fs.S3FileSystem.default_block_size: an open object uploads a part once its buffer holds this.
 S3_WRITE_BLOCK_BYTES = 50 * MIB
+
+
+def object_store_write_bytes(largest_tensor: int) -> int:
+    """Host bytes s3fs holds while DCP writes a rank's file (the module docstring): the
+    buffer (less than a block left over, plus the tensor written whole), the part copied out
+    of it, and the HTTP client's copy of that part."""
+    return 3 * (S3_WRITE_BLOCK_BYTES + largest_tensor)
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,7 @@ def save_memory(
     *,
     on_host: int = 0,
     replicas: int = 1,
+    largest_tensor: int = 0,
     enabled: bool,
     async_: bool,
     cuda: bool,
@@ -68,10 +80,11 @@ def save_memory(
 ) -> SaveMemory:
     """What a save holds per rank (see the module docstring); `state_bytes`: S; `on_host`:
     the part of it a GPU job's offload keeps in host memory; `replicas`: the ranks holding
-    the same state (DDP: the world size), over which DCP spreads its writing."""
+    the same state (DDP: the world size), over which DCP spreads its writing;
+    `largest_tensor`: the bytes of the largest tensor in it (an s3:// root buffers it)."""
     if not enabled:
         return SaveMemory()
-    upload = S3_WRITE_BLOCK_BYTES if object_store else 0
+    upload = object_store_write_bytes(min(largest_tensor, state_bytes)) if object_store else 0
     written = -(-state_bytes // max(1, replicas))
     if async_:
         return SaveMemory(

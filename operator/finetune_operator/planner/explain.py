@@ -33,7 +33,9 @@ def _count(n: int, word: str) -> str:
 
 
 def _config(ev: Evaluated) -> str:
-    ck = "full checkpointing" if ev.shape.checkpointing else "no checkpointing"
+    ck = (
+        "full activation checkpointing" if ev.shape.checkpointing else "no activation checkpointing"
+    )
     off = f", offload {ev.cand.offload}" if ev.cand.offloads else ""
     return (
         f"{ev.cand.strategy}{off}, micro-batch {ev.shape.micro_batch_size} x "
@@ -42,7 +44,11 @@ def _config(ev: Evaluated) -> str:
 
 
 def _plan_config(plan: Plan) -> str:
-    ck = "full checkpointing" if plan.activation_checkpointing else "no checkpointing"
+    ck = (
+        "full activation checkpointing"
+        if plan.activation_checkpointing
+        else "no activation checkpointing"
+    )
     off = f", offload {plan.offload}" if plan.offload != "none" else ""
     return (
         f"{plan.strategy}{off}, micro-batch {plan.micro_batch_size} x "
@@ -174,15 +180,15 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
     if ck.enabled and ck.async_:
         # What async saves cost (checkpoint_memory) may be all that does not fit: first the
         # device snapshot alone, then sync saves, which stage nothing (training then waits
-        # for each save's write).
+        # for each save's write). Said only where it takes fewer GPUs than async saves need.
         lighter = _try(hint_problem, p, no_snapshot=True) if ck.device_snapshot else None
         sync = _try(hint_problem, p, sync_saves=True) if lighter is None else None
-        if lighter is not None or sync is not None:
-            field, ev = ("deviceSnapshot", lighter) if lighter else ("async", sync)
-            assert ev is not None
+        field, ev = ("deviceSnapshot", lighter) if lighter else ("async", sync)
+        if ev is not None and (more is None or ev.cand.world_size < more.cand.world_size):
+            what = " (no staging copy)" if field == "async" else ""
             parts.append(
-                f"checkpoint.{field}: false would fit on {_count(ev.cand.world_size, 'rank')} "
-                f"({ev.cand.strategy}"
+                f"checkpoint.{field}: false{what} would fit on "
+                f"{_count(ev.cand.world_size, 'rank')} ({ev.cand.strategy}"
                 + ("; training then waits for each save's write)." if field == "async" else ").")
             )
     if p.spec.method.type == "full":

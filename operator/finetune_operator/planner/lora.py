@@ -58,6 +58,16 @@ def adapter_parameters(m: ModelShape, rank: int, targets: tuple[str, ...]) -> in
     return total
 
 
+def largest_adapter_tensor(m: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
+    """Elements of the largest LoRA tensor (adapter_parameters' A or B of one linear: rank x
+    its wider side; the head's or embedding's: rank x the vocabulary)."""
+    shapes = m.linear_shapes()
+    sides = [max(shapes[name]) for name in targets if name in shapes]
+    if "lm_head" in targets or "embed_tokens" in targets:
+        sides.append(max(m.arch.vocab_size, m.arch.hidden_size))
+    return rank * max(sides, default=0)
+
+
 def qlora_base_bytes(m: ModelShape, e: int) -> int:
     """Frozen QLoRA base: decoder-layer linears in NF4, everything else (embeddings, head,
     norms, router) in the compute dtype, as transformers' bnb integration leaves them."""

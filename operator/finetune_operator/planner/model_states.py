@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from finetune_operator.planner.activations import FP32
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.configuration import PRECISION_BYTES, Candidate, TrainingShape
-from finetune_operator.planner.lora import adapter_parameters, qlora_base_bytes
+from finetune_operator.planner.loading import largest_module_parameters
+from finetune_operator.planner.lora import (
+    adapter_parameters,
+    largest_adapter_tensor,
+    qlora_base_bytes,
+)
 from finetune_operator.planner.zero import ZeroStates, zero_states
 
 # bitsandbytes 8-bit blockwise optimizer: 1 byte per state value + one fp32 absmax per 256.
@@ -140,3 +145,19 @@ def checkpoint_state_bytes(m: ModelShape, shape: TrainingShape, cand: Candidate)
     shard = shard if shard is not None else _ceil_div(trainable, s)
     tied = _ceil_div(m.embedding, s) * pe if full and not m.lm_head else 0
     return shard * pe + tied + int(shard * _optimizer_state_bytes(shape, e, mixed))
+
+
+def checkpoint_largest_tensor_bytes(m: ModelShape, shape: TrainingShape, cand: Candidate) -> int:
+    """Bytes of the largest tensor in the state one rank's save captures (checkpoint_state_bytes;
+    an s3:// root's writer buffers it whole, checkpoint_memory): the largest trainable
+    parameter, or its optimizer state if wider, as the rank holds it (FSDP2: its shard;
+    DeepSpeed: its 1/N fp32 chunk); LoRA: the largest fp32 adapter tensor."""
+    if shape.method != "full":
+        return largest_adapter_tensor(m, shape.lora_rank, shape.lora_targets) * FP32
+    largest = largest_module_parameters(m)
+    if cand.row.backend == "deepspeed":
+        return _ceil_div(largest, cand.world_size) * FP32
+    e = PRECISION_BYTES[shape.precision]
+    mixed = e != FP32 and shape.master_weights is not False
+    s = cand.shard_size if cand.row.shards_params else 1
+    return _ceil_div(largest, s) * (FP32 if mixed else e)

@@ -21,7 +21,10 @@ from finetune_operator.planner.configuration import PRECISION_BYTES, Candidate, 
 from finetune_operator.planner.hardware import Accelerator, runtime_host_bytes
 from finetune_operator.planner.loading import weights_read_host_bytes, zero_resume_host_bytes
 from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
-from finetune_operator.planner.model_states import checkpoint_state_bytes
+from finetune_operator.planner.model_states import (
+    checkpoint_largest_tensor_bytes,
+    checkpoint_state_bytes,
+)
 from finetune_operator.planner.steptime import step_seconds
 
 # DESIGN §4: a plan must leave at least this share of GPU memory free.
@@ -191,6 +194,7 @@ def evaluate(
         state,
         on_host=min(state, est.host_bytes) if p.acc.cuda else 0,
         replicas=_replicas(row, cand),
+        largest_tensor=checkpoint_largest_tensor_bytes(p.model, shape, cand),
         enabled=ck.enabled,
         async_=ck.async_,
         cuda=p.acc.cuda,

@@ -192,7 +192,7 @@ def _fold(
     restarts = status.restarts + sum(map(len, added.values()))
     counted_at = dict(nodes.counted_at) if nodes is not None else {}
     counted_at.update((r, now) for ids in added.values() for r in ids)
-    forgiven = forgive_lost_rounds(lost, ledger, before, counted_at)
+    forgiven = forgive_lost_rounds(lost, ledger, before, counted_at, status.node_losses)
     back = forgiven.taken_back
     ledger = [r for r in ledger if r not in back]
     rounds = list(dict.fromkeys((*status.forgiven_rounds, *sorted(forgiven.rounds))))

@@ -28,8 +28,10 @@ Two layers, one count (`status.restarts`):
   everywhere, a code bug) is one restart, failures that alternate between pods (different
   rounds) are each counted, and the same round seen live and again at a pod's end is counted
   once. Every id added spends the budget and the job fails past maxRestarts, so the ledger
-  holds at most maxRestarts + 1 ids (no pruning). `status.restarts` only grows: an old status
-  without a ledger keeps its number, and ids add to it.
+  holds at most maxRestarts + 1 ids (no pruning). An old status without a ledger keeps its
+  number, and ids add to it. `status.restarts` is lowered in one case only: a round a pod lost
+  with its node accounts for, counted before the loss was known, is taken back out of both
+  (forgiveness.py).
 - A pod's end is one more failure when it is its own (`counts_end`): its group failed of its
   own (a crash report other than a lost peer; a collective that timed out is its own), or it
   left no report (OOMKilled, killed from outside, an agent's error). It is counted, by its

@@ -33,6 +33,12 @@ accounts for one round at most, the one it was in when its node went silent:
 A round counted before this operator started (no `counted_at`) is never taken back: nothing
 says when it failed.
 
+A pod is charged once: one found lost again in a later pass (its force delete failed, or is
+not seen done yet, and the operator's memory of it went with a restart) is already in
+`status.nodeLosses` for this outage of its node (same pod and node, recorded since the node
+went down) and accounts for nothing more; rule 2 would otherwise take back the next round
+counted in the window, a failure of the survivors' own.
+
 A job whose budget the survivors' report spends before the pod is judged lost would fail in
 that window, for good (Failed is terminal: its pods are deleted). So while a live worker pod
 sits on a node whose Ready has not been True for less than `nodeLostSeconds` plus a slack
@@ -50,8 +56,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from finetune_operator.api.status import FineTuneJobStatus, NodeLoss
 from finetune_operator.reconcile.nodeloss import LostPod, NodeReading
-from finetune_operator.reconcile.observed import PodView
+from finetune_operator.reconcile.observed import PodView, parse_time
 
 # Past nodeLostSeconds: the taint eviction controller's pass (seconds), the operator's next
 # pass and its force delete; a pod not judged lost by then is not going to be soon.
@@ -88,20 +95,38 @@ def _first_counted_since(
     return next(fresh, None)
 
 
+def already_charged(x: LostPod, recorded: Sequence[NodeLoss]) -> bool:
+    """`x` was judged lost in an earlier pass of this outage of its node: recorded in
+    `status.nodeLosses` (`recorded`) with its name and node since the node went down. A node
+    that is gone says no time: only a known round is forgiven then, never twice (claimed)."""
+    since = x.node.since
+    if since is None:
+        return False
+    for loss in recorded:
+        when = parse_time(loss.time)
+        if loss.pod == x.pod.name and loss.node == x.node.name and when and when >= since:
+            return True
+    return False
+
+
 def forgive_lost_rounds(
     lost: Sequence[LostPod],
     ledger: Sequence[str],
     forgiven: Collection[str],
     counted_at: Mapping[str, datetime],
+    recorded: Sequence[NodeLoss] = (),
 ) -> Forgiveness:
     """The rounds this pass's lost pods account for (the module docstring's rules): `ledger`,
     the rounds counted (this pass's additions included, with `counted_at` their pass's time);
-    `forgiven`, the rounds already forgiven (`status.forgivenRounds`), never forgiven twice."""
+    `forgiven`, the rounds already forgiven (`status.forgivenRounds`), never forgiven twice;
+    `recorded`, `status.nodeLosses`: a pod in it for this outage was charged already."""
     counted = list(dict.fromkeys(ledger))
     claimed = set(forgiven)
     ahead: set[str] = set()
     back: dict[str, str] = {}
     for x in sorted(lost, key=lambda x: x.pod.name):
+        if already_charged(x, recorded):
+            continue
         r = x.round
         if r is not None and r in claimed:
             continue  # pods lost in the same round (two on one node): one failure, once
@@ -119,6 +144,13 @@ def forgive_lost_rounds(
             back[first] = x.pod.name
             claimed.add(first)
     return Forgiveness(frozenset(ahead), back)
+
+
+def taken_back(before: FineTuneJobStatus, after: FineTuneJobStatus) -> int:
+    """How many restarts a pass took back: the rounds that left status.restartLedger for
+    status.forgivenRounds (the operator's metrics count them apart from those it counted)."""
+    moved = set(before.restart_ledger) - set(after.restart_ledger)
+    return len(moved & set(after.forgiven_rounds))
 
 
 def budget_hold(
