@@ -73,3 +73,16 @@ def test_kubectl_json_get_delete_and_namespaces(api_cluster: LocalCluster) -> No
     assert "default" in kubectl(api_cluster, "get", "ns").stdout
     assert kubectl(api_cluster, "delete", "cm", "kc").returncode == 0
     assert kubectl(api_cluster, "get", "cm", "kc").returncode != 0
+
+
+def test_kubectl_explain_shows_a_custom_resource_fields_description(
+    api_cluster: LocalCluster,
+) -> None:
+    # README's `kubectl explain finetunejob.spec.training`: the API server publishes a CRD's
+    # schema in OpenAPI v3 (it was "GVK ... not found in OpenAPI schema" here).
+    result = kubectl(api_cluster, "explain", "widgets.spec.size")
+    assert result.returncode == 0, result.stderr
+    assert "How many widgets." in result.stdout and "integer" in result.stdout
+    fields = kubectl(api_cluster, "explain", "widgets.spec")
+    assert fields.returncode == 0, fields.stderr
+    assert "size" in fields.stdout and "mode" in fields.stdout
