@@ -463,3 +463,12 @@ def test_report_memory_rows_add_up_to_the_need_shown(example: str) -> None:
     need = float(header.split()[3])
     assert rows.get("needed", rows["total"]) == need, text
     assert ("needed" in rows) == (plan.device == "cpu"), text
+
+
+@pytest.mark.parametrize(("nodes", "shown"), [(1, "8 (1 node x 8)"), (2, "16 (2 nodes x 8)")])
+def test_report_counts_nodes_in_words(nodes: int, shown: str) -> None:
+    """The 70B example printed "World size 8 (1 nodes x 8)"."""
+    update = {"nodes": nodes, "gpus_per_node": 8, "world_size": nodes * 8}
+    plan = plan_job(make_spec()).model_copy(update=update)
+    line = next(x for x in render_plan(plan).splitlines() if x.startswith("World size"))
+    assert line.split(None, 2)[2] == shown

@@ -25,8 +25,12 @@ _MEMORY_ROWS = (
 _BESIDE_THE_STEP = "a checkpoint save's copies, a resume's read or offloaded states"
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _configurations(n: int) -> str:
-    return f"{n} configuration" + ("" if n == 1 else "s")
+    return _count(n, "configuration")
 
 
 def _gib(n: int) -> str:
@@ -65,7 +69,7 @@ def render_plan(plan: Plan, width: int = 88) -> str:
         need = with_host
     facts = [
         ("Verdict", verdict),
-        ("World size", f"{plan.world_size} ({plan.nodes} nodes x {plan.gpus_per_node})"),
+        ("World size", f"{plan.world_size} ({_count(plan.nodes, 'node')} x {plan.gpus_per_node})"),
         ("Objective", plan.objective if plan.objective != "fixed" else "none (world size fixed)"),
         ("Strategy", f"{plan.strategy}, backend {plan.backend}, offload {plan.offload}"),
         ("Micro-batch", f"{plan.micro_batch_size} x {ga} accumulation steps"),
