@@ -129,6 +129,8 @@ QUICKSTART_TEXT = (EXAMPLES / "quickstart.yaml").read_text()
          "spec.training.maxSteps", "not a JSON value"),
         ((QUICKSTART_TEXT + "---\n" + QUICKSTART_TEXT).encode(), "file", "holds 2 objects"),
         (b"# nothing here\n---\n", "file", "holds no object"),
+        # Not "empty, or only comments and '---'", as it said of a List with no items.
+        (b"apiVersion: v1\nkind: List\nitems: []\n", "file", "holds a List with no items"),
         (b"- a\n- b\n", "file", "expected a YAML mapping"),
         (b"a: [\n", "file", "not valid YAML: while parsing a flow node"),
         (QUICKSTART_TEXT.replace("maxSteps: 60", "maxSteps: 60\n    maxSteps: 6000").encode(),
@@ -141,8 +143,8 @@ QUICKSTART_TEXT = (EXAMPLES / "quickstart.yaml").read_text()
     ],
     ids=[
         "not-utf8", "metadata-string", "metadata-list", "name-newline", "inf", "nan", "huge",
-        "snake-case", "binary", "two-docs", "empty", "list", "bad-yaml", "duplicate-key", "deep",
-        "billion-laughs",
+        "snake-case", "binary", "two-docs", "empty", "empty-list", "list", "bad-yaml",
+        "duplicate-key", "deep", "billion-laughs",
     ],
 )  # fmt: skip
 def test_plan_refuses_malformed_files_with_exit_2_naming_the_place(

@@ -206,7 +206,7 @@ class Registry:
             "resources": [entry for t in types for entry in t.discovery_entries()],
         }
 
-    # ---- OpenAPI v3 (only what kubectl needs to use server-side field validation) ----
+    # ---- OpenAPI v3: what kubectl needs for server-side field validation and `explain` ----
 
     def openapi_index(self) -> dict[str, Any]:
         versions = {(t.group, t.version) for t in self._types.values()}
@@ -219,7 +219,9 @@ class Registry:
     def openapi_document(self, group: str, version: str) -> dict[str, Any] | None:
         """PATCH operations tagged with their GVK and a ``fieldValidation`` query parameter:
         kubectl checks exactly that before sending ``fieldValidation=Strict`` instead of
-        validating client-side against OpenAPI v2 (which is not served)."""
+        validating client-side against OpenAPI v2 (which is not served). Custom resources'
+        schemas too, as the API server publishes a CRD's: ``kubectl explain`` finds a kind's
+        by its GVK (built-in kinds have none here)."""
         types = [t for t in self._types.values() if (t.group, t.version) == (group, version)]
         if not types:
             return None
@@ -240,5 +242,34 @@ class Registry:
             "openapi": "3.0.0",
             "info": {"title": "Kubernetes", "version": "v1.32.0"},
             "paths": paths,
-            "components": {"schemas": {}},
+            "components": {
+                "schemas": dict(
+                    _crd_schema(t, t.schema.schema) for t in types if t.schema is not None
+                )
+            },
         }
+
+
+_OBJECT_FIELDS = {
+    "apiVersion": {
+        "type": "string",
+        "description": "APIVersion defines the versioned schema of this representation of an object.",
+    },
+    "kind": {
+        "type": "string",
+        "description": "Kind is a string value representing the REST resource this object represents.",
+    },
+    "metadata": {"type": "object", "description": "Standard object's metadata."},
+}
+
+
+def _crd_schema(rtype: ResourceType, crd_schema: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A custom resource's schema under the name the API server gives it
+    (``dev.finetune.v1alpha1.FineTuneJob``), the fields every object has described as it
+    describes them (over the CRD's own, which only declare their type)."""
+    schema = dict(crd_schema)
+    schema["properties"] = {**schema.get("properties", {}), **_OBJECT_FIELDS}
+    gvk = {"group": rtype.group, "version": rtype.version, "kind": rtype.kind}
+    schema["x-kubernetes-group-version-kind"] = [gvk]
+    name = ".".join([*reversed(rtype.group.split(".")), rtype.version, rtype.kind])
+    return name, schema

@@ -96,6 +96,44 @@ def _pod_cells(pod: dict[str, Any], age: str) -> list[Any]:
     ]
 
 
+_EVENT_COLUMNS = [
+    _column("Last Seen"),
+    _column("Type"),
+    _column("Reason"),
+    _column("Object"),
+    _column("Subobject", priority=1),
+    _column("Source", priority=1),
+    _column("Message"),
+    _column("First Seen", priority=1),
+    _column("Count", "integer", priority=1),
+    _column("Name", fmt="name", priority=1),
+]
+
+
+def _event_cells(event: dict[str, Any], now: datetime.datetime) -> list[Any]:
+    """A core/v1 Event's row as the API server prints it (`kubectl get events`): the object
+    as kind/name, times from the series where the recorder aggregated repeats."""
+    meta = event.get("metadata", {})
+    series = event.get("series") or {}
+    involved = event.get("involvedObject", {})
+    last = series.get("lastObservedTime") or event.get("lastTimestamp") or event.get("eventTime")
+    first = event.get("firstTimestamp") or event.get("eventTime")
+    source = event.get("source", {})
+    where = ", ".join(x for x in (source.get("component"), source.get("host")) if x)
+    return [
+        human_age(last or meta.get("creationTimestamp"), now),
+        event.get("type", ""),
+        event.get("reason", ""),
+        f"{str(involved.get('kind', '')).lower()}/{involved.get('name', '')}",
+        involved.get("fieldPath", ""),
+        where,
+        event.get("message", ""),
+        human_age(first or meta.get("creationTimestamp"), now),
+        series.get("count") or event.get("count") or 1,
+        meta.get("name"),
+    ]
+
+
 def _columns_and_cells(
     rtype: ResourceType,
     obj: dict[str, Any],
@@ -131,6 +169,8 @@ def _columns_and_cells(
             _column("Node", priority=1),
         ]
         return columns, _pod_cells(obj, age)
+    if rtype.kind == "Event" and not rtype.group:
+        return _EVENT_COLUMNS, _event_cells(obj, now)
     if rtype.kind == "Node" and not rtype.group:
         conditions = obj.get("status", {}).get("conditions", [])
         ready: dict[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})

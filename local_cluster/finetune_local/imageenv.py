@@ -14,10 +14,12 @@ if TYPE_CHECKING:
 # Which local cluster a process belongs to (finding leftovers; never read by pods).
 CLUSTER_ENV = "FTJOB_LOCAL_CLUSTER"
 # What of the host environment stands for the pod's image: the Python environment includes
-# PYTHONPATH (a source checkout run without installing it, e.g. a git worktree).
+# PYTHONPATH (a source checkout run without installing it, e.g. a git worktree). And the
+# trainer's step trace (README: `ftjob stragglers`), which no FineTuneJob field sets:
+# `FINETUNE_STEP_TRACE_DIR=/tmp/trace ftjob run --local job.yaml` records one locally.
 _PASS_ENV = (
     "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "GLOO_",
-    "PYTHONPATH",
+    "PYTHONPATH", "FINETUNE_STEP_TRACE_DIR",
 )  # fmt: skip
 # The images' own ENV (Dockerfile, trainer_image/Dockerfile) that the processes depend on:
 # unbuffered output, so a pod's log interleaves stdout and stderr as in a container.

@@ -270,11 +270,14 @@ def _run(
                 timeout=timeout_seconds,
                 on_poll=show,
             )
-        except TimeoutError as err:
+        except TimeoutError:
             if seen:  # its conditions say what it waits for (e.g. pods Pending, and why)
                 print(summarize(seen[0], session.data_dir / "shared"), file=out)
+            # Said in the words of the flag, not the poll's ("condition not reached in 5 s").
+            phase = (phase_of(seen[0]) if seen else "") or "not yet observed"
             print(
-                f"error: {err}; cluster state and pod logs kept in {session.data_dir}",
+                f"error: --timeout {timeout_seconds:g} s passed with {namespace}/{name} "
+                f"{phase}, not finished; cluster state and pod logs kept in {session.data_dir}",
                 file=sys.stderr,
             )
             return EXIT_TIMEOUT

@@ -72,6 +72,10 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         ("metadata.name", "job\n", "metadata.name", "RFC 1123"),
         ("metadata.name", "Job", "metadata.name", "RFC 1123"),
         ("metadata.name", "j" * 53, "metadata.name", "at most 52"),
+        # Subdomains the API server takes, but no Service may be named after (DNS-1035):
+        # accepted before, the job then waited on a rendezvous Service that could not exist.
+        ("metadata.name", "my.job", "metadata.name", "DNS-1035 label"),
+        ("metadata.name", "1job", "metadata.name", "starting with a letter"),
         ("metadata.namespace", "a.b", "metadata.namespace", "RFC 1123"),
         (
             "spec.model.architecture.numKeyValueHeads",

@@ -44,7 +44,12 @@ WIDGET_CRD: dict[str, Any] = {
                                 "type": "object",
                                 "required": ["size"],
                                 "properties": {
-                                    "size": {"type": "integer", "minimum": 1, "maximum": 10},
+                                    "size": {
+                                        "type": "integer",
+                                        "minimum": 1,
+                                        "maximum": 10,
+                                        "description": "How many widgets.",
+                                    },
                                     "mode": {
                                         "type": "string",
                                         "enum": ["fast", "slow"],

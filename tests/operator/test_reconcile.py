@@ -485,6 +485,14 @@ def test_too_long_name_is_refused() -> None:
     assert out.actions.empty and cond(out.status, COND_FAILED) == ("True", "InvalidSpec")
 
 
+@pytest.mark.parametrize("name", ["my.job", "1job"])
+def test_name_no_service_can_take_is_refused(name: str) -> None:
+    # The API server stores such a job; its Services (`<name>`, `<name>-rdzv`) it would refuse.
+    out = step(FineTuneJobStatus(), [], T0, job=JobRef(name, "ns", UID, 1))
+    assert out.actions.empty and cond(out.status, COND_FAILED) == ("True", "InvalidSpec")
+    assert "DNS-1035" in str(find(out.status.conditions, COND_FAILED).message)
+
+
 def test_replacement_keeps_off_excluded_nodes() -> None:
     status = FineTuneJobStatus(excluded_nodes=["slow-node"])
     out = step(status, running("qs-rdzv", "qs-worker-0"), T0, ensured=1)

@@ -441,3 +441,34 @@ def test_deepspeed_load_peak_zero3_partitions_zero12_full_replica(stage: int) ->
         assert plan.memory.parameters == m.total * e  # a whole replica per rank
         assert plan.load_peak_bytes == plan.memory.parameters + module * 4
         assert plan.load_peak_bytes < m.total * 4  # never an fp32 replica
+
+
+@pytest.mark.parametrize("example", ["quickstart.yaml", "llama-3.1-8b-lora.yaml"])
+def test_report_memory_rows_add_up_to_the_need_shown(example: str) -> None:
+    """The breakdown's total reads as reserved plus a named runtime row, and on CPU a last row
+    gives the header's need: the quickstart showed "reserved 6.40", then "total 614.40"
+    (608 MiB of runtime unnamed) under "Memory per process 617.27 MiB"."""
+    doc: dict[str, Any] = yaml.safe_load((REPO / "examples" / example).read_text())
+    plan = plan_job(FineTuneJobSpec.model_validate(doc["spec"]))
+    text = render_plan(plan)
+    rows = {
+        line[:14].strip(): float(line[14:])
+        for line in text.partition("Reason:")[0].splitlines()
+        if line[:1].isalpha() and line[14:].strip().replace(".", "").isdigit()
+    }
+    runtime = rows.get("runtime", rows.get("cuda context"))
+    assert runtime is not None and runtime > 0, text
+    assert abs(rows["reserved"] + runtime - rows["total"]) < 0.02, text
+    header = next(line for line in text.splitlines() if "headroom)" in line)
+    need = float(header.split()[3])
+    assert rows.get("needed", rows["total"]) == need, text
+    assert ("needed" in rows) == (plan.device == "cpu"), text
+
+
+@pytest.mark.parametrize(("nodes", "shown"), [(1, "8 (1 node x 8)"), (2, "16 (2 nodes x 8)")])
+def test_report_counts_nodes_in_words(nodes: int, shown: str) -> None:
+    """The 70B example printed "World size 8 (1 nodes x 8)"."""
+    update = {"nodes": nodes, "gpus_per_node": 8, "world_size": nodes * 8}
+    plan = plan_job(make_spec()).model_copy(update=update)
+    line = next(x for x in render_plan(plan).splitlines() if x.startswith("World size"))
+    assert line.split(None, 2)[2] == shown

@@ -89,8 +89,16 @@ def test_ddp_buckets() -> None:
 
 
 def test_lora_trains_only_fp32_adapters() -> None:
+    import warnings
+
     lora = LoraSpec(rank=8, alpha=16, dropout=0.0, target_modules=["q_proj", "v_proj"])
-    r = _trace(method="lora", lora=lora)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = _trace(method="lora", lora=lora)
+    # torch's "The module hierarchy tracking maybe be messed up. Please file a bug to
+    # PyTorch", 32 times under `ftjob plan --trace` of the 8B LoRA example (transformers'
+    # kernel wrappers share one module name): the peaks below do not depend on the names.
+    assert [str(w.message) for w in caught if "hierarchy" in str(w.message)] == []
     h, kv = TINY.hidden_size, 2 * 64
     adapters = TINY.num_hidden_layers * (8 * h + 8 * h + 8 * h + 8 * kv)  # A and B of q, v
     assert r.gradients == 4 * adapters  # peft keeps adapters fp32 over the bf16 base

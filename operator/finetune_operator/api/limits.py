@@ -10,9 +10,10 @@ so they refuse only typos and hostile input.
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
-from finetune_operator.api.constants import worker_name
+from finetune_operator.api.constants import rendezvous_name, worker_name
 
 # --- cluster shape -------------------------------------------------------------------------
 # Largest GPU servers expose 8-16 accelerators; 64 leaves room for partitioned (MIG) devices.
@@ -22,6 +23,9 @@ MAX_GPUS_PER_NODE: Final = 64
 MAX_NODES: Final = 1000
 # DNS-1035 label limit of Services (`<job>`, `<job>-rdzv`) and pod host names (`-worker-999`).
 MAX_JOB_NAME: Final = 63 - len(worker_name("", MAX_NODES - 1))
+# A Service's name is a DNS-1035 label: a letter first, no dots. The API server takes a
+# FineTuneJob named `my.job` or `1job` (a DNS-1123 subdomain), then refuses its Services.
+_DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # World size: the largest training runs published use ~16-32k GPUs; fine-tuning far fewer.
 MAX_GPUS: Final = 65536
 MAX_GPU_MEMORY_GIB: Final = 1024.0  # today's largest accelerators carry 192-288 GiB
@@ -87,3 +91,19 @@ MAX_LIST_ITEMS: Final = 256  # tolerations, pull secrets, selector entries
 MAX_MANIFEST_BYTES: Final = 2**20
 MAX_MANIFEST_VALUES: Final = 100_000  # after YAML aliases are expanded
 MAX_NESTING: Final = 64  # a FineTuneJob's deepest field (affinity terms) is ~10 levels down
+
+
+def job_name_problem(name: str) -> str | None:
+    """Why the operator cannot run a job of this name (its Services and pod host names derive
+    from it), or None. The API server's own check (a DNS-1123 subdomain) comes first."""
+    if not _DNS_1035_LABEL.fullmatch(name):
+        return (
+            f"{name!r} cannot name the job's Services ({name}, {rendezvous_name(name)}): use a "
+            "DNS-1035 label, lowercase letters, digits and '-', starting with a letter, no '.'"
+        )
+    if len(name) > MAX_JOB_NAME:
+        return (
+            f"{len(name)} characters; the operator accepts at most {MAX_JOB_NAME} (its "
+            f"Services and pod host names derive from it: {worker_name('<name>', MAX_NODES - 1)})"
+        )
+    return None

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from finetune_operator.api.constants import API_VERSION, KIND
 from finetune_operator.api.crd import build_crd
-from finetune_operator.api.limits import MAX_JOB_NAME
+from finetune_operator.api.limits import job_name_problem
 from finetune_operator.api.manifest_reader import (
     json_problems,
     parse_yaml_document,
@@ -115,14 +115,9 @@ def _metadata_problems(metadata: Any) -> list[tuple[str, str]]:
             f"Invalid value: {name!r}: a lowercase RFC 1123 subdomain of at most 253 "
             "characters (a-z, 0-9, '-' and '.', starting and ending alphanumeric)",
         ))  # fmt: skip
-    elif len(name) > MAX_JOB_NAME:
-        # The API server takes it; the operator refuses it (InvalidSpec): its Services and pod
-        # host names are DNS labels of at most 63 characters.
-        problems.append((
-            "metadata.name",
-            f"{len(name)} characters; the operator accepts at most {MAX_JOB_NAME} (its Services "
-            "and pod host names derive from it)",
-        ))  # fmt: skip
+    elif (operator_refuses := job_name_problem(name)) is not None:
+        # The API server takes it; the operator refuses it (InvalidSpec).
+        problems.append(("metadata.name", operator_refuses))
     if namespace is not None and (
         not isinstance(namespace, str) or len(namespace) > 63 or not _LABEL.fullmatch(namespace)
     ):

@@ -238,6 +238,8 @@ def parse_yaml_document(text: str) -> tuple[Any, list[Problem]]:
     if len(docs) == 1 and isinstance(docs[0], dict) and docs[0].get("kind") == "List":
         items = docs[0].get("items")
         docs = items if isinstance(items, list) else [docs[0]]
+        if not docs:  # not "empty, or only comments": the file holds a List
+            return None, [("", "holds a List with no items: plan one FineTuneJob per file")]
     if not docs:
         return None, [("", "holds no object (empty, or only comments and '---')")]
     if len(docs) > 1:

@@ -21,8 +21,16 @@ _MEMORY_ROWS = (
 )
 
 
+# What a CPU process's one memory holds beside the step's breakdown (planner/search.py).
+_BESIDE_THE_STEP = "a checkpoint save's copies, a resume's read or offloaded states"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def _configurations(n: int) -> str:
-    return f"{n} configuration" + ("" if n == 1 else "s")
+    return _count(n, "configuration")
 
 
 def _gib(n: int) -> str:
@@ -52,15 +60,16 @@ def render_plan(plan: Plan, width: int = 88) -> str:
     per = "Memory per GPU" if plan.device == "gpu" else "Memory per process"
     ga = plan.gradient_accumulation_steps
     # The need the headroom is of: on a CPU job, with the states DeepSpeed offloads to its
-    # host buffers (the same RAM) or a resume's read group, which the breakdown leaves out.
-    # (Past the headroom's rounding only: a plan without either shows its total as before.)
+    # host buffers (the same RAM), a resume's read group or a checkpoint save's copies, which
+    # the breakdown leaves out. (Past the headroom's rounding only: a plan without any shows
+    # its total as before.)
     need = plan.memory.total
     with_host = round(plan.gpu_memory_bytes * (1 - plan.headroom))
     if plan.device != "gpu" and with_host - need > plan.gpu_memory_bytes * 1e-4:
         need = with_host
     facts = [
         ("Verdict", verdict),
-        ("World size", f"{plan.world_size} ({plan.nodes} nodes x {plan.gpus_per_node})"),
+        ("World size", f"{plan.world_size} ({_count(plan.nodes, 'node')} x {plan.gpus_per_node})"),
         ("Objective", plan.objective if plan.objective != "fixed" else "none (world size fixed)"),
         ("Strategy", f"{plan.strategy}, backend {plan.backend}, offload {plan.offload}"),
         ("Micro-batch", f"{plan.micro_batch_size} x {ga} accumulation steps"),
@@ -81,7 +90,18 @@ def render_plan(plan: Plan, width: int = 88) -> str:
     lines.append(f"{per:<18}{unit:>6}")
     for name in _MEMORY_ROWS:
         value = getattr(plan.memory, name)
+        if name == "total":
+            # What the total adds to the allocator's reserve, named: 608 MiB appearing from
+            # nowhere between "reserved 6.40" and "total 614.40" read as an error.
+            extra = plan.memory.total - plan.memory.reserved
+            label = "cuda context" if plan.device == "gpu" else "runtime"
+            lines.append(f"{label:<14}{extra / scale:>10.2f}")
         lines.append(f"{name:<14}{value / scale:>10.2f}")
+    if need != plan.memory.total:
+        # The header's figure, reconciled: the breakdown's total alone read as a contradiction
+        # (614.40 MiB under "Memory per process 617.27 MiB").
+        lines.append(f"{'needed':<14}{need / scale:>10.2f}")
+        lines.append(f"  (total, and beside it {_BESIDE_THE_STEP})")
     lines.append("")
     lines.extend(textwrap.wrap("Reason: " + plan.reason, width=width))
     return "\n".join(lines)

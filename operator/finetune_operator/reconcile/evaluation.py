@@ -17,10 +17,8 @@ from finetune_operator.api.constants import (
     REASON_NOT_ALLOWED,
     REASON_PLAN_INFEASIBLE,
     REASON_UNSUPPORTED,
-    rendezvous_name,
-    worker_name,
 )
-from finetune_operator.api.limits import MAX_JOB_NAME, MAX_NODES
+from finetune_operator.api.limits import job_name_problem
 from finetune_operator.api.manifest import format_validation_error
 from finetune_operator.api.plan import Plan
 from finetune_operator.api.policy import JobPolicy, policy_refusals, with_policy_defaults
@@ -89,12 +87,8 @@ def describe_validation_error(err: ValidationError) -> str:
 
 
 def _check_name(job: JobRef) -> str | None:
-    if len(job.name) > MAX_JOB_NAME:
-        return (
-            f"metadata.name is {len(job.name)} characters; at most {MAX_JOB_NAME} fit in the "
-            f"Service and pod host names ({rendezvous_name('<name>')}, {worker_name('<name>', MAX_NODES - 1)})"
-        )
-    return None
+    problem = job_name_problem(job.name)
+    return None if problem is None else f"metadata.name: {problem}"
 
 
 def _sticky_failure(job: JobRef, status: FineTuneJobStatus) -> Evaluation | None:
