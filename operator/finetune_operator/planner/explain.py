@@ -204,6 +204,9 @@ def explain_refusal(p: Problem, result: SearchResult, hint_problem: HintSearch) 
         )
     elif not p.acc.cuda and sm.save.host_peak:
         parts.append(f"That includes {_listed(_save_items(sm.save))} (checkpoint saves).")
+    if not p.acc.cuda and sm.export_bytes:
+        # On CPU it is a phase of the one budget (search.evaluate), after the last save.
+        parts.append(f"It counts {_export_item(sm)} after training, beside the model states.")
     if p.acc.cuda:
         if sm.device_need > limit:
             parts.append(f"A GPU with >= {_gib(need)} would fit the smallest configuration.")
@@ -232,6 +235,12 @@ def _listed(items: list[str]) -> str:
     return ", ".join(items[:-1]) + (" and " if len(items) > 1 else "") + items[-1]
 
 
+def _export_item(sm: Evaluated) -> str:
+    """Rank 0's export, and the share each process's budget counts (search.evaluate)."""
+    share = f", {_gib(sm.export_share)} per process of its pod" if sm.export_ranks > 1 else ""
+    return f"the export's gathered model ({_gib(sm.export_bytes)} on rank 0{share}; output.uri)"
+
+
 def _host_refusal(p: Problem, sm: Evaluated) -> str:
     """What the configuration needing the least host RAM (of those the device holds) needs
     of it per process, and the per-pod resources.memory that would hold it."""
@@ -245,6 +254,7 @@ def _host_refusal(p: Problem, sm: Evaluated) -> str:
         else "",
         f"a resume's read group ({_gib(sm.resume_host_bytes)})" if sm.resume_host_bytes else "",
         " plus ".join(_save_items(sm.save)) if sm.save_host_bytes else "",
+        _export_item(sm) if sm.cand.cuda and sm.export_bytes else "",
     ]
     phases = [phase for phase in phases if phase]
     if len(phases) > 1:

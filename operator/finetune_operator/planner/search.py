@@ -18,6 +18,7 @@ from finetune_operator.api.strategies import STRATEGIES, Strategy, StrategyTable
 from finetune_operator.planner.architecture import ModelShape
 from finetune_operator.planner.checkpoint_memory import SaveMemory, save_memory
 from finetune_operator.planner.configuration import PRECISION_BYTES, Candidate, TrainingShape
+from finetune_operator.planner.export_memory import export_host_bytes
 from finetune_operator.planner.hardware import Accelerator, runtime_host_bytes
 from finetune_operator.planner.loading import weights_read_host_bytes, zero_resume_host_bytes
 from finetune_operator.planner.memory import MemoryEstimate, estimate_memory
@@ -70,6 +71,14 @@ class Evaluated:
     # Host RAM a GPU job's load of object-store weights holds: the ranged reads in flight
     # (loading.ranged_read_bytes; on CPU in the load peak, which is the same memory).
     load_host_bytes: int = 0
+    # Host RAM rank 0's export holds at the end (export_memory; on CPU in device_bytes),
+    # and the processes of its pod whose budgets it is spread over (export_share).
+    export_bytes: int = 0
+    export_ranks: int = 1
+
+    @property
+    def export_share(self) -> int:
+        return -(-self.export_bytes // max(1, self.export_ranks))
 
     @property
     def device_need(self) -> int:
@@ -85,8 +94,11 @@ class Evaluated:
         offloaded = self.est.host_bytes if self.cand.cuda else 0
         # Phases, one after the other, never together: the weights are read, then a resume's
         # read group is read and freed, all before the first step; the staging buffer is
-        # allocated after it (dcp_checkpointer.prepare). The largest counts, not the sum.
-        phases = max(self.load_host_bytes, self.resume_host_bytes, self.save_host_bytes)
+        # allocated after it (dcp_checkpointer.prepare) and freed before the export gathers
+        # the model (trainer.py). The largest counts, not the sum. The export is rank 0's
+        # (export_share: spread over its pod's processes, whose budgets are one cgroup's).
+        export = self.export_share if self.cand.cuda else 0
+        phases = max(self.load_host_bytes, self.resume_host_bytes, self.save_host_bytes, export)
         return offloaded + phases + self.runtime_host_bytes
 
 
@@ -202,6 +214,24 @@ def evaluate(
         object_store=is_object_store_uri(ck.uri),
         device_snapshot=ck.device_snapshot,
     )
+    out = p.spec.output
+    export = export_host_bytes(
+        p.model,
+        shape,
+        enabled=out is not None and out.uri is not None,
+        deepspeed=row.backend == "deepspeed",
+        merge=out is not None and out.merge_lora and shape.method != "full",
+        # On a CPU device a replicated torch model's gathered entries are its parameters.
+        copied=p.acc.cuda or row.backend == "deepspeed" or not row.replicated,
+    )
+    # The plan budgets every process alike (resources.memory / gpusPerNode), but the pod's
+    # memory limit is one cgroup for all of its processes. On the torch path only rank 0
+    # gathers (the others get an empty dict and hold their resident states, no save phase
+    # left), so rank 0's pod holds gpn x (its states) + the export: a 1/gpn share of it per
+    # process is exact for that pod, conservative for the others. DeepSpeed's gather
+    # (deepspeed_checkpoint.gather_module_state_dict) keeps its copies on every rank: whole.
+    export_ranks = 1 if row.backend == "deepspeed" else gpn
+    export_share = -(-export // export_ranks)
     b = est.breakdown
     if p.acc.cuda:
         device_need = b.total + save.device_snapshot
@@ -213,10 +243,13 @@ def evaluate(
         # is freed before the first step, whose transients it never meets). Checked apart, the
         # two halves each fit the budget while their sum did not. A save's memory joins the
         # step's peak when its write overlaps the steps (async), else the resident states
-        # between steps.
-        resident = b.parameters + b.gradients + b.optimizer
+        # between steps. The export comes after the last save, its staging freed (trainer.py),
+        # beside the resident states.
+        # The runtime (total less reserved: the process's Python/torch) is there between
+        # steps too.
+        resident = b.parameters + b.gradients + b.optimizer + b.total - b.reserved
         step_save = save.host_peak if save.during_step else 0
-        between = resume if save.during_step else max(resume, save.host_peak)
+        between = max(resume, export_share, 0 if save.during_step else save.host_peak)
         device_need = est.host_bytes + max(b.total + step_save, resident + between)
         resume = 0  # counted in the device's need (Evaluated.host_need: once)
     runtime = runtime_host_bytes(gpn) if p.acc.cuda else 0
@@ -227,7 +260,7 @@ def evaluate(
     placed = replace(cand, strategy=row.name)
     ev = Evaluated(
         row, placed, shape, est, False, step, resume, runtime, device_fits, device_need, save,
-        load_host,
+        load_host, export, export_ranks,
     )  # fmt: skip
     # The host's need is Evaluated.host_need's one formula (its phases' max), not a copy.
     return replace(ev, fits=device_fits and ev.host_need <= p.host_budget)
