@@ -63,16 +63,26 @@ def planned_save(spec: FineTuneJobSpec) -> tuple[int, int, int]:
     return state, ev.save.host_peak, ev.device_need
 
 
-def run(spec: FineTuneJobSpec, cwd: Path) -> list[int]:
-    job = JobConfig(name="ckmem", uid="ckmem", spec=spec, plan=plan_job(spec))
+def trainer_command(spec: FineTuneJobSpec, cwd: Path, name: str) -> tuple[list[str], Path]:
+    """torchrun (the trainer's own launcher) for `spec` at 2 local ranks, its job.json written
+    in `cwd`: (the command, the config path the trainer processes are started with)."""
+    job = JobConfig(name=name, uid=name, spec=spec, plan=plan_job(spec))
     config = cwd / "job.json"
     config.write_text(json.dumps(job.to_json_dict()))
-    log = cwd / "log.txt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FT_METRICS_BASE_PORT": "0",
-           "POD_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
     cmd = [sys.executable, "-m", "finetune_trainer.launch", "--nnodes=1", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=ckmem",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={name}",
            "--max-restarts=0", "-m", "finetune_trainer", "--config", str(config)]  # fmt: skip
+    return cmd, config
+
+
+TRAINER_ENV = {"OMP_NUM_THREADS": "1", "FT_METRICS_BASE_PORT": "0", "POD_IP": "127.0.0.1",
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+
+
+def run(spec: FineTuneJobSpec, cwd: Path) -> list[int]:
+    cmd, config = trainer_command(spec, cwd, "ckmem")
+    log = cwd / "log.txt"
+    env = {**os.environ, **TRAINER_ENV}
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
         agent = psutil.Process(proc.pid)

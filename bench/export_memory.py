@@ -14,7 +14,6 @@ gathered state dict on rank 0, and the share of it each process's budget counts)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -23,9 +22,12 @@ import time
 from pathlib import Path
 
 import psutil
-from checkpoint_memory import spec_for  # type: ignore[import-not-found]
+from checkpoint_memory import (  # type: ignore[import-not-found]
+    TRAINER_ENV,
+    spec_for,
+    trainer_command,
+)
 
-from finetune_operator.api.jobconfig import JobConfig
 from finetune_operator.api.spec import FineTuneJobSpec
 from finetune_operator.planner import plan_job
 from finetune_operator.planner.planning import build_problem
@@ -37,15 +39,9 @@ MIB = 2**20
 def run(spec: FineTuneJobSpec, cwd: Path) -> dict[int, tuple[int, int, int]]:
     """Per local rank: (peak RSS while training, RSS when rank 0 logs "training complete",
     peak RSS after it: the export's phase)."""
-    job = JobConfig(name="exmem", uid="exmem", spec=spec, plan=plan_job(spec))
-    config = cwd / "job.json"
-    config.write_text(json.dumps(job.to_json_dict()))
+    cmd, config = trainer_command(spec, cwd, "exmem")
     log = cwd / "log.txt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FT_METRICS_BASE_PORT": "0",
-           "POD_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "finetune_trainer.launch", "--nnodes=1", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=exmem",
-           "--max-restarts=0", "-m", "finetune_trainer", "--config", str(config)]  # fmt: skip
+    env = {**os.environ, **TRAINER_ENV}
     training: dict[int, int] = {}
     at_end: dict[int, int] = {}
     after: dict[int, int] = {}

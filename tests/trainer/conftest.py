@@ -88,6 +88,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def one_rank_env() -> dict[str, str]:
+    """The environment torchrun gives the only rank of a one-process job (a free port), for a
+    trainer started in a subprocess without torchrun."""
+    return {
+        "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        "FT_METRICS_BASE_PORT": "0", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def world_one() -> Iterator[None]:
     """A one-rank gloo process group for a module's in-process tests (torch imported here:

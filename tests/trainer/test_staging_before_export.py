@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.trainer.conftest import free_port, make_job, write_job
+from tests.trainer.conftest import make_job, one_rank_env, write_job
 
 # A one-rank world trains the job to its end, as a worker does, and records what the
 # checkpointer's staging held when the export began.
@@ -42,11 +42,7 @@ def test_the_staging_buffer_is_freed_before_the_export(tmp_path: Path) -> None:
         training={"maxSteps": 2, "warmupSteps": 1}, checkpoint={"intervalSteps": 1, "async": True}
     )
     config = write_job(tmp_path / "job.json", job)
-    env = {
-        "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-        "FT_METRICS_BASE_PORT": "0", "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
+    env = one_rank_env()
     out = subprocess.run(
         [sys.executable, "-c", TRAIN, str(config)],
         cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=300,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from finetune_trainer.startup import PHASES, StartupClock, process_age_seconds
-from tests.trainer.conftest import free_port, make_job, write_job
+from tests.trainer.conftest import make_job, one_rank_env, write_job
 
 # Modules a LoRA-less jsonl job on a local volume with the torch backend never uses.
 UNUSED = ("datasets", "deepspeed", "peft", "s3fs", "bitsandbytes")
@@ -69,11 +69,7 @@ def test_phases_are_timed_from_the_process_start_in_order() -> None:
 
 def test_a_plain_job_imports_only_what_it_uses(tmp_path: Path) -> None:
     job = write_job(tmp_path / "job.json", make_job())  # jsonl, full, DDP, local checkpoints
-    env = {
-        "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-        "FT_METRICS_BASE_PORT": "0", "OMP_NUM_THREADS": "1",
-    }  # fmt: skip
+    env = one_rank_env()
     out = subprocess.run(
         [sys.executable, "-c", BUILD_TRAINER, str(job)],
         cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True,
